@@ -1,0 +1,134 @@
+"""How the harness reaches an implementation: two small protocols and a factory.
+
+An adapter speaks vLLM's operation names and reports its state as the spec's
+`Snapshot`. It translates, nothing more: the implementation does the work,
+and never knows it is being tested. Operations an implementation lacks (an
+old vLLM has no `evict_blocks`) are simply absent from the adapter, and the
+harness does not exercise them: `capabilities()` says what is there.
+
+Two levels:
+- `BlockManagerAdapter`: one BlockPool (vllm/v1/core/block_pool.py);
+- `KVCacheManagerAdapter`: request block tables over a pool (kv_cache_manager.py).
+
+A user names a factory as `module:function`; it is called with one
+`AdapterConfig` and returns the adapter for `config.level`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
+from kvspec.spec.manager import Request
+from kvspec.spec.state import BlockHash, BlockId, Snapshot
+
+__all__ = [
+    "OPTIONAL_POOL_OPS",
+    "AdapterConfig",
+    "AdapterFactory",
+    "BlockManagerAdapter",
+    "KVCacheManagerAdapter",
+    "capabilities",
+]
+
+Level = Literal["pool", "manager"]
+
+# Pool operations an adapter may lack; the machine skips a rule whose op is missing.
+OPTIONAL_POOL_OPS: tuple[str, ...] = ("evict_blocks", "is_block_writable")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    """What the harness asks a factory to build."""
+
+    level: Level  # "pool" or "manager"
+    num_gpu_blocks: int  # the null block included
+    enable_caching: bool = True  # prefix caching on or off
+    profile: str = "vllm-v1"  # the ordering rule the harness checks against
+    block_size: int = 4  # tokens per block (manager level)
+    hash_fn: str = DEFAULT_HASH_FN  # the spec's hash function (manager level)
+    seed: str = DEFAULT_SEED  # NONE_HASH seed (manager level)
+    device: str | None = None  # for device-backed implementations: "cpu", "cuda:0", None = pick
+
+
+@runtime_checkable
+class BlockManagerAdapter(Protocol):
+    """One BlockPool, driven by the harness with vLLM's operation names.
+
+    Every method raises the spec's error type for a caller mistake
+    (kvspec.spec.errors) and then leaves the state as it was.
+    """
+
+    def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
+        """Take blocks from the left end of the free queue (evicting their hashes)."""
+        ...
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        """Take a cache hit on blocks: out of the free queue, ref_cnt + 1."""
+        ...
+
+    def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
+        """The first block registered under a hash, or None."""
+        ...
+
+    def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
+        """Register full, held blocks under the given hashes."""
+        ...
+
+    def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        """Drop one reference per block, in eviction-priority order."""
+        ...
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash if no block is held; False otherwise."""
+        ...
+
+    def snapshot(self) -> Snapshot:
+        """The state in the spec's normal form (block_tables None)."""
+        ...
+
+
+@runtime_checkable
+class KVCacheManagerAdapter(Protocol):
+    """A KVCacheManager over one pool: the request level."""
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
+        """A new request's cached prefix and the tokens it covers."""
+        ...
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[BlockId] = (),
+        num_external_computed_tokens: int = 0,
+    ) -> list[BlockId] | None:
+        """Slots for a step's tokens; None and no change when blocks run out."""
+        ...
+
+    def free(self, request_id: str) -> None:
+        """Release a finished or preempted request, tail first."""
+        ...
+
+    def snapshot(self) -> Snapshot:
+        """The pool's state with every running request's block table."""
+        ...
+
+
+class AdapterFactory(Protocol):
+    """Builds an adapter for a configuration.
+
+    A factory that cannot build a level raises `ValueError` naming what it supports.
+    """
+
+    def __call__(self, config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
+        """The adapter for `config.level`."""
+        ...
+
+
+def capabilities(adapter: object) -> frozenset[str]:
+    """The optional pool operations `adapter` has (see OPTIONAL_POOL_OPS)."""
+    return frozenset(op for op in OPTIONAL_POOL_OPS if callable(getattr(adapter, op, None)))

@@ -1,0 +1,120 @@
+"""The built-in implementations as adapters: the spec itself, and the reference model.
+
+The spec adapter holds a `PoolState` (or `ManagerState`) value and replaces it
+after each operation; it exists so that `kvspec check --impl spec` runs the
+harness's own plumbing against the spec, and so that users see the smallest
+possible adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
+from kvspec.reference import BlockPool, KVCacheManager
+from kvspec.spec import manager as spec_manager
+from kvspec.spec import ops as spec_ops
+from kvspec.spec.manager import Request
+from kvspec.spec.state import BlockHash, BlockId, Snapshot
+
+__all__ = ["ReferenceManagerAdapter", "ReferencePoolAdapter", "SpecManagerAdapter", "SpecPoolAdapter", "make_reference", "make_spec"]
+
+
+class SpecPoolAdapter:
+    """The spec's BlockPool operations behind the adapter protocol."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self.state = spec_ops.new_pool(config.num_gpu_blocks, config.enable_caching, config.profile)
+
+    def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
+        self.state, taken = spec_ops.get_new_blocks(self.state, num_blocks)
+        return list(taken)
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        self.state = spec_ops.touch(self.state, block_ids)
+
+    def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
+        return spec_ops.get_cached_block(self.state, block_hash)
+
+    def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
+        self.state = spec_ops.cache_full_blocks(self.state, block_ids, block_hashes)
+
+    def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        self.state = spec_ops.free_blocks(self.state, block_ids)
+
+    def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        self.state = spec_ops.evict_blocks(self.state, block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        self.state, done = spec_ops.reset_prefix_cache(self.state)
+        return done
+
+    def is_block_writable(self, block_id: BlockId) -> bool:
+        return spec_ops.is_block_writable(self.state, block_id)
+
+    def get_num_free_blocks(self) -> int:
+        return spec_ops.get_num_free_blocks(self.state)
+
+    def get_usage(self) -> float:
+        return spec_ops.get_usage(self.state)
+
+    def snapshot(self) -> Snapshot:
+        return self.state.snapshot()
+
+
+class SpecManagerAdapter:
+    """The spec's KVCacheManager functions behind the adapter protocol."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        self.state = spec_manager.new_manager(
+            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed
+        )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
+        blocks, num_tokens = spec_manager.get_computed_blocks(self.state, request)
+        return list(blocks), num_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[BlockId] = (),
+        num_external_computed_tokens: int = 0,
+    ) -> list[BlockId] | None:
+        self.state, new_blocks = spec_manager.allocate_slots(
+            self.state, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
+        )
+        return None if new_blocks is None else list(new_blocks)
+
+    def free(self, request_id: str) -> None:
+        self.state = spec_manager.free(self.state, request_id)
+
+    def snapshot(self) -> Snapshot:
+        return self.state.snapshot()
+
+
+class ReferencePoolAdapter(BlockPool):
+    """The reference BlockPool already speaks the protocol; this only builds it from a config."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__(config.num_gpu_blocks, config.enable_caching, config.profile)
+
+
+class ReferenceManagerAdapter(KVCacheManager):
+    """The reference KVCacheManager, built from a config."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__(
+            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed
+        )
+
+
+def make_spec(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
+    """The spec as an implementation under test."""
+    return SpecPoolAdapter(config) if config.level == "pool" else SpecManagerAdapter(config)
+
+
+def make_reference(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
+    """The reference model as an implementation under test."""
+    return ReferencePoolAdapter(config) if config.level == "pool" else ReferenceManagerAdapter(config)

@@ -1,0 +1,57 @@
+"""The `kvspec` command line.
+
+Each subcommand lives in its own module under `kvspec.conformance.commands`
+and exposes `register(subparsers)`; this module only discovers them, so a new
+command never edits a shared file. Exit codes are the harness's: 0 conforms /
+proved, 1 diverges / refuted, 2 could not run (bad arguments, an adapter that
+cannot be built, a malformed trace).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+import kvspec
+import kvspec.conformance.commands as commands
+
+__all__ = ["EXIT_COULD_NOT_RUN", "EXIT_DIVERGES", "EXIT_OK", "build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_DIVERGES = 1
+EXIT_COULD_NOT_RUN = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every discovered subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="kvspec",
+        description="A formally checked model of vLLM's prefix-caching block manager, and a conformance harness.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvspec {kvspec.__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{commands.__name__}.{info.name}")
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; returns the process exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_COULD_NOT_RUN
+    code: int = args.run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `kvspec` subcommand; each defines `register(subparsers)`."""

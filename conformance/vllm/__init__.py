@@ -1,0 +1,6 @@
+"""vLLM as an implementation under test: light-mode loading and per-release facts.
+
+``lightmode`` runs a release's real ``BlockPool`` from its wheel without
+installing vLLM; ``releases`` records, per release, the API shapes and
+behaviours an adapter has to speak.
+"""

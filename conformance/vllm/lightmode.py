@@ -1,0 +1,588 @@
+"""Light mode: vLLM's real BlockPool from a release wheel, without installing vLLM.
+
+The regression oracle must drive every vLLM release from 0.8.0 on. Installing
+each one (torch, transformers, a CUDA toolchain's worth of wheels) costs
+minutes and gigabytes per release; the pool itself needs none of that. Light
+mode therefore reads a release's wheel as a zip file, keeps the handful of
+modules the pool is made of, and executes them unmodified under a private
+top-level package name (``_kvspec_vllm_0_33_0`` and so on). Every other
+``vllm.*`` module they import is a placeholder. Several releases can be loaded
+side by side in one process, next to an installed vLLM, without touching
+``sys.modules["vllm"]``.
+
+What is real and what is not:
+
+- whole modules, executed as shipped: ``v1/core/block_pool.py``,
+  ``v1/core/kv_cache_utils.py``, ``distributed/kv_events.py``, ``envs.py``,
+  ``utils/hashing.py`` and ``utils/math_utils.py`` (where the release has them),
+  and ``v1/core/kv_cache_metrics.py``;
+- selected definitions from heavy modules (``_PARTIAL_DEFS``): the hash helpers
+  (``sha256``, ``sha256_cbor``, ...) and ``cdiv`` from ``vllm/utils``, and
+  ``get_mm_features_in_window`` from ``vllm/multimodal/utils.py``. The
+  definitions (and the top-level names they use, transitively) are taken from
+  the wheel's source and executed as written; the rest of such a module is a
+  placeholder;
+- ``vllm.logger.init_logger`` is ``logging.getLogger``;
+- everything else (config, platforms, ``Request``, the KV-cache specs, torch
+  helpers) is a placeholder: any attribute is a fresh, subclassable, callable
+  stand-in. Each one handed out is recorded in ``LightRelease.placeholders_used``
+  so a check can assert that no pool path leaned on one.
+
+The rejected alternative was a subprocess per release with a stub ``vllm``
+package on its path: simpler isolation, but every pool operation would cross a
+process boundary and block objects could not be inspected directly.
+
+Imports inside the loaded code are redirected by giving each loaded module its
+own ``__builtins__`` whose ``__import__`` maps ``vllm`` to the private package
+name; this also covers imports that run lazily inside functions.
+
+NOTE: hash functions that pickle their input (``sha256``, ``xxhash``) hash the
+pickled qualified name of any vLLM class inside the input. The hash inputs of
+every release from 0.8.0 to 0.33.0 are tuples of builtins (ints, bytes, str,
+tuples), so the private package name does not change a hash value; pass
+``package_name="vllm"`` to load under the real name when exact module names
+matter.
+"""
+
+from __future__ import annotations
+
+import __future__
+import ast
+import builtins
+import importlib
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import re
+import subprocess
+import sys
+import threading
+import types
+import zipfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LightModeError",
+    "LightRelease",
+    "cache_dir",
+    "fetch_release",
+    "load_release",
+    "release_files",
+]
+
+# Modules loaded whole, by path inside the wheel; a release lacking one skips it.
+_WHOLE_MODULES: tuple[str, ...] = (
+    "vllm/v1/core/block_pool.py",
+    "vllm/v1/core/kv_cache_utils.py",
+    "vllm/v1/core/kv_cache_metrics.py",
+    "vllm/distributed/kv_events.py",
+    "vllm/envs.py",
+    "vllm/utils/hashing.py",
+    "vllm/utils/math_utils.py",
+)
+
+# Heavy modules from which only these top-level names (and what they use) run.
+# Keys are module names; the source is ``<name>.py`` or ``<name>/__init__.py``.
+_PARTIAL_DEFS: Mapping[str, tuple[str, ...]] = {
+    "vllm.utils": (
+        "sha256",
+        "sha256_cbor",
+        "sha256_cbor_64bit",
+        "xxhash",
+        "xxhash_cbor",
+        "get_hash_fn_by_name",
+        "cdiv",
+    ),
+    "vllm.multimodal.utils": ("get_mm_features_in_window",),
+}
+
+_MARKER = "KVSPEC_EXTRACTED"  # written last: an extraction without it is incomplete
+_DEFAULT_CACHE = Path("~/.cache/kvspec/vllm-wheels")
+_VERSION_RE = re.compile(r"^[0-9]+(\.[0-9]+)*([.-]?(post|rc|a|b|dev)[0-9]*)*$")
+
+_lock = threading.RLock()
+_loaded: dict[tuple[str, str], LightRelease] = {}
+_num_fresh = 0
+
+
+class LightModeError(RuntimeError):
+    """A release could not be fetched or loaded in light mode."""
+
+
+def cache_dir() -> Path:
+    """Return the folder that holds the extracted releases.
+
+    Returns:
+        ``$KVSPEC_VLLM_CACHE`` when set, else ``~/.cache/kvspec/vllm-wheels``.
+    """
+    override = os.environ.get("KVSPEC_VLLM_CACHE")
+    return Path(override).expanduser() if override else _DEFAULT_CACHE.expanduser()
+
+
+def release_files() -> tuple[str, ...]:
+    """Return the wheel paths light mode keeps (those a release lacks are skipped).
+
+    Returns:
+        The whole modules, then the sources of the partially loaded modules.
+    """
+    partial: list[str] = []
+    for module_name in _PARTIAL_DEFS:
+        base = module_name.replace(".", "/")
+        partial += [f"{base}.py", f"{base}/__init__.py"]
+    return _WHOLE_MODULES + tuple(partial)
+
+
+def fetch_release(
+    version: str,
+    *,
+    cache: Path | None = None,
+    wheel: Path | None = None,
+    keep_wheel: bool = False,
+) -> Path:
+    """Extract the files light mode needs from a vLLM release wheel.
+
+    The wheel is downloaded with ``pip download --no-deps`` unless ``wheel``
+    names a local copy; only ``release_files()`` are extracted, and the wheel
+    (hundreds of MB) is deleted afterwards unless ``keep_wheel``.
+
+    Args:
+        version: A release as the package registry spells it, e.g. ``"0.8.5.post1"``.
+        cache: The cache folder; ``cache_dir()`` when None.
+        wheel: A wheel already on disk, used instead of downloading.
+        keep_wheel: Keep the downloaded wheel beside the extracted files.
+
+    Returns:
+        The folder that holds ``vllm/...`` for this release.
+
+    Raises:
+        LightModeError: the version is malformed, the download failed, or the
+            wheel has no ``vllm/v1/core/block_pool.py`` (releases before 0.8.0).
+    """
+    if not _VERSION_RE.match(version):
+        raise LightModeError(f"cannot fetch vllm version={version!r}: not a release number")
+    root = (cache or cache_dir()) / version
+    if (root / _MARKER).exists():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    downloaded: Path | None = None
+    if wheel is None:
+        download_dir = root / "wheel"
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--disable-pip-version-check", "-q", f"vllm=={version}", "-d", str(download_dir),
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        wheels = sorted(download_dir.glob("vllm-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise LightModeError(
+                f"cannot download vllm=={version}: pip exited rc={proc.returncode}; "
+                f"{proc.stderr.strip()[-500:]}"
+            )
+        wheel = downloaded = wheels[0]
+    wanted = set(release_files())
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        if "vllm/v1/core/block_pool.py" not in names:
+            raise LightModeError(
+                f"cannot load vllm=={version} in light mode: its wheel has no "
+                "vllm/v1/core/block_pool.py (BlockPool first shipped in 0.8.0)"
+            )
+        for name in sorted(wanted & names):
+            target = root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(zf.read(name))
+        wheel_name = Path(wheel).name
+    if downloaded is not None and not keep_wheel:
+        downloaded.unlink()
+        try:
+            downloaded.parent.rmdir()
+        except OSError:
+            pass
+    (root / _MARKER).write_text(wheel_name + "\n")
+    return root
+
+
+@dataclass(eq=False)
+class LightRelease:
+    """One vLLM release's pool modules, loaded under a private package name.
+
+    Attributes:
+        version: The release, e.g. ``"0.33.0"``.
+        package_name: The private top-level name the modules live under.
+        root: The extracted folder (holds ``vllm/...``).
+        modules: Every loaded module, keyed by its vLLM name (``"vllm.envs"``).
+        placeholders_used: ``"module:attribute"`` for every placeholder handed
+            out so far (grows as the loaded code runs).
+    """
+
+    version: str
+    package_name: str
+    root: Path
+    modules: dict[str, types.ModuleType] = field(default_factory=dict)
+    placeholders_used: set[str] = field(default_factory=set)
+
+    def module(self, vllm_name: str) -> types.ModuleType:
+        """Return a loaded module by its vLLM name, importing it if needed.
+
+        Args:
+            vllm_name: e.g. ``"vllm.v1.core.kv_cache_utils"``.
+
+        Returns:
+            The module.
+        """
+        if vllm_name not in self.modules:
+            importlib.import_module(self.package_name + vllm_name[len("vllm") :])
+        return self.modules[vllm_name]
+
+    @property
+    def block_pool(self) -> types.ModuleType:
+        """The release's ``vllm.v1.core.block_pool``."""
+        return self.module("vllm.v1.core.block_pool")
+
+    @property
+    def kv_cache_utils(self) -> types.ModuleType:
+        """The release's ``vllm.v1.core.kv_cache_utils``."""
+        return self.module("vllm.v1.core.kv_cache_utils")
+
+    @property
+    def BlockPool(self) -> type:  # noqa: N802 - vLLM's class name
+        """The release's ``BlockPool`` class."""
+        cls: type = self.block_pool.BlockPool
+        return cls
+
+    @property
+    def KVCacheBlock(self) -> type:  # noqa: N802 - vLLM's class name
+        """The release's ``KVCacheBlock`` class."""
+        cls: type = self.kv_cache_utils.KVCacheBlock
+        return cls
+
+    def hash_functions(self) -> dict[str, Callable[[Any], Any]]:
+        """Return the release's named block-hash functions that light mode can run.
+
+        Returns:
+            ``{"builtin": hash, "sha256": ..., "sha256_cbor": ..., ...}``: the
+            names the release's ``--prefix-caching-hash-algo`` accepts (plus
+            ``"builtin"`` where the release hashes with ``hash()``), each bound
+            to the release's own function. ``xxhash`` ones appear only where
+            the release ships them; they need the ``xxhash`` package to run.
+        """
+        found: dict[str, Callable[[Any], Any]] = {}
+        for module_name in ("vllm.utils.hashing", "vllm.utils"):
+            path = _module_source(self.root, module_name)
+            if path is None:
+                continue
+            mod = self.module(module_name)
+            for name in ("sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor"):
+                fn = mod.__dict__.get(name)
+                if callable(fn) and not isinstance(fn, _PlaceholderMeta) and name not in found:
+                    found[name] = fn
+        src = (self.root / "vllm/v1/core/kv_cache_utils.py").read_text()
+        if re.search(r"\bhash_function\s*=\s*hash\b|\bhash\(\s*\(", src) or "builtin" in src:
+            found.setdefault("builtin", hash)
+        return found
+
+    def make_pool(self, num_gpu_blocks: int, enable_caching: bool = True, **kwargs: Any) -> Any:
+        """Construct the release's ``BlockPool`` with the arguments it requires.
+
+        ``hash_block_size`` (required from 0.12) defaults to 16 when the
+        constructor takes it and ``kwargs`` does not give it.
+
+        Args:
+            num_gpu_blocks: Pool size, the null block included where the release has one.
+            enable_caching: Prefix caching on or off.
+            **kwargs: Passed through (``enable_kv_cache_events``, ``hash_block_size``, ...).
+
+        Returns:
+            A new ``BlockPool``.
+        """
+        import inspect
+
+        params = inspect.signature(self.BlockPool.__init__).parameters
+        if "hash_block_size" in params and "hash_block_size" not in kwargs:
+            kwargs["hash_block_size"] = 16
+        return self.BlockPool(num_gpu_blocks, enable_caching, **kwargs)
+
+
+def load_release(
+    version: str,
+    *,
+    cache: Path | None = None,
+    package_name: str | None = None,
+    fresh: bool = False,
+) -> LightRelease:
+    """Fetch (if needed) and load one release's pool modules in light mode.
+
+    Args:
+        version: A release, e.g. ``"0.33.0"``.
+        cache: The cache folder; ``cache_dir()`` when None.
+        package_name: The top-level name to load under; a private
+            ``_kvspec_vllm_<version>`` when None. ``"vllm"`` is allowed only
+            while no other ``vllm`` is imported.
+        fresh: Load a new, independent copy (module globals such as
+            ``NONE_HASH`` are per copy) instead of reusing an earlier load.
+
+    Returns:
+        The loaded release; ``block_pool`` and ``kv_cache_utils`` are imported.
+
+    Raises:
+        LightModeError: fetching failed, or ``package_name`` is taken.
+    """
+    global _num_fresh
+    root = fetch_release(version, cache=cache)
+    with _lock:
+        base = package_name or "_kvspec_vllm_" + re.sub(r"[^0-9a-zA-Z]", "_", version)
+        key = (version, base)
+        if not fresh and key in _loaded:
+            return _loaded[key]
+        name = base
+        if fresh:
+            _num_fresh += 1
+            name = f"{base}__{_num_fresh}"
+        if name in sys.modules:
+            raise LightModeError(
+                f"cannot load vllm=={version} as package_name={name!r}: "
+                "a module of that name is already imported"
+            )
+        release = LightRelease(version=version, package_name=name, root=root)
+        finder = _ReleaseFinder(release)
+        sys.meta_path.insert(0, finder)
+        try:
+            release.module("vllm.v1.core.kv_cache_utils")
+            release.module("vllm.v1.core.block_pool")
+        except BaseException:
+            sys.meta_path.remove(finder)
+            for mod_name in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[mod_name]
+            raise
+        if not fresh:
+            _loaded[key] = release
+        return release
+
+
+# ---------------------------------------------------------------------------
+# placeholders
+
+
+class _PlaceholderMeta(type):
+    """Metaclass of placeholder classes: any attribute is another placeholder."""
+
+    _kvspec_path: str
+    _kvspec_release: LightRelease | None
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _placeholder(f"{cls._kvspec_path}.{name}", cls._kvspec_release)
+
+    def __getitem__(cls, item: Any) -> Any:
+        return cls
+
+    def __repr__(cls) -> str:
+        return f"<light-mode placeholder {cls._kvspec_path}>"
+
+
+class _PlaceholderBase(metaclass=_PlaceholderMeta):
+    _kvspec_path = "?"
+    _kvspec_release = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _placeholder(f"{type(self)._kvspec_path}().{name}", type(self)._kvspec_release)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+
+def _placeholder(path: str, release: LightRelease | None) -> type:
+    if release is not None:
+        release.placeholders_used.add(path)
+    return _PlaceholderMeta(
+        path.rsplit(".", 1)[-1],
+        (_PlaceholderBase,),
+        {"_kvspec_path": path, "_kvspec_release": release},
+    )
+
+
+class _PlaceholderModule(types.ModuleType):
+    """A stand-in for a heavy ``vllm`` module; also a package for submodules."""
+
+    _kvspec_release: LightRelease
+    _kvspec_vllm_name: str
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        release = self._kvspec_release
+        sub = f"{self._kvspec_vllm_name}.{name}"
+        if _module_source(release.root, sub) is not None:
+            return release.module(sub)
+        value = _placeholder(f"{self._kvspec_vllm_name}:{name}", release)
+        setattr(self, name, value)
+        return value
+
+
+# ---------------------------------------------------------------------------
+# import machinery
+
+
+def _module_source(root: Path, vllm_name: str) -> Path | None:
+    """The extracted source of a module light mode runs (whole or partially)."""
+    rel = vllm_name.replace(".", "/")
+    for candidate in (f"{rel}.py", f"{rel}/__init__.py"):
+        if candidate in _WHOLE_MODULES or (
+            vllm_name in _PARTIAL_DEFS and (root / candidate).exists()
+        ):
+            path = root / candidate
+            if path.exists():
+                return path
+    return None
+
+
+def _make_builtins(package_name: str) -> dict[str, Any]:
+    """A ``__builtins__`` whose ``__import__`` maps ``vllm`` to ``package_name``."""
+    real_import = builtins.__import__
+
+    def light_import(
+        name: str,
+        globals: Mapping[str, Any] | None = None,
+        locals: Mapping[str, Any] | None = None,
+        fromlist: Sequence[str] | None = (),
+        level: int = 0,
+    ) -> types.ModuleType:
+        if level == 0 and (name == "vllm" or name.startswith("vllm.")):
+            name = package_name + name[len("vllm") :]
+        return real_import(name, globals, locals, fromlist or (), level)
+
+    table = dict(builtins.__dict__)
+    table["__import__"] = light_import
+    return table
+
+
+class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``<package_name>.*``: real, partial or placeholder modules."""
+
+    def __init__(self, release: LightRelease) -> None:
+        self.release = release
+        self.builtins = _make_builtins(release.package_name)
+
+    def _vllm_name(self, fullname: str) -> str | None:
+        pkg = self.release.package_name
+        if fullname == pkg:
+            return "vllm"
+        if fullname.startswith(pkg + "."):
+            return "vllm" + fullname[len(pkg) :]
+        return None
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        vllm_name = self._vllm_name(fullname)
+        if vllm_name is None:
+            return None
+        source = _module_source(self.release.root, vllm_name)
+        is_package = source is None or source.name == "__init__.py"
+        spec = importlib.machinery.ModuleSpec(
+            fullname, self, origin=str(source) if source else None, is_package=is_package
+        )
+        if source is not None:
+            spec.has_location = True
+        return spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        vllm_name = self._vllm_name(spec.name)
+        assert vllm_name is not None, f"spec.name={spec.name!r} is not this release's"
+        module: types.ModuleType
+        if vllm_name in _PARTIAL_DEFS or spec.origin is None:
+            module = _PlaceholderModule(spec.name)
+            module._kvspec_release = self.release  # type: ignore[attr-defined]
+            module._kvspec_vllm_name = vllm_name  # type: ignore[attr-defined]
+        else:
+            module = types.ModuleType(spec.name)
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        spec = module.__spec__
+        assert spec is not None, f"module={module.__name__!r} has no spec"
+        vllm_name = self._vllm_name(spec.name)
+        assert vllm_name is not None, f"spec.name={spec.name!r} is not this release's"
+        module.__dict__["__builtins__"] = self.builtins
+        self.release.modules[vllm_name] = module
+        if vllm_name == "vllm.logger":
+            module.__dict__["init_logger"] = logging.getLogger
+            module.__dict__["logger"] = logging.getLogger(vllm_name)
+            return
+        if spec.origin is None:
+            return
+        path = Path(spec.origin)
+        source = path.read_text(encoding="utf-8")
+        if vllm_name in _PARTIAL_DEFS:
+            self._exec_partial(module, source, path, _PARTIAL_DEFS[vllm_name])
+        else:
+            exec(compile(source, str(path), "exec"), module.__dict__)
+
+    def _exec_partial(
+        self, module: types.ModuleType, source: str, path: Path, wanted: Iterable[str]
+    ) -> None:
+        """Run only the top-level statements that define ``wanted``, transitively."""
+        tree = ast.parse(source, str(path))
+        defines: dict[str, list[int]] = {}
+        uses: dict[int, set[str]] = {}
+        for index, node in enumerate(tree.body):
+            names: set[str] = set()
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names |= {t.id for t in targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.Import | ast.ImportFrom):
+                for alias in node.names:
+                    names.add((alias.asname or alias.name).split(".")[0])
+            elif isinstance(node, ast.Try):  # ``try: import xxhash`` guards
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Import | ast.ImportFrom):
+                        names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
+                    elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                        names.add(sub.id)
+            for name in names:
+                defines.setdefault(name, []).append(index)
+            uses[index] = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        chosen: set[int] = set()
+        todo = [n for n in wanted if n in defines]
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            for index in defines.get(name, []):
+                if index not in chosen:
+                    chosen.add(index)
+                    todo += [n for n in uses[index] if n in defines]
+        for index in sorted(chosen):
+            node = tree.body[index]
+            # annotations stay unevaluated: they name heavy types (torch.Tensor)
+            # that a partial module does not define
+            code = compile(
+                ast.Module(body=[node], type_ignores=[]),
+                str(path),
+                "exec",
+                flags=__future__.annotations.compiler_flag,
+                dont_inherit=True,
+            )
+            try:
+                exec(code, module.__dict__)
+            except ImportError:
+                # a heavy import next to a wanted definition (torch, numpy):
+                # leave its names to the placeholder fallback
+                continue

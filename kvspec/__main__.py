@@ -1,0 +1,5 @@
+"""`python -m kvspec` is the same as the `kvspec` command."""
+
+from kvspec.conformance.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""The reference BlockPool: vLLM's data structures, O(1) work per block.
+
+The same observable behaviour as `kvspec.spec.ops`, built the way vLLM builds
+it: block objects, a linked free queue (reference.free_queue), and a dict from
+hash to the blocks registered under it. Hot paths carry no contracts; every
+state invariant is checked by `check_invariants()`, which builds a `Snapshot`
+and calls the spec's predicates (none is restated here).
+
+Every operation validates all its arguments before it changes anything, so a
+caller's mistake raises the spec's error type and leaves the pool as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvspec.spec.errors import (
+    AlreadyCached,
+    DoubleFree,
+    InvalidBlock,
+    InvalidRequest,
+    PoolExhausted,
+)
+from kvspec.spec.invariants import check_all
+from kvspec.spec.ordering import profile_rule
+from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
+from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
+
+__all__ = ["BlockPool"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class BlockPool:
+    """A pool of `num_gpu_blocks` KV blocks with prefix caching."""
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True, profile: str = "vllm-v1") -> None:
+        """Build the pool; block 0 becomes the null block.
+
+        Raises:
+            InvalidRequest: num_gpu_blocks is not an integer >= 1, or the profile is unknown.
+
+        Cost: O(num_gpu_blocks).
+        """
+        if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
+            raise InvalidRequest(
+                "num_gpu_blocks must be an integer >= 1 (block 0 is the null block); "
+                f"got num_gpu_blocks={num_gpu_blocks!r}"
+            )
+        try:
+            rule = profile_rule(profile)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        self.num_gpu_blocks = num_gpu_blocks  # fixed
+        self.enable_caching = bool(enable_caching)  # fixed
+        self.profile = profile  # fixed: the ordering rule it claims
+        self._unhashed_to_left = rule.unhashed_to_left  # fixed, read on every free
+        self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]  # indexed by block_id
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)  # the eviction order
+        # hash -> {block_id: block}; a dict keeps registration order, and the
+        # first entry is what a hit returns. Duplicates are kept (see cache_full_blocks).
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        # NOTE: the null block is a placeholder for slots that need no memory;
+        # its ref_cnt is never maintained, so it leaves the queue for good here.
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+
+    # --- argument checks ------------------------------------------------------------------
+
+    def _blocks_of(self, block_ids: Sequence[BlockId], op: str) -> list[KVCacheBlock]:
+        blocks = []
+        for b in block_ids:
+            if not _is_int(b) or not 0 <= b < self.num_gpu_blocks:
+                raise InvalidBlock(
+                    f"{op}: block_id={b!r} is not a block of this pool (ids 0..{self.num_gpu_blocks - 1})"
+                )
+            if b == 0:
+                raise InvalidBlock(f"{op}: block_id=0 is the null block, whose ref_cnt is never maintained")
+            blocks.append(self.blocks[b])
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidRequest(f"{op}: block_ids={list(block_ids)} names a block twice")
+        return blocks
+
+    # --- operations -----------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """How many blocks are free. Cost: O(1)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """The fraction of allocatable blocks held by requests. Cost: O(1)."""
+        num_allocatable = self.num_gpu_blocks - 1
+        if num_allocatable == 0:
+            return 0.0
+        return 1.0 - self.free_block_queue.num_free_blocks / num_allocatable
+
+    def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
+        """Take blocks from the left end of the free queue, evicting their cached hashes.
+
+        Raises:
+            InvalidRequest: num_blocks is not a non-negative integer.
+            PoolExhausted: fewer than num_blocks are free.
+
+        Cost: O(num_blocks).
+        """
+        if not _is_int(num_blocks) or num_blocks < 0:
+            raise InvalidRequest(
+                f"get_new_blocks: num_blocks must be a non-negative integer; got num_blocks={num_blocks!r}"
+            )
+        num_free = self.free_block_queue.num_free_blocks
+        if num_blocks > num_free:
+            raise PoolExhausted(
+                f"cannot allocate num_blocks={num_blocks}: {num_free} free of "
+                f"num_gpu_blocks={self.num_gpu_blocks}, one is the null block"
+            )
+        taken = self.free_block_queue.popleft_n(num_blocks)
+        for block in taken:
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+        return [BlockId(block.block_id) for block in taken]
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        """Drop `block` from the hash table and clear its hash. Cost: O(1)."""
+        assert block.block_hash is not None, f"evicting block {block.block_id} without a hash"
+        entry = self.cached_block_hash_to_block[block.block_hash]
+        del entry[block.block_id]
+        if not entry:
+            del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        """Take a hit: each block leaves the free queue if there, and gains a reference.
+
+        Raises:
+            InvalidBlock: an id is out of range, the null block, or has no hash.
+            InvalidRequest: an id is named twice.
+
+        Cost: O(len(block_ids)).
+        """
+        blocks = self._blocks_of(block_ids, "touch")
+        for block in blocks:
+            if block.block_hash is None:
+                raise InvalidBlock(
+                    f"touch: block_id={block.block_id} has no hash (ref_cnt={block.ref_cnt}), "
+                    "so no request can have hit it; stale block table?"
+                )
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_block_ids: Sequence[BlockId]) -> None:
+        """Drop one reference per block, in eviction-priority order (a request's blocks tail first).
+
+        Blocks reaching ref_cnt 0 join the queue: under `vllm-v1`, those without
+        a hash at the left end in the given order (nobody can hit them, reuse
+        them first), the hashed ones at the right end (LRU).
+
+        Raises:
+            InvalidBlock: an id is out of range or the null block.
+            InvalidRequest: an id is named twice.
+            DoubleFree: a block has ref_cnt 0.
+
+        Cost: O(len(ordered_block_ids)).
+        """
+        blocks = self._blocks_of(ordered_block_ids, "free_blocks")
+        for block in blocks:
+            if block.ref_cnt == 0:
+                raise DoubleFree(
+                    f"free_blocks: block_id={block.block_id} has ref_cnt=0, no request holds it (double free?)"
+                )
+        left: list[KVCacheBlock] = []
+        right: list[KVCacheBlock] = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if self._unhashed_to_left and block.block_hash is None:
+                    left.append(block)
+                else:
+                    right.append(block)
+        self.free_block_queue.prepend_n(left)
+        self.free_block_queue.append_n(right)
+
+    def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
+        """Register full, held blocks under their hashes.
+
+        NOTE: a hash already registered gets this block added after the others
+        rather than replacing the request's block with the existing one: block
+        tables are append-only, so identical full blocks are not merged.
+
+        Raises:
+            InvalidRequest: caching is off, lengths differ, an id is named twice, a hash is not bytes.
+            InvalidBlock: an id is out of range, the null block, or not held.
+            AlreadyCached: a block already has a hash.
+
+        Cost: O(len(block_ids)).
+        """
+        if not self.enable_caching:
+            raise InvalidRequest("cache_full_blocks: prefix caching is off (enable_caching=False), nothing is hashed")
+        if len(block_ids) != len(block_hashes):
+            raise InvalidRequest(
+                f"cache_full_blocks: {len(block_ids)} block_ids but {len(block_hashes)} block_hashes; "
+                "one hash per block"
+            )
+        blocks = self._blocks_of(block_ids, "cache_full_blocks")
+        for block, h in zip(blocks, block_hashes):
+            if not isinstance(h, bytes):
+                raise InvalidRequest(f"cache_full_blocks: block_hash={h!r} for block_id={block.block_id} is not bytes")
+            if block.ref_cnt == 0:
+                raise InvalidBlock(
+                    f"cache_full_blocks: block_id={block.block_id} has ref_cnt=0; only a held, computed block is cached"
+                )
+            if block.block_hash is not None:
+                raise AlreadyCached(
+                    f"cache_full_blocks: block_id={block.block_id} is already registered; a block is cached once"
+                )
+        for block, h in zip(blocks, block_hashes):
+            block.block_hash = h
+            self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
+
+    def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
+        """The first block registered under `block_hash`, or None. Cost: O(1)."""
+        entry = self.cached_block_hash_to_block.get(block_hash)
+        if not entry:
+            return None
+        return BlockId(next(iter(entry)))
+
+    def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        """Drop the cached hash of each block; holders keep their blocks.
+
+        Raises:
+            InvalidBlock: an id is out of range or the null block.
+            InvalidRequest: an id is named twice.
+
+        Cost: O(len(block_ids)).
+        """
+        for block in self._blocks_of(block_ids, "evict_blocks"):
+            if block.block_hash is not None:
+                self._evict(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, if no block is held; refuse (False) otherwise.
+
+        Cost: O(num_gpu_blocks).
+        """
+        if self.free_block_queue.num_free_blocks != self.num_gpu_blocks - 1:
+            return False
+        self.cached_block_hash_to_block = {}
+        for block in self.blocks:
+            block.block_hash = None
+        return True
+
+    def is_block_writable(self, block_id: BlockId) -> bool:
+        """Whether a request may write into `block_id`: not null, held once, not hashed.
+
+        Raises:
+            InvalidBlock: block_id is not a block of this pool.
+
+        Cost: O(1).
+        """
+        if not _is_int(block_id) or not 0 <= block_id < self.num_gpu_blocks:
+            raise InvalidBlock(
+                f"is_block_writable: block_id={block_id!r} is not a block of this pool "
+                f"(ids 0..{self.num_gpu_blocks - 1})"
+            )
+        block = self.blocks[block_id]
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
+
+    # --- observation ----------------------------------------------------------------------
+
+    def snapshot(self, block_tables: tuple[tuple[str, tuple[BlockId, ...]], ...] | None = None) -> Snapshot:
+        """The state in the spec's normal form. Cost: O(num_gpu_blocks)."""
+        table = tuple(
+            (h, tuple(BlockId(b) for b in entry)) for h, entry in self.cached_block_hash_to_block.items()
+        )
+        return Snapshot(
+            num_gpu_blocks=self.num_gpu_blocks,
+            enable_caching=self.enable_caching,
+            ref_cnt=tuple(block.ref_cnt for block in self.blocks),
+            block_hash=tuple(block.block_hash for block in self.blocks),
+            free_queue=tuple(BlockId(block.block_id) for block in self.free_block_queue),
+            hash_to_blocks=canonical_hash_to_blocks(table),
+            block_tables=block_tables,
+        )
+
+    def check_invariants(self) -> None:
+        """Check every state invariant, plus the queue's own count, via the spec's predicates.
+
+        Raises:
+            InvariantViolation: naming the first invariant that fails.
+        """
+        snap = self.snapshot()
+        check_all(snap)
+        assert self.free_block_queue.num_free_blocks == len(snap.free_queue), (
+            f"free queue count {self.free_block_queue.num_free_blocks} != {len(snap.free_queue)} linked blocks"
+        )

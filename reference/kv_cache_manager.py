@@ -1,0 +1,195 @@
+"""The reference KVCacheManager: request block tables over the reference BlockPool.
+
+Mirrors vLLM's `kv_cache_manager.py` for one full-attention KV-cache group:
+`get_computed_blocks` finds a new request's cached prefix (capped at
+len - 1 tokens), `allocate_slots` touches the hit, takes new blocks and
+registers the blocks a step fills, `free` releases a request tail first.
+Requests are described by the spec's `Request` value; hashes come from the
+spec's chain (`kvspec.spec.hashing`), which is part of the contract, not of
+the implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvspec.spec.errors import InvalidBlock, InvalidRequest
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, hash_request_blocks
+from kvspec.spec.manager import Request
+from kvspec.spec.invariants import check_all
+from kvspec.spec.state import BlockHash, BlockId, Snapshot
+from kvspec.reference.block_pool import BlockPool
+
+__all__ = ["KVCacheManager"]
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_request(request: Request, op: str) -> None:
+    if not isinstance(request.request_id, str) or not request.request_id:
+        raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
+    if len(request.token_ids) == 0:
+        raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
+
+
+class KVCacheManager:
+    """Block tables of running requests over one `BlockPool`."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        profile: str = "vllm-v1",
+        hash_fn: str = DEFAULT_HASH_FN,
+        seed: str = DEFAULT_SEED,
+    ) -> None:
+        """Build a manager over a fresh pool.
+
+        Raises:
+            InvalidRequest: a size is not a positive integer, or the profile or hash function is unknown.
+
+        Cost: O(num_gpu_blocks).
+        """
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
+        hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, profile)  # owns every block
+        self.block_size = block_size  # fixed
+        self.enable_caching = self.block_pool.enable_caching  # fixed
+        self.hash_fn = hash_fn  # fixed
+        self.seed = seed  # fixed
+        self.req_to_blocks: dict[str, list[BlockId]] = {}  # request id -> block table (append-only)
+        self.num_cached_block: dict[str, int] = {}  # request id -> leading blocks registered
+        self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens computed so far
+
+    def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
+        return hash_request_blocks(
+            request.token_ids, self.block_size, request.lora_name, request.mm_inputs,
+            request.cache_salt, self.hash_fn, self.seed,
+        )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
+        """The longest cached prefix of a new request, at most len - 1 tokens, in whole blocks.
+
+        Raises:
+            InvalidRequest: the request has no tokens, or is already running.
+
+        Cost: O(tokens) for the hashes, O(1) per hit block.
+        """
+        _check_request(request, "get_computed_blocks")
+        if request.request_id in self.req_to_blocks:
+            raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (len(request.token_ids) - 1) // self.block_size
+        hits: list[BlockId] = []
+        for h in self._block_hashes(request)[:max_hit_blocks]:
+            b = self.block_pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[BlockId] = (),
+        num_external_computed_tokens: int = 0,
+    ) -> list[BlockId] | None:
+        """Give a request slots for its next tokens; None (and no change) when too few blocks are free.
+
+        Raises:
+            InvalidRequest: a bad count, a hit on a running request, or more tokens than the request has.
+            InvalidBlock: a hit block is not registered under the request's chain.
+
+        Cost: O(new blocks + hit blocks), plus hashing of new full blocks.
+        """
+        _check_request(request, "allocate_slots")
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+        ):
+            if not _is_count(value):
+                raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
+        if num_new_tokens == 0:
+            raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
+        rid = request.request_id
+        running = rid in self.req_to_blocks
+        if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
+            raise InvalidRequest(f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step")
+        if len(new_computed_blocks) * self.block_size != num_new_computed_tokens:
+            raise InvalidRequest(
+                f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
+                f"{len(new_computed_blocks)} hit blocks of block_size={self.block_size}"
+            )
+        if new_computed_blocks and not self.enable_caching:
+            raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
+        pool = self.block_pool
+        hashes = self._block_hashes(request)
+        for i, b in enumerate(new_computed_blocks):
+            if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.blocks[b].block_hash != hashes[i]:
+                raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
+        table = self.req_to_blocks.get(rid, [])
+        num_computed = self.num_computed_tokens.get(rid, 0)
+        total = num_computed + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
+        if total > len(request.token_ids):
+            raise InvalidRequest(
+                f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
+            )
+        num_required = -(-total // self.block_size)
+        num_to_allocate = max(num_required - len(table) - len(new_computed_blocks), 0)
+        num_evictable_hits = sum(1 for b in new_computed_blocks if pool.blocks[b].ref_cnt == 0)
+        if num_to_allocate + num_evictable_hits > pool.get_num_free_blocks():
+            return None
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+        new_blocks = pool.get_new_blocks(num_to_allocate)
+        table = table + list(new_computed_blocks) + new_blocks
+        self.req_to_blocks[rid] = table
+        num_cached = self.num_cached_block.get(rid, 0) + len(new_computed_blocks)
+        if self.enable_caching:
+            num_full = min(total, len(request.token_ids)) // self.block_size
+            if num_full > num_cached:
+                pool.cache_full_blocks(table[num_cached:num_full], hashes[num_cached:num_full])
+                num_cached = num_full
+        self.num_cached_block[rid] = num_cached
+        self.num_computed_tokens[rid] = total
+        return new_blocks
+
+    def free(self, request_id: str) -> None:
+        """Release a finished or preempted request; its blocks are freed tail first.
+
+        Raises:
+            InvalidRequest: request_id is not running.
+
+        Cost: O(blocks of the request).
+        """
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            raise InvalidRequest(f"free: request_id={request_id!r} is not running (freed twice?)")
+        # Tail first: a request's last blocks are the least likely to be shared,
+        # so they are evicted before its common leading blocks.
+        self.block_pool.free_blocks(table[::-1])
+        del self.req_to_blocks[request_id]
+        del self.num_cached_block[request_id]
+        del self.num_computed_tokens[request_id]
+
+    def snapshot(self) -> Snapshot:
+        """The pool's snapshot with every running request's block table. Cost: O(blocks)."""
+        tables = tuple(sorted((rid, tuple(blocks)) for rid, blocks in self.req_to_blocks.items()))
+        return self.block_pool.snapshot(block_tables=tables)
+
+    def check_invariants(self) -> None:
+        """Check every state invariant via the spec's predicates.
+
+        Raises:
+            InvariantViolation: naming the first invariant that fails.
+        """
+        check_all(self.snapshot())
+        self.block_pool.check_invariants()

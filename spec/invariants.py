@@ -1,0 +1,290 @@
+"""Every invariant of the block manager, each written once.
+
+Each state invariant is a total, side-effect-free predicate over a `Snapshot`;
+its one-sentence docstring is the rule in plain words (the text students read,
+and `kvspec invariants` prints). The spec's contracts, the reference model's
+`check_invariants()`, gpu_impl and the conformance machine all call these and
+never restate them.
+
+Three kinds:
+- state invariants (`INVARIANTS`): hold in every reachable state;
+- hit rules (`HIT_RULES`): hold for every prefix-cache hit a request gets;
+- step rules (`STEP_RULES`): relate the state before an operation to the one after.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvspec.spec.errors import InvariantViolation
+from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot
+
+__all__ = [
+    "HIT_RULES",
+    "INVARIANTS",
+    "STEP_RULES",
+    "HitRule",
+    "Invariant",
+    "StepRule",
+    "all_hold",
+    "check_all",
+    "check_hit",
+    "check_step",
+    "failing",
+    "is_block_writable",
+]
+
+
+# --- state invariants ---------------------------------------------------------------------
+
+
+def inv_pool_shape(s: Snapshot) -> bool:
+    """Every per-block table has one entry per block, and every block id named anywhere is in range."""
+    n = s.num_gpu_blocks
+    named = list(s.free_queue) + [b for _, blocks in s.hash_to_blocks for b in blocks]
+    if s.block_tables is not None:
+        named += [b for _, blocks in s.block_tables for b in blocks]
+    return n >= 1 and len(s.ref_cnt) == n and len(s.block_hash) == n and all(0 <= b < n for b in named)
+
+
+def inv_ref_cnt_nonnegative(s: Snapshot) -> bool:
+    """No block is held by a negative number of requests."""
+    return all(r >= 0 for r in s.ref_cnt)
+
+
+def inv_free_queue_has_zero_ref(s: Snapshot) -> bool:
+    """A block is in the free queue exactly once iff it is not the null block and its ref_cnt is 0."""
+    counts = Counter(s.free_queue)
+    return all(
+        counts[b] == (1 if b != NULL_BLOCK_ID and s.ref_cnt[b] == 0 else 0) for b in range(s.num_gpu_blocks)
+    ) and all(0 <= b < s.num_gpu_blocks for b in counts)
+
+
+def inv_null_block_isolated(s: Snapshot) -> bool:
+    """The null block is never free, never hashed, never in the hash table and never held by a request."""
+    in_table = any(NULL_BLOCK_ID in blocks for _, blocks in s.hash_to_blocks)
+    in_tables = s.block_tables is not None and any(NULL_BLOCK_ID in blocks for _, blocks in s.block_tables)
+    return (
+        NULL_BLOCK_ID not in s.free_queue
+        and s.block_hash[NULL_BLOCK_ID] is None
+        and s.ref_cnt[NULL_BLOCK_ID] == 0
+        and not in_table
+        and not in_tables
+    )
+
+
+def inv_hash_table_consistent(s: Snapshot) -> bool:
+    """Every hash-table entry h -> b has block_hash[b] == h, and every block with a hash is in the table once."""
+    listed = [b for _, blocks in s.hash_to_blocks for b in blocks]
+    if len(listed) != len(set(listed)) or any(not blocks for _, blocks in s.hash_to_blocks):
+        return False
+    if len({h for h, _ in s.hash_to_blocks}) != len(s.hash_to_blocks):
+        return False
+    if not all(s.block_hash[b] == h for h, blocks in s.hash_to_blocks for b in blocks):
+        return False
+    hashed = {b for b in range(s.num_gpu_blocks) if s.block_hash[b] is not None}
+    return hashed == set(listed)
+
+
+def inv_conservation(s: Snapshot) -> bool:
+    """Free blocks plus blocks with ref_cnt > 0 add up to every block but the null block."""
+    num_held = sum(1 for b in range(1, s.num_gpu_blocks) if s.ref_cnt[b] > 0)
+    return len(s.free_queue) + num_held == s.num_gpu_blocks - 1
+
+
+def inv_caching_off_no_hash(s: Snapshot) -> bool:
+    """With prefix caching off, no block has a hash and the hash table is empty."""
+    return s.enable_caching or (not s.hash_to_blocks and all(h is None for h in s.block_hash))
+
+
+def inv_block_tables_hold_refs(s: Snapshot) -> bool:
+    """Each block's ref_cnt is the number of request block tables that hold it, and no table holds a block twice."""
+    if s.block_tables is None:
+        return True
+    holders: Counter[int] = Counter()
+    for _, blocks in s.block_tables:
+        if len(set(blocks)) != len(blocks):
+            return False
+        holders.update(blocks)
+    return all(s.ref_cnt[b] == holders[b] for b in range(1, s.num_gpu_blocks))
+
+
+@dataclass(frozen=True, slots=True)
+class Invariant:
+    """A named state invariant."""
+
+    name: str  # the predicate's name, inv_<subject>_<property>
+    design_id: str  # its id in DESIGN.md's table ("" when it only guards the others)
+    check: Callable[[Snapshot], bool]  # the predicate
+
+    @property
+    def rule(self) -> str:
+        """The rule in plain words: the predicate's docstring."""
+        return (self.check.__doc__ or "").strip()
+
+
+INVARIANTS: tuple[Invariant, ...] = (
+    # Shape first: the other predicates index by block id and assume it.
+    Invariant("inv_pool_shape", "", inv_pool_shape),
+    Invariant("inv_ref_cnt_nonnegative", "", inv_ref_cnt_nonnegative),
+    Invariant("inv_null_block_isolated", "null-block", inv_null_block_isolated),
+    Invariant("inv_free_queue_has_zero_ref", "free-has-zero-ref", inv_free_queue_has_zero_ref),
+    Invariant("inv_conservation", "conservation", inv_conservation),
+    Invariant("inv_hash_table_consistent", "hash-table-consistent", inv_hash_table_consistent),
+    Invariant("inv_caching_off_no_hash", "", inv_caching_off_no_hash),
+    Invariant("inv_block_tables_hold_refs", "", inv_block_tables_hold_refs),
+)
+
+
+def failing(s: Snapshot) -> list[str]:
+    """The names of the state invariants `s` breaks, in registry order (shape failures stop early)."""
+    if not inv_pool_shape(s):
+        return ["inv_pool_shape"]
+    return [inv.name for inv in INVARIANTS if not inv.check(s)]
+
+
+def all_hold(s: Snapshot) -> bool:
+    """Whether every state invariant holds."""
+    return not failing(s)
+
+
+def check_all(s: Snapshot) -> None:
+    """Check every state invariant.
+
+    Raises:
+        InvariantViolation: naming the first invariant that fails, with the snapshot.
+    """
+    names = failing(s)
+    if names:
+        inv = next(i for i in INVARIANTS if i.name == names[0])
+        raise InvariantViolation(inv.name, inv.rule, f"snapshot: {s}")
+
+
+def is_block_writable(s: Snapshot, block_id: int) -> bool:
+    """A block may be written iff it is not the null block, exactly one request holds it, and it has no hash.
+
+    Anything else is shared, cached (others may hit it) or free, and a write
+    would corrupt someone else's KV (the writable / no-shared-write rules).
+    """
+    return (
+        0 <= block_id < s.num_gpu_blocks
+        and block_id != NULL_BLOCK_ID
+        and s.ref_cnt[block_id] == 1
+        and s.block_hash[block_id] is None
+    )
+
+
+# --- hit rules ----------------------------------------------------------------------------
+
+
+def hit_within_cap(num_tokens: int, num_hit_tokens: int, block_size: int) -> bool:
+    """A request reuses at most len(prompt) - 1 tokens, in whole blocks (the last token is always computed)."""
+    return 0 <= num_hit_tokens <= max(num_tokens - 1, 0) and num_hit_tokens % block_size == 0
+
+
+def hit_prefix_closed(
+    s: Snapshot, request_hashes: Sequence[BlockHash], hit_blocks: Sequence[BlockId]
+) -> bool:
+    """The blocks a request hits are a contiguous prefix of its own hash chain: hit i is registered under hash i."""
+    return len(hit_blocks) <= len(request_hashes) and all(
+        s.block_hash[b] == request_hashes[i] for i, b in enumerate(hit_blocks)
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class HitRule:
+    """A named rule about one prefix-cache hit."""
+
+    name: str
+    design_id: str
+    rule: str
+
+
+HIT_RULES: tuple[HitRule, ...] = (
+    HitRule("hit_within_cap", "hit-cap", (hit_within_cap.__doc__ or "").strip()),
+    HitRule("hit_prefix_closed", "prefix-closed", (hit_prefix_closed.__doc__ or "").strip()),
+    HitRule(
+        "hit_salt_isolated",
+        "salt-isolation",
+        "Requests with different cache_salt, LoRA or multimodal inputs never share a block: "
+        "their chains differ from the first differing block on, and hits are prefix-closed.",
+    ),
+)
+
+
+def check_hit(
+    s: Snapshot,
+    num_tokens: int,
+    block_size: int,
+    request_hashes: Sequence[BlockHash],
+    hit_blocks: Sequence[BlockId],
+    num_hit_tokens: int,
+) -> None:
+    """Check one hit against every hit rule.
+
+    Raises:
+        InvariantViolation: naming the rule the hit breaks.
+    """
+    detail = f"num_tokens={num_tokens} block_size={block_size} hit_blocks={list(hit_blocks)} num_hit_tokens={num_hit_tokens}"
+    if not hit_within_cap(num_tokens, num_hit_tokens, block_size) or num_hit_tokens != len(hit_blocks) * block_size:
+        raise InvariantViolation("hit_within_cap", HIT_RULES[0].rule, detail)
+    if not hit_prefix_closed(s, request_hashes, hit_blocks):
+        raise InvariantViolation("hit_prefix_closed", HIT_RULES[1].rule, detail)
+
+
+# --- step rules ---------------------------------------------------------------------------
+
+# Operations allowed to drop a hash-table entry without reallocating its block.
+_DROPS_HASHES = frozenset({"evict_blocks", "reset_prefix_cache"})
+
+
+def step_only_eviction_removes(before: Snapshot, after: Snapshot, op: str) -> bool:
+    """A hash-table entry disappears only when its block is reallocated, evicted by id, or the cache is reset."""
+    if op in _DROPS_HASHES:
+        return True
+    after_entries = {(h, b) for h, blocks in after.hash_to_blocks for b in blocks}
+    after_free = set(after.free_queue)
+    for h, blocks in before.hash_to_blocks:
+        for b in blocks:
+            reallocated = b in before.free_queue and b not in after_free
+            if (h, b) not in after_entries and not reallocated:
+                return False
+    return True
+
+
+def step_null_block_never_freed(before: Snapshot, after: Snapshot, op: str) -> bool:
+    """No operation ever puts the null block into the free queue."""
+    return NULL_BLOCK_ID not in after.free_queue
+
+
+@dataclass(frozen=True, slots=True)
+class StepRule:
+    """A named rule relating the state before an operation to the state after it."""
+
+    name: str
+    design_id: str
+    check: Callable[[Snapshot, Snapshot, str], bool]
+
+    @property
+    def rule(self) -> str:
+        """The rule in plain words."""
+        return (self.check.__doc__ or "").strip()
+
+
+STEP_RULES: tuple[StepRule, ...] = (
+    StepRule("step_only_eviction_removes", "only-eviction-removes", step_only_eviction_removes),
+    StepRule("step_null_block_never_freed", "null-block", step_null_block_never_freed),
+)
+
+
+def check_step(before: Snapshot, after: Snapshot, op: str) -> None:
+    """Check one transition against every step rule.
+
+    Raises:
+        InvariantViolation: naming the first step rule broken.
+    """
+    for rule in STEP_RULES:
+        if not rule.check(before, after, op):
+            raise InvariantViolation(rule.name, rule.rule, f"op={op}\nbefore: {before}\nafter:  {after}")

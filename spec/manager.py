@@ -1,0 +1,288 @@
+"""The request level: vLLM's KVCacheManager over one BlockPool, as pure functions.
+
+A request's blocks form its block table, append-only while it runs. The
+manager finds a new request's prefix hit (`get_computed_blocks`), gives it
+slots for the tokens of a step (`allocate_slots`, which touches the hit blocks,
+takes new ones, and registers every block that the step fills), and frees it
+when it finishes or is preempted (`free`, tail first).
+
+Design choice: blocks are registered when the step that fills them is
+scheduled (as vLLM does), not after it ran; the alternative (register after
+the forward pass) would need a second call per step and would let two
+requests scheduled in one step both miss on the same prefix more often. A
+failed allocation (not enough free blocks) returns None and changes nothing:
+no block touched, none taken.
+
+Full attention with one KV-cache group only; the null block never appears in
+a block table here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import icontract
+
+from kvspec.spec import ops
+from kvspec.spec.errors import InvalidBlock, InvalidRequest
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
+from kvspec.spec.invariants import all_hold, check_hit
+from kvspec.spec.state import BlockHash, BlockId, PoolState, Snapshot
+
+__all__ = [
+    "ManagerConfig",
+    "ManagerState",
+    "Request",
+    "RequestBlocks",
+    "allocate_slots",
+    "free",
+    "get_computed_blocks",
+    "new_manager",
+    "request_block_hashes",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What the manager is told about a request: its tokens so far and what else keys its KV."""
+
+    request_id: str  # unique among running requests
+    token_ids: tuple[int, ...]  # the prompt, then every output token so far
+    lora_name: str | None = None  # the LoRA adapter, if any: part of every block's hash
+    cache_salt: str | None = None  # a tenant's salt: part of the first block's hash
+    mm_inputs: tuple[MultiModalInput, ...] = ()  # multimodal inputs: part of the blocks they overlap
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerConfig:
+    """How the manager hashes and sizes blocks; fixed at construction."""
+
+    block_size: int  # tokens per block
+    hash_fn: str = DEFAULT_HASH_FN  # spec.hashing.HASH_FUNCTIONS
+    seed: str = DEFAULT_SEED  # NONE_HASH is derived from it
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBlocks:
+    """The manager's record of one running request."""
+
+    block_ids: tuple[BlockId, ...]  # its block table, append-only
+    num_cached_blocks: int  # how many leading blocks are registered in the hash table
+    num_computed_tokens: int  # tokens whose KV is (being) computed
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerState:
+    """The spec's KVCacheManager: one pool and the running requests."""
+
+    config: ManagerConfig  # fixed at construction
+    pool: PoolState  # the block pool underneath
+    requests: tuple[tuple[str, RequestBlocks], ...]  # running requests, sorted by id
+
+    def request(self, request_id: str) -> RequestBlocks | None:
+        """The record of a running request, or None."""
+        for rid, entry in self.requests:
+            if rid == request_id:
+                return entry
+        return None
+
+    def snapshot(self) -> Snapshot:
+        """The pool's snapshot with every running request's block table."""
+        return self.pool.snapshot(block_tables=tuple((rid, e.block_ids) for rid, e in self.requests))
+
+
+def _holds(state: ManagerState) -> bool:
+    return all_hold(state.snapshot())
+
+
+def _with_request(state: ManagerState, request_id: str, entry: RequestBlocks | None) -> ManagerState:
+    others = tuple((rid, e) for rid, e in state.requests if rid != request_id)
+    if entry is not None:
+        others = tuple(sorted(others + ((request_id, entry),)))
+    return replace(state, requests=others)
+
+
+def _check_request(request: Request, op: str) -> None:
+    if not isinstance(request.request_id, str) or not request.request_id:
+        raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
+    if len(request.token_ids) == 0:
+        raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def new_manager(
+    num_gpu_blocks: int,
+    block_size: int,
+    enable_caching: bool = True,
+    profile: str = "vllm-v1",
+    hash_fn: str = DEFAULT_HASH_FN,
+    seed: str = DEFAULT_SEED,
+) -> ManagerState:
+    """A manager over a fresh pool.
+
+    Raises:
+        InvalidRequest: a size is not a positive integer, or the profile or hash function is unknown.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
+    hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
+    return ManagerState(ManagerConfig(block_size, hash_fn, seed), ops.new_pool(num_gpu_blocks, enable_caching, profile), ())
+
+
+def request_block_hashes(state: ManagerState, request: Request) -> tuple[BlockHash, ...]:
+    """The hash chain of the request's full blocks under this manager's hash function and seed."""
+    cfg = state.config
+    return hash_request_blocks(
+        request.token_ids, cfg.block_size, request.lora_name, request.mm_inputs, request.cache_salt, cfg.hash_fn, cfg.seed
+    )
+
+
+def _computed_ok(state: ManagerState, request: Request, result: tuple[tuple[BlockId, ...], int]) -> bool:
+    blocks, num_tokens = result
+    check_hit(
+        state.snapshot(), len(request.token_ids), state.config.block_size,
+        request_block_hashes(state, request), blocks, num_tokens,
+    )
+    return True
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda state, request, result: _computed_ok(state, request, result))
+def get_computed_blocks(state: ManagerState, request: Request) -> tuple[tuple[BlockId, ...], int]:
+    """The longest cached prefix of a new request, capped so its last token is computed.
+
+    Reads only; the hit blocks are touched by `allocate_slots`.
+
+    Returns:
+        The hit blocks (a prefix of the request's hash chain) and the tokens they cover.
+
+    Raises:
+        InvalidRequest: the request has no tokens, or is already running.
+    """
+    _check_request(request, "get_computed_blocks")
+    if state.request(request.request_id) is not None:
+        raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
+    if not state.pool.config.enable_caching:
+        return (), 0
+    block_size = state.config.block_size
+    # NOTE: at most len - 1 tokens: the last prompt token must be computed to get
+    # the logits that sample the first output token.
+    max_hit_blocks = (len(request.token_ids) - 1) // block_size
+    hits: list[BlockId] = []
+    for h in request_block_hashes(state, request)[:max_hit_blocks]:
+        b = ops.get_cached_block(state.pool, h)
+        if b is None:
+            break
+        hits.append(b)
+    return tuple(hits), len(hits) * block_size
+
+
+def _alloc_ok(state: ManagerState, request: Request, result: tuple[ManagerState, tuple[BlockId, ...] | None]) -> bool:
+    new_state, new_blocks = result
+    return _holds(new_state) and (new_blocks is not None or new_state == state)
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda state, request, result: _alloc_ok(state, request, result))
+def allocate_slots(
+    state: ManagerState,
+    request: Request,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks: Sequence[BlockId] = (),
+    num_external_computed_tokens: int = 0,
+) -> tuple[ManagerState, tuple[BlockId, ...] | None]:
+    """Give a request slots for its next `num_new_tokens` tokens, and register the blocks they fill.
+
+    On a request's first call, `new_computed_blocks` is its prefix hit (from
+    `get_computed_blocks`) and `num_external_computed_tokens` what an external
+    KV cache loads after it; both count as computed.
+
+    Returns:
+        The new state and the newly taken blocks, or (state unchanged, None) when
+        too few blocks are free: nothing is touched and nothing taken.
+
+    Raises:
+        InvalidRequest: a count is negative or not an integer, num_new_tokens is 0, the
+            tokens exceed the request's, or the hit does not match its block count.
+        InvalidBlock: a hit block is not registered under the request's chain.
+    """
+    _check_request(request, "allocate_slots")
+    for name, value in (
+        ("num_new_tokens", num_new_tokens),
+        ("num_new_computed_tokens", num_new_computed_tokens),
+        ("num_external_computed_tokens", num_external_computed_tokens),
+    ):
+        if not _is_count(value):
+            raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
+    if num_new_tokens == 0:
+        raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
+    cfg, pool = state.config, state.pool
+    entry = state.request(request.request_id)
+    if entry is not None and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
+        raise InvalidRequest(
+            f"allocate_slots: request_id={request.request_id!r} is running; prefix hits are only for its first step"
+        )
+    if entry is None:
+        entry = RequestBlocks((), 0, 0)
+    if len(new_computed_blocks) * cfg.block_size != num_new_computed_tokens:
+        raise InvalidRequest(
+            f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
+            f"{len(new_computed_blocks)} hit blocks of block_size={cfg.block_size}"
+        )
+    if new_computed_blocks and not pool.config.enable_caching:
+        raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
+    hashes = request_block_hashes(state, request)
+    for i, b in enumerate(new_computed_blocks):
+        if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.block_hash[b] != hashes[i]:
+            raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
+    total = entry.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
+    if total > len(request.token_ids):
+        raise InvalidRequest(
+            f"allocate_slots: {total} tokens would be computed but request_id={request.request_id!r} "
+            f"has {len(request.token_ids)}"
+        )
+    num_required = -(-total // cfg.block_size)
+    num_to_allocate = max(num_required - len(entry.block_ids) - len(new_computed_blocks), 0)
+    # Hit blocks sitting in the free queue leave it when touched: they count
+    # against the free blocks just like new ones.
+    num_evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt[b] == 0)
+    if num_to_allocate + num_evictable_hits > len(pool.free_queue):
+        return state, None
+    if new_computed_blocks:
+        pool = ops.touch(pool, new_computed_blocks)
+    pool, new_blocks = ops.get_new_blocks(pool, num_to_allocate)
+    block_ids = entry.block_ids + tuple(new_computed_blocks) + new_blocks
+    num_cached = entry.num_cached_blocks + len(new_computed_blocks)
+    if pool.config.enable_caching:
+        num_full = min(total, len(request.token_ids)) // cfg.block_size
+        if num_full > num_cached:
+            pool = ops.cache_full_blocks(pool, block_ids[num_cached:num_full], hashes[num_cached:num_full])
+            num_cached = num_full
+    new_entry = RequestBlocks(block_ids, num_cached, total)
+    return _with_request(replace(state, pool=pool), request.request_id, new_entry), new_blocks
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result))
+@icontract.ensure(lambda request_id, result: result.request(request_id) is None)
+def free(state: ManagerState, request_id: str) -> ManagerState:
+    """Release a finished or preempted request: its blocks are freed tail first.
+
+    Tail first, because a request's last blocks are the least likely to be
+    shared (the longer a prefix, the more specific): freed in reverse, they sit
+    further left and are evicted before the common leading blocks. A block that
+    another request still holds only loses one reference.
+
+    Raises:
+        InvalidRequest: request_id is not running.
+    """
+    entry = state.request(request_id)
+    if entry is None:
+        raise InvalidRequest(f"free: request_id={request_id!r} is not running (freed twice?)")
+    pool = ops.free_blocks(state.pool, tuple(reversed(entry.block_ids)))
+    return _with_request(replace(state, pool=pool), request_id, None)

@@ -1,0 +1,366 @@
+"""The BlockPool operations, one pure function each, with contracts.
+
+Each operation takes a `PoolState` and returns the new state (and its result);
+nothing is mutated, so "a failed call leaves the state unchanged" holds by
+construction here and is what implementations are held to. Arguments are
+validated first and a caller mistake raises a typed `BlockManagerError`
+(spec.errors); the contracts (`icontract`, read by CrossHair) state what holds
+for every valid call: the invariants before and after (`all_hold`, never
+restated inline) plus each operation's own postconditions.
+
+Names and semantics follow vLLM's `vllm/v1/core/block_pool.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import icontract
+
+from kvspec.spec.errors import (
+    AlreadyCached,
+    DoubleFree,
+    InvalidBlock,
+    InvalidRequest,
+    PoolExhausted,
+)
+from kvspec.spec.invariants import all_hold
+from kvspec.spec.invariants import is_block_writable as _writable
+from kvspec.spec.ordering import place_freed, profile_rule
+from kvspec.spec.state import (
+    NULL_BLOCK_ID,
+    BlockHash,
+    BlockId,
+    HashTable,
+    PoolConfig,
+    PoolState,
+    canonical_hash_to_blocks,
+)
+
+__all__ = [
+    "cache_full_blocks",
+    "evict_blocks",
+    "free_blocks",
+    "get_cached_block",
+    "get_new_blocks",
+    "get_num_free_blocks",
+    "get_usage",
+    "is_block_writable",
+    "new_pool",
+    "reset_prefix_cache",
+    "touch",
+]
+
+
+def _holds(state: PoolState) -> bool:
+    return all_hold(state.snapshot())
+
+
+# --- argument checks (shared by every operation) --------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_block_ids(state: PoolState, block_ids: Sequence[BlockId], op: str) -> None:
+    """Every id is an int in range, not the null block, and named once."""
+    for b in block_ids:
+        if not _is_int(b) or not 0 <= b < state.num_gpu_blocks:
+            raise InvalidBlock(
+                f"{op}: block_id={b!r} is not a block of this pool (ids 0..{state.num_gpu_blocks - 1})"
+            )
+        if b == NULL_BLOCK_ID:
+            raise InvalidBlock(f"{op}: block_id=0 is the null block, whose ref_cnt is never maintained")
+    if len(set(block_ids)) != len(block_ids):
+        raise InvalidRequest(f"{op}: block_ids={list(block_ids)} names a block twice")
+
+
+def _without_blocks(table: HashTable, dropped: set[BlockId]) -> HashTable:
+    """The hash table with `dropped` blocks removed, empty entries deleted."""
+    kept = ((h, tuple(b for b in blocks if b not in dropped)) for h, blocks in table)
+    return canonical_hash_to_blocks(tuple((h, blocks) for h, blocks in kept if blocks))
+
+
+# --- construction ---------------------------------------------------------------------------
+
+
+@icontract.ensure(lambda result: _holds(result))
+@icontract.ensure(lambda num_gpu_blocks, result: result.free_queue == tuple(range(1, num_gpu_blocks)))
+def new_pool(num_gpu_blocks: int, enable_caching: bool = True, profile: str = "vllm-v1") -> PoolState:
+    """A fresh pool: block 0 is the null block, blocks 1..n-1 are free in id order.
+
+    Raises:
+        InvalidRequest: num_gpu_blocks is not an integer >= 1, or the profile is unknown.
+
+    >>> new_pool(4).free_queue
+    (1, 2, 3)
+    """
+    if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
+        raise InvalidRequest(
+            f"num_gpu_blocks must be an integer >= 1 (block 0 is the null block); got num_gpu_blocks={num_gpu_blocks!r}"
+        )
+    try:
+        profile_rule(profile)
+    except ValueError as e:
+        raise InvalidRequest(str(e)) from None
+    return PoolState.initial(PoolConfig(num_gpu_blocks, bool(enable_caching), profile))
+
+
+# --- operations -----------------------------------------------------------------------------
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result[0]))
+@icontract.ensure(lambda num_blocks, result: len(result[1]) == num_blocks)
+@icontract.ensure(lambda state, result: result[1] == state.free_queue[: len(result[1])])
+@icontract.ensure(lambda result: all(result[0].ref_cnt[b] == 1 and result[0].block_hash[b] is None for b in result[1]))
+def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[BlockId, ...]]:
+    """Take `num_blocks` blocks from the left end of the free queue, evicting their cached hashes.
+
+    Args:
+        state: the pool.
+        num_blocks: how many blocks to take.
+
+    Returns:
+        The new state and the blocks taken, in queue order, each with ref_cnt 1.
+
+    Raises:
+        InvalidRequest: num_blocks is not a non-negative integer.
+        PoolExhausted: fewer than num_blocks blocks are free.
+    """
+    if not _is_int(num_blocks) or num_blocks < 0:
+        raise InvalidRequest(f"get_new_blocks: num_blocks must be a non-negative integer; got num_blocks={num_blocks!r}")
+    num_free = len(state.free_queue)
+    if num_blocks > num_free:
+        raise PoolExhausted(
+            f"cannot allocate num_blocks={num_blocks}: {num_free} free of num_gpu_blocks={state.num_gpu_blocks}, "
+            "one is the null block"
+        )
+    taken = state.free_queue[:num_blocks]
+    # Taking a block is what evicts it: its hash leaves the table only now, so a
+    # freed block stays hittable until someone actually needs the memory.
+    ref_cnt = list(state.ref_cnt)
+    block_hash = list(state.block_hash)
+    for b in taken:
+        ref_cnt[b] = 1
+        block_hash[b] = None
+    new_state = replace(
+        state,
+        ref_cnt=tuple(ref_cnt),
+        block_hash=tuple(block_hash),
+        free_queue=state.free_queue[num_blocks:],
+        hash_to_blocks=_without_blocks(state.hash_to_blocks, set(taken)),
+    )
+    return new_state, taken
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result))
+@icontract.ensure(lambda state, block_ids, result: all(result.ref_cnt[b] == state.ref_cnt[b] + 1 for b in block_ids))
+@icontract.ensure(lambda block_ids, result: not set(block_ids) & set(result.free_queue))
+def touch(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+    """Take a hit on cached blocks: each leaves the free queue if it was there, and its ref_cnt grows by one.
+
+    Args:
+        state: the pool.
+        block_ids: the blocks hit, each registered in the hash table.
+
+    Returns:
+        The new state.
+
+    Raises:
+        InvalidBlock: an id is out of range, the null block, or a block without a hash
+            (nothing can hit it).
+        InvalidRequest: an id is named twice.
+    """
+    _check_block_ids(state, block_ids, "touch")
+    for b in block_ids:
+        if state.block_hash[b] is None:
+            raise InvalidBlock(
+                f"touch: block_id={b} has no hash (ref_cnt={state.ref_cnt[b]}), so no request can have hit it; "
+                "stale block table?"
+            )
+    touched = set(block_ids)
+    ref_cnt = list(state.ref_cnt)
+    for b in block_ids:
+        ref_cnt[b] += 1
+    return replace(
+        state,
+        ref_cnt=tuple(ref_cnt),
+        free_queue=tuple(b for b in state.free_queue if b not in touched),
+    )
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result))
+@icontract.ensure(lambda state, block_ids, result: all(result.ref_cnt[b] == state.ref_cnt[b] - 1 for b in block_ids))
+@icontract.ensure(lambda state, result: result.hash_to_blocks == state.hash_to_blocks)
+def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+    """Drop one reference to each block, in the given (eviction-priority) order.
+
+    A block whose ref_cnt reaches 0 joins the free queue at the end the profile
+    names (`vllm-v1`: left without a hash, right with one). It keeps its hash:
+    a free block can still be hit until it is reallocated.
+
+    Args:
+        state: the pool.
+        block_ids: a request's blocks, tail first (the caller reverses its block table).
+
+    Returns:
+        The new state.
+
+    Raises:
+        InvalidBlock: an id is out of range or the null block.
+        InvalidRequest: an id is named twice.
+        DoubleFree: a block has ref_cnt 0.
+    """
+    _check_block_ids(state, block_ids, "free_blocks")
+    for b in block_ids:
+        if state.ref_cnt[b] == 0:
+            raise DoubleFree(f"free_blocks: block_id={b} has ref_cnt=0, no request holds it (double free?)")
+    ref_cnt = list(state.ref_cnt)
+    for b in block_ids:
+        ref_cnt[b] -= 1
+    newly_free = [b for b in block_ids if ref_cnt[b] == 0]
+    free_queue = place_freed(state.free_queue, newly_free, state.block_hash, profile_rule(state.config.profile))
+    return replace(state, ref_cnt=tuple(ref_cnt), free_queue=free_queue)
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result))
+@icontract.ensure(
+    lambda block_ids, block_hashes, result: all(result.block_hash[b] == h for b, h in zip(block_ids, block_hashes))
+)
+@icontract.ensure(lambda state, result: result.free_queue == state.free_queue and result.ref_cnt == state.ref_cnt)
+def cache_full_blocks(
+    state: PoolState, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]
+) -> PoolState:
+    """Register full blocks under their hashes, so later requests can hit them.
+
+    A hash that is already registered gets the block added after the existing
+    ones: identical full blocks are not merged, because a request's block table
+    is append-only and must not change under it.
+
+    Args:
+        state: the pool.
+        block_ids: held blocks without a hash, now full.
+        block_hashes: their hashes, one per block.
+
+    Returns:
+        The new state.
+
+    Raises:
+        InvalidRequest: caching is off, the lengths differ, an id is named twice, or a hash is not bytes.
+        InvalidBlock: an id is out of range, the null block, or not held by any request.
+        AlreadyCached: a block already has a hash.
+    """
+    if not state.config.enable_caching:
+        raise InvalidRequest("cache_full_blocks: prefix caching is off (enable_caching=False), nothing is hashed")
+    if len(block_ids) != len(block_hashes):
+        raise InvalidRequest(
+            f"cache_full_blocks: {len(block_ids)} block_ids but {len(block_hashes)} block_hashes; one hash per block"
+        )
+    _check_block_ids(state, block_ids, "cache_full_blocks")
+    for b, h in zip(block_ids, block_hashes):
+        if not isinstance(h, bytes):
+            raise InvalidRequest(f"cache_full_blocks: block_hash={h!r} for block_id={b} is not bytes")
+        if state.ref_cnt[b] == 0:
+            raise InvalidBlock(f"cache_full_blocks: block_id={b} has ref_cnt=0; only a held, computed block is cached")
+        if state.block_hash[b] is not None:
+            raise AlreadyCached(f"cache_full_blocks: block_id={b} is already registered; a block is cached once")
+    block_hash = list(state.block_hash)
+    table = {h: list(blocks) for h, blocks in state.hash_to_blocks}
+    for b, h in zip(block_ids, block_hashes):
+        block_hash[b] = h
+        table.setdefault(h, []).append(b)
+    new_table = canonical_hash_to_blocks(tuple((h, tuple(blocks)) for h, blocks in table.items()))
+    return replace(state, block_hash=tuple(block_hash), hash_to_blocks=new_table)
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda state, block_hash, result: result is None or state.block_hash[result] == block_hash)
+def get_cached_block(state: PoolState, block_hash: BlockHash) -> BlockId | None:
+    """The first block registered under `block_hash`, or None on a miss.
+
+    Returns:
+        A block id, or None.
+    """
+    for h, blocks in state.hash_to_blocks:
+        if h == block_hash:
+            return blocks[0]
+    return None
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result))
+@icontract.ensure(lambda block_ids, result: all(result.block_hash[b] is None for b in block_ids))
+@icontract.ensure(lambda state, result: result.free_queue == state.free_queue and result.ref_cnt == state.ref_cnt)
+def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+    """Drop the cached hash of each block (held or free); blocks without a hash are left alone.
+
+    Used when a block's content is known to be bad (an external load failed):
+    it must never be hit again, but whoever holds it keeps it.
+
+    Raises:
+        InvalidBlock: an id is out of range or the null block.
+        InvalidRequest: an id is named twice.
+    """
+    _check_block_ids(state, block_ids, "evict_blocks")
+    dropped = set(block_ids)
+    block_hash = tuple(None if b in dropped else h for b, h in enumerate(state.block_hash))
+    return replace(state, block_hash=block_hash, hash_to_blocks=_without_blocks(state.hash_to_blocks, dropped))
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result[0]))
+@icontract.ensure(lambda state, result: result[1] == (len(state.free_queue) == state.num_gpu_blocks - 1))
+@icontract.ensure(lambda state, result: result[1] or result[0] == state)
+@icontract.ensure(lambda result: not result[1] or not result[0].hash_to_blocks)
+def reset_prefix_cache(state: PoolState) -> tuple[PoolState, bool]:
+    """Forget every cached hash, but only when no request holds a block.
+
+    Refused (False, nothing changes) while blocks are held: a running request's
+    blocks are registered, and un-registering them under it would let its
+    next cache step re-register them out of order. The free queue keeps its order.
+
+    Returns:
+        The new state, and whether the reset happened.
+    """
+    if len(state.free_queue) != state.num_gpu_blocks - 1:
+        return state, False
+    return replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=()), True
+
+
+@icontract.ensure(lambda state, result: result == len(state.free_queue))
+def get_num_free_blocks(state: PoolState) -> int:
+    """How many blocks `get_new_blocks` could take now."""
+    return len(state.free_queue)
+
+
+@icontract.ensure(lambda result: 0.0 <= result <= 1.0)
+def get_usage(state: PoolState) -> float:
+    """The fraction of allocatable blocks (all but the null block) held by requests.
+
+    >>> get_usage(new_pool(5))
+    0.0
+    """
+    num_allocatable = state.num_gpu_blocks - 1
+    if num_allocatable == 0:
+        return 0.0
+    return 1.0 - len(state.free_queue) / num_allocatable
+
+
+@icontract.ensure(lambda state, block_id, result: result == _writable(state.snapshot(), block_id))
+def is_block_writable(state: PoolState, block_id: BlockId) -> bool:
+    """Whether a request may write KV into `block_id` (spec.invariants.is_block_writable).
+
+    Raises:
+        InvalidBlock: block_id is not a block of this pool.
+    """
+    if not _is_int(block_id) or not 0 <= block_id < state.num_gpu_blocks:
+        raise InvalidBlock(
+            f"is_block_writable: block_id={block_id!r} is not a block of this pool (ids 0..{state.num_gpu_blocks - 1})"
+        )
+    return _writable(state.snapshot(), block_id)
