@@ -16,7 +16,7 @@ A user names a factory as `module:function`; it is called with one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
@@ -30,6 +30,8 @@ __all__ = [
     "AdapterFactory",
     "BlockManagerAdapter",
     "KVCacheManagerAdapter",
+    "KVContentAdapter",
+    "KVSource",
     "capabilities",
 ]
 
@@ -115,6 +117,30 @@ class KVCacheManagerAdapter(Protocol):
 
     def snapshot(self) -> Snapshot:
         """The pool's state with every running request's block table."""
+        ...
+
+
+# The "model": the value of the KV computed for token positions [start, end) of a
+# request. The harness derives it from the whole prefix (tokens and extra keys),
+# so two different prefixes never produce the same value.
+KVSource = Callable[[Request, int, int], Sequence[int]]
+
+
+@runtime_checkable
+class KVContentAdapter(Protocol):
+    """A manager whose blocks hold real KV memory (gpu_impl): the harness checks the content.
+
+    The adapter writes, inside `allocate_slots`, the values `source` gives for
+    every token the step computes (before those blocks are registered), and
+    refuses (`NotWritable`) a write into a block that is not writable.
+    """
+
+    def set_kv_source(self, source: KVSource) -> None:
+        """Where the values written for computed tokens come from."""
+        ...
+
+    def read_kv(self, block_ids: Sequence[BlockId]) -> list[list[int]]:
+        """The value in every slot of each block, read back from the KV memory."""
         ...
 
 

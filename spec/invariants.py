@@ -33,6 +33,9 @@ __all__ = [
     "check_hit",
     "check_step",
     "failing",
+    "hit_content_intact",
+    "hit_prefix_closed",
+    "hit_within_cap",
     "is_block_writable",
 ]
 
@@ -89,9 +92,18 @@ def inv_hash_table_consistent(s: Snapshot) -> bool:
 
 
 def inv_conservation(s: Snapshot) -> bool:
-    """Free blocks plus blocks with ref_cnt > 0 add up to every block but the null block."""
+    """Free blocks plus blocks with ref_cnt > 0 (plus quarantined ones) add up to every block but the null block."""
     num_held = sum(1 for b in range(1, s.num_gpu_blocks) if s.ref_cnt[b] > 0)
-    return len(s.free_queue) + num_held == s.num_gpu_blocks - 1
+    return len(s.free_queue) + num_held + len(s.quarantined) == s.num_gpu_blocks - 1
+
+
+def inv_quarantine_isolated(s: Snapshot) -> bool:
+    """A quarantined (corrupt) block is listed once, is not the null block, and is never free, hashed or held."""
+    q = s.quarantined
+    return len(set(q)) == len(q) and all(
+        0 < b < s.num_gpu_blocks and b not in s.free_queue and s.block_hash[b] is None and s.ref_cnt[b] == 0
+        for b in q
+    )
 
 
 def inv_caching_off_no_hash(s: Snapshot) -> bool:
@@ -131,6 +143,7 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("inv_ref_cnt_nonnegative", "", inv_ref_cnt_nonnegative),
     Invariant("inv_null_block_isolated", "null-block", inv_null_block_isolated),
     Invariant("inv_free_queue_has_zero_ref", "free-has-zero-ref", inv_free_queue_has_zero_ref),
+    Invariant("inv_quarantine_isolated", "", inv_quarantine_isolated),
     Invariant("inv_conservation", "conservation", inv_conservation),
     Invariant("inv_hash_table_consistent", "hash-table-consistent", inv_hash_table_consistent),
     Invariant("inv_caching_off_no_hash", "", inv_caching_off_no_hash),
@@ -193,6 +206,11 @@ def hit_prefix_closed(
     )
 
 
+def hit_content_intact(expected: Sequence[int], actual: Sequence[int]) -> bool:
+    """A hit block's KV content is what its own prefix computes: every slot read back equals the value written for it."""
+    return len(expected) == len(actual) and all(e == a for e, a in zip(expected, actual))
+
+
 @dataclass(frozen=True, slots=True)
 class HitRule:
     """A named rule about one prefix-cache hit."""
@@ -205,6 +223,7 @@ class HitRule:
 HIT_RULES: tuple[HitRule, ...] = (
     HitRule("hit_within_cap", "hit-cap", (hit_within_cap.__doc__ or "").strip()),
     HitRule("hit_prefix_closed", "prefix-closed", (hit_prefix_closed.__doc__ or "").strip()),
+    HitRule("hit_content_intact", "content-integrity", (hit_content_intact.__doc__ or "").strip()),
     HitRule(
         "hit_salt_isolated",
         "salt-isolation",

@@ -71,6 +71,7 @@ class Snapshot:
     free_queue: tuple[BlockId, ...]  # ref_cnt-0 blocks, left end taken first
     hash_to_blocks: HashTable  # hash -> blocks registered with it, in normal form
     block_tables: BlockTables | None = None  # request id -> its blocks; None at the pool level
+    quarantined: tuple[BlockId, ...] = ()  # blocks found corrupt: never free, hashed, held or reused
 
     @property
     def num_free_blocks(self) -> int:
