@@ -17,7 +17,14 @@ from kvspec.spec import ops as spec_ops
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
-__all__ = ["ReferenceManagerAdapter", "ReferencePoolAdapter", "SpecManagerAdapter", "SpecPoolAdapter", "make_reference", "make_spec"]
+__all__ = [
+    "ReferenceManagerAdapter",
+    "ReferencePoolAdapter",
+    "SpecManagerAdapter",
+    "SpecPoolAdapter",
+    "make_reference",
+    "make_spec",
+]
 
 
 class SpecPoolAdapter:
@@ -83,7 +90,12 @@ class SpecManagerAdapter:
         num_external_computed_tokens: int = 0,
     ) -> list[BlockId] | None:
         self.state, new_blocks = spec_manager.allocate_slots(
-            self.state, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
+            self.state,
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_external_computed_tokens,
         )
         return None if new_blocks is None else list(new_blocks)
 

@@ -40,7 +40,7 @@ class WalkthroughStep:
     step: int
     action: str
     snapshot: Snapshot
-    block_tables: dict[str, list[int]]
+    block_tables: dict[str, list[BlockId]]
     num_computed_tokens: dict[str, int] = field(default_factory=dict)
     hash_names: dict[BlockHash, str] = field(default_factory=dict)  # hash value -> "h1", "h2"
 
@@ -75,9 +75,10 @@ def run_walkthrough(factory: Callable[[AdapterConfig], object]) -> list[Walkthro
         assert isinstance(adapter, BlockManagerAdapter), f"{factory} did not build a pool adapter"
         return adapter
 
-    def record(p: BlockManagerAdapter, step: int, tables: dict[str, list[int]], computed: dict[str, int]) -> None:
+    def record(p: BlockManagerAdapter, step: int, tables: dict[str, list[BlockId]], computed: dict[str, int]) -> None:
         action = golden["steps"][step]["action"]
-        steps.append(WalkthroughStep(step, action, p.snapshot(), {k: list(v) for k, v in tables.items()}, dict(computed), names))
+        tables_now = {k: list(v) for k, v in tables.items()}
+        steps.append(WalkthroughStep(step, action, p.snapshot(), tables_now, dict(computed), names))
 
     def hit(p: BlockManagerAdapter, name: str) -> list[BlockId]:
         max_blocks = (len(tokens[name]) - 1) // BLOCK_SIZE  # the len - 1 cap
@@ -89,9 +90,9 @@ def run_walkthrough(factory: Callable[[AdapterConfig], object]) -> list[Walkthro
             blocks.append(b)
         return blocks
 
-    def until_step5() -> tuple[BlockManagerAdapter, dict[str, list[int]]]:
+    def until_step5() -> tuple[BlockManagerAdapter, dict[str, list[BlockId]]]:
         p = pool()
-        tables: dict[str, list[int]] = {}
+        tables: dict[str, list[BlockId]] = {}
         if not steps:
             record(p, 0, tables, {})
         tables["A"] = list(p.get_new_blocks(3))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 from kvspec.spec.errors import (
     AlreadyCached,
     DoubleFree,
@@ -24,7 +25,6 @@ from kvspec.spec.errors import (
 from kvspec.spec.invariants import check_all
 from kvspec.spec.ordering import profile_rule
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
-from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 
 __all__ = ["BlockPool"]
 

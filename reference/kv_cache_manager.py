@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvspec.reference.block_pool import BlockPool
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, hash_request_blocks
-from kvspec.spec.manager import Request
 from kvspec.spec.invariants import check_all
+from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
-from kvspec.reference.block_pool import BlockPool
 
 __all__ = ["KVCacheManager"]
 
@@ -122,7 +122,9 @@ class KVCacheManager:
         rid = request.request_id
         running = rid in self.req_to_blocks
         if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
-            raise InvalidRequest(f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step")
+            raise InvalidRequest(
+                f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step"
+            )
         if len(new_computed_blocks) * self.block_size != num_new_computed_tokens:
             raise InvalidRequest(
                 f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "

@@ -59,7 +59,7 @@ def inv_ref_cnt_nonnegative(s: Snapshot) -> bool:
 
 def inv_free_queue_has_zero_ref(s: Snapshot) -> bool:
     """A block is in the free queue exactly once iff it is not the null block and its ref_cnt is 0."""
-    counts = Counter(s.free_queue)
+    counts: Counter[int] = Counter(s.free_queue)
     return all(
         counts[b] == (1 if b != NULL_BLOCK_ID and s.ref_cnt[b] == 0 else 0) for b in range(s.num_gpu_blocks)
     ) and all(0 <= b < s.num_gpu_blocks for b in counts)
@@ -207,7 +207,7 @@ def hit_prefix_closed(
 
 
 def hit_content_intact(expected: Sequence[int], actual: Sequence[int]) -> bool:
-    """A hit block's KV content is what its own prefix computes: every slot read back equals the value written for it."""
+    """A hit block's KV content is what its own prefix computes: every slot reads back the value written for it."""
     return len(expected) == len(actual) and all(e == a for e, a in zip(expected, actual))
 
 
@@ -246,7 +246,10 @@ def check_hit(
     Raises:
         InvariantViolation: naming the rule the hit breaks.
     """
-    detail = f"num_tokens={num_tokens} block_size={block_size} hit_blocks={list(hit_blocks)} num_hit_tokens={num_hit_tokens}"
+    detail = (
+        f"num_tokens={num_tokens} block_size={block_size} hit_blocks={list(hit_blocks)} "
+        f"num_hit_tokens={num_hit_tokens}"
+    )
     if not hit_within_cap(num_tokens, num_hit_tokens, block_size) or num_hit_tokens != len(hit_blocks) * block_size:
         raise InvariantViolation("hit_within_cap", HIT_RULES[0].rule, detail)
     if not hit_prefix_closed(s, request_hashes, hit_blocks):

@@ -130,14 +130,21 @@ def new_manager(
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
     hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
-    return ManagerState(ManagerConfig(block_size, hash_fn, seed), ops.new_pool(num_gpu_blocks, enable_caching, profile), ())
+    pool = ops.new_pool(num_gpu_blocks, enable_caching, profile)
+    return ManagerState(ManagerConfig(block_size, hash_fn, seed), pool, ())
 
 
 def request_block_hashes(state: ManagerState, request: Request) -> tuple[BlockHash, ...]:
     """The hash chain of the request's full blocks under this manager's hash function and seed."""
     cfg = state.config
     return hash_request_blocks(
-        request.token_ids, cfg.block_size, request.lora_name, request.mm_inputs, request.cache_salt, cfg.hash_fn, cfg.seed
+        request.token_ids,
+        cfg.block_size,
+        request.lora_name,
+        request.mm_inputs,
+        request.cache_salt,
+        cfg.hash_fn,
+        cfg.seed,
     )
 
 

@@ -131,7 +131,9 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[
         PoolExhausted: fewer than num_blocks blocks are free.
     """
     if not _is_int(num_blocks) or num_blocks < 0:
-        raise InvalidRequest(f"get_new_blocks: num_blocks must be a non-negative integer; got num_blocks={num_blocks!r}")
+        raise InvalidRequest(
+            f"get_new_blocks: num_blocks must be a non-negative integer; got num_blocks={num_blocks!r}"
+        )
     num_free = len(state.free_queue)
     if num_blocks > num_free:
         raise PoolExhausted(

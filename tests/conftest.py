@@ -1,10 +1,33 @@
-"""Hypothesis profiles: `ci` (derandomized, the default under CI=true) and `dev`."""
+"""Suite-wide settings: Hypothesis profiles, and the opt-in heavy campaigns.
+
+Profiles: `ci` (derandomized, no deadline; the default when CI is set) and
+`dev` (random, 200 examples); HYPOTHESIS_PROFILE overrides.
+
+Tests marked `slow` run only with KVSPEC_SLOW=1, and tests marked `vllm`
+(the real vLLM package) only with KVSPEC_VLLM=1; otherwise they are
+deselected, not skipped, so the default run reports only what it ran.
+"""
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+_OPT_IN = {"slow": "KVSPEC_SLOW", "vllm": "KVSPEC_VLLM"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    enabled = {marker for marker, var in _OPT_IN.items() if os.environ.get(var) == "1"}
+    kept, dropped = [], []
+    for item in items:
+        gated = {m.name for m in item.iter_markers()} & set(_OPT_IN)
+        (dropped if gated - enabled else kept).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
