@@ -222,7 +222,13 @@ class BlockPool:
             self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
 
     def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
-        """The first block registered under `block_hash`, or None. Cost: O(1)."""
+        """The first block registered under `block_hash`, or None. Cost: O(1).
+
+        Raises:
+            InvalidRequest: block_hash is not bytes.
+        """
+        if not isinstance(block_hash, bytes):
+            raise InvalidRequest(f"get_cached_block: block_hash={block_hash!r} is not bytes")
         entry = self.cached_block_hash_to_block.get(block_hash)
         if not entry:
             return None

@@ -134,6 +134,11 @@ class KVCacheManager:
             raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
         pool = self.block_pool
         hashes = self._block_hashes(request)
+        if len(new_computed_blocks) > len(hashes):
+            raise InvalidRequest(
+                f"allocate_slots: {len(new_computed_blocks)} hit blocks but request_id={rid!r} "
+                f"has only {len(hashes)} full blocks"
+            )
         for i, b in enumerate(new_computed_blocks):
             if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.blocks[b].block_hash != hashes[i]:
                 raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")

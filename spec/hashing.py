@@ -20,6 +20,15 @@ Extra keys, in vLLM's order: the LoRA name, then one key per multimodal input
 overlapping the block (its identifier and its offset relative to the block),
 then `cache_salt` on the first block only (it isolates tenants; on every block
 it would be redundant since the chain carries it). None when there are none.
+Each key is tagged with its kind (`("lora", name)`, `("mm", identifier,
+offset)`, `("cache_salt", salt)`, as vLLM does since 0.31): untagged, a LoRA
+named "t" and a cache_salt "t" would give the same first block, and a salted
+request would hit another tenant's LoRA KV.
+
+vLLM compatibility (checked against vLLM 0.33 by `kvspec hashes`): with
+`seed=VLLM_NONE_HASH_SEED` (vLLM's seed when `PYTHONHASHSEED` is unset; under
+`PYTHONHASHSEED=s` vLLM's seed is `s`) and `lora_path` given, the `sha256` and
+`sha256_cbor` chains equal vLLM's, whose LoRA key is `("lora", name, path)`.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ __all__ = [
     "DEFAULT_HASH_FN",
     "DEFAULT_SEED",
     "HASH_FUNCTIONS",
+    "VLLM_NONE_HASH_SEED",
     "ExtraKey",
     "MultiModalInput",
     "block_extra_keys",
@@ -46,7 +56,8 @@ __all__ = [
     "none_hash",
 ]
 
-ExtraKey = str | int | bytes | tuple[str, int]
+# ("lora", name), ("lora", name, path), ("mm", identifier, offset), ("cache_salt", salt)
+ExtraKey = tuple[str, str] | tuple[str, str, int] | tuple[str, str, str]
 HashInput = tuple[object, tuple[int, ...], tuple[ExtraKey, ...] | None]
 
 
@@ -72,6 +83,8 @@ DEFAULT_HASH_FN = "sha256_cbor"
 # NOTE: a fixed seed string, so that sha256 chains agree across processes by
 # default; a caller who wants per-deployment isolation passes its own seed.
 DEFAULT_SEED = "kvspec"
+# vLLM's NONE_HASH seed for sha256 and sha256_cbor when PYTHONHASHSEED is unset (0.29+).
+VLLM_NONE_HASH_SEED = "vllm-none-hash"
 
 
 def _hash_fn(name: str) -> Callable[[object], bytes]:
@@ -109,7 +122,7 @@ def hash_block_tokens(
     >>> p = none_hash()
     >>> hash_block_tokens(p, [1, 2], None) == hash_block_tokens(p, (1, 2), None)
     True
-    >>> hash_block_tokens(p, [1, 2], None) == hash_block_tokens(p, [1, 2], ("lora-a",))
+    >>> hash_block_tokens(p, [1, 2], None) == hash_block_tokens(p, [1, 2], (("lora", "a"),))
     False
     """
     value: HashInput = (_chain_value(parent, hash_fn), tuple(token_ids), extra_keys)
@@ -131,22 +144,30 @@ def block_extra_keys(
     lora_name: str | None = None,
     mm_inputs: Sequence[MultiModalInput] = (),
     cache_salt: str | None = None,
+    lora_path: str | None = None,
 ) -> tuple[ExtraKey, ...] | None:
     """The extra keys of the block covering token positions [start, end).
 
+    `lora_path`, when given, joins the LoRA key as vLLM's does since 0.31
+    (re-pointing a LoRA name at another adapter then misses).
+
     >>> block_extra_keys(0, 4, cache_salt="t1"), block_extra_keys(4, 8, cache_salt="t1")
-    (('t1',), None)
+    ((('cache_salt', 't1'),), None)
     >>> block_extra_keys(4, 8, "l", [MultiModalInput("img", 6, 5)])
-    ('l', ('img', 2))
+    (('lora', 'l'), ('mm', 'img', 2))
+    >>> block_extra_keys(0, 4, "l", lora_path="/a")
+    (('lora', 'l', '/a'),)
     """
     keys: list[ExtraKey] = []
-    if lora_name:
-        keys.append(lora_name)
+    if lora_name and lora_path is not None:
+        keys.append(("lora", lora_name, lora_path))
+    elif lora_name:
+        keys.append(("lora", lora_name))
     for mm in mm_inputs:
         if mm.offset < end and start < mm.offset + mm.length:
-            keys.append((mm.identifier, mm.offset - start))
+            keys.append(("mm", mm.identifier, mm.offset - start))
     if start == 0 and cache_salt:
-        keys.append(cache_salt)
+        keys.append(("cache_salt", cache_salt))
     return tuple(keys) if keys else None
 
 
@@ -158,8 +179,11 @@ def hash_request_blocks(
     cache_salt: str | None = None,
     hash_fn: str = DEFAULT_HASH_FN,
     seed: str = DEFAULT_SEED,
+    lora_path: str | None = None,
 ) -> tuple[BlockHash, ...]:
     """The hash chain of every full block of a request; a partial last block gets none.
+
+    `lora_path`: see `block_extra_keys`.
 
     Raises:
         InvalidRequest: block_size is not a positive integer.
@@ -173,7 +197,7 @@ def hash_request_blocks(
     hashes: list[BlockHash] = []
     for i in range(len(token_ids) // block_size):
         start, end = i * block_size, (i + 1) * block_size
-        extra = block_extra_keys(start, end, lora_name, mm_inputs, cache_salt)
+        extra = block_extra_keys(start, end, lora_name, mm_inputs, cache_salt, lora_path)
         parent = hash_block_tokens(parent, token_ids[start:end], extra, hash_fn)
         hashes.append(parent)
     return tuple(hashes)

@@ -244,6 +244,11 @@ def allocate_slots(
     if new_computed_blocks and not pool.config.enable_caching:
         raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
     hashes = request_block_hashes(state, request)
+    if len(new_computed_blocks) > len(hashes):
+        raise InvalidRequest(
+            f"allocate_slots: {len(new_computed_blocks)} hit blocks but request_id={request.request_id!r} "
+            f"has only {len(hashes)} full blocks"
+        )
     for i, b in enumerate(new_computed_blocks):
         if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.block_hash[b] != hashes[i]:
             raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")

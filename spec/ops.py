@@ -288,7 +288,12 @@ def get_cached_block(state: PoolState, block_hash: BlockHash) -> BlockId | None:
 
     Returns:
         A block id, or None.
+
+    Raises:
+        InvalidRequest: block_hash is not bytes.
     """
+    if not isinstance(block_hash, bytes):
+        raise InvalidRequest(f"get_cached_block: block_hash={block_hash!r} is not bytes")
     for h, blocks in state.hash_to_blocks:
         if h == block_hash:
             return blocks[0]
