@@ -70,18 +70,29 @@ class BlockPool:
     # --- argument checks ------------------------------------------------------------------
 
     def _blocks_of(self, block_ids: Sequence[BlockId], op: str) -> list[KVCacheBlock]:
+        """The blocks named, after checking every id (in range, not null, named once).
+
+        This runs on every touch and free, so the common case is one type test
+        and one range test per id; the error wording is built only on failure.
+        """
+        n = self.num_gpu_blocks
+        all_blocks = self.blocks
         blocks = []
         for b in block_ids:
-            if not _is_int(b) or not 0 <= b < self.num_gpu_blocks:
-                raise InvalidBlock(
-                    f"{op}: block_id={b!r} is not a block of this pool (ids 0..{self.num_gpu_blocks - 1})"
-                )
-            if b == 0:
-                raise InvalidBlock(f"{op}: block_id=0 is the null block, whose ref_cnt is never maintained")
-            blocks.append(self.blocks[b])
-        if len(set(block_ids)) != len(block_ids):
+            if type(b) is not int or not 0 < b < n:
+                self._check_block_id_slowly(b, op)
+            blocks.append(all_blocks[b])
+        if len(blocks) > 1 and len(set(block_ids)) != len(blocks):
             raise InvalidRequest(f"{op}: block_ids={list(block_ids)} names a block twice")
         return blocks
+
+    def _check_block_id_slowly(self, b: object, op: str) -> None:
+        """The full check for ids the fast path did not accept (an int subclass is still an id)."""
+        if _is_int(b) and 0 < b < self.num_gpu_blocks:  # type: ignore[operator]
+            return
+        if _is_int(b) and b == 0:
+            raise InvalidBlock(f"{op}: block_id=0 is the null block, whose ref_cnt is never maintained")
+        raise InvalidBlock(f"{op}: block_id={b!r} is not a block of this pool (ids 0..{self.num_gpu_blocks - 1})")
 
     # --- operations -----------------------------------------------------------------------
 
@@ -147,9 +158,10 @@ class BlockPool:
                     f"touch: block_id={block.block_id} has no hash (ref_cnt={block.ref_cnt}), "
                     "so no request can have hit it; stale block table?"
                 )
+        remove = self.free_block_queue.remove
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_block_queue.remove(block)
+                remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_block_ids: Sequence[BlockId]) -> None:

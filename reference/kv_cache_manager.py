@@ -140,7 +140,8 @@ class KVCacheManager:
                 f"has only {len(hashes)} full blocks"
             )
         for i, b in enumerate(new_computed_blocks):
-            if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.blocks[b].block_hash != hashes[i]:
+            in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
+            if not in_range or pool.blocks[b].block_hash != hashes[i]:
                 raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
         table = self.req_to_blocks.get(rid, [])
         num_computed = self.num_computed_tokens.get(rid, 0)

@@ -274,6 +274,9 @@ def step_only_eviction_removes(before: Snapshot, after: Snapshot, op: str) -> bo
     after_free = set(after.free_queue)
     for h, blocks in before.hash_to_blocks:
         for b in blocks:
+            # NOTE: judged from the states alone (callers name composite steps
+            # freely): a block that left the free queue was taken. A touch that
+            # wrongly drops a hash passes this rule; lock-step comparison catches it.
             reallocated = b in before.free_queue and b not in after_free
             if (h, b) not in after_entries and not reallocated:
                 return False

@@ -250,7 +250,8 @@ def allocate_slots(
             f"has only {len(hashes)} full blocks"
         )
     for i, b in enumerate(new_computed_blocks):
-        if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.block_hash[b] != hashes[i]:
+        in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
+        if not in_range or pool.block_hash[b] != hashes[i]:
             raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
     total = entry.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
     if total > len(request.token_ids):

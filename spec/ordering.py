@@ -21,14 +21,21 @@ integer key and the queue is the blocks in ascending key order. The pool keeps
 two counters, `lo` (at most the smallest key ever given) and `hi` (at least
 the largest). A batch of k blocks sent left gets keys `lo - k + i` (i = 0..k-1,
 so it keeps its order and sits below everything); a batch sent right gets
-`hi + 1 + i`. Taking n blocks is selecting the n smallest keys.
+`hi + 1 + i`. Taking n blocks is selecting the n smallest keys. A fresh pool
+gives block b the key `initial_free_key(b)`, with `lo = 1` and `hi = n - 1`.
+
+The hit cap is arithmetic written the same way: `max_hit_blocks_rule` states
+`max_hit_blocks == (num_tokens - 1) // block_size` by the division rule
+(`block_size * q <= num_tokens - 1 < block_size * (q + 1)`), which z3 reasons
+about where it cannot reason about `//` on two unknowns; `num_hit_tokens` is
+what a request reuses, and `hit_tokens_within_cap` the rule it must obey.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 from kvspec.spec.state import BlockHash, BlockId
 
@@ -39,13 +46,19 @@ __all__ = [
     "Backend",
     "ProfileRule",
     "freed_goes_left",
+    "hit_tokens_within_cap",
+    "initial_free_key",
+    "initial_key_counters",
     "left_batch_key",
+    "max_hit_blocks_rule",
+    "num_hit_tokens",
     "place_freed",
     "profile_rule",
     "right_batch_key",
 ]
 
 T = TypeVar("T")  # a boolean of the backend: bool, or a z3 BoolRef
+N = TypeVar("N")  # an integer of the backend: int, or a z3 ArithRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +157,62 @@ def right_batch_key(hi: int, index: int) -> int:
     [7, 8]
     """
     return hi + 1 + index
+
+
+def initial_free_key(block_id: N) -> N:
+    """The key of a free block in a fresh pool: its id, so the queue starts in id order.
+
+    >>> [initial_free_key(b) for b in (1, 2, 3)]
+    [1, 2, 3]
+    """
+    return block_id
+
+
+def initial_key_counters(num_gpu_blocks: N) -> tuple[int, N]:
+    """`(lo, hi)` of a fresh pool: the smallest and largest initial key (block 0 is never free).
+
+    >>> initial_key_counters(4)
+    (1, 3)
+    """
+    return 1, cast(N, cast(int, num_gpu_blocks) - 1)
+
+
+def max_hit_blocks_rule(num_tokens: N, block_size: N, max_hit_blocks: N, logic: Backend[T]) -> T:
+    """Whether `max_hit_blocks == (num_tokens - 1) // block_size`, stated by the division rule.
+
+    For `block_size >= 1` exactly one integer satisfies it: the quotient. The
+    cap leaves the last prompt token uncached, because its logits sample the
+    first output token.
+
+    >>> [q for q in range(-2, 5) if max_hit_blocks_rule(9, 4, q, PY)], (9 - 1) // 4
+    ([2], 2)
+    """
+    b, q, last = cast(int, block_size), cast(int, max_hit_blocks), cast(int, num_tokens) - 1
+    return logic.and_(b * q <= last, last < b * (q + 1))
+
+
+def num_hit_tokens(block_size: N, num_cached_blocks: N, max_hit_blocks: N, logic: Backend[T]) -> N:
+    """The tokens a request reuses: whole blocks, `min(num_cached_blocks, max_hit_blocks)` of them.
+
+    `num_cached_blocks` is how many leading blocks of the request's hash chain
+    are cached; the manager stops at the first miss and at the cap.
+
+    >>> num_hit_tokens(4, 5, 2, PY), num_hit_tokens(4, 1, 2, PY)
+    (8, 4)
+    """
+    # Comparisons of backend integers are backend booleans: casts only tell mypy so.
+    fewer_cached = cast(T, cast(int, num_cached_blocks) < cast(int, max_hit_blocks))
+    capped = logic.ite(fewer_cached, num_cached_blocks, max_hit_blocks)
+    return cast(N, cast(int, block_size) * cast(int, capped))
+
+
+def hit_tokens_within_cap(num_tokens: N, num_hit: N, logic: Backend[T]) -> T:
+    """Whether a hit of `num_hit` tokens leaves the last of `num_tokens` prompt tokens to compute.
+
+    >>> hit_tokens_within_cap(9, 8, PY), hit_tokens_within_cap(8, 8, PY), hit_tokens_within_cap(8, -4, PY)
+    (True, False, False)
+    """
+    return logic.and_(cast(int, num_hit) >= 0, cast(int, num_hit) <= cast(int, num_tokens) - 1)
 
 
 def place_freed(

@@ -45,18 +45,21 @@ matter.
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import builtins
 import importlib
 import importlib.abc
 import importlib.machinery
+import inspect
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import types
 import zipfile
@@ -164,45 +167,50 @@ def fetch_release(
     """
     if not _VERSION_RE.match(version):
         raise LightModeError(f"cannot fetch vllm version={version!r}: not a release number")
-    root = (cache or cache_dir()) / version
+    base = cache or cache_dir()
+    root = base / version
     if (root / _MARKER).exists():
         return root
-    root.mkdir(parents=True, exist_ok=True)
-    downloaded: Path | None = None
-    if wheel is None:
-        download_dir = root / "wheel"
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--disable-pip-version-check", "-q", f"vllm=={version}", "-d", str(download_dir),
-        ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        wheels = sorted(download_dir.glob("vllm-*.whl"))
-        if proc.returncode != 0 or not wheels:
-            raise LightModeError(
-                f"cannot download vllm=={version}: pip exited rc={proc.returncode}; "
-                f"{proc.stderr.strip()[-500:]}"
-            )
-        wheel = downloaded = wheels[0]
-    wanted = set(release_files())
-    with zipfile.ZipFile(wheel) as zf:
-        names = set(zf.namelist())
-        if "vllm/v1/core/block_pool.py" not in names:
-            raise LightModeError(
-                f"cannot load vllm=={version} in light mode: its wheel has no "
-                "vllm/v1/core/block_pool.py (BlockPool first shipped in 0.8.0)"
-            )
-        for name in sorted(wanted & names):
-            target = root / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(zf.read(name))
-        wheel_name = Path(wheel).name
-    if downloaded is not None and not keep_wheel:
-        downloaded.unlink()
+    base.mkdir(parents=True, exist_ok=True)
+    # everything happens in a private folder that is renamed into place at the
+    # end, so concurrent fetches of one release never see a half-written one
+    work = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=base))
+    try:
+        if wheel is None:
+            cmd = [
+                sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                "--disable-pip-version-check", "-q", f"vllm=={version}", "-d", str(work / "wheel"),
+            ]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            wheels = sorted((work / "wheel").glob("vllm-*.whl"))
+            if proc.returncode != 0 or not wheels:
+                raise LightModeError(
+                    f"cannot download vllm=={version}: pip exited rc={proc.returncode}; {proc.stderr.strip()[-500:]}"
+                )
+            wheel = wheels[0]
+        extracted = work / "extracted"
+        with zipfile.ZipFile(wheel) as zf:
+            names = set(zf.namelist())
+            if "vllm/v1/core/block_pool.py" not in names:
+                raise LightModeError(
+                    f"cannot load vllm=={version} in light mode: its wheel has no "
+                    "vllm/v1/core/block_pool.py (BlockPool first shipped in 0.8.0)"
+                )
+            for name in sorted(set(release_files()) & names):
+                target = extracted / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(zf.read(name))
+        (extracted / _MARKER).write_text(Path(wheel).name + "\n")
+        if keep_wheel and wheel.parent == work / "wheel":
+            wheel.rename(extracted / wheel.name)
         try:
-            downloaded.parent.rmdir()
+            extracted.rename(root)
         except OSError:
-            pass
-    (root / _MARKER).write_text(wheel_name + "\n")
+            if not (root / _MARKER).exists():  # a stale, unfinished folder
+                shutil.rmtree(root)
+                extracted.rename(root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return root
 
 
@@ -217,6 +225,8 @@ class LightRelease:
         modules: Every loaded module, keyed by its vLLM name (``"vllm.envs"``).
         placeholders_used: ``"module:attribute"`` for every placeholder handed
             out so far (grows as the loaded code runs).
+        placeholders_at_load: ``placeholders_used`` as it stood right after
+            loading; anything beyond it was reached by running pool code.
     """
 
     version: str
@@ -224,6 +234,7 @@ class LightRelease:
     root: Path
     modules: dict[str, types.ModuleType] = field(default_factory=dict)
     placeholders_used: set[str] = field(default_factory=set)
+    placeholders_at_load: frozenset[str] = frozenset()
 
     def module(self, vllm_name: str) -> types.ModuleType:
         """Return a loaded module by its vLLM name, importing it if needed.
@@ -280,9 +291,13 @@ class LightRelease:
                 fn = mod.__dict__.get(name)
                 if callable(fn) and not isinstance(fn, _PlaceholderMeta) and name not in found:
                     found[name] = fn
-        src = (self.root / "vllm/v1/core/kv_cache_utils.py").read_text()
-        if re.search(r"\bhash_function\s*=\s*hash\b|\bhash\(\s*\(", src) or "builtin" in src:
-            found.setdefault("builtin", hash)
+        # releases whose block hash is an int (before 0.10.2) also accept
+        # Python's hash(); from 0.10.2 a hash must return bytes
+        block_hash = getattr(self.kv_cache_utils, "BlockHash", None)
+        if hasattr(self.kv_cache_utils, "BlockHashType") or (
+            isinstance(block_hash, type) and issubclass(block_hash, tuple)
+        ):
+            found["builtin"] = hash
         return found
 
     def make_pool(self, num_gpu_blocks: int, enable_caching: bool = True, **kwargs: Any) -> Any:
@@ -299,9 +314,7 @@ class LightRelease:
         Returns:
             A new ``BlockPool``.
         """
-        import inspect
-
-        params = inspect.signature(self.BlockPool.__init__).parameters
+        params = inspect.signature(self.BlockPool).parameters
         if "hash_block_size" in params and "hash_block_size" not in kwargs:
             kwargs["hash_block_size"] = 16
         return self.BlockPool(num_gpu_blocks, enable_caching, **kwargs)
@@ -344,8 +357,7 @@ def load_release(
             name = f"{base}__{_num_fresh}"
         if name in sys.modules:
             raise LightModeError(
-                f"cannot load vllm=={version} as package_name={name!r}: "
-                "a module of that name is already imported"
+                f"cannot load vllm=={version} as package_name={name!r}: a module of that name is already imported"
             )
         release = LightRelease(version=version, package_name=name, root=root)
         finder = _ReleaseFinder(release)
@@ -358,6 +370,7 @@ def load_release(
             for mod_name in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
                 del sys.modules[mod_name]
             raise
+        release.placeholders_at_load = frozenset(release.placeholders_used)
         if not fresh:
             _loaded[key] = release
         return release
@@ -437,9 +450,7 @@ def _module_source(root: Path, vllm_name: str) -> Path | None:
     """The extracted source of a module light mode runs (whole or partially)."""
     rel = vllm_name.replace(".", "/")
     for candidate in (f"{rel}.py", f"{rel}/__init__.py"):
-        if candidate in _WHOLE_MODULES or (
-            vllm_name in _PARTIAL_DEFS and (root / candidate).exists()
-        ):
+        if candidate in _WHOLE_MODULES or (vllm_name in _PARTIAL_DEFS and (root / candidate).exists()):
             path = root / candidate
             if path.exists():
                 return path
@@ -504,9 +515,10 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         assert vllm_name is not None, f"spec.name={spec.name!r} is not this release's"
         module: types.ModuleType
         if vllm_name in _PARTIAL_DEFS or spec.origin is None:
-            module = _PlaceholderModule(spec.name)
-            module._kvspec_release = self.release  # type: ignore[attr-defined]
-            module._kvspec_vllm_name = vllm_name  # type: ignore[attr-defined]
+            placeholder = _PlaceholderModule(spec.name)
+            placeholder._kvspec_release = self.release
+            placeholder._kvspec_vllm_name = vllm_name
+            module = placeholder
         else:
             module = types.ModuleType(spec.name)
         return module
@@ -531,9 +543,7 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         else:
             exec(compile(source, str(path), "exec"), module.__dict__)
 
-    def _exec_partial(
-        self, module: types.ModuleType, source: str, path: Path, wanted: Iterable[str]
-    ) -> None:
+    def _exec_partial(self, module: types.ModuleType, source: str, path: Path, wanted: Iterable[str]) -> None:
         """Run only the top-level statements that define ``wanted``, transitively."""
         tree = ast.parse(source, str(path))
         defines: dict[str, list[int]] = {}

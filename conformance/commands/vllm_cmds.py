@@ -1,0 +1,107 @@
+"""`kvspec oracle` and `kvspec hashes`: kvspec against real vLLM releases."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+EXIT_OK, EXIT_DIVERGES, EXIT_COULD_NOT_RUN = 0, 1, 2
+
+
+def register(subparsers: Any) -> None:
+    """Add the `oracle` and `hashes` subcommands."""
+    p = subparsers.add_parser(
+        "oracle",
+        help="check vLLM releases, each in its own process, and print one matrix",
+        description="Run the harness against each vLLM release (pool level in light mode from the release's "
+        "wheel; request level in a virtual environment per release, created on demand) and print "
+        "version x (level, caching, profile, hash compatibility), with notes on known bugs found.",
+    )
+    p.add_argument("--vllm", nargs="*", default=[], metavar="VERSION", help="releases, e.g. 0.10.2 0.11.2 0.33.0")
+    p.add_argument("--all", action="store_true", help="every release from 0.8.0 to the newest")
+    p.add_argument("--level", choices=("pool", "manager", "both"), default="pool")
+    p.add_argument("--caching", choices=("on", "off", "both"), default="both")
+    p.add_argument("--max-examples", type=int, default=100, help="harness examples per profile and caching setting")
+    p.add_argument("--time-budget", type=float, default=120.0, help="harness seconds per release and level")
+    p.add_argument("--trace-dir", default="kvspec-oracle-traces", help="where divergence traces are written")
+    p.add_argument("--json", action="store_true", help="print the matrix as JSON")
+    p.add_argument("--bench", action="store_true", help="instead: benchmark the reference against vLLM's BlockPool")
+    p.add_argument("--bench-version", default=None, help="the release to benchmark (default: the newest)")
+    p.set_defaults(run=run_oracle_cmd)
+
+    h = subparsers.add_parser(
+        "hashes",
+        help="golden hash vectors: kvspec's block-hash chain against vLLM's, on the same inputs",
+    )
+    h.add_argument("--impl", choices=("vllm",), default="vllm")
+    h.add_argument("--version", default=None, help="a release to load in light mode (default: the installed vLLM)")
+    h.add_argument("--json", action="store_true")
+    h.add_argument("--verbose", action="store_true", help="print every vector")
+    h.set_defaults(run=run_hashes_cmd)
+
+
+def run_oracle_cmd(args: argparse.Namespace) -> int:
+    """Run the oracle; exit 0 when every cell ran, 2 when one could not (divergences are findings, not errors)."""
+    from kvspec.conformance.vllm import oracle
+    from kvspec.conformance.vllm.releases import RELEASES
+
+    if args.bench:
+        from kvspec.benchmarks.vllm_bench import main as bench_main
+
+        return bench_main(args.bench_version or RELEASES[-1])
+    versions = list(RELEASES) if args.all else list(args.vllm)
+    if not versions:
+        print("kvspec oracle: name releases with --vllm X [Y ...] or use --all", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
+    levels = ["pool", "manager"] if args.level == "both" else [args.level]
+    cachings = ["on", "off"] if args.caching == "both" else [args.caching]
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    rows = oracle.run_oracle(
+        versions,
+        levels=levels,
+        caching=args.caching,
+        max_examples=args.max_examples,
+        time_budget=args.time_budget,
+        trace_dir=args.trace_dir,
+        log=log,
+    )
+    if args.json:
+        print(json.dumps(oracle.rows_to_json(rows), indent=1))
+    else:
+        print(oracle.format_matrix(rows, levels, cachings))
+    ran = all(c.status == "ran" for row in rows for c in row.cells.values())
+    return EXIT_OK if ran else EXIT_COULD_NOT_RUN
+
+
+def run_hashes_cmd(args: argparse.Namespace) -> int:
+    """Compare the chains; exit 0 when every vector matches, 1 when one differs, 2 when vLLM cannot be loaded."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    from kvspec.conformance.vllm.hashes import compare_release
+
+    try:
+        report = compare_release(args.version)
+    except (ImportError, RuntimeError) as e:
+        print(f"kvspec hashes: cannot load vLLM: {e}", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        print(f"vllm=={report.version} ({report.source}) against kvspec.spec.hashing: {report.summary()}")
+        for r in report.results:
+            if args.verbose or not r.match:
+                seed = "unset" if r.seed is None else r.seed
+                mark = "ok  " if r.match else "DIFF"
+                print(f"  {mark} {r.hash_fn:<12} PYTHONHASHSEED={seed:<6} {r.case:<24} "
+                      f"vllm {' '.join(h[:12] for h in r.vllm)}")  # fmt: skip
+                if not r.match:
+                    print(f"{'':>53}kvspec {' '.join(h[:12] for h in r.kvspec)}")
+        for s in report.skipped:
+            print(f"  skipped: {s}")
+    return EXIT_OK if report.compatible else EXIT_DIVERGES

@@ -1,0 +1,548 @@
+"""The regression oracle: the harness against vLLM releases, one isolated process each, as one matrix.
+
+For each release, and for each level (pool, request) and caching setting
+(on, off), the harness runs against every vLLM profile; a release conforms to
+the profiles whose checks pass, and for each profile it breaks there is the
+shortest trace that shows it. Directed probes then replay the caller mistakes
+and historical bugs of vLLM's block manager on the release (a double free, the
+null block freed or touched, a block registered twice, usage counting the null
+block, a hash left behind by eviction, reset while blocks are held) and record
+what the release does; ``kvspec hashes`` adds hash compatibility.
+
+Design choice: every release runs in its own subprocess under a time budget.
+The pool level runs in this environment in light mode (the release's real
+``block_pool.py`` from its wheel); the request level needs vLLM installed, so
+it runs in a virtual environment per release, created on demand under the
+cache folder with the lean recipe (``pip install --no-deps vllm==X``, the CPU
+build of torch 2.13.0, a short list of dependencies). The rejected
+alternative, one process for all releases, would let one release's import
+side effects (NONE_HASH, loggers, a hang) spill into the next one's verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.vllm.releases import RELEASES, version_key
+
+__all__ = [
+    "PROFILES",
+    "PROBES",
+    "Cell",
+    "ReleaseRow",
+    "detect_profiles",
+    "ensure_venv",
+    "format_matrix",
+    "run_oracle",
+    "run_probes",
+    "venv_root",
+]
+
+# The spec profiles a vLLM v1 release can conform to.
+PROFILES: tuple[str, ...] = ("vllm-v1", "vllm-v1-tail")
+
+# Pinned: the CPU build on the registry; an unpinned torch is a multi-GB CUDA download.
+TORCH_PIN = "torch==2.13.0+cpu"
+# What importing vLLM's KVCacheManager, Request and SamplingParams needs on a CPU.
+LEAN_DEPS: tuple[str, ...] = (
+    "packaging", "psutil", "pyzmq", "urllib3", "regex", "numpy", "msgspec", "pydantic", "cbor2",
+    "aiohttp", "requests", "openai", "openai_harmony", "pillow", "pybase64", "cachetools", "cloudpickle",
+    "uvloop", "py-cpuinfo", "prometheus_client", "fastapi", "partial-json-parser", "blake3", "sentencepiece",
+    "tokenizers", "pyyaml", "einops", "setproctitle", "diskcache", "llguidance",
+)  # fmt: skip
+# Import names that differ from their distribution's name (for the missing-module loop).
+_MODULE_TO_DIST = {"yaml": "pyyaml", "cv2": "opencv-python-headless", "google": "protobuf", "PIL": "pillow",
+                   "cpuinfo": "py-cpuinfo", "zmq": "pyzmq"}  # fmt: skip
+_IMPORT_CHECK = (
+    "from vllm.v1.core.kv_cache_manager import KVCacheManager; from vllm.v1.request import Request; "
+    "from vllm import SamplingParams; print('IMPORT OK')"
+)
+
+
+# ---------------------------------------------------------------------------
+# profile detection
+
+
+def detect_profiles(
+    factory: Callable[[AdapterConfig], Any],
+    level: str = "pool",
+    enable_caching: bool = True,
+    max_examples: int = 200,
+    *,
+    time_budget_s: float | None = None,
+    trace_dir: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run the harness against ``factory`` once per vLLM profile.
+
+    Wiring ``kvspec check --impl vllm --profile auto``: call this instead of one
+    ``run_check``, print one line per profile (its verdict, and for a broken
+    profile the failure's story and trace path), exit 0 if some profile
+    conforms, 1 if none does, 2 if none could run.
+
+    Args:
+        factory: The adapter factory.
+        level: ``"pool"`` or ``"manager"``.
+        enable_caching: Prefix caching on or off.
+        max_examples: Examples per profile.
+        time_budget_s: Split evenly across the profiles.
+        trace_dir: Where failing traces go.
+        seed: The harness seed.
+
+    Returns:
+        ``{profile: CheckResult}`` for every profile in ``PROFILES``.
+    """
+    from kvspec.conformance.runner import run_check
+
+    budget = None if time_budget_s is None else time_budget_s / len(PROFILES)
+    return {
+        profile: run_check(
+            factory,
+            level=level,
+            enable_caching=enable_caching,
+            profile=profile,
+            max_examples=max_examples,
+            seed=seed,
+            time_budget_s=budget,
+            trace_dir=trace_dir,
+        )
+        for profile in PROFILES
+    }
+
+
+# ---------------------------------------------------------------------------
+# directed probes: vLLM's historical block-manager bugs, one short trace each
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A short pool-level scenario that shows one known bug or caller mistake, if the release has it."""
+
+    name: str  # what the release does when the probe diverges, in a few words
+    steps: tuple[tuple[str, tuple[Any, ...]], ...]  # (op, args) in order
+    needs: str | None = None  # "null_block": only for releases that have one
+
+
+def _h(n: int) -> bytes:
+    return bytes([0xA0 + n]) * 4
+
+
+PROBES: tuple[Probe, ...] = (
+    Probe(
+        "double free accepted silently", (("get_new_blocks", (1,)), ("free_blocks", ([1],)), ("free_blocks", ([1],)))
+    ),
+    Probe("null block freed", (("free_blocks", ([0],)),), needs="null_block"),
+    Probe("null block touched", (("touch", ([0],)),), needs="null_block"),
+    Probe(
+        "cached block registered again",
+        (("get_new_blocks", (1,)), ("cache_full_blocks", ([1], [_h(1)])), ("cache_full_blocks", ([1], [_h(2)]))),
+    ),
+    Probe("free block registered", (("cache_full_blocks", ([1], [_h(1)])),)),
+    Probe("usage counts the null block", (("get_new_blocks", (1,)), ("get_usage", ()))),
+    Probe(
+        "hash left behind by eviction",
+        (
+            ("get_new_blocks", (1,)),
+            ("cache_full_blocks", ([1], [_h(3)])),
+            ("free_blocks", ([1],)),
+            ("get_new_blocks", (3,)),
+            ("get_cached_block", (_h(3),)),
+        ),
+    ),  # fmt: skip
+    Probe("reset accepted while blocks are held", (("get_new_blocks", (1,)), ("reset_prefix_cache", ()))),
+    Probe(
+        "reset refused with every block free",
+        (("get_new_blocks", (2,)), ("free_blocks", ([2, 1],)), ("reset_prefix_cache", ())),
+    ),  # fmt: skip
+)
+
+
+@dataclass(slots=True)
+class ProbeResult:
+    """What one probe found on one release."""
+
+    name: str  # Probe.name
+    verdict: str  # "conforms" (the bug is absent) or what the harness called the failure
+    step: int | None = None  # the step that shows it
+    op: str | None = None  # its operation
+    message: str = ""  # the harness's explanation
+    trace_path: str | None = None  # a trace `kvspec replay` replays to the same verdict
+
+
+def run_probes(
+    factory: Callable[[AdapterConfig], Any],
+    profile: str,
+    trace_dir: str | None,
+    impl_name: str,
+    num_gpu_blocks: int = 4,
+) -> list[ProbeResult]:
+    """Run every probe against ``factory`` through the harness's lock-step (no shrinking needed: each is minimal).
+
+    Returns:
+        One result per probe that the adapter can run.
+    """
+    from kvspec.conformance.machine import ConformanceFailure, LockStep
+    from kvspec.conformance.trace import Trace, write_trace
+
+    results: list[ProbeResult] = []
+    config = AdapterConfig(level="pool", num_gpu_blocks=num_gpu_blocks, enable_caching=True, profile=profile)
+    for probe in PROBES:
+        lock = LockStep(factory, config)
+        if any(not callable(getattr(lock.adapter, op, None)) for op, _ in probe.steps):
+            continue  # an operation this release lacks
+        if probe.needs == "null_block" and not getattr(lock.adapter, "has_null_block", True):
+            continue  # 0.8.0 to 0.8.2: there is no null block to misuse
+        result = ProbeResult(probe.name, "conforms")
+        try:
+            lock.check()
+            for op, args in probe.steps:
+                lock.call(op, *[list(a) if isinstance(a, list) else a for a in args])
+                lock.check()
+        except ConformanceFailure as failure:
+            result = ProbeResult(probe.name, failure.kind, failure.step_index, failure.op, failure.message)
+            if trace_dir is not None:
+                slug = probe.name.replace(" ", "-")
+                path = Path(trace_dir) / f"{impl_name.replace('@', '-')}-probe-{slug}.trace.jsonl"
+                failure_info = {"kind": failure.kind, "step": failure.step_index, "op": failure.op,
+                                "message": failure.message, "invariant": failure.invariant}  # fmt: skip
+                trace = Trace(config, tuple(lock.records), impl_name, failure.kind, failure_info)
+                result.trace_path = str(write_trace(path, trace))
+        results.append(result)
+    return results
+
+
+# ---------------------------------------------------------------------------
+# one release, in its own process
+
+
+@dataclass(slots=True)
+class Cell:
+    """One (level, caching) cell of the matrix: a verdict per profile."""
+
+    status: str  # "ran", "n/a" or "could not install" / "could not run"
+    why: str = ""  # for a cell that did not run
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # profile -> verdict, trace, story, steps
+    steps_per_s: float | None = None  # harness speed against this release
+
+    def conforms_to(self) -> list[str]:
+        """The profiles whose check passed."""
+        return [p for p, r in self.profiles.items() if r["verdict"] == "conforms"]
+
+
+@dataclass(slots=True)
+class ReleaseRow:
+    """Everything the oracle found on one release."""
+
+    version: str  # the release
+    cells: dict[str, Cell] = field(default_factory=dict)  # "pool/on", "pool/off", "manager/on", "manager/off"
+    hashes: str = ""  # the hash-compatibility summary
+    probes: list[ProbeResult] = field(default_factory=list)  # the directed probes (pool level)
+    notes: list[str] = field(default_factory=list)  # findings in words
+
+
+def _result_json(result: Any) -> dict[str, Any]:
+    failure = getattr(result, "failure", None)
+    out: dict[str, Any] = {"verdict": result.verdict, "steps_run": getattr(result, "steps_run", None)}
+    if failure is not None:
+        out.update(
+            step=failure.step_index,
+            op=failure.op,
+            message=failure.message,
+            trace=failure.trace_path,
+            num_steps=failure.num_steps,
+        )
+    return out
+
+
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Run one release at one level, in this process; returns the row's part as JSON."""
+    logging.disable(logging.WARNING)  # vLLM logs every refused reset; the verdicts say it all
+    from kvspec.conformance.vllm.adapter import make_installed_adapter, make_light_adapter
+
+    version: str = args.worker
+    light = args.level == "pool"
+    factory = make_light_adapter(version) if light else make_installed_adapter
+    impl_name = f"vllm@{version}" if light else "vllm"
+    row: dict[str, Any] = {"version": version, "cells": {}, "probes": [], "hashes": ""}
+    cachings = [True, False] if args.caching == "both" else [args.caching == "on"]
+    budget = None if args.time_budget is None else args.time_budget / (len(cachings) + 1)
+    for caching in cachings:
+        key = f"{args.level}/{'on' if caching else 'off'}"
+        start = time.monotonic()
+        results = detect_profiles(factory, args.level, caching, args.max_examples,
+                                  time_budget_s=budget, trace_dir=args.trace_dir)  # fmt: skip
+        elapsed = time.monotonic() - start
+        steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())
+        row["cells"][key] = asdict(Cell("ran", "", {p: _result_json(r) for p, r in results.items()},
+                                        steps / elapsed if elapsed > 0 else None))  # fmt: skip
+    if light:
+        cell = row["cells"].get("pool/on")
+        conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == "conforms"]
+        probe_profile = conforming[0] if conforming else PROFILES[0]
+        row["probes"] = [asdict(r) for r in run_probes(factory, probe_profile, args.trace_dir, impl_name)]
+        from kvspec.conformance.vllm.hashes import compare_release
+
+        row["hashes"] = compare_release(version, seeds=(None, "0"), builtin_in_subprocess=True).summary()
+    return row
+
+
+# ---------------------------------------------------------------------------
+# environments for the request level
+
+
+def venv_root() -> Path:
+    """Where the per-release virtual environments live: beside the light-mode cache."""
+    from kvspec.conformance.vllm.lightmode import cache_dir
+
+    return cache_dir().parent / "vllm-venvs"
+
+
+def _kvspec_source() -> Path | None:
+    """The kvspec project folder, when kvspec runs from a checkout (editable install)."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").exists() else None
+
+
+def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Path:
+    """A virtual environment with vLLM ``version`` and kvspec, created once under ``venv_root()``.
+
+    The lean recipe: ``pip install --no-deps vllm==X``, ``torch==2.13.0+cpu``,
+    ``LEAN_DEPS`` (and ``transformers<4.54`` before 0.24, whose imports break on
+    later ones), then up to 12 rounds of installing whatever module the import
+    of vLLM's KVCacheManager still misses, then kvspec itself without
+    dependencies plus hypothesis and icontract.
+
+    Returns:
+        The environment's python.
+
+    Raises:
+        RuntimeError: a step failed; the message names the step and pip's last words.
+    """
+    root = venv_root() / version
+    python = root / "bin" / "python"
+    done = root / "KVSPEC_READY"
+    if done.exists():
+        return python
+
+    def run(cmd: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
+        log(f"vllm=={version}: {what}")
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
+        if proc.returncode != 0 and "IMPORT" not in what:
+            tail = "\n".join(line for line in proc.stderr.splitlines() if "WARNING" not in line)[-600:]
+            raise RuntimeError(f"{what} failed (rc={proc.returncode}): {tail}")
+        return proc
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "venv", str(root)], "create the environment")
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    run([*pip, "--no-deps", f"vllm=={version}"], "pip install --no-deps vllm")
+    run([*pip, TORCH_PIN], f"pip install {TORCH_PIN}")
+    transformers = "transformers>=4.51.1,<4.54" if version_key(version) < version_key("0.24.0") else "transformers"
+    run([*pip, *LEAN_DEPS, transformers], "pip install the lean dependencies")
+    run([*pip, "--no-deps", "xgrammar", "apache-tvm-ffi"], "pip install --no-deps xgrammar")
+    for _ in range(12):
+        proc = run([str(python), "-c", _IMPORT_CHECK], "IMPORT check")
+        if "IMPORT OK" in proc.stdout:
+            break
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        if "No module named '" not in last:
+            raise RuntimeError(f"importing vLLM's KVCacheManager fails: {last}")
+        module = last.split("No module named '")[1].split("'")[0].split(".")[0]
+        run([*pip, _MODULE_TO_DIST.get(module, module)], f"pip install {module} (missing at import)")
+    else:
+        raise RuntimeError("importing vLLM's KVCacheManager still misses modules after 12 rounds")
+    source = _kvspec_source()
+    if source is None:
+        raise RuntimeError("kvspec is not running from a source checkout; cannot install it into the environment")
+    run([*pip, "--no-deps", "-e", str(source)], "pip install kvspec")
+    run([*pip, "hypothesis", "icontract", "cbor2"], "pip install kvspec's dependencies")
+    done.write_text(version + "\n")
+    return python
+
+
+# ---------------------------------------------------------------------------
+# the matrix
+
+
+def _spawn(
+    python: Path | str, version: str, level: str, caching: str, max_examples: int, time_budget: float | None,
+    trace_dir: str, env: dict[str, str],
+) -> dict[str, Any]:  # fmt: skip
+    cmd = [str(python), "-m", "kvspec.conformance.vllm.oracle", "--worker", version, "--level", level,
+           "--caching", caching, "--max-examples", str(max_examples), "--trace-dir", trace_dir]  # fmt: skip
+    if time_budget is not None:
+        cmd += ["--time-budget", str(time_budget)]
+    # the budget is the harness's; import and start-up get a fixed allowance on top
+    timeout = None if time_budget is None else time_budget * 1.5 + 120
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"could not run: no answer within {timeout:.0f} s"}
+    if proc.returncode != 0:
+        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
+        return {"error": f"could not run: worker exited rc={proc.returncode}: {tail[0][:300]}"}
+    try:
+        parsed: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"error": f"could not run: worker printed no result ({proc.stdout[-200:]!r})"}
+    return parsed
+
+
+def _notes(row: ReleaseRow) -> list[str]:
+    """Findings in words, from the cells and probes."""
+    notes: list[str] = []
+    on, off = row.cells.get("pool/on"), row.cells.get("pool/off")
+    if on and on.status == "ran":
+        got = on.conforms_to()
+        if got == ["vllm-v1-tail"]:
+            notes.append("free order: every freed block to the right end (vllm-v1-tail)")
+        if on and off and off.status == "ran" and got and off.conforms_to() and set(got) != set(off.conforms_to()):
+            notes.append(f"free order flips when caching is off: on conforms to {', '.join(got)}, "
+                         f"off to {', '.join(off.conforms_to())}")  # fmt: skip
+    for p in row.probes:
+        if p.verdict != "conforms":
+            notes.append(f"{p.name} (step {p.step} {p.op}: {p.message[:120]}; trace {p.trace_path})")
+    return notes
+
+
+def run_oracle(
+    versions: Sequence[str],
+    *,
+    levels: Sequence[str] = ("pool",),
+    caching: str = "both",
+    max_examples: int = 100,
+    time_budget: float | None = 120.0,
+    trace_dir: str = "kvspec-oracle-traces",
+    log: Callable[[str], None] = lambda _: None,
+) -> list[ReleaseRow]:
+    """Run the oracle over releases: one subprocess per (release, level).
+
+    Args:
+        versions: Releases, e.g. ``["0.10.2", "0.33.0"]``.
+        levels: ``"pool"`` (light mode) and/or ``"manager"`` (an environment per release).
+        caching: ``"on"``, ``"off"`` or ``"both"``.
+        max_examples: Harness examples per (profile, caching).
+        time_budget: Seconds of harness time per (release, level).
+        trace_dir: Where traces go.
+        log: Progress messages.
+
+    Returns:
+        One row per release, in the order given.
+    """
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    cachings = ["on", "off"] if caching == "both" else [caching]
+    rows: list[ReleaseRow] = []
+    for version in versions:
+        row = ReleaseRow(version)
+        for level in levels:
+            env = dict(os.environ)
+            env.pop("KVSPEC_VLLM_VERSION", None)
+            python: Path | str = sys.executable
+            if level == "manager":
+                try:
+                    python = ensure_venv(version, log)
+                except RuntimeError as e:
+                    for c in cachings:
+                        row.cells[f"{level}/{c}"] = Cell("could not install", str(e)[:300])
+                    continue
+            log(f"vllm=={version}: {level} level")
+            data = _spawn(python, version, level, caching, max_examples, time_budget, trace_dir, env)
+            if "error" in data:
+                for c in cachings:
+                    row.cells[f"{level}/{c}"] = Cell("could not run", data["error"])
+                continue
+            for key, cell in data["cells"].items():
+                row.cells[key] = Cell(**cell)
+            if level == "pool":
+                row.probes = [ProbeResult(**p) for p in data["probes"]]
+                row.hashes = data["hashes"]
+        row.notes = _notes(row)
+        rows.append(row)
+    return rows
+
+
+def _cell_text(cell: Cell | None, footnotes: list[str]) -> str:
+    if cell is None:
+        return "n/a"
+    if cell.status != "ran":
+        return f"{cell.status}"
+    parts = []
+    for profile, r in cell.profiles.items():
+        short = profile.replace("vllm-", "")
+        if r["verdict"] == "conforms":
+            parts.append(f"{short} ok")
+        else:
+            footnotes.append(f"{r['verdict']} under {profile} at step {r.get('step')} ({r.get('op')}): "
+                             f"{str(r.get('message', ''))[:160]}  trace: {r.get('trace')}")  # fmt: skip
+            parts.append(f"{short} {r['verdict']}[{len(footnotes)}]")
+    return ", ".join(parts)
+
+
+def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: Sequence[str]) -> str:
+    """The matrix as text: one line per release, footnotes for every divergence and every cell that did not run."""
+    footnotes: list[str] = []
+    keys = [f"{lv}/{c}" for lv in levels for c in cachings]
+    header = ["version", *[k.replace("manager", "request") for k in keys], "hashes"]
+    table: list[list[str]] = []
+    for row in rows:
+        cells = []
+        for k in keys:
+            cell = row.cells.get(k)
+            if cell is not None and cell.status != "ran":
+                footnotes.append(f"{row.version} {k}: {cell.status}: {cell.why}")
+                cells.append(f"{cell.status}[{len(footnotes)}]")
+            else:
+                cells.append(_cell_text(cell, footnotes))
+        table.append([row.version, *cells, row.hashes.split(":")[0] if row.hashes else "n/a"])
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table]
+    lines.append("")
+    lines.append("notes:")
+    for row in rows:
+        for note in row.notes:
+            lines.append(f"  {row.version}: {note}")
+        if row.hashes and not row.hashes.startswith("compatible"):
+            lines.append(f"  {row.version}: hashes {row.hashes[:300]}")
+    if footnotes:
+        lines.append("")
+        lines += [f"[{i}] {text}" for i, text in enumerate(footnotes, 1)]
+    return "\n".join(lines)
+
+
+def rows_to_json(rows: Sequence[ReleaseRow]) -> list[dict[str, Any]]:
+    """The rows as plain data, for ``--json``."""
+    return [asdict(row) for row in rows]
+
+
+def all_releases() -> tuple[str, ...]:
+    """Every release the oracle knows, oldest first."""
+    return RELEASES
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvspec.conformance.vllm.oracle")
+    parser.add_argument("--worker", required=True, help="the release to check in this process")
+    parser.add_argument("--level", choices=("pool", "manager"), default="pool")
+    parser.add_argument("--caching", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--max-examples", type=int, default=100)
+    parser.add_argument("--time-budget", type=float, default=None)
+    parser.add_argument("--trace-dir", default="kvspec-oracle-traces")
+    args = parser.parse_args(argv)
+    print(json.dumps(_worker(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

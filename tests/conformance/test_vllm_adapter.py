@@ -1,0 +1,130 @@
+"""vLLM's own BlockPool (light mode, every release) behind the adapter (KVSPEC_VLLM=1).
+
+Each release's API generation is detected from its code; these tests pin the
+detection to the measured per-release facts, replay the scenarios that show
+vLLM's known pool behaviours with explicit block ids, and run the harness
+against the newest release.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvspec.conformance.adapter import AdapterConfig, capabilities
+from kvspec.conformance.vllm.adapter import (
+    VllmPoolAdapter,
+    factory_for,
+    light_release,
+    make_light_adapter,
+    make_pool_adapter,
+)
+from kvspec.conformance.vllm.oracle import run_probes
+from kvspec.conformance.vllm.releases import RELEASES, facts_for
+from kvspec.spec.errors import InvalidBlock, PoolExhausted
+from kvspec.spec.state import BlockHash, BlockId
+
+pytestmark = pytest.mark.vllm
+logging.disable(logging.WARNING)
+
+H1, H2 = BlockHash(b"\x00\x01"), BlockHash(b"\xff")
+
+
+def _pool(version: str, n: int = 8, caching: bool = True) -> VllmPoolAdapter:
+    return make_pool_adapter(
+        light_release(version), AdapterConfig(level="pool", num_gpu_blocks=n, enable_caching=caching)
+    )
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_detected_api_generation_matches_the_release_facts(version: str) -> None:
+    facts = facts_for(version)
+    adapter = _pool(version)
+    assert adapter.has_null_block == facts.has_null_block
+    assert adapter.touch_shape == facts.touch_shape
+    assert adapter.hash_key_kind == facts.hash_key_kind
+    expected = {op for op, has in (("evict_blocks", facts.has_evict_blocks),
+                                   ("is_block_writable", facts.has_is_block_writable)) if has}  # fmt: skip
+    # get_num_free_blocks and get_usage exist in every release
+    assert capabilities(adapter) - {"get_num_free_blocks", "get_usage"} == expected
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_free_order_scenario_with_explicit_ids(version: str) -> None:
+    # free [7,6] (no hash), then [3, 2h, 1h] tail first, then [5,4]: the order checks the eviction order
+    facts = facts_for(version)
+    pool = _pool(version)
+    assert pool.get_new_blocks(7) == [1, 2, 3, 4, 5, 6, 7]
+    pool.cache_full_blocks([BlockId(1), BlockId(2)], [H1, H2])
+    pool.free_blocks([BlockId(7), BlockId(6)])
+    pool.free_blocks([BlockId(3), BlockId(2), BlockId(1)])
+    pool.free_blocks([BlockId(5), BlockId(4)])
+    queue = list(pool.snapshot().free_queue)
+    if facts.free_order == "all_right":
+        assert queue == [7, 6, 3, 2, 1, 5, 4]
+    else:
+        assert queue == [5, 4, 3, 7, 6, 2, 1]
+    assert pool.get_cached_block(H1) == 1 and pool.get_cached_block(H2) == 2
+    snap = pool.snapshot()
+    assert snap.block_hash[1] == H1 and snap.block_hash[2] == H2
+    assert dict(snap.hash_to_blocks) == {H1: (1,), H2: (2,)}
+
+
+@pytest.mark.parametrize("version", ["0.8.0", "0.23.0", "0.27.0", "0.28.0", "0.33.0"])
+def test_free_end_without_caching(version: str) -> None:
+    pool = _pool(version, caching=False)
+    pool.get_new_blocks(7)
+    pool.free_blocks([BlockId(7), BlockId(6)])
+    pool.free_blocks([BlockId(1), BlockId(2)])
+    expected = [1, 2, 7, 6] if facts_for(version).free_end_without_caching == "left" else [7, 6, 1, 2]
+    assert list(pool.snapshot().free_queue) == expected
+
+
+@pytest.mark.parametrize("version", ["0.8.0", "0.9.1", "0.33.0"])
+def test_over_allocation_is_pool_exhausted_and_changes_nothing(version: str) -> None:
+    pool = _pool(version, n=4)
+    before = pool.snapshot()
+    with pytest.raises(PoolExhausted, match=r"^cannot allocate num_blocks=4: 3 free of num_gpu_blocks=4 "):
+        pool.get_new_blocks(4)
+    assert pool.snapshot() == before
+
+
+def test_release_without_null_block_shifts_ids_and_names_no_block_0() -> None:
+    pool = _pool("0.8.0", n=4)
+    assert list(pool.snapshot().free_queue) == [1, 2, 3]
+    with pytest.raises(InvalidBlock, match=r"^free_blocks: block_id=0 names no block of vllm==0.8.0"):
+        pool.free_blocks([BlockId(0)])
+
+
+@pytest.mark.parametrize("version", RELEASES)
+def test_double_free_is_accepted_silently_in_every_release(version: str, tmp_path: object) -> None:
+    # vLLM never checks: ref_cnt goes to -1 and the harness reports the divergence with a trace
+    profile = "vllm-v1" if facts_for(version).matches_seed_order else "vllm-v1-tail"
+    results = {r.name: r for r in run_probes(make_light_adapter(version), profile, str(tmp_path), f"vllm@{version}")}
+    double = results["double free accepted silently"]
+    assert (double.verdict, double.step, double.op) == ("diverges", 3, "free_blocks")
+    assert double.trace_path is not None
+    assert results["hash left behind by eviction"].verdict == "conforms"
+    assert results["reset accepted while blocks are held"].verdict == "conforms"
+    usage = results["usage counts the null block"].verdict
+    assert usage == ("conforms" if not facts_for(version).usage_counts_null or not facts_for(version).has_null_block
+                     else "diverges")  # fmt: skip
+
+
+def test_factory_names() -> None:
+    assert factory_for("vllm@0.24.0").__name__ == "vllm@0.24.0"
+    with pytest.raises(ValueError, match=r"^impl='vllm@' is not"):
+        factory_for("vllm@")
+
+
+@pytest.mark.parametrize(("version", "caching"), [("0.33.0", True), ("0.33.0", False), ("0.10.2", True)])
+def test_harness_conforms_under_the_release_profile(version: str, caching: bool) -> None:
+    from kvspec.conformance.runner import run_check
+
+    facts = facts_for(version)
+    end = facts.free_end_without_caching if not caching else ("left" if facts.matches_seed_order else "right")
+    profile = "vllm-v1" if end == "left" else "vllm-v1-tail"
+    result = run_check(make_light_adapter(version), level="pool", enable_caching=caching, profile=profile,
+                       max_examples=100)  # fmt: skip
+    assert result.verdict == "conforms", result.failure

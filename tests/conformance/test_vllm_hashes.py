@@ -1,0 +1,60 @@
+"""kvspec's block-hash chain against vLLM's.
+
+The unmarked test needs no vLLM: it checks kvspec's chain against the vectors
+vLLM 0.33.0's own hasher produced (``conformance/vllm/golden_hashes.json``).
+The ``vllm`` tests recompute vLLM's side (KVSPEC_VLLM=1).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvspec.conformance.vllm.hashes import GOLDEN_CASES, compare_release, golden_vectors, kvspec_chain
+
+
+def test_kvspec_chain_equals_vllm_0_33_golden_vectors() -> None:
+    cases = {c.name: c for c in GOLDEN_CASES}
+    vectors = golden_vectors()
+    assert {(v["case"], v["hash_fn"]) for v in vectors} == {(c, f) for c in cases for f in ("sha256", "sha256_cbor")}
+    for v in vectors:
+        ours = [h.hex() for h in kvspec_chain(cases[v["case"]], v["hash_fn"], v["pythonhashseed"])]
+        assert ours == v["block_hashes"], (v["case"], v["hash_fn"], v["pythonhashseed"])
+
+
+def test_without_lora_path_the_lora_chain_differs_from_vllm() -> None:
+    # The LoRA path is part of vLLM 0.31+'s key: leaving it out must change the chain.
+    lora = next(c for c in GOLDEN_CASES if c.name == "lora")
+    vector = next(v for v in golden_vectors() if v["case"] == "lora" and v["hash_fn"] == "sha256")
+    ours = [h.hex() for h in kvspec_chain(lora, "sha256", vector["pythonhashseed"], lora_path=False)]
+    assert ours != vector["block_hashes"]
+
+
+@pytest.mark.vllm
+def test_newest_release_matches_every_vector_in_light_mode() -> None:
+    logging.disable(logging.WARNING)
+    report = compare_release("0.33.0")
+    assert report.compatible, report.summary()
+    assert {r.hash_fn for r in report.results} == {"sha256", "sha256_cbor"}
+    assert len(report.results) == len(GOLDEN_CASES) * 2 * 3
+
+
+@pytest.mark.vllm
+def test_builtin_hash_agrees_under_the_same_pythonhashseed() -> None:
+    # 0.10.1.1 is the last release with builtin hash(); without extra keys its
+    # chain is kvspec's (NONE_HASH = hash(seed), chained on ints).
+    plain = [c for c in GOLDEN_CASES if not (c.lora or c.mm_inputs or c.cache_salt)]
+    report = compare_release("0.10.1.1", hash_fns=["builtin"], seeds=("0", "12345"), cases=plain)
+    assert len(report.results) == 2 * len(plain)
+    assert report.compatible, report.summary()
+
+
+@pytest.mark.vllm
+def test_an_older_scheme_is_reported_with_its_difference() -> None:
+    logging.disable(logging.WARNING)
+    report = compare_release("0.30.0", hash_fns=["sha256"], seeds=("0",))
+    assert not report.compatible
+    # plain chains agree; only requests with extra keys differ (untagged keys before 0.31)
+    assert all(r.match for r in report.results if r.case in ("plain", "partial-last-block"))
+    assert any("extra-key format" in d for d in report.differences), report.differences
