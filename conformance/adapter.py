@@ -38,7 +38,7 @@ __all__ = [
 Level = Literal["pool", "manager"]
 
 # Pool operations an adapter may lack; the machine skips a rule whose op is missing.
-OPTIONAL_POOL_OPS: tuple[str, ...] = ("evict_blocks", "is_block_writable")
+OPTIONAL_POOL_OPS: tuple[str, ...] = ("evict_blocks", "is_block_writable", "get_num_free_blocks", "get_usage")
 
 
 @dataclass(frozen=True, slots=True)

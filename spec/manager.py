@@ -169,6 +169,8 @@ def get_computed_blocks(state: ManagerState, request: Request) -> tuple[tuple[Bl
 
     Raises:
         InvalidRequest: the request has no tokens, or is already running.
+
+    raises: InvalidRequest  # the errors above, as CrossHair reads them
     """
     _check_request(request, "get_computed_blocks")
     if state.request(request.request_id) is not None:
@@ -217,6 +219,8 @@ def allocate_slots(
         InvalidRequest: a count is negative or not an integer, num_new_tokens is 0, the
             tokens exceed the request's, or the hit does not match its block count.
         InvalidBlock: a hit block is not registered under the request's chain.
+
+    raises: InvalidRequest, InvalidBlock  # the errors above, as CrossHair reads them
     """
     _check_request(request, "allocate_slots")
     for name, value in (
@@ -293,6 +297,8 @@ def free(state: ManagerState, request_id: str) -> ManagerState:
 
     Raises:
         InvalidRequest: request_id is not running.
+
+    raises: InvalidRequest  # the errors above, as CrossHair reads them
     """
     entry = state.request(request_id)
     if entry is None:

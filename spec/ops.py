@@ -27,7 +27,7 @@ from kvspec.spec.errors import (
 )
 from kvspec.spec.invariants import all_hold
 from kvspec.spec.invariants import is_block_writable as _writable
-from kvspec.spec.ordering import place_freed, profile_rule
+from kvspec.spec.ordering import freed_in_place, place_freed, profile_rule
 from kvspec.spec.state import (
     NULL_BLOCK_ID,
     BlockHash,
@@ -94,6 +94,8 @@ def new_pool(num_gpu_blocks: int, enable_caching: bool = True, profile: str = "v
     Raises:
         InvalidRequest: num_gpu_blocks is not an integer >= 1, or the profile is unknown.
 
+    raises: InvalidRequest  # the errors above, as CrossHair reads them
+
     >>> new_pool(4).free_queue
     (1, 2, 3)
     """
@@ -129,6 +131,8 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[
     Raises:
         InvalidRequest: num_blocks is not a non-negative integer.
         PoolExhausted: fewer than num_blocks blocks are free.
+
+    raises: InvalidRequest, PoolExhausted  # the errors above, as CrossHair reads them
     """
     if not _is_int(num_blocks) or num_blocks < 0:
         raise InvalidRequest(
@@ -176,6 +180,8 @@ def touch(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
         InvalidBlock: an id is out of range, the null block, or a block without a hash
             (nothing can hit it).
         InvalidRequest: an id is named twice.
+
+    raises: InvalidBlock, InvalidRequest  # the errors above, as CrossHair reads them
     """
     _check_block_ids(state, block_ids, "touch")
     for b in block_ids:
@@ -199,6 +205,15 @@ def touch(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
 @icontract.ensure(lambda result: _holds(result))
 @icontract.ensure(lambda state, block_ids, result: all(result.ref_cnt[b] == state.ref_cnt[b] - 1 for b in block_ids))
 @icontract.ensure(lambda state, result: result.hash_to_blocks == state.hash_to_blocks)
+@icontract.ensure(
+    lambda state, block_ids, result: freed_in_place(
+        state.free_queue,
+        [b for b in block_ids if state.ref_cnt[b] == 1],
+        state.block_hash,
+        profile_rule(state.config.profile),
+        result.free_queue,
+    )
+)
 def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
     """Drop one reference to each block, in the given (eviction-priority) order.
 
@@ -217,6 +232,8 @@ def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
         InvalidBlock: an id is out of range or the null block.
         InvalidRequest: an id is named twice.
         DoubleFree: a block has ref_cnt 0.
+
+    raises: InvalidBlock, InvalidRequest, DoubleFree  # the errors above, as CrossHair reads them
     """
     _check_block_ids(state, block_ids, "free_blocks")
     for b in block_ids:
@@ -257,6 +274,8 @@ def cache_full_blocks(
         InvalidRequest: caching is off, the lengths differ, an id is named twice, or a hash is not bytes.
         InvalidBlock: an id is out of range, the null block, or not held by any request.
         AlreadyCached: a block already has a hash.
+
+    raises: InvalidRequest, InvalidBlock, AlreadyCached  # the errors above, as CrossHair reads them
     """
     if not state.config.enable_caching:
         raise InvalidRequest("cache_full_blocks: prefix caching is off (enable_caching=False), nothing is hashed")
@@ -291,6 +310,8 @@ def get_cached_block(state: PoolState, block_hash: BlockHash) -> BlockId | None:
 
     Raises:
         InvalidRequest: block_hash is not bytes.
+
+    raises: InvalidRequest  # the errors above, as CrossHair reads them
     """
     if not isinstance(block_hash, bytes):
         raise InvalidRequest(f"get_cached_block: block_hash={block_hash!r} is not bytes")
@@ -313,6 +334,8 @@ def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
     Raises:
         InvalidBlock: an id is out of range or the null block.
         InvalidRequest: an id is named twice.
+
+    raises: InvalidBlock, InvalidRequest  # the errors above, as CrossHair reads them
     """
     _check_block_ids(state, block_ids, "evict_blocks")
     dropped = set(block_ids)
@@ -365,6 +388,8 @@ def is_block_writable(state: PoolState, block_id: BlockId) -> bool:
 
     Raises:
         InvalidBlock: block_id is not a block of this pool.
+
+    raises: InvalidBlock  # the errors above, as CrossHair reads them
     """
     if not _is_int(block_id) or not 0 <= block_id < state.num_gpu_blocks:
         raise InvalidBlock(

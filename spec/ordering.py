@@ -37,6 +37,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar, cast
 
+import icontract
+
 from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "Backend",
     "ProfileRule",
     "freed_goes_left",
+    "freed_in_place",
     "hit_tokens_within_cap",
     "initial_free_key",
     "initial_key_counters",
@@ -215,6 +218,65 @@ def hit_tokens_within_cap(num_tokens: N, num_hit: N, logic: Backend[T]) -> T:
     return logic.and_(cast(int, num_hit) >= 0, cast(int, num_hit) <= cast(int, num_tokens) - 1)
 
 
+def _distinct_known_blocks(
+    free_queue: Sequence[BlockId], newly_free: Sequence[BlockId], block_hash: Sequence[BlockHash | None]
+) -> bool:
+    """Every block named once, and each newly freed one has a block_hash entry."""
+    every = [*free_queue, *newly_free]
+    return len(set(every)) == len(every) and all(0 <= b < len(block_hash) for b in newly_free)
+
+
+def _sent_left(newly_free: Sequence[BlockId], block_hash: Sequence[BlockHash | None], rule: ProfileRule) -> list[BlockId]:
+    return [b for b in newly_free if freed_goes_left(rule.unhashed_to_left, block_hash[b] is not None, PY)]
+
+
+def _in_order_of(items: Sequence[BlockId], within: Sequence[BlockId]) -> bool:
+    """`items` appear in `within`, in the same order."""
+    kept = set(items)
+    return tuple(b for b in within if b in kept) == tuple(items)
+
+
+def _all_before(first: Sequence[BlockId], then: Sequence[BlockId], within: Sequence[BlockId]) -> bool:
+    """Every block of `first` sits before every block of `then` in `within`."""
+    where = {b: i for i, b in enumerate(within)}
+    return all(where[a] < where[b] for a in first for b in then)
+
+
+def freed_in_place(
+    free_queue: Sequence[BlockId],
+    newly_free: Sequence[BlockId],
+    block_hash: Sequence[BlockHash | None],
+    rule: ProfileRule,
+    result: Sequence[BlockId],
+) -> bool:
+    """Whether `result` is `free_queue` with `newly_free` placed as `rule` says.
+
+    Nothing lost or repeated; the blocks already free keep their order; those
+    sent left keep their given order before all of them, the others keep
+    theirs after all of them.
+
+    >>> h = [None, b"x", None]
+    >>> freed_in_place((2,), [1], h, PROFILES["vllm-v1"], (2, 1)), freed_in_place((1,), [2], h, PROFILES["vllm-v1"], (1, 2))
+    (True, False)
+    """
+    left = _sent_left(newly_free, block_hash, rule)
+    right = [b for b in newly_free if b not in left]
+    return (
+        sorted(result) == sorted([*free_queue, *newly_free])
+        and _in_order_of(free_queue, result)
+        and _in_order_of(left, result)
+        and _in_order_of(right, result)
+        and _all_before(left, free_queue, result)
+        and _all_before(free_queue, right, result)
+    )
+
+
+@icontract.require(lambda free_queue, newly_free, block_hash: _distinct_known_blocks(free_queue, newly_free, block_hash))
+@icontract.ensure(
+    lambda free_queue, newly_free, block_hash, rule, result: freed_in_place(
+        free_queue, newly_free, block_hash, rule, result
+    )
+)
 def place_freed(
     free_queue: tuple[BlockId, ...],
     newly_free: Sequence[BlockId],

@@ -1,0 +1,183 @@
+"""The lemmas of DESIGN.md, proved with z3: every claim, in one place.
+
+Each lemma lives in its own module, as a list of obligations z3 must prove
+(the negation of each is unsat) and a deliberately false twin z3 must refute
+with a counterexample, so that a proof that cannot fail is never mistaken for
+one that holds. A lemma names the profiles it holds for; under any other
+profile it must be refuted, and `kvspec prove` reports that the profile
+breaks it. Proofs are for every pool size, queue length and batch size
+(quantified over z3 arrays); where one is only checked up to a size the
+report says "bounded (n <= N)", never "proved".
+
+| # | lemma | claim | holds for |
+|---|-------|-------|-----------|
+| 1 | lemma_tail_first_free_evicts_deeper_first | a request freed tail-first leaves its hashed blocks so that a deeper block is evicted before any of its ancestors | every profile |
+| 2 | lemma_hashed_free_is_lru | a block freed with a hash is evicted after every block free when it was freed, unless one is touched in between; no operation reorders free blocks, and get_new_blocks takes from the left | every profile |
+| 3 | lemma_unhashed_free_evicted_first | a block freed without a hash is evicted before every block free when it was freed | profiles sending unhashed blocks left (vllm-v1) |
+| 4 | lemma_touched_free_becomes_mru | a touched block freed again goes behind every block free at that moment | every profile |
+| 5 | lemma_hit_cap_within_prompt | for all L >= 1, B >= 1, c >= 0: B * min(c, (L - 1) // B) <= L - 1 | every profile |
+| 6 | lemma_key_encoding_matches_queue | the key encoding (lo - k + i left, hi + 1 + i right, take the n smallest) orders blocks as the free queue does, after any operation sequence | every profile |
+| 7 | lemma_invariants_inductive | ref_cnt >= 0, null-block, free-has-zero-ref, conservation, hash-table-consistent, caching-off-no-hash and the writable rule hold initially and after every operation | every profile |
+
+This package is the only part of kvspec.spec that imports z3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvspec.spec.lemmas import (
+    hashed_free_lru,
+    hit_cap,
+    invariants_inductive,
+    key_encoding,
+    tail_first,
+    touched_free_mru,
+    unhashed_free_first,
+)
+from kvspec.spec.lemmas.backend import Z3, Universe
+from kvspec.spec.lemmas.pool_model import ENCODED_INVARIANTS
+from kvspec.spec.lemmas.prover import Obligation, Status, Verdict, decide_false, decide_true
+from kvspec.spec.ordering import ProfileRule
+
+__all__ = [
+    "ENCODED_INVARIANTS",
+    "LEMMAS",
+    "Z3",
+    "Lemma",
+    "Obligation",
+    "Status",
+    "Universe",
+    "Verdict",
+    "decide_false",
+    "decide_true",
+    "lemma_by_name",
+]
+
+
+def _every_profile(rule: ProfileRule) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Lemma:
+    """One lemma of DESIGN.md: what it claims, where it holds, and how z3 checks it."""
+
+    number: int  # its number in DESIGN.md's list
+    name: str  # lemma_<subject>_<property>
+    claim: str  # the claim in plain words
+    holds_for: Callable[[ProfileRule], bool]  # which profiles it holds for
+    holds_for_text: str  # the same, in words
+    profile_sensitive: bool  # False: the claim does not mention the ordering rule
+    obligations: Callable[[ProfileRule], Sequence[Obligation]]  # what z3 must prove
+    twin: str  # the deliberately false twin, in plain words
+    twin_obligations: Callable[[ProfileRule], Sequence[Obligation]]  # what z3 must refute
+    invariants: tuple[str, ...] = ()  # invariants it proves inductive (spec.invariants names / DESIGN ids)
+    cites: tuple[str, ...] = ()  # lemmas whose obligations it relies on
+    twin_profile_sensitive: bool = True  # False: the twin is one fixed claim, checked once
+
+
+LEMMAS: tuple[Lemma, ...] = (
+    Lemma(
+        1,
+        tail_first.NAME,
+        "a request freed tail-first leaves its hashed blocks so that a deeper block is evicted "
+        "before any of its ancestors",
+        _every_profile,
+        "every profile",
+        True,
+        tail_first.obligations,
+        "the same for a block table freed head-first",
+        tail_first.twin_obligations,
+        cites=(hashed_free_lru.NAME,),
+    ),
+    Lemma(
+        2,
+        hashed_free_lru.NAME,
+        "a block freed with a hash is evicted after every block that was free when it was freed, "
+        "unless one of them is touched in between (LRU)",
+        _every_profile,
+        "every profile",
+        True,
+        hashed_free_lru.obligations,
+        "the same even if the earlier block is touched and freed again",
+        hashed_free_lru.twin_obligations,
+    ),
+    Lemma(
+        3,
+        unhashed_free_first.NAME,
+        "a block freed without a hash is evicted before every block that was free when it was freed",
+        unhashed_free_first.holds_for,
+        "profiles that send unhashed blocks to the left end (vllm-v1)",
+        True,
+        unhashed_free_first.obligations,
+        f"the same under {unhashed_free_first.TWIN_PROFILE}, which sends every freed block right",
+        unhashed_free_first.twin_obligations,
+        cites=(hashed_free_lru.NAME,),
+        twin_profile_sensitive=False,
+    ),
+    Lemma(
+        4,
+        touched_free_mru.NAME,
+        "a touched block that is freed again becomes the most recently used",
+        _every_profile,
+        "every profile",
+        True,
+        touched_free_mru.obligations,
+        "a touched block freed again keeps its old place in the queue",
+        touched_free_mru.twin_obligations,
+        cites=(hashed_free_lru.NAME,),
+    ),
+    Lemma(
+        5,
+        hit_cap.NAME,
+        "for every prompt length L >= 1, block size B >= 1 and cached chain length c >= 0, "
+        "reused tokens B * min(c, (L - 1) // B) <= L - 1",
+        _every_profile,
+        "every profile",
+        False,
+        lambda rule: hit_cap.obligations(),
+        "the off-by-one cap B * min(c, L // B) <= L - 1",
+        lambda rule: hit_cap.twin_obligations(),
+        invariants=("hit-cap",),
+        twin_profile_sensitive=False,
+    ),
+    Lemma(
+        6,
+        key_encoding.NAME,
+        "the key encoding (left batches keyed lo - k + i, right ones hi + 1 + i, take the n smallest "
+        "keys) gives the free queue's order after every operation sequence",
+        _every_profile,
+        "every profile",
+        True,
+        key_encoding.obligations,
+        "batches keyed one off at either end (lo - k + 1 + i, hi + i)",
+        key_encoding.twin_obligations,
+    ),
+    Lemma(
+        7,
+        invariants_inductive.NAME,
+        "the state invariants hold in a fresh pool and every operation preserves them, for any pool "
+        "size and any arguments",
+        _every_profile,
+        "every profile",
+        True,
+        invariants_inductive.obligations,
+        "free_blocks without the ref_cnt (double-free) check preserves them",
+        invariants_inductive.twin_obligations,
+        invariants=tuple(ENCODED_INVARIANTS),
+    ),
+)
+
+
+def lemma_by_name(name: str) -> Lemma:
+    """The lemma called `name`.
+
+    Raises:
+        KeyError: no lemma has that name.
+    """
+    for lemma in LEMMAS:
+        if lemma.name == name:
+            return lemma
+    raise KeyError(f"no lemma named {name!r}; known: {', '.join(lem.name for lem in LEMMAS)}")

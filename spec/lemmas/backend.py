@@ -92,18 +92,25 @@ class Universe:
         return v
 
     def forall(
-        self, lo: Index, hi: Index, body: Callable[[Index], z3.BoolRef], limit: Index | None = None
+        self,
+        lo: Index,
+        hi: Index,
+        body: Callable[[Index], z3.BoolRef],
+        limit: Index | None = None,
+        trigger: Callable[[z3.ArithRef], z3.ExprRef] | None = None,
     ) -> z3.BoolRef:
         """`body(i)` for every integer i with lo <= i < hi.
 
         `limit`, when given, is known to be at least `hi`: a concrete one
-        narrows the unrolling window.
+        narrows the unrolling window. `trigger(i)`, when given, is the term
+        whose appearance makes z3 instantiate the unbounded quantifier.
         """
         if isinstance(lo, int) and isinstance(hi, int):
             return _and(*(body(i) for i in range(lo, hi)))
         if self.bound is None:
             i = z3.Int(f"i!{next(_fresh)}")
-            return z3.ForAll([i], z3.Implies(z3.And(lo <= i, i < hi), body(i)))
+            patterns = [trigger(i)] if trigger is not None else []
+            return z3.ForAll([i], z3.Implies(z3.And(lo <= i, i < hi), body(i)), patterns=patterns)
         window = limit if isinstance(limit, int) else self.cap
         return _and(*(z3.Implies(z3.And(lo <= i, i < hi), body(i)) for i in range(window)))
 

@@ -42,12 +42,15 @@ from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, PoolState, Snapshot
 
 __all__ = [
     "ENCODED_INVARIANTS",
+    "OPERATIONS",
     "Batch",
+    "Call",
     "Filtered",
     "HashNames",
     "PoolVars",
     "Step",
     "all_invariants",
+    "any_call",
     "block_writable",
     "cache_full_blocks",
     "encode_batch",
@@ -62,6 +65,7 @@ __all__ = [
     "hash_labeller",
     "in_batch",
     "in_queue",
+    "model_int",
     "new_pool",
     "num_held",
     "render_batch",
@@ -86,6 +90,11 @@ def _int_array(name: str) -> z3.ArrayRef:
 
 def _bool_array(name: str) -> z3.ArrayRef:
     return z3.Array(name, _INT, _BOOL)
+
+
+def _lam(body: Callable[[z3.ArithRef], z3.ExprRef], name: str) -> z3.ArrayRef:
+    x = z3.Int(_name(name))
+    return z3.Lambda([x], body(x))
 
 
 # --- state ----------------------------------------------------------------------------------
@@ -274,33 +283,28 @@ def filter_list(
     increasing, and `src_index` is its inverse: so the result is the kept
     items in their source order, each once, and nothing else.
     """
-    items, sigma, rho = _int_array(_name(f"{name}.items")), _int_array(_name(f"{name}.src")), _int_array(
-        _name(f"{name}.dst")
-    )
+    sigma, rho = _int_array(_name(f"{name}.src")), _int_array(_name(f"{name}.dst"))
     length = u.size(_name(f"{name}.len"))
     axioms = z3.And(
         length <= src_len,
         u.forall(
             0,
             length,
-            lambda j: z3.And(
-                sigma[j] >= 0,
-                sigma[j] < src_len,
-                keep(sigma[j]),
-                rho[sigma[j]] == j,
-                items[j] == src[sigma[j]],
-            ),
+            lambda j: z3.And(sigma[j] >= 0, sigma[j] < src_len, keep(sigma[j]), rho[sigma[j]] == j),
             limit=src_len,
+            trigger=lambda j: sigma[j],
         ),
         u.forall(
             0,
             src_len,
             lambda i: z3.Implies(keep(i), z3.And(rho[i] >= 0, rho[i] < length, sigma[rho[i]] == i)),
+            trigger=lambda i: rho[i],
         ),
         u.forall_pairs(
             0, src_len, lambda i, j: z3.Implies(z3.And(keep(i), keep(j)), rho[i] < rho[j])
         ),
     )
+    items = _lam(lambda j: src[sigma[j]], f"{name}.items")
     return Filtered(items, length, sigma, rho, axioms)
 
 
@@ -334,6 +338,7 @@ def _valid_block_ids(u: Universe, s: PoolVars, batch: Batch) -> z3.BoolRef:
             batch.ids[t] < s.num_gpu_blocks,
             batch.pos[batch.ids[t]] == t,
         ),
+        trigger=lambda t: batch.ids[t],
     )
 
 
@@ -348,11 +353,6 @@ class Step:
     axioms: z3.BoolRef  # the relations defining the filters it uses
     post: PoolVars  # the state after it
     taken: Callable[[Index], z3.BoolRef] | None = None  # get_new_blocks: whether a block was taken
-
-
-def _lam(body: Callable[[z3.ArithRef], z3.ExprRef], name: str) -> z3.ArrayRef:
-    x = z3.Int(_name(name))
-    return z3.Lambda([x], body(x))
 
 
 def new_pool(u: Universe, num_gpu_blocks: Index, enable_caching: z3.BoolRef, name: str) -> PoolVars:
@@ -418,7 +418,8 @@ def touch(u: Universe, s: PoolVars, batch: Batch) -> Step:
     return Step(guard, kept.axioms, post)
 
 
-LeftKey = Callable[[Index, Index, Index], Index]
+LeftKey = Callable[[Index, Index, Index], Index]  # (lo, batch_len, index) -> key
+RightKey = Callable[[Index, Index], Index]  # (hi, index) -> key
 
 
 def free_blocks(
@@ -429,13 +430,14 @@ def free_blocks(
     *,
     check_ref_cnt: bool = True,
     left_key: LeftKey = left_batch_key,
+    right_key: RightKey = right_batch_key,
 ) -> Step:
     """spec.ops.free_blocks: drop a reference from each block; those reaching 0 join the queue.
 
     Blocks that go left (spec.ordering.freed_goes_left) keep their batch order
     before every free block; the others keep theirs after every free block.
-    `check_ref_cnt=False` and `left_key` exist for the false twins only: a free
-    that skips the double-free check, a left batch keyed the wrong way.
+    `check_ref_cnt=False`, `left_key` and `right_key` exist for the false twins
+    only: a free that skips the double-free check, batches keyed the wrong way.
     """
     guard = _valid_block_ids(u, s, batch)
     if check_ref_cnt:
@@ -485,7 +487,7 @@ def free_blocks(
         return z3.If(
             new_left,
             left_key(s.lo, num_left, left.dst_index[batch.pos[b]]),
-            z3.If(new_right, right_batch_key(s.hi, right.dst_index[batch.pos[b]]), s.key[b]),
+            z3.If(new_right, right_key(s.hi, right.dst_index[batch.pos[b]]), s.key[b]),
         )
 
     post = replace(
@@ -628,9 +630,13 @@ def encode_hashes(hashes: Sequence[BlockHash], names: HashNames) -> z3.ArrayRef:
 _SHOW_AT_MOST = 16  # blocks or positions printed before a counterexample is cut short
 
 
-def _int(model: z3.ModelRef, term: object) -> int:
+def model_int(model: z3.ModelRef, term: object) -> int:
+    """The value of an integer term under a model."""
     value = model.eval(term, model_completion=True)
     return value.as_long() if isinstance(value, z3.IntNumRef) else int(str(value))
+
+
+_int = model_int
 
 
 def _bool(model: z3.ModelRef, term: object) -> bool:
@@ -682,3 +688,54 @@ def hash_labeller() -> Callable[[int], str]:
         return seen.setdefault(h, f"h{len(seen) + 1}")
 
     return label
+
+
+# --- any call of any operation ------------------------------------------------------------------
+
+OPERATIONS = (
+    "get_new_blocks",
+    "touch",
+    "free_blocks",
+    "cache_full_blocks",
+    "evict_blocks",
+    "reset_prefix_cache",
+)
+"""Every operation that can change a pool's state (the others only read it)."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of an operation with unknown arguments."""
+
+    op: str  # the operation's name in spec.ops
+    step: Step  # its encoding
+    describe: Callable[[z3.ModelRef, Callable[[int], str]], str]  # the call as text, under a model
+
+
+def any_call(u: Universe, s: PoolVars, op: str, unhashed_to_left: bool, name: str) -> Call:
+    """A call of `op` on `s` whose arguments are all unknown."""
+    if op == "get_new_blocks":
+        n = z3.Int(f"{name}.num_blocks")
+        return Call(op, get_new_blocks(u, s, n), lambda m, h: f"get_new_blocks(num_blocks={_int(m, n)})")
+    if op == "reset_prefix_cache":
+        return Call(op, reset_prefix_cache(u, s), lambda m, h: "reset_prefix_cache()")
+    batch = fresh_batch(u, f"{name}.block_ids")
+    if op == "touch":
+        step = touch(u, s, batch)
+    elif op == "free_blocks":
+        step = free_blocks(u, s, batch, unhashed_to_left)
+    elif op == "evict_blocks":
+        step = evict_blocks(u, s, batch)
+    elif op == "cache_full_blocks":
+        hashes = _int_array(f"{name}.block_hashes")
+        step = cache_full_blocks(u, s, batch, hashes)
+
+        def describe_cache(m: z3.ModelRef, h: Callable[[int], str]) -> str:
+            n = _int(m, batch.length)
+            named = ", ".join(h(_int(m, hashes[i])) for i in range(min(n, _SHOW_AT_MOST)))
+            return f"cache_full_blocks(block_ids={render_batch(m, batch)}, block_hashes=[{named}])"
+
+        return Call(op, step, describe_cache)
+    else:
+        raise ValueError(f"unknown operation op={op!r}; known: {', '.join(OPERATIONS)}")
+    return Call(op, step, lambda m, h: f"{op}(block_ids={render_batch(m, batch)})")

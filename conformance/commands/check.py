@@ -1,0 +1,275 @@
+"""`kvspec check`: the CI gate. Run the conformance machines against implementations.
+
+Without `--impl` it checks every built-in implementation whose module imports
+(reference, spec, gpu), at both levels, with prefix caching on and off, and
+prints one screen: a row per configuration (verdict, examples, steps,
+steps per second, distinct states, invariant checks, spec branches reached),
+what the whole run reached, then the story of each failure. Exit 0 when
+everything conforms, 1 when something diverges, 2 when something could not
+be checked (it crashed, hung, could not be loaded or built, bad arguments).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvspec.conformance.runner import (
+    BUILTIN_IMPLS,
+    DEFAULT_IMPLS,
+    CheckResult,
+    FactoryError,
+    load_factory,
+    run_check,
+)
+from kvspec.spec.ordering import PROFILES
+
+__all__ = ["register", "render_summary", "run", "write_junit"]
+
+DEFAULT_MAX_EXAMPLES = 100
+# With a time budget and no example count, the budget alone decides.
+UNBOUNDED_EXAMPLES = 10**9
+
+
+def register(subparsers: Any) -> None:
+    """Add the `check` subcommand."""
+    p = subparsers.add_parser(
+        "check",
+        help="check implementations against the spec (exit 0 conforms, 1 diverges, 2 could not run)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    names = ", ".join(sorted(BUILTIN_IMPLS))
+    p.add_argument(
+        "--impl",
+        action="append",
+        metavar="NAME|module:function",
+        help=f"an implementation: a built-in name ({names}) or a factory module:function; repeatable "
+        "(default: every built-in whose module imports, vllm excepted)",
+    )
+    p.add_argument("--level", choices=("pool", "manager", "both"), default="both", help="adapter level (default both)")
+    p.add_argument(
+        "--profile", default="vllm-v1", help=f"ordering profile claimed ({', '.join(PROFILES)}; default vllm-v1)"
+    )
+    p.add_argument("--caching", choices=("on", "off", "both"), default="both", help="prefix caching (default both)")
+    p.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"examples per configuration (default {DEFAULT_MAX_EXAMPLES}; unbounded with --time-budget)",
+    )
+    p.add_argument("--steps", type=int, default=50, metavar="N", help="rules per example (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same campaign")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="wall-clock budget for the whole run, shared among configurations",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="the most one implementation call may take (default 10)",
+    )
+    p.add_argument("--junit", metavar="PATH", help="also write a JUnit XML report")
+    p.add_argument("--trace-dir", default=".", metavar="DIR", help="where failure traces are written (default .)")
+    p.add_argument(
+        "--keep-deepest",
+        action="store_true",
+        help="also save each configuration's deepest example (it replays to conforms)",
+    )
+    p.add_argument(
+        "--database", metavar="DIR", help="a Hypothesis example database directory, shared by campaigns and machines"
+    )
+    p.set_defaults(run=run)
+
+
+def _default_impls() -> tuple[list[str], list[str]]:
+    chosen, skipped = [], []
+    for name in DEFAULT_IMPLS:
+        try:
+            load_factory(name)
+        except FactoryError as e:
+            skipped.append(f"{name}: not checked ({e})")
+            continue
+        chosen.append(name)
+    return chosen, skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
+    if args.profile not in PROFILES:
+        print(f"kvspec check: unknown profile {args.profile!r}; known profiles: {', '.join(sorted(PROFILES))}")
+        return 2
+    for name in ("max_examples", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"kvspec check: --{name.replace('_', '-')} must be at least 1; got {value}")
+            return 2
+    impls, notes = (args.impl, []) if args.impl else _default_impls()
+    levels = ("pool", "manager") if args.level == "both" else (args.level,)
+    modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.caching]
+    configs = [(impl, lv, caching) for impl in impls for lv in levels for caching in modes]
+    max_examples = args.max_examples or (UNBOUNDED_EXAMPLES if args.time_budget else DEFAULT_MAX_EXAMPLES)
+    database = None
+    if args.database:
+        from hypothesis.database import DirectoryBasedExampleDatabase
+
+        database = DirectoryBasedExampleDatabase(args.database)
+    per = "time budget" if args.time_budget else f"{max_examples} examples"
+    print(f"kvspec check: profile {args.profile}, seed {args.seed}, {per} x up to {args.steps} steps per configuration")
+    for note in notes:
+        print(f"  {note}")
+    print(_HEADER)
+    start = time.monotonic()
+    results: list[CheckResult] = []
+    for i, (impl, lv, caching) in enumerate(configs):
+        budget = None
+        if args.time_budget is not None:
+            left = args.time_budget - (time.monotonic() - start)
+            budget = max(left / (len(configs) - i), 1.0)
+        result = run_check(
+            impl,
+            level=lv,
+            enable_caching=caching,
+            profile=args.profile,
+            max_examples=max_examples,
+            seed=args.seed,
+            time_budget_s=budget,
+            step_timeout_s=args.step_timeout,
+            trace_dir=args.trace_dir,
+            impl=impl,
+            steps_per_example=args.steps,
+            keep_deepest=args.keep_deepest,
+            database=database,
+        )
+        results.append(result)
+        print(_row(result), flush=True)
+    print(render_summary(results, time.monotonic() - start))
+    if args.junit:
+        write_junit(results, args.junit)
+        print(f"JUnit report: {args.junit}")
+    return max((r.exit_code for r in results), default=2)
+
+
+_HEADER = (
+    f"{'implementation':<16}{'level':<9}{'caching':<9}{'verdict':<15}{'examples':>9}{'steps':>8}"
+    f"{'steps/s':>9}{'states':>8}{'invariants':>12}{'branches':>10}"
+)
+
+
+def _row(r: CheckResult) -> str:
+    reached = len(r.branches) - len(r.unreached)
+    return (
+        f"{r.impl[:15]:<16}{r.level:<9}{'on' if r.enable_caching else 'off':<9}{r.verdict:<15}{r.examples_run:>9}"
+        f"{r.steps_run:>8}{r.steps_per_second:>9.0f}{r.states_reached:>8}{r.invariants_checked:>12}"
+        f"{f'{reached}/{len(r.branches)}':>10}"
+    )
+
+
+# Workload events worth a number on the summary line: (label, coverage keys summed).
+_HEADLINE = (
+    ("cached blocks evicted", ("get_new_blocks: evicted a cached block", "allocate_slots: evicted a cached block")),
+    ("prefix hits", ("get_cached_block: hit", "get_computed_blocks: hit")),
+    ("hits capped at len-1", ("get_computed_blocks: hit capped at len - 1",)),
+    ("failed allocations", ("get_new_blocks: PoolExhausted", "allocate_slots: too few free blocks")),
+    ("resets accepted", ("reset_prefix_cache: accepted",)),
+    ("resets refused", ("reset_prefix_cache: refused, blocks held",)),
+    ("double frees", ("free_blocks: DoubleFree",)),
+    ("preemptions", ("free: request preempted",)),
+    ("decode steps", ("allocate_slots: decode",)),
+    ("bad inputs rejected", ()),
+)
+
+
+def render_summary(results: Sequence[CheckResult], seconds: float) -> str:
+    """Totals, coverage of the whole run, unreached branches, then every failure's story."""
+    total: Counter[str] = Counter()
+    for r in results:
+        total.update(r.coverage)
+    steps = sum(r.steps_run for r in results)
+    lines = [
+        "",
+        f"total: {len(results)} configurations, {steps} steps in {seconds:.1f} s "
+        f"({steps / seconds if seconds > 0 else 0:.0f} steps/s), "
+        f"{sum(r.states_reached for r in results)} distinct states, "
+        f"{sum(r.invariants_checked for r in results)} invariant checks",
+    ]
+    bad_inputs = sum(n for k, n in total.items() if ": " in k and k.split(": ", 1)[1] in _ERROR_NAMES)
+    parts = []
+    for label, keys in _HEADLINE:
+        n = bad_inputs if not keys else sum(total.get(k, 0) for k in keys)
+        parts.append(f"{label} {n}")
+    lines.append("reached: " + ", ".join(parts))
+    for r in results:
+        if r.unreached and r.verdict == "conforms":
+            where = f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}"
+            lines.append(f"not reached ({where}): {'; '.join(r.unreached)}")
+    for r in results:
+        if r.message:
+            lines.append(f"note ({r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}): {r.message}")
+    for r in results:
+        if r.failure is not None:
+            lines += ["", "-" * 100, r.failure.story]
+    verdicts = Counter(r.verdict for r in results)
+    worst = max((r.exit_code for r in results), default=2)
+    lines.append("")
+    lines.append("result: " + ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())) + f" (exit {worst})")
+    return "\n".join(lines)
+
+
+_ERROR_NAMES = frozenset(
+    {"InvalidRequest", "InvalidBlock", "DoubleFree", "AlreadyCached", "PoolExhausted", "NotWritable"}
+)
+
+
+def write_junit(results: Sequence[CheckResult], path: str | Path) -> None:
+    """A JUnit XML report: one test case per configuration, grouped by implementation."""
+    root = ET.Element("testsuites", name="kvspec check")
+    by_impl: dict[str, list[CheckResult]] = {}
+    for r in results:
+        by_impl.setdefault(r.impl or "impl", []).append(r)
+    totals = Counter[str]()
+    for impl, rs in by_impl.items():
+        suite = ET.SubElement(root, "testsuite", name=f"kvspec.{impl}")
+        counts = Counter[str]()
+        for r in rs:
+            case = ET.SubElement(
+                suite,
+                "testcase",
+                classname=f"kvspec.{impl}",
+                name=f"{r.level}-caching-{'on' if r.enable_caching else 'off'}-{r.profile}",
+                time=f"{r.seconds:.3f}",
+            )
+            counts["tests"] += 1
+            if r.verdict == "could-not-run":
+                ET.SubElement(case, "error", message=r.message[:500], type="could-not-run").text = r.message
+                counts["errors"] += 1
+            elif r.verdict != "conforms":
+                f = r.failure
+                message = f"{r.verdict} at step {f.step_index} ({f.op}): {f.message}" if f else r.verdict
+                ET.SubElement(case, "failure", message=message[:500], type=r.verdict).text = f.story if f else r.message
+                counts["failures"] += 1
+            out = ET.SubElement(case, "system-out")
+            out.text = (
+                f"examples={r.examples_run} steps={r.steps_run} steps_per_second={r.steps_per_second:.0f} "
+                f"states={r.states_reached} invariants_checked={r.invariants_checked} "
+                f"branches={len(r.branches) - len(r.unreached)}/{len(r.branches)}"
+            )
+        for key in ("tests", "failures", "errors"):
+            suite.set(key, str(counts[key]))
+        suite.set("time", f"{sum(r.seconds for r in rs):.3f}")
+        totals.update(counts)
+    for key in ("tests", "failures", "errors"):
+        root.set(key, str(totals[key]))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

@@ -1,0 +1,66 @@
+"""`kvspec replay TRACE --impl X`: re-run a recorded trace and give its verdict again.
+
+The trace's steps (operations with literal arguments) run on the named
+implementation and on the spec in lock-step, checked exactly as the
+conformance machine checks them, so a failure found by `kvspec check`
+replays to the same verdict, and a fixed implementation replays to
+"conforms". Exit codes as `kvspec check`; a malformed trace file exits 2
+with the line that is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+from typing import Any
+
+from kvspec.conformance.report import render_story
+from kvspec.conformance.runner import BUILTIN_IMPLS, replay
+from kvspec.conformance.trace import MalformedTrace, read_trace
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the `replay` subcommand."""
+    p = subparsers.add_parser(
+        "replay",
+        help="re-run a trace on an implementation and print its story (exit as kvspec check)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace", metavar="TRACE", help="a .trace.jsonl file written by kvspec check")
+    p.add_argument(
+        "--impl", metavar="NAME|module:function",
+        help=f"the implementation ({', '.join(sorted(BUILTIN_IMPLS))} or module:function); "
+        "default: the one named in the trace",
+    )  # fmt: skip
+    p.add_argument("--step-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="the most one implementation call may take (default 10)")  # fmt: skip
+    p.add_argument("--trace-dir", default=None, metavar="DIR", help="where the replay's own trace is written")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay the trace; print the recorded and the new verdict and the story; exit per the new verdict."""
+    try:
+        trace = read_trace(args.trace)
+    except MalformedTrace as e:
+        print(f"kvspec replay: cannot read the trace: {e}")
+        return 2
+    impl = args.impl or trace.impl
+    if not impl:
+        print("kvspec replay: the trace names no implementation; give one with --impl NAME or module:function")
+        return 2
+    recorded = trace.verdict or "not recorded"
+    print(f"replaying {args.trace} ({len(trace.steps)} steps, recorded verdict: {recorded}) on {impl}\n")
+    result = replay(trace, impl, impl=impl, step_timeout_s=args.step_timeout, trace_dir=args.trace_dir)
+    if result.failure is not None:
+        print(result.failure.story)
+    elif result.verdict == "conforms":
+        print(render_story(replace(trace, impl=impl, verdict="conforms", failure=None)))
+    else:
+        print(f"{result.verdict}: {result.message}")
+    same = "same as recorded" if result.verdict == trace.verdict else f"recorded: {recorded}"
+    print(f"\nverdict: {result.verdict} ({same})")
+    return result.exit_code

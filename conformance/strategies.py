@@ -1,0 +1,193 @@
+"""Hypothesis strategies for workloads that look like real serving.
+
+Bugs in a block manager live where real traffic goes: many requests sharing a
+system prompt, multi-turn chats that extend an earlier prompt, pools small
+enough that every allocation evicts something, tenants separated by a
+cache_salt, LoRA adapters, images in the prompt. Uniformly random token lists
+almost never share a full block, so they would leave the whole prefix-cache
+path untested. Hence: a vocabulary of a few tokens, a handful of system
+prompts per example, chats built on earlier prompts, pools of 1 to 16 blocks.
+
+Every strategy shrinks toward the simplest case (the smallest pool, block
+size 1, no LoRA, no salt, no multimodal input), so a shrunk failure names
+only what it needs. Strategies that depend on a size are cached per size:
+the machine draws them at every step, and building (and validating) a new
+strategy object each time cost more than the step itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+from hypothesis import strategies as st
+
+from kvspec.spec.hashing import MultiModalInput
+from kvspec.spec.manager import Request
+from kvspec.spec.state import BlockHash
+
+__all__ = [
+    "HASH_UNIVERSE",
+    "LORA_NAMES",
+    "CACHE_SALTS",
+    "VOCABULARY_SIZE",
+    "bad_block_id_values",
+    "bad_block_ids",
+    "bad_counts",
+    "bad_hashes",
+    "block_sizes",
+    "cache_salts",
+    "chat_turns",
+    "external_tokens",
+    "hash_values",
+    "lora_names",
+    "manager_pool_sizes",
+    "mm_inputs",
+    "pool_sizes",
+    "prompts",
+    "system_prompts",
+    "token_ids",
+]
+
+# A small vocabulary: two prompts written independently still share full blocks
+# now and then, which is what exercises duplicate registration.
+VOCABULARY_SIZE = 4
+LORA_NAMES = ("lora-a", "lora-b")
+CACHE_SALTS = ("tenant-1", "tenant-2")
+# The block hashes the pool level registers: few, so the same hash is registered
+# for several blocks (identical full blocks are not merged) and lookups both hit and miss.
+HASH_UNIVERSE: tuple[BlockHash, ...] = tuple(BlockHash(b"hash-%d" % i) for i in range(5))
+
+
+def pool_sizes() -> st.SearchStrategy[int]:
+    """Pool sizes for the pool level (null block included): mostly tiny, so allocation evicts.
+
+    One block (only the null block) is a legal pool; it is drawn now and then,
+    not as its own branch (Hypothesis would then often dwell on it).
+    """
+    return st.one_of(st.integers(2, 6), st.integers(7, 16), st.integers(1, 6))
+
+
+def manager_pool_sizes() -> st.SearchStrategy[int]:
+    """Pool sizes for the request level: a few requests' worth, so admissions fail and evict."""
+    return st.one_of(st.integers(2, 10), st.integers(11, 24))
+
+
+def block_sizes() -> st.SearchStrategy[int]:
+    """Tokens per block, 1 to 16 (vLLM's default is 16); small sizes first, they shrink best."""
+    return st.one_of(st.sampled_from((1, 2, 4)), st.integers(1, 16))
+
+
+def hash_values() -> st.SearchStrategy[BlockHash]:
+    """A block hash from the small universe the pool level registers."""
+    return st.sampled_from(HASH_UNIVERSE)
+
+
+@lru_cache(maxsize=512)
+def token_ids(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
+    """Tokens from the small vocabulary."""
+    return st.lists(st.integers(0, VOCABULARY_SIZE - 1), min_size=min_size, max_size=max_size).map(tuple)
+
+
+@lru_cache(maxsize=512)
+def system_prompts(block_size: int) -> st.SearchStrategy[tuple[tuple[int, ...], ...]]:
+    """One to three shared prefixes (system prompts) for an example's requests, up to two blocks and a bit."""
+    return st.lists(token_ids(0, 2 * block_size + 1), min_size=1, max_size=3).map(tuple)
+
+
+def lora_names() -> st.SearchStrategy[str | None]:
+    """No LoRA (shrinks to this), or one of two adapters."""
+    return st.one_of(st.none(), st.sampled_from(LORA_NAMES))
+
+
+def cache_salts() -> st.SearchStrategy[str | None]:
+    """No salt (shrinks to this), or one of two tenants."""
+    return st.one_of(st.none(), st.sampled_from(CACHE_SALTS))
+
+
+@lru_cache(maxsize=512)
+def mm_inputs(num_tokens: int, block_size: int) -> st.SearchStrategy[tuple[MultiModalInput, ...]]:
+    """Mostly none; else one or two images placed inside the prompt, possibly spanning blocks."""
+    one = st.builds(
+        MultiModalInput,
+        identifier=st.sampled_from(("img-a", "img-b")),
+        offset=st.integers(0, max(num_tokens - 1, 0)),
+        length=st.integers(1, 2 * block_size),
+    )
+    return st.one_of(st.just(()), st.lists(one, min_size=1, max_size=2).map(tuple))
+
+
+@lru_cache(maxsize=512)
+def _prefixes(shared: tuple[tuple[int, ...], ...]) -> st.SearchStrategy[tuple[int, ...]]:
+    return st.one_of(st.just(()), st.sampled_from(shared))
+
+
+@st.composite
+def _prompts(draw: st.DrawFn, block_size: int, shared: tuple[tuple[int, ...], ...]) -> Request:
+    prefix = draw(_prefixes(shared)) if shared else ()
+    user = draw(token_ids(0 if prefix else 1, 2 * block_size + 1))
+    tokens = prefix + user
+    return Request(
+        request_id="",
+        token_ids=tokens,
+        lora_name=draw(lora_names()),
+        cache_salt=draw(cache_salts()),
+        mm_inputs=draw(mm_inputs(len(tokens), block_size)),
+    )
+
+
+@lru_cache(maxsize=512)
+def prompts(block_size: int, shared: tuple[tuple[int, ...], ...]) -> st.SearchStrategy[Request]:
+    """A new prompt: a system prompt (or none) then the user's tokens, with its LoRA, salt and images.
+
+    The request id is left empty; the machine names each admission.
+    """
+    return _prompts(block_size, shared)
+
+
+@lru_cache(maxsize=512)
+def chat_turns(block_size: int) -> st.SearchStrategy[tuple[int, ...]]:
+    """The tokens one chat turn adds (the model's reply and the user's next message)."""
+    return token_ids(1, block_size + 2)
+
+
+def continue_chat(prompt: Request, turn: tuple[int, ...]) -> Request:
+    """The next prompt of a multi-turn chat: the whole earlier prompt, then the new turn.
+
+    >>> continue_chat(Request("", (1, 2)), (3,)).token_ids
+    (1, 2, 3)
+    """
+    return replace(prompt, token_ids=prompt.token_ids + turn)
+
+
+@lru_cache(maxsize=512)
+def external_tokens(max_tokens: int) -> st.SearchStrategy[int]:
+    """Tokens an external KV connector loads after the prefix hit: mostly none."""
+    if max_tokens <= 0:
+        return st.just(0)
+    return st.one_of(st.just(0), st.integers(1, max_tokens))
+
+
+def bad_counts() -> st.SearchStrategy[object]:
+    """Counts no caller may pass: negative, fractional, boolean, missing, text."""
+    return st.sampled_from((-1, -7, 1.5, True, None, "2"))
+
+
+def bad_block_id_values(num_gpu_blocks: int) -> tuple[object, ...]:
+    """Ids that name no usable block: out of range, the null block, or not an integer.
+
+    >>> bad_block_id_values(4)
+    (-1, 4, 7, 0, '1', 1.0, None, True)
+    """
+    return (-1, num_gpu_blocks, num_gpu_blocks + 3, 0, "1", 1.0, None, True)
+
+
+@lru_cache(maxsize=512)
+def bad_block_ids(num_gpu_blocks: int) -> st.SearchStrategy[object]:
+    """A drawn one of `bad_block_id_values`."""
+    return st.sampled_from(bad_block_id_values(num_gpu_blocks))
+
+
+def bad_hashes() -> st.SearchStrategy[object]:
+    """Block hashes of the wrong type (not bytes)."""
+    return st.sampled_from(("hash-0", 7, None))

@@ -1,0 +1,47 @@
+"""gpu_impl behind the conformance protocols: `kvspec check --impl gpu` builds it from here.
+
+The pool and the manager already speak vLLM's operation names, so the adapter
+only builds them from an `AdapterConfig`, on `config.device` (None: CUDA when
+present, else the CPU). The manager also speaks the KV content protocol
+(`set_kv_source`, `read_kv`), so the harness can check what a prefix hit
+reads back from device memory.
+"""
+
+from __future__ import annotations
+
+from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
+from kvspec.gpu_impl.block_pool import TensorBlockPool
+from kvspec.gpu_impl.kv_cache_manager import TensorKVCacheManager
+
+__all__ = ["TensorManagerAdapter", "TensorPoolAdapter", "make_adapter"]
+
+
+class TensorPoolAdapter(TensorBlockPool):
+    """The tensor pool, built from a config."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__(config.num_gpu_blocks, config.enable_caching, config.profile, config.device)
+
+
+class TensorManagerAdapter(TensorKVCacheManager):
+    """The tensor KVCacheManager with KV memory, built from a config."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__(
+            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile,
+            config.hash_fn, config.seed, config.device,
+        )
+
+
+def make_adapter(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
+    """gpu_impl at the level the config asks for ("pool" or "manager").
+
+    Raises:
+        ValueError: the level is neither.
+        InvalidRequest: the config's sizes, profile or device are not usable.
+    """
+    if config.level == "pool":
+        return TensorPoolAdapter(config)
+    if config.level == "manager":
+        return TensorManagerAdapter(config)
+    raise ValueError(f"gpu_impl builds level 'pool' or 'manager'; got level={config.level!r}")

@@ -1,0 +1,287 @@
+"""The free queue as integer keys on the device: the key encoding of lemma 6.
+
+Design choice: no links. Every free block carries an int64 key and the queue
+is the free blocks in ascending key order. Two host counters bound the keys:
+`lo` <= every free key <= `hi`. A batch of k blocks sent to the left end gets
+the keys `lo - k + i` (i = 0..k-1), so it keeps its order and sits below every
+free block; a batch sent to the right end gets `hi + 1 + i`. Taking n blocks
+is selecting the n smallest keys. The rejected alternative, vLLM's doubly
+linked list, is a pointer chase: one dependent load per block, which a GPU
+cannot batch.
+
+Why this is vLLM's order: lemma 6, the key encoding
+(`lemma_key_encoding_matches_queue`, kvspec.spec.lemmas; the helpers are
+kvspec.spec.ordering.left_batch_key / right_batch_key). It proves, by
+induction on the relation R (the free blocks are exactly the queue's, keys
+strictly increase along the queue, every free key lies in [lo, hi], and
+lo <= hi + 1), that the encoding takes the same blocks in the same order as
+the linked list after every operation sequence. This queue does three things
+the lemma's model does not, and each preserves R, which is all the induction
+needs: it starts from the spec's initial keys (`initial_free_key`) shifted by
+a constant; after a take it raises `lo` to just above the last key taken
+(still at most every free key left), and restarts the bounds in the middle
+when the queue empties (no free key to bound); and it relabels (below), a
+strictly increasing renumbering with `lo`, `hi` the new smallest and largest
+key. Every other update is the model's own.
+
+The selection itself: `torch.topk(free_key, n, largest=False)` would be the
+literal reading, but it scans all num_gpu_blocks keys for every allocation
+(1.6 ms for a 1e6-block pool on one CPU core, against the reference's ~1 us
+for one block). Keys here are small integers, so they double as positions in
+an index `key_to_block` (key -> block id, EMPTY where no free block has that
+key): the n smallest keys are the first n occupied positions from `lo`. A
+batch is then one slice (no gaps) or one `nonzero` over a window (gaps left by
+blocks a cache hit took out of the middle), with the window doubled until it
+holds n blocks. Every gap it scans lies before the n-th block taken, so it is
+consumed by that take: each gap is paid for once, by the touch that made it.
+
+When a batch does not fit at an end of the index, the free blocks are given
+new keys `c, c + 1, ...` in their current order (a relabel: O(free blocks),
+and a strictly increasing map of the keys, so the queue order, which is all
+that lemma 6 speaks about, is unchanged). The index is 4 x num_gpu_blocks + 64
+keys long, so after a relabel each end has room for at least num_gpu_blocks
+more keys and relabels cost O(1) per freed block, amortized.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvspec.spec.ordering import initial_free_key, initial_key_counters, left_batch_key, right_batch_key
+
+__all__ = ["EMPTY", "KeyedFreeQueue", "default_key_capacity"]
+
+EMPTY = -1  # key_to_block value of a key no free block holds
+
+
+def default_key_capacity(num_gpu_blocks: int) -> int:
+    """The length of the key index for a pool of `num_gpu_blocks` blocks.
+
+    >>> default_key_capacity(10)
+    104
+    """
+    return 4 * num_gpu_blocks + 64
+
+
+def _min_key_capacity(num_gpu_blocks: int) -> int:
+    # A relabel centres the m free blocks; a batch of k more must then fit on
+    # either side: (cap - m) // 2 >= k with m + k <= num_gpu_blocks - 1.
+    return 2 * num_gpu_blocks
+
+
+class KeyedFreeQueue:
+    """The free blocks of one pool, in eviction order, as keys on a device.
+
+    The pool owns this queue and calls it only with blocks in the right state:
+    `prepend_n`/`append_n` with blocks that are not free, `remove` with blocks
+    that are. It never sees ref counts or hashes.
+    """
+
+    def __init__(self, num_gpu_blocks: int, device: torch.device, key_capacity: int | None = None) -> None:
+        """Queue blocks 1..num_gpu_blocks-1 in id order (block 0 is the null block and never queued).
+
+        Args:
+            num_gpu_blocks: the pool size, the null block included.
+            device: where the keys live.
+            key_capacity: the length of the key index; None for the default. A
+                smaller one (at least 2 x num_gpu_blocks) relabels more often,
+                which is what tests want.
+
+        Raises:
+            ValueError: key_capacity is below the minimum.
+
+        Cost: O(num_gpu_blocks).
+        """
+        cap = default_key_capacity(num_gpu_blocks) if key_capacity is None else key_capacity
+        if cap < _min_key_capacity(num_gpu_blocks):
+            raise ValueError(
+                f"key_capacity={cap} is below the minimum 2 * num_gpu_blocks={_min_key_capacity(num_gpu_blocks)}"
+            )
+        self.device = device  # fixed
+        self.key_capacity = cap  # fixed: keys are 0..cap-1
+        # free_key[b]: block b's key while b is free; stale otherwise (a block is
+        # free iff key_to_block[free_key[b]] == b, so nothing resets it on take).
+        self.free_key = torch.full((num_gpu_blocks,), EMPTY, dtype=torch.int64, device=device)
+        # key_to_block[k]: the free block whose key is k, or EMPTY. Every
+        # occupied key lies in [lo, hi].
+        self.key_to_block = torch.full((cap,), EMPTY, dtype=torch.int64, device=device)
+        self._keys = torch.arange(cap, dtype=torch.int64, device=device)  # every key: a batch's keys are a slice
+        num_free = num_gpu_blocks - 1
+        # The spec's initial keys (block b gets initial_free_key(b) = b, lo = 1,
+        # hi = n - 1), shifted by a constant to the middle of the index so that
+        # both ends have room: the same order.
+        shift = (cap - num_free) // 2 - initial_free_key(1)
+        lo, hi = initial_key_counters(num_gpu_blocks)
+        self.lo = lo + shift  # <= every free key; changed by takes, left batches, relabels
+        self.hi = hi + shift  # >= every free key; changed by right batches, relabels
+        self.num_free_blocks = num_free  # kept in step with key_to_block
+        self.num_gaps = 0  # EMPTY keys inside [lo, hi]: hi - lo + 1 == num_free_blocks + num_gaps
+        if num_free:
+            blocks = torch.arange(1, num_gpu_blocks, dtype=torch.int64, device=device)
+            self.key_to_block[self.lo : self.hi + 1] = blocks
+            self.free_key[1:] = blocks + shift
+        self.num_relabels = 0  # how many times the keys were renumbered (for benchmarks and tests)
+
+    # --- taking -------------------------------------------------------------------------------
+
+    def popleft_n(self, n: int) -> torch.Tensor:
+        """Remove and return the n free blocks with the smallest keys, smallest first.
+
+        Args:
+            n: how many; at most num_free_blocks (the pool checks).
+
+        Returns:
+            An int64 tensor of n block ids on the device.
+
+        Cost: O(n + gaps skipped), a constant number of kernels per doubling.
+        """
+        assert 0 <= n <= self.num_free_blocks, f"popleft_n(n={n}) with {self.num_free_blocks} free"
+        lo = self.lo
+        if n == 0:
+            return self.key_to_block[lo:lo]
+        if self.num_gaps == 0:
+            end = lo + n
+            taken = self.key_to_block[lo:end].clone()
+        else:
+            span = self.hi - lo + 1
+            width = min(span, n + min(self.num_gaps, max(n, 1024)))
+            while True:
+                window = self.key_to_block[lo : lo + width]
+                positions = torch.nonzero(window >= 0).squeeze(1)
+                if positions.numel() >= n:
+                    break
+                # Every gap in this window lies before the n-th block, so the
+                # take below consumes it: the doubling is paid for by gaps.
+                assert width < span, f"free queue holds {positions.numel()} blocks in [lo, hi], expected {n}+"
+                width = min(span, 2 * width)
+            positions = positions[:n]
+            taken = window[positions]
+            end = lo + int(positions[-1]) + 1
+            self.num_gaps -= (end - lo) - n
+        self.key_to_block[lo:end] = EMPTY
+        self.lo = end
+        self.num_free_blocks -= n
+        if self.num_free_blocks == 0:
+            self._recentre_empty()
+        return taken
+
+    def remove(self, block_ids: torch.Tensor) -> None:
+        """Take free blocks out of the middle of the queue (a cache hit on them); their keys become gaps.
+
+        Args:
+            block_ids: distinct blocks, each free.
+
+        Cost: O(len(block_ids)).
+        """
+        k = block_ids.numel()
+        if k == 0:
+            return
+        self.key_to_block.index_fill_(0, self.free_key.index_select(0, block_ids), EMPTY)
+        self.num_free_blocks -= k
+        self.num_gaps += k
+        if self.num_free_blocks == 0:
+            self._recentre_empty()
+
+    # --- putting back -------------------------------------------------------------------------
+
+    def prepend_n(self, block_ids: torch.Tensor) -> None:
+        """Put blocks at the left end in the given order (the first is taken first).
+
+        Args:
+            block_ids: distinct blocks, none of them free.
+
+        Cost: O(len(block_ids)), plus an occasional relabel.
+        """
+        k = block_ids.numel()
+        if k == 0:
+            return
+        if self.lo - k < 0:
+            self._relabel()
+        first = left_batch_key(self.lo, k, 0)  # keys lo - k + i, i = 0..k-1
+        self.key_to_block[first : first + k] = block_ids
+        self.free_key.index_copy_(0, block_ids, self._keys[first : first + k])
+        self.lo = first
+        self.num_free_blocks += k
+
+    def append_n(self, block_ids: torch.Tensor) -> None:
+        """Put blocks at the right end in the given order (the last is taken last).
+
+        Args:
+            block_ids: distinct blocks, none of them free.
+
+        Cost: O(len(block_ids)), plus an occasional relabel.
+        """
+        k = block_ids.numel()
+        if k == 0:
+            return
+        if self.hi + k >= self.key_capacity:
+            self._relabel()
+        first = right_batch_key(self.hi, 0)  # keys hi + 1 + i, i = 0..k-1
+        self.key_to_block[first : first + k] = block_ids
+        self.free_key.index_copy_(0, block_ids, self._keys[first : first + k])
+        self.hi = first + k - 1
+        self.num_free_blocks += k
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def ordered(self) -> torch.Tensor:
+        """Every free block, left end first. Cost: O(hi - lo)."""
+        span = self.key_to_block[self.lo : self.hi + 1]
+        return span[span >= 0]
+
+    def contains(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """Whether each block is free: its key is a valid key that maps back to it. Cost: O(len)."""
+        keys = self.free_key[block_ids]
+        valid = (keys >= 0) & (keys < self.key_capacity)
+        return valid & (self.key_to_block[keys.clamp(0, self.key_capacity - 1)] == block_ids)
+
+    def representation_errors(self) -> list[str]:
+        """What is wrong with the counters and the two index tensors, if anything (for check_invariants).
+
+        Cost: O(key_capacity).
+        """
+        errors: list[str] = []
+        lo, hi, cap = self.lo, self.hi, self.key_capacity
+        if not (0 <= lo <= hi + 1 <= cap):
+            return [f"key bounds out of range: lo={lo} hi={hi} key_capacity={cap}"]
+        occupied = self.key_to_block >= 0
+        if bool(occupied[:lo].any()) or bool(occupied[hi + 1 :].any()):
+            errors.append(f"a free block has a key outside [lo={lo}, hi={hi}]")
+        num_occupied = int(occupied.sum())
+        if num_occupied != self.num_free_blocks:
+            errors.append(f"num_free_blocks={self.num_free_blocks} but {num_occupied} keys are occupied")
+        if hi - lo + 1 != self.num_free_blocks + self.num_gaps:
+            errors.append(
+                f"hi - lo + 1 = {hi - lo + 1} but num_free_blocks={self.num_free_blocks} + num_gaps={self.num_gaps}"
+            )
+        keys = torch.nonzero(occupied).squeeze(1)
+        blocks = self.key_to_block[keys]
+        if not torch.equal(self.free_key[blocks], keys):
+            errors.append("free_key does not map some free block back to its key")
+        if blocks.numel() != torch.unique(blocks).numel():
+            errors.append("a block holds two keys")
+        return errors
+
+    # --- keeping the keys in range ----------------------------------------------------------------
+
+    def _recentre_empty(self) -> None:
+        # No free block: every key in [lo, hi] is a gap (already EMPTY), so the
+        # bounds can restart anywhere; the middle leaves room at both ends.
+        self.lo = self.key_capacity // 2
+        self.hi = self.lo - 1
+        self.num_gaps = 0
+
+    def _relabel(self) -> None:
+        """Give the free blocks consecutive keys, in order, centred in the index.
+
+        A strictly increasing renumbering: the queue order does not change.
+        Cost: O(hi - lo).
+        """
+        blocks = self.ordered()
+        m = blocks.numel()
+        self.key_to_block[self.lo : self.hi + 1] = EMPTY
+        first = (self.key_capacity - m) // 2
+        self.key_to_block[first : first + m] = blocks
+        self.free_key.index_copy_(0, blocks, self._keys[first : first + m])
+        self.lo, self.hi, self.num_gaps = first, first + m - 1, 0
+        self.num_relabels += 1

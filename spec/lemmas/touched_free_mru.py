@@ -1,0 +1,89 @@
+"""Lemma 4, `lemma_touched_free_becomes_mru`: a touched block that is freed again becomes the
+most recently used.
+
+A hit (`touch`) takes a free block out of the queue; when its last holder
+frees it, it goes to the right end like any block freed with a hash: behind
+every block free at that moment, including the ones that were behind it
+before the hit. Its old place is forgotten, which is what makes the queue an
+LRU order. The obligation is the two steps, touch then free, from any state
+satisfying the invariants. Operations in between change nothing here: the
+block is held throughout, so none of them can move it, and the placement
+depends only on the free itself (lemma 2). The false twin says the block
+keeps its old place: blocks behind it before the hit stay behind it.
+"""
+
+from __future__ import annotations
+
+import z3
+
+from kvspec.spec.lemmas import pool_model as pm
+from kvspec.spec.lemmas.backend import Universe
+from kvspec.spec.lemmas.prover import Formula, Obligation
+from kvspec.spec.ordering import ProfileRule
+
+__all__ = ["NAME", "obligations", "twin_obligations"]
+
+NAME = "lemma_touched_free_becomes_mru"
+
+
+def _touch_then_free(rule: ProfileRule, keeps_place: bool) -> Obligation:
+    def build(u: Universe) -> Formula:
+        s0 = pm.fresh_state(u, "start")
+        touched = pm.fresh_batch(u, "touched")
+        hit = pm.touch(u, s0, touched)
+        s1 = hit.post
+        freed = pm.fresh_batch(u, "freed")
+        release = pm.free_blocks(u, s1, freed, rule.unhashed_to_left)
+        s2 = release.post
+        b, y = z3.Ints("b y")
+        hypotheses = [
+            pm.all_invariants(u, s0),
+            hit.guard,
+            hit.axioms,
+            pm.in_batch(touched, b),
+            release.guard,
+            release.axioms,
+            pm.in_batch(freed, b),
+            s1.ref_cnt[b] == 1,
+        ]
+        if keeps_place:
+            hypotheses += [
+                pm.in_queue(s0, b),
+                pm.in_queue(s0, y),
+                s0.queue_pos[b] < s0.queue_pos[y],
+                pm.in_queue(s2, y),
+            ]
+            claim = z3.And(pm.in_queue(s2, b), s2.queue_pos[b] < s2.queue_pos[y])
+            broken = "is no longer in front of block {y}, which was behind it before the touch"
+        else:
+            hypotheses.append(pm.in_queue(s1, y))
+            claim = z3.And(pm.in_queue(s2, b), pm.in_queue(s2, y), s2.queue_pos[y] < s2.queue_pos[b])
+            broken = "is not behind block {y}, which was free when it was freed"
+        label = pm.hash_labeller()
+        return Formula(
+            hypotheses=hypotheses,
+            claim=claim,
+            render=lambda m: "\n".join(
+                [
+                    pm.render_state(m, s0, "start", label),
+                    f"  touch(block_ids={pm.render_batch(m, touched)})",
+                    f"  free_blocks(block_ids={pm.render_batch(m, freed)}) [profile {rule.name}]",
+                    pm.render_state(m, s2, "end", label),
+                    f"  block {pm.model_int(m, b)} " + broken.format(y=pm.model_int(m, y)),
+                ]
+            ),
+        )
+
+    if keeps_place:
+        return Obligation("a touched block freed again keeps its old place in the queue", build)
+    return Obligation("a touched block freed again is behind every block free at that moment", build)
+
+
+def obligations(rule: ProfileRule) -> list[Obligation]:
+    """touch then free_blocks, under one profile's rule."""
+    return [_touch_then_free(rule, keeps_place=False)]
+
+
+def twin_obligations(rule: ProfileRule) -> list[Obligation]:
+    """The false twin: the block goes back to where it was before the touch."""
+    return [_touch_then_free(rule, keeps_place=True)]

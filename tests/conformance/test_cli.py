@@ -1,0 +1,96 @@
+"""`kvspec check` and `kvspec replay` as a CI job runs them: the summary, the exit codes, JUnit XML."""
+
+import xml.etree.ElementTree as ET
+
+from kvspec.conformance import runner
+from kvspec.conformance.cli import main
+from kvspec.conformance.commands.check import _default_impls
+
+ADAPTERS = "kvspec.tests.conformance.adapters"
+
+
+def test_check_on_the_reference_prints_one_screen_and_exits_0(tmp_path, capsys):
+    junit = tmp_path / "out.xml"
+    code = main(["check", "--impl", "reference", "--level", "pool", "--caching", "on", "--max-examples", "20",
+                 "--junit", str(junit), "--trace-dir", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0] == "kvspec check: profile vllm-v1, seed 0, 20 examples x up to 50 steps per configuration"
+    assert lines[1].split() == ["implementation", "level", "caching", "verdict", "examples", "steps", "steps/s",
+                                "states", "invariants", "branches"]  # fmt: skip
+    assert lines[2].split()[:4] == ["reference", "pool", "on", "conforms"]
+    assert any(line.startswith("total: 1 configurations,") and "steps/s" in line for line in lines)
+    assert any(line.startswith("reached: cached blocks evicted") for line in lines)
+    assert lines[-2] == "result: 1 conforms (exit 0)"
+    suite = ET.parse(junit).getroot()
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("1", "0", "0")
+    assert suite.find("testsuite/testcase").get("name") == "pool-caching-on-vllm-v1"
+
+
+def test_check_on_a_diverging_implementation_exits_1_with_story_trace_and_junit_failure(tmp_path, capsys):
+    junit = tmp_path / "out.xml"
+    impl = f"{ADAPTERS}:make_free_head_first"
+    code = main(["check", "--impl", impl, "--level", "pool", "--caching", "on", "--max-examples", "100",
+                 "--junit", str(junit), "--trace-dir", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "DIVERGES: diverges at step 2 of 2 (free_blocks)" in out
+    traces = list(tmp_path.glob("failure-pool-*.trace.jsonl"))
+    assert len(traces) == 1
+    failure = ET.parse(junit).getroot().find("testsuite/testcase/failure")
+    assert failure.get("type") == "diverges" and "free_queue" in failure.get("message")
+    # The trace replays to the same verdict on the same implementation, and conforms on the reference.
+    assert main(["replay", str(traces[0]), "--impl", impl]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: diverges (same as recorded)" in out
+    assert main(["replay", str(traces[0]), "--impl", "reference"]) == 0
+    assert "verdict: conforms (recorded: diverges)" in capsys.readouterr().out
+
+
+def test_check_on_a_crashing_implementation_exits_2_with_its_trace(tmp_path, capsys):
+    code = main(["check", "--impl", f"{ADAPTERS}:make_crash_on_long_free", "--level", "pool", "--caching", "on",
+                 "--max-examples", "100", "--trace-dir", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 2, out
+    assert "CRASHED: crashed at step 2 of 2 (free_blocks)" in out and "KeyError" in out
+    assert list(tmp_path.glob("failure-pool-*.trace.jsonl"))
+
+
+def test_check_with_an_implementation_that_cannot_be_loaded_exits_2(tmp_path, capsys):
+    junit = tmp_path / "out.xml"
+    code = main(["check", "--impl", "no_such_package.pool:make", "--level", "pool", "--caching", "on",
+                 "--junit", str(junit), "--trace-dir", str(tmp_path)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "could-not-run" in out and "module no_such_package.pool does not import" in out
+    assert ET.parse(junit).getroot().find("testsuite/testcase/error").get("type") == "could-not-run"
+
+
+def test_check_with_bad_arguments_exits_2(capsys):
+    assert main(["check", "--profile", "lfu-maybe"]) == 2
+    assert "unknown profile 'lfu-maybe'" in capsys.readouterr().out
+    assert main(["check", "--max-examples", "0"]) == 2
+    assert main(["check", "--level", "rack"]) == 2  # argparse's own refusal
+
+
+def test_default_implementations_skip_a_registered_one_whose_module_is_missing(monkeypatch):
+    monkeypatch.setitem(runner.BUILTIN_IMPLS, "gpu", "kvspec.no_such_gpu_impl.adapter:make_adapter")
+    chosen, notes = _default_impls()
+    assert chosen[:2] == ["reference", "spec"] and "gpu" not in chosen
+    assert notes == [
+        "gpu: not checked (implementation 'gpu': module kvspec.no_such_gpu_impl.adapter does not import "
+        "(ModuleNotFoundError: No module named 'kvspec.no_such_gpu_impl'))"
+    ]
+
+
+def test_replay_needs_an_implementation_when_the_trace_names_none(tmp_path, capsys):
+    path = tmp_path / "t.trace.jsonl"
+    path.write_text(
+        '{"kvspec_trace": 1, "level": "pool", "config": {"num_gpu_blocks": 2, "enable_caching": true, '
+        '"profile": "vllm-v1", "block_size": 4, "hash_fn": "sha256_cbor", "seed": "kvspec", "device": null}, '
+        '"impl": null}\n{"step": 1, "op": "get_new_blocks", "args": [1]}\n'
+    )
+    assert main(["replay", str(path)]) == 2
+    assert "the trace names no implementation" in capsys.readouterr().out
+    assert main(["replay", str(path), "--impl", "spec"]) == 0

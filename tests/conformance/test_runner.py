@@ -1,0 +1,218 @@
+"""The harness reports each kind of wrong implementation the way it promises.
+
+Each case runs a real campaign (a child process, Hypothesis, the spec) against
+an adapter from tests/conformance/adapters.py that is wrong in one way, and
+checks the verdict, the failure's kind and step, the saved trace, and that
+replaying the trace gives the same verdict.
+"""
+
+import pytest
+
+from kvspec.conformance import runner
+from kvspec.conformance.builtin import make_reference, make_spec
+from kvspec.conformance.runner import FactoryError, load_factory, replay, run_check
+from kvspec.conformance.trace import read_trace
+from kvspec.tests.conformance import adapters
+
+# Small campaigns: every wrong adapter here is caught within a few dozen examples.
+N = 150
+
+
+def check(factory, tmp_path, **kw):
+    kw.setdefault("max_examples", N)
+    return run_check(factory, trace_dir=tmp_path, impl="under-test", **kw)
+
+
+@pytest.fixture(scope="module")
+def head_first(tmp_path_factory):
+    return check(adapters.make_free_head_first, tmp_path_factory.mktemp("traces"), level="pool")
+
+
+def test_head_first_free_diverges_with_a_short_replayable_trace(head_first):
+    r = head_first
+    assert r.verdict == "diverges" and r.exit_code == 1
+    f = r.failure
+    assert f.kind == "diverges" and f.op == "free_blocks"
+    # Shrunk to the essence: allocate two blocks, free them.
+    assert f.num_steps == 2, f.story
+    assert "free_queue: spec (2, 1) vs implementation (1, 2)" in f.message
+    trace = read_trace(f.trace_path)
+    assert len(trace.steps) == f.num_steps and trace.verdict == "diverges"
+    assert trace.steps[-1].spec_snapshot.free_queue == (2, 1)
+    assert trace.steps[-1].impl_snapshot.free_queue == (1, 2)
+    again = replay(f.trace_path, adapters.make_free_head_first)
+    assert again.verdict == "diverges"
+    assert (again.failure.step_index, again.failure.op, again.failure.message) == (f.step_index, f.op, f.message)
+    assert replay(f.trace_path, make_reference).verdict == "conforms"
+
+
+def test_the_story_shows_steps_the_failing_step_and_both_states(head_first):
+    f = head_first.failure
+    lines = f.story.splitlines()
+    assert lines[0] == "DIVERGES: diverges at step 2 of 2 (free_blocks)"
+    assert "    1. get_new_blocks(num_blocks=2) -> [1, 2]" in lines
+    assert ">   2. free_blocks(block_ids=[2, 1]) -> None" in lines
+    queue = next(line for line in lines if line.lstrip().startswith("free queue (left first)"))
+    assert queue.split()[-3:] == ["1", "2", "<<"]  # the implementation's column, marked as differing
+    assert f"replay: kvspec replay {f.trace_path} --impl under-test" in lines
+
+
+def test_a_block_both_held_and_free_is_named_by_its_invariant(tmp_path):
+    r = check(adapters.make_taken_blocks_stay_queued, tmp_path, level="pool")
+    assert r.verdict == "diverges"
+    assert (r.failure.kind, r.failure.op, r.failure.num_steps) == ("invariant", "get_new_blocks", 1)
+    assert r.failure.invariant == "inv_free_queue_has_zero_ref"
+    assert "invariant inv_free_queue_has_zero_ref" in r.failure.story
+
+
+def test_an_accepted_double_free_is_a_divergence_on_the_error_type(tmp_path):
+    r = check(adapters.make_accepts_double_free, tmp_path, level="pool")
+    assert r.verdict == "diverges" and r.failure.op == "free_blocks"
+    assert "the spec raised DoubleFree" in r.failure.message
+
+
+def test_a_rejected_call_that_changed_the_state_is_caught(tmp_path):
+    r = check(adapters.make_takes_before_refusing, tmp_path, level="pool")
+    assert r.verdict == "diverges" and r.failure.op == "get_new_blocks"
+    assert "after raising PoolExhausted the state changed" in r.failure.message
+
+
+def test_a_hit_past_the_len_minus_one_cap_is_named_hit_within_cap(tmp_path):
+    r = check(adapters.make_hit_past_cap, tmp_path, level="manager", max_examples=300)
+    assert r.verdict == "diverges"
+    assert (r.failure.kind, r.failure.invariant, r.failure.op) == ("invariant", "hit_within_cap", "get_computed_blocks")
+
+
+def test_another_hash_function_conforms_because_hashes_are_compared_as_names(tmp_path):
+    r = check(adapters.make_other_hash_function, tmp_path, level="manager", max_examples=60)
+    assert r.verdict == "conforms", r.failure and r.failure.story
+    assert r.coverage["get_computed_blocks: hit"] > 0  # hits happened, under the other hash
+
+
+def test_hashes_renamed_between_steps_diverge(tmp_path):
+    r = check(adapters.make_drifting_hashes, tmp_path, level="pool")
+    assert r.verdict == "diverges"
+    assert "the same spec hash must keep the same name" in r.failure.message
+
+
+def test_a_python_exception_is_a_shrunk_crash(tmp_path):
+    r = check(adapters.make_crash_on_long_free, tmp_path, level="pool")
+    assert r.verdict == "crashed" and r.exit_code == 2
+    assert r.failure.kind == "crashed" and r.failure.op == "free_blocks"
+    assert "KeyError" in r.failure.message and "adapters.py" in r.failure.message
+    assert r.failure.num_steps == 2  # get_new_blocks(3), free_blocks of the three
+    assert replay(r.failure.trace_path, adapters.make_crash_on_long_free).verdict == "crashed"
+
+
+def test_a_segfault_kills_only_the_child_and_is_reported_with_its_trace(tmp_path):
+    r = check(adapters.make_segfault_on_touch, tmp_path, level="pool", minimize_s=10)
+    assert r.verdict == "crashed" and r.exit_code == 2
+    assert "SIGSEGV" in r.failure.message and r.failure.op == "touch"
+    trace = read_trace(r.failure.trace_path)
+    assert trace.steps[-1].op == "touch" and trace.steps[-1].impl.crashed
+    assert replay(r.failure.trace_path, adapters.make_segfault_on_touch).verdict == "crashed"
+
+
+def test_a_hang_in_python_is_reported_at_the_step_time_limit(tmp_path):
+    r = check(adapters.make_hang_on_reset, tmp_path, level="pool", step_timeout_s=0.3, minimize_s=3)
+    assert r.verdict == "hung" and r.exit_code == 2
+    assert r.failure.op == "reset_prefix_cache" and "0.3 s" in r.failure.message
+    assert read_trace(r.failure.trace_path).steps[-1].impl.hung
+
+
+def test_a_hang_in_c_that_ignores_the_alarm_is_killed_by_the_parent(tmp_path):
+    r = check(adapters.make_hang_in_c, tmp_path, level="pool", step_timeout_s=0.3, minimize_s=0)
+    assert r.verdict == "hung"
+    assert r.failure.op == "reset_prefix_cache" and "killed" in r.failure.message
+
+
+def test_a_factory_that_cannot_build_could_not_run(tmp_path):
+    r = check(adapters.broken_factory, tmp_path, level="pool")
+    assert r.verdict == "could-not-run" and r.exit_code == 2
+    assert "RuntimeError: no device for num_gpu_blocks=8" in r.message
+
+
+def test_an_adapter_missing_a_method_could_not_run(tmp_path):
+    r = check(adapters.make_no_free_blocks, tmp_path, level="pool")
+    assert r.verdict == "could-not-run"
+    assert "lacks free_blocks()" in r.message
+
+
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("nonsense", "neither a built-in name"),
+        ("kvspec.no_such_module:make", "module kvspec.no_such_module does not import"),
+        ("kvspec.tests.conformance.adapters:no_such_factory", "has no attribute 'no_such_factory'"),
+        ("kvspec.tests.conformance.adapters:NOT_CALLABLE", "is a int, not a callable factory"),
+        ("kvspec.tests.conformance.adapters:", "expected module:function"),
+    ],
+)
+def test_load_factory_names_what_is_wrong(name, says):
+    with pytest.raises(FactoryError, match=says):
+        load_factory(name)
+
+
+def test_load_factory_resolves_builtin_names_and_module_paths():
+    assert load_factory("reference") is make_reference
+    assert load_factory("kvspec.conformance.builtin:make_spec") is make_spec
+
+
+def test_a_registered_implementation_whose_module_is_missing_could_not_run(monkeypatch, tmp_path):
+    monkeypatch.setitem(runner.BUILTIN_IMPLS, "later", "kvspec.not_written_yet.adapter:make_adapter")
+    r = run_check("later", level="pool", max_examples=5, trace_dir=tmp_path)
+    assert r.verdict == "could-not-run" and r.impl == "later"
+    assert "kvspec.not_written_yet.adapter does not import" in r.message
+
+
+def test_bad_arguments_could_not_run(tmp_path):
+    assert run_check(make_reference, profile="lru", trace_dir=tmp_path).message.startswith("unknown profile='lru'")
+    assert "level must be" in run_check(make_reference, level="request", trace_dir=tmp_path).message
+    assert "max_examples" in run_check(make_reference, max_examples=0, trace_dir=tmp_path).message
+
+
+def test_the_same_seed_gives_the_same_campaign(tmp_path):
+    a = check(adapters.make_drifting_hashes, tmp_path / "a", level="pool", seed=5)
+    b = check(adapters.make_drifting_hashes, tmp_path / "b", level="pool", seed=5)
+    assert (a.examples_run, a.steps_run) == (b.examples_run, b.steps_run)
+    assert read_trace(a.failure.trace_path).steps == read_trace(b.failure.trace_path).steps
+
+
+def test_a_time_budget_stops_a_campaign_that_would_run_forever(tmp_path):
+    r = run_check(make_reference, level="pool", max_examples=10**9, time_budget_s=1.5, trace_dir=tmp_path)
+    assert r.verdict == "conforms" and "time budget" in r.message
+    assert r.seconds < 20 and r.steps_run > 0
+
+
+def test_the_campaign_reaches_deep_states_and_counts_them(tmp_path):
+    r = run_check(make_reference, level="pool", max_examples=120, trace_dir=tmp_path, keep_deepest=True)
+    assert r.verdict == "conforms"
+    for event in (
+        "get_new_blocks: evicted a cached block",
+        "touch: hit a free block",
+        "free_blocks: to the left end",
+        "free_blocks: to the right end",
+        "reset_prefix_cache: accepted, hashes dropped",
+        "reset_prefix_cache: refused, blocks held",
+        "free_blocks: DoubleFree",
+    ):
+        assert r.coverage[event] > 0, event
+    assert r.states_reached > 50 and r.invariants_checked > r.steps_run
+    # The deepest example is a trace like any other: it replays to conforms.
+    assert replay(r.deepest_trace_path, make_reference).verdict == "conforms"
+
+
+def test_the_request_level_reaches_preemption_chunking_and_capped_hits(tmp_path):
+    r = run_check(make_reference, level="manager", max_examples=100, trace_dir=tmp_path)
+    assert r.verdict == "conforms"
+    for event in (
+        "free: request preempted",
+        "readmitted after preemption",
+        "allocate_slots: chunked prefill",
+        "allocate_slots: decode",
+        "allocate_slots: external tokens",
+        "allocate_slots: too few free blocks",
+        "get_computed_blocks: hit capped at len - 1",
+        "allocate_slots: evicted a cached block",
+    ):
+        assert r.coverage[event] > 0, event

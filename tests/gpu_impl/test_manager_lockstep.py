@@ -1,0 +1,193 @@
+"""gpu_impl's TensorKVCacheManager against the reference KVCacheManager, with its KV memory checked.
+
+Requests share prefixes (a two-letter token alphabet), carry LoRA names and
+cache salts, run chunked prefills and decode steps, and are freed in any
+order. Every step must give the reference's result (or error type) and
+snapshot; on top of that the KV memory must hold what the model would
+compute: every prefix hit reads back, from device memory, the values of its
+own prefix (hit_content_intact), and every resident token of every running
+request reads back its own value through the block table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.gpu_impl.adapter import make_adapter
+from kvspec.gpu_impl.kv_cache_manager import prefix_kv_source
+from kvspec.reference import KVCacheManager
+from kvspec.spec.invariants import hit_content_intact
+from kvspec.spec.manager import Request
+from kvspec.spec.ordering import PROFILES
+from kvspec.tests.gpu_impl._lockstep import same_call
+
+TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=14)
+
+
+def flatten(pages: list[list[int]]) -> list[int]:
+    return [v for page in pages for v in page]
+
+
+class ManagerLockstep(RuleBasedStateMachine):
+    """The reference and a manager from `factory` (gpu_impl's), driven by the same request steps."""
+
+    factory: Callable[[AdapterConfig], Any] = staticmethod(make_adapter)  # the memory mutants' tests swap it
+    check_resident_tokens = True  # False: check memory only where the harness does, on prefix hits
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.running: dict[str, Request] = {}
+        self.history: list[Request] = []  # every request seen, so new ones can repeat their prefixes
+        self.num_requests = 0
+
+    @initialize(
+        num_gpu_blocks=st.integers(1, 14),
+        block_size=st.integers(1, 4),
+        enable_caching=st.sampled_from([True, True, True, False]),
+        profile=st.sampled_from(sorted(PROFILES)),
+    )
+    def build(self, num_gpu_blocks: int, block_size: int, enable_caching: bool, profile: str) -> None:
+        self.block_size = block_size
+        self.ref = KVCacheManager(num_gpu_blocks, block_size, enable_caching, profile)
+        self.gpu = self.factory(AdapterConfig("manager", num_gpu_blocks, enable_caching, profile, block_size))
+        self.gpu.set_kv_source(prefix_kv_source)
+
+    # --- rules --------------------------------------------------------------------------------
+
+    @rule(
+        tokens=TOKENS,
+        lora_name=st.sampled_from([None, "a"]),
+        cache_salt=st.sampled_from([None, "t"]),
+        data=st.data(),
+    )
+    def add_request(
+        self, tokens: list[int], lora_name: str | None, cache_salt: str | None, data: st.DataObject
+    ) -> None:
+        self.num_requests += 1
+        self.schedule(Request(f"r{self.num_requests}", tuple(tokens), lora_name, cache_salt), data)
+
+    @precondition(lambda self: self.history)
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 1), max_size=3))
+    def add_request_sharing_prefix(self, data: st.DataObject, tail: list[int]) -> None:
+        # Repeat part of an earlier request (running or finished), so that hits are common.
+        other = data.draw(st.sampled_from(self.history))
+        cut = data.draw(st.integers(1, len(other.token_ids)))
+        self.num_requests += 1
+        tokens = other.token_ids[:cut] + tuple(tail)
+        self.schedule(Request(f"r{self.num_requests}", tokens, other.lora_name, other.cache_salt), data)
+
+    def schedule(self, request: Request, data: st.DataObject) -> None:
+        """A new request's first step: look up its prefix, check the hit's KV, allocate the rest."""
+        self.history.append(request)
+        outcome = same_call(self.ref, self.gpu, "get_computed_blocks", request)
+        hit_blocks, num_hit_tokens = outcome[1]
+        event("prefix hit" if hit_blocks else "no prefix hit")
+        self.check_hit_content(request, hit_blocks, num_hit_tokens)
+        left = len(request.token_ids) - num_hit_tokens
+        num_external = data.draw(st.integers(0, left - 1))
+        num_new = data.draw(st.integers(1, left - num_external))
+        outcome = same_call(
+            self.ref, self.gpu, "allocate_slots", request, num_new, num_hit_tokens, hit_blocks, num_external
+        )
+        if outcome[1] is not None:
+            self.running[request.request_id] = request
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def allocate_slots(self, data: st.DataObject, token: int) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        request = self.running[rid]
+        num_computed = self.ref.num_computed_tokens[rid]
+        if num_computed == len(request.token_ids):
+            # Decode: the sampled token joins the request.
+            request = Request(rid, request.token_ids + (token,), request.lora_name, request.cache_salt)
+        num_new = data.draw(st.integers(1, len(request.token_ids) - num_computed))
+        outcome = same_call(self.ref, self.gpu, "allocate_slots", request, num_new)
+        if outcome[1] is not None:
+            self.running[rid] = request
+            self.history.append(request)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        same_call(self.ref, self.gpu, "free", rid)
+        del self.running[rid]
+
+    @rule(
+        num_new=st.integers(-1, 3),
+        num_hit=st.integers(-1, 5),
+        hit_blocks=st.lists(st.one_of(st.integers(-1, 15), st.booleans()), max_size=2),
+        num_external=st.integers(-1, 2),
+        tokens=st.lists(st.integers(0, 1), max_size=5),
+        data=st.data(),
+    )
+    def bad_allocate_slots(
+        self,
+        num_new: int,
+        num_hit: int,
+        hit_blocks: list[int],
+        num_external: int,
+        tokens: list[int],
+        data: st.DataObject,
+    ) -> None:
+        # A running request (hits are refused), an empty id, or one nobody scheduled.
+        rid = data.draw(st.sampled_from([*sorted(self.running), "", "nobody"]))
+        request = self.running.get(rid) or Request(rid, tuple(tokens))
+        outcome = same_call(self.ref, self.gpu, "allocate_slots", request, num_new, num_hit, hit_blocks, num_external)
+        if outcome[0] == "ok" and outcome[1] is not None:
+            self.running[rid] = request
+
+    @rule(data=st.data())
+    def bad_free_or_lookup(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from([*sorted(self.running), "", "nobody"]))
+        if rid not in self.running:
+            same_call(self.ref, self.gpu, "free", rid)
+        same_call(self.ref, self.gpu, "get_computed_blocks", self.running.get(rid) or Request(rid, (0,)))
+
+    # --- checks -------------------------------------------------------------------------------
+
+    def check_hit_content(self, request: Request, hit_blocks: list[int], num_hit_tokens: int) -> None:
+        expected = prefix_kv_source(request, 0, num_hit_tokens) if num_hit_tokens else []
+        actual = flatten(self.gpu.read_kv(hit_blocks))
+        assert hit_content_intact(expected, actual), f"hit {hit_blocks} of {request} reads back other KV"
+
+    @invariant()
+    def same_snapshot(self) -> None:
+        assert self.gpu.snapshot() == self.ref.snapshot()
+        self.gpu.check_invariants()
+
+    @invariant()
+    def resident_tokens_intact(self) -> None:
+        if not self.check_resident_tokens:
+            return
+        for rid, request in self.running.items():
+            num_computed = self.ref.num_computed_tokens[rid]
+            table = self.ref.req_to_blocks[rid]
+            actual = flatten(self.gpu.read_kv(table))[:num_computed]
+            assert actual == prefix_kv_source(request, 0, num_computed), f"{rid}'s KV was overwritten"
+
+
+ManagerLockstep.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+test_manager_lockstep = ManagerLockstep.TestCase
+
+
+@pytest.mark.slow
+def test_manager_lockstep_long_campaign() -> None:
+    """The same machine with a budget that reaches rarer interleavings (KVSPEC_SLOW=1)."""
+    long_run = settings(max_examples=3000, stateful_step_count=60, deadline=None)
+    run_state_machine_as_test(ManagerLockstep, settings=long_run)

@@ -1,0 +1,185 @@
+"""gpu_impl's TensorBlockPool against the reference BlockPool, in lock-step, snapshot by snapshot.
+
+Every step runs one operation on both and requires the same result or the
+same error type, then the same snapshot (block ids, free-queue order, hash
+table), every spec invariant, and gpu_impl's own representation checks.
+Pools are small so that every corner is reached; the key index is sometimes
+at its minimum length so that relabels happen all the time.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvspec.gpu_impl.block_pool import TensorBlockPool
+from kvspec.gpu_impl.device import pick_device
+from kvspec.reference import BlockPool
+from kvspec.spec.ordering import PROFILES
+from kvspec.spec.state import BlockHash
+from kvspec.tests.gpu_impl._lockstep import same_call
+
+HASHES = [BlockHash(bytes([i]) * 4) for i in range(6)]  # few, so duplicates and re-hits are common
+
+
+class PoolLockstep(RuleBasedStateMachine):
+    """The reference and gpu_impl pools, driven by the same operations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ref: BlockPool
+        self.gpu: TensorBlockPool
+
+    @initialize(
+        num_gpu_blocks=st.one_of(st.integers(1, 10), st.sampled_from([70, 130])),
+        enable_caching=st.booleans(),
+        profile=st.sampled_from(sorted(PROFILES)),
+        tight_keys=st.booleans(),
+    )
+    def build(self, num_gpu_blocks: int, enable_caching: bool, profile: str, tight_keys: bool) -> None:
+        self.n = num_gpu_blocks
+        self.ref = BlockPool(num_gpu_blocks, enable_caching, profile)
+        capacity = 2 * num_gpu_blocks if tight_keys else None
+        self.gpu = TensorBlockPool(num_gpu_blocks, enable_caching, profile, pick_device(), key_capacity=capacity)
+
+    # --- helpers drawing from the current state ---------------------------------------------
+
+    def _held(self) -> list[int]:
+        return [b for b in range(1, self.n) if self.ref.blocks[b].ref_cnt > 0]
+
+    def _hashed(self) -> list[int]:
+        return [b for b in range(1, self.n) if self.ref.blocks[b].block_hash is not None]
+
+    # --- rules --------------------------------------------------------------------------------
+
+    @rule(num_blocks=st.integers(-1, 12), data=st.data())
+    def get_new_blocks(self, num_blocks: int, data: st.DataObject) -> None:
+        if data.draw(st.booleans()) and self.ref.get_num_free_blocks():
+            num_blocks = data.draw(st.integers(1, self.ref.get_num_free_blocks()))  # large batches too
+        same_call(self.ref, self.gpu, "get_new_blocks", num_blocks)
+
+    @precondition(lambda self: self._hashed())
+    @rule(data=st.data())
+    def touch(self, data: st.DataObject) -> None:
+        blocks = data.draw(st.lists(st.sampled_from(self._hashed()), unique=True, max_size=8))
+        same_call(self.ref, self.gpu, "touch", blocks)
+
+    @precondition(lambda self: self._held())
+    @rule(data=st.data())
+    def free_blocks(self, data: st.DataObject) -> None:
+        blocks = data.draw(st.lists(st.sampled_from(self._held()), unique=True, min_size=1))
+        same_call(self.ref, self.gpu, "free_blocks", blocks)
+
+    @precondition(lambda self: self._held())
+    @rule(data=st.data())
+    def cache_full_blocks(self, data: st.DataObject) -> None:
+        candidates = [b for b in self._held() if self.ref.blocks[b].block_hash is None] or self._held()
+        blocks = data.draw(st.lists(st.sampled_from(candidates), unique=True, max_size=5))
+        hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=len(blocks), max_size=len(blocks)))
+        same_call(self.ref, self.gpu, "cache_full_blocks", blocks, hashes)
+
+    @rule(block_hash=st.sampled_from(HASHES))
+    def get_cached_block(self, block_hash: BlockHash) -> None:
+        same_call(self.ref, self.gpu, "get_cached_block", block_hash)
+
+    @rule(data=st.data())
+    def evict_blocks(self, data: st.DataObject) -> None:
+        blocks = data.draw(st.lists(st.integers(1, max(self.n - 1, 1)), unique=True, max_size=4))
+        same_call(self.ref, self.gpu, "evict_blocks", blocks)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        same_call(self.ref, self.gpu, "reset_prefix_cache")
+
+    @rule(block_id=st.integers(-1, 12))
+    def is_block_writable(self, block_id: int) -> None:
+        same_call(self.ref, self.gpu, "is_block_writable", block_id)
+
+    @rule()
+    def counts(self) -> None:
+        same_call(self.ref, self.gpu, "get_num_free_blocks")
+        same_call(self.ref, self.gpu, "get_usage")
+
+    @rule(
+        op=st.sampled_from(["touch", "free_blocks", "evict_blocks"]),
+        ids=st.lists(st.one_of(st.integers(-2, 12), st.booleans(), st.none(), st.floats(0, 3)), max_size=4),
+    )
+    def bad_block_ids(self, op: str, ids: list[object]) -> None:
+        # Anything at all: out of range, the null block, repeats, bools, floats, None.
+        same_call(self.ref, self.gpu, op, ids)
+
+    @precondition(lambda self: self._held())
+    @rule(data=st.data())
+    def double_free(self, data: st.DataObject) -> None:
+        free = [b for b in range(1, self.n) if self.ref.blocks[b].ref_cnt == 0]
+        held = data.draw(st.lists(st.sampled_from(self._held()), unique=True, min_size=1))
+        blocks = held + data.draw(st.lists(st.sampled_from(free or [0]), unique=True, max_size=2))
+        same_call(self.ref, self.gpu, "free_blocks", data.draw(st.permutations(blocks)))
+
+    @rule(data=st.data())
+    def bad_cache_full_blocks(self, data: st.DataObject) -> None:
+        blocks = data.draw(st.lists(st.integers(0, max(self.n - 1, 0)), max_size=3))
+        hashes = data.draw(st.lists(st.one_of(st.sampled_from(HASHES), st.just("not-bytes")), max_size=3))
+        same_call(self.ref, self.gpu, "cache_full_blocks", blocks, hashes)
+
+    # --- the comparison ---------------------------------------------------------------------------
+
+    @invariant()
+    def same_snapshot(self) -> None:
+        assert self.gpu.snapshot() == self.ref.snapshot()
+        self.gpu.check_invariants()
+
+
+PoolLockstep.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+test_pool_lockstep = PoolLockstep.TestCase
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_large_pool_random_batches_match_reference(profile: str) -> None:
+    """Whole-request batches of hundreds of blocks (the device-side checks and gap scans), seeded."""
+    rng = random.Random(6)
+    n = 600
+    ref = BlockPool(n, True, profile)
+    gpu = TensorBlockPool(n, True, profile, pick_device(), key_capacity=2 * n)
+    requests: list[list[int]] = []
+    for step in range(300):
+        action = rng.random()
+        if action < 0.35 or not requests:
+            k = rng.randint(1, 150)
+            got = same_call(ref, gpu, "get_new_blocks", k)
+            if got[0] == "ok":
+                blocks = got[1]
+                cached = blocks[: rng.randint(0, len(blocks))]
+                hashes = [BlockHash(rng.randrange(40).to_bytes(2, "big")) for _ in cached]
+                same_call(ref, gpu, "cache_full_blocks", cached, hashes)
+                requests.append(blocks)
+        elif action < 0.7:
+            blocks = requests.pop(rng.randrange(len(requests)))
+            same_call(ref, gpu, "free_blocks", blocks[::-1])
+        else:
+            hashed = [b for b in range(1, n) if ref.blocks[b].block_hash is not None]
+            hit = rng.sample(hashed, min(len(hashed), rng.randint(1, 120)))
+            same_call(ref, gpu, "touch", hit)
+            requests.append(hit)
+        if step % 25 == 0:
+            assert gpu.snapshot() == ref.snapshot(), f"step {step}"
+    assert gpu.snapshot() == ref.snapshot()
+    gpu.check_invariants()
+    assert gpu.free_block_queue.num_relabels > 0, "the minimum key index should have forced relabels"
+
+
+@pytest.mark.slow
+def test_pool_lockstep_long_campaign() -> None:
+    """The same machine with a budget that reaches rarer interleavings (KVSPEC_SLOW=1)."""
+    run_state_machine_as_test(PoolLockstep, settings=settings(max_examples=3000, stateful_step_count=80, deadline=None))

@@ -1,0 +1,158 @@
+"""Mutants of the eviction order: which end blocks are taken from and freed to, and in what order.
+
+The free queue is the eviction order, so each of these pools keeps every
+block and every hash right and only puts blocks in the wrong place: the
+harness must compare the whole queue, not just its contents, to see them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
+from kvspec.conformance.mutants import Mutant
+from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
+from kvspec.spec.state import BlockId
+from kvspec.tests.mutants._base import is_count
+
+__all__ = ["MUTANTS"]
+
+
+class AllocateFromRight(ReferencePoolAdapter):
+    """`get_new_blocks` pops the right end (`pop()` where `popleft()` was meant).
+
+    The right end holds the most recently freed cached blocks, so the pool
+    evicts exactly the blocks it meant to keep longest: LRU turned into MRU.
+    """
+
+    def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
+        if not is_count(num_blocks) or num_blocks > self.get_num_free_blocks():
+            return super().get_new_blocks(num_blocks)  # the reference words the refusal
+        taken: list[BlockId] = []
+        for _ in range(num_blocks):
+            block = list(self.free_block_queue)[-1]  # MUTANT: the right end
+            self.free_block_queue.remove(block)
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            taken.append(BlockId(block.block_id))
+        return taken
+
+
+class HashedFreedToLeft(ReferencePoolAdapter):
+    """`free_blocks` tests `block_hash is not None` where `is None` was meant: the two ends are swapped.
+
+    Cached blocks go to the left end and are reused first, blocks nobody can
+    hit linger at the right end.
+    """
+
+    def free_blocks(self, ordered_block_ids: Sequence[BlockId]) -> None:
+        blocks = self._blocks_of(ordered_block_ids, "free_blocks")
+        if any(block.ref_cnt == 0 for block in blocks):
+            super().free_blocks(ordered_block_ids)  # the reference refuses the double free
+            return
+        left: list[KVCacheBlock] = []
+        right: list[KVCacheBlock] = []
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is not None:  # MUTANT: `is None`
+                    left.append(block)
+                else:
+                    right.append(block)
+        self.free_block_queue.prepend_n(left)
+        self.free_block_queue.append_n(right)
+
+
+class UnhashedFreedToRight(ReferencePoolAdapter):
+    """Claims `vllm-v1` but frees as earlier vLLM v1 releases did: every freed block to the right end.
+
+    A block without a hash can never be hit, yet it now waits behind every
+    cached block, which gets evicted before it.
+    """
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__(config)
+        self._unhashed_to_left = False  # MUTANT: the `vllm-v1-tail` rule under the `vllm-v1` name
+
+
+class _PrependOneByOneQueue(FreeKVCacheBlockQueue):
+    """`prepend_n` written as a loop of single prepends, which reverses the batch."""
+
+    def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        for block in blocks:
+            super().prepend_n((block,))  # MUTANT: each one lands before the previous one
+
+
+class LeftBatchReversed(ReferencePoolAdapter):
+    """Blocks freed to the left end in one call end up in reverse order (prepended one at a time).
+
+    The caller passes a request's blocks tail first so that its last block is
+    reused first; this pool reuses its first block first.
+    """
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__(config)
+        self.free_block_queue = _PrependOneByOneQueue([])
+        self.free_block_queue.append_n(block for block in self.blocks if not block.is_null)
+
+
+class FreeHeadFirst(ReferenceManagerAdapter):
+    """`free` passes the block table as is (`req_blocks`) where `reversed(req_blocks)` was meant.
+
+    The request's last blocks, the least likely to be shared, now sit to the
+    right of its common leading blocks and outlive them in the cache.
+    """
+
+    def free(self, request_id: str) -> None:
+        table = self.req_to_blocks.get(request_id)
+        if table is None:
+            super().free(request_id)  # the reference refuses an unknown request
+            return
+        self.block_pool.free_blocks(table)  # MUTANT: not reversed
+        del self.req_to_blocks[request_id]
+        del self.num_cached_block[request_id]
+        del self.num_computed_tokens[request_id]
+
+
+MUTANTS: list[Mutant] = [
+    Mutant(
+        "allocate_from_right",
+        "get_new_blocks takes blocks from the right end of the free queue (MRU instead of LRU)",
+        "pool",
+        AllocateFromRight,
+        "wrong free end",
+    ),
+    Mutant(
+        "hashed_freed_to_left",
+        "free_blocks sends cached blocks to the left end and blocks without a hash to the right (ends swapped)",
+        "pool",
+        HashedFreedToLeft,
+        "wrong free end",
+    ),
+    Mutant(
+        "unhashed_freed_to_right",
+        "free_blocks sends every freed block to the right end, as earlier vLLM v1 did, while claiming vllm-v1",
+        "pool",
+        UnhashedFreedToRight,
+        "wrong free end",
+        # Without caching no block has a hash: every freed block must go left.
+        enable_caching=False,
+    ),
+    Mutant(
+        "left_batch_reversed",
+        "free_blocks prepends the blocks it sends left one at a time, reversing the tail-first order",
+        "pool",
+        LeftBatchReversed,
+        "no tail-first order",
+        enable_caching=False,
+    ),
+    Mutant(
+        "free_head_first",
+        "KVCacheManager.free frees a request's block table head first, not reversed",
+        "manager",
+        FreeHeadFirst,
+        "a freed block not reversed",
+    ),
+]

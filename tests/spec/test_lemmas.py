@@ -1,0 +1,177 @@
+"""The z3 lemmas: every lemma proved for the profiles it claims, refuted for the others, every
+false twin refuted with a counterexample; and the prover itself never calls a failure a proof."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import z3
+
+from kvspec.conformance.cli import main
+from kvspec.spec.lemmas import LEMMAS, Lemma, lemma_by_name
+from kvspec.spec.lemmas.backend import Universe
+from kvspec.spec.lemmas.prover import Formula, Obligation, decide_false, decide_true
+from kvspec.spec.lemmas.report import LemmaResult, ProofReport, prove
+from kvspec.spec.ordering import PROFILES
+
+pytestmark = [pytest.mark.z3, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def report() -> ProofReport:
+    return prove()
+
+
+def _results(report: ProofReport, number: int, kind: str) -> list[LemmaResult]:
+    return [r for r in report.results if r.lemma.number == number and r.kind == kind]
+
+
+def test_every_lemma_is_proved_for_every_profile_it_claims(report):
+    assert report.profiles == tuple(PROFILES)
+    for lemma in LEMMAS:
+        for r in _results(report, lemma.number, "lemma"):
+            rule = PROFILES[r.profile] if r.profile else None
+            if rule is None or lemma.holds_for(rule):
+                # Every lemma is proved for every size: none needed a bound.
+                assert r.verdict.status == "proved", (lemma.name, r.profile, r.verdict)
+                assert r.verdict.num_obligations >= 1
+            else:
+                assert r.verdict.status == "refuted", (lemma.name, r.profile, r.verdict)
+                assert r.verdict.counterexample
+
+
+def test_every_false_twin_is_refuted_with_a_readable_pool_state(report):
+    twins = [r for r in report.results if r.kind == "twin"]
+    assert {r.lemma.number for r in twins} == {lem.number for lem in LEMMAS}
+    for r in twins:
+        assert r.verdict.status == "refuted", (r.lemma.name, r.profile, r.verdict)
+        text = r.verdict.counterexample or ""
+        if r.lemma.number != 5:  # the hit cap's counterexample is three numbers, not a pool
+            assert "num_gpu_blocks=" in text and "free_queue" in text and "ref_cnt" in text, text
+
+
+def test_profiles_break_exactly_the_lemmas_they_declare(report):
+    assert report.breaks("vllm-v1") == []
+    assert [lem.name for lem in report.breaks("vllm-v1-tail")] == ["lemma_unhashed_free_evicted_first"]
+    assert report.ok
+
+
+def test_twin_counterexamples_show_the_broken_claim(report):
+    (lemma3_tail,) = [r for r in _results(report, 3, "lemma") if r.profile == "vllm-v1-tail"]
+    text = lemma3_tail.verdict.counterexample or ""
+    assert "freed without a hash" in text and "[profile vllm-v1-tail]" in text
+    (cap_twin,) = _results(report, 5, "twin")
+    assert "num_tokens=" in (cap_twin.verdict.counterexample or "")
+    double_free = _results(report, 7, "twin")
+    assert all("no ref_cnt check" in (r.verdict.counterexample or "") for r in double_free)
+
+
+def test_registry_lists_design_lemmas_one_module_each():
+    import kvspec.spec.lemmas as package
+
+    assert [lem.number for lem in LEMMAS] == list(range(1, 8))
+    assert len({lem.name for lem in LEMMAS}) == len(LEMMAS)
+    for lem in LEMMAS:
+        assert lem.name.startswith("lemma_")
+        assert lem.name in (package.__doc__ or ""), f"{lem.name} is missing from the package's claim table"
+        assert lemma_by_name(lem.name) is lem
+    with pytest.raises(KeyError, match=r"^\"no lemma named 'lemma_nope'"):
+        lemma_by_name("lemma_nope")
+
+
+def test_report_json_and_text_name_the_slowest_and_the_breaks(report):
+    from kvspec.conformance.commands.prove import render_text
+
+    data = report.as_json()
+    assert data["ok"] is True
+    assert data["breaks"] == {"vllm-v1": [], "vllm-v1-tail": ["lemma_unhashed_free_evicted_first"]}
+    assert data["slowest"]["lemma"] == report.slowest.lemma.name
+    assert len(data["results"]) == len(report.results)
+    json.dumps(data)  # plain JSON values only
+    text = render_text(report)
+    assert "slowest: lemma" in text
+    assert "profile vllm-v1-tail breaks lemma 3 (lemma_unhashed_free_evicted_first)" in text
+    assert "profile vllm-v1 breaks no lemma" in text
+    assert "refuted, as it must be" in text and "FAILED" not in text
+    print(text.splitlines()[-1])  # the timing line, for the log
+
+
+def test_prove_cli_json_for_one_lemma(capsys):
+    assert main(["prove", "--lemma", "lemma_hit_cap_within_prompt", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(r["lemma"], r["kind"], r["status"]) for r in data["results"]] == [
+        ("lemma_hit_cap_within_prompt", "lemma", "proved"),
+        ("lemma_hit_cap_within_prompt", "twin", "refuted"),
+    ]
+
+
+def test_prove_cli_profile_and_lemma_by_number(capsys):
+    assert main(["prove", "--profile", "vllm-v1-tail", "--lemma", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "refuted: the profile breaks it" in out
+    assert "profile vllm-v1-tail breaks lemma 3" in out
+
+
+def test_prove_cli_rejects_unknown_profile_and_lemma(capsys):
+    assert main(["prove", "--profile", "lru-someday"]) == 2
+    assert "unknown profile='lru-someday'" in capsys.readouterr().out
+    assert main(["prove", "--lemma", "lemma_nope"]) == 2
+    assert "unknown lemma='lemma_nope'" in capsys.readouterr().out
+
+
+# --- the prover never passes what is not a proof ---------------------------------------------------
+
+
+def _obligation(name: str, hypotheses, claim, bound: int | None = None) -> Obligation:
+    return Obligation(name, lambda u: Formula(hypotheses(u), claim(u), lambda m: f"model: {m}"), bound)
+
+
+def test_unknown_is_a_failure_not_a_proof():
+    # Fermat's n = 3 over the integers: nonlinear, and beyond z3 within a second.
+    def hyp(u: Universe):
+        x, y, w = z3.Ints("x y w")
+        return [x > 0, y > 0, w > 0]
+
+    def claim(u: Universe):
+        x, y, w = z3.Ints("x y w")
+        return x * x * x + y * y * y != w * w * w
+
+    verdict = decide_true([_obligation("fermat 3", hyp, claim)], timeout_s=0.5, max_bound=1)
+    assert verdict.status == "unknown"
+    lemma = LEMMAS[0]
+    assert not LemmaResult(lemma, None, "lemma", "holds", verdict).ok
+    assert not LemmaResult(lemma, None, "twin", "fails", verdict).ok
+
+
+def test_contradictory_hypotheses_are_vacuous_not_proved():
+    def hyp(u: Universe):
+        x = u.size("x")
+        return [x > 3, x < 2]
+
+    verdict = decide_true([_obligation("vacuous", hyp, lambda u: z3.BoolVal(False))])
+    assert verdict.status == "vacuous"
+    assert not LemmaResult(LEMMAS[0], None, "lemma", "holds", verdict).ok
+
+
+def test_bounded_obligation_is_reported_bounded_never_proved():
+    def hyp(u: Universe):
+        return [u.size("n") >= 0]
+
+    verdict = decide_true([_obligation("small", hyp, lambda u: z3.BoolVal(True), bound=3)])
+    assert verdict.status == "bounded" and verdict.bound == 3
+    r = LemmaResult(LEMMAS[0], None, "lemma", "holds", verdict)
+    assert r.ok and r.status_text.startswith("bounded (n <= 3)") and "proved" not in r.status_text
+
+
+def test_a_true_claim_posing_as_a_twin_fails():
+    def hyp(u: Universe):
+        return [u.size("n") >= 1]
+
+    verdict = decide_false([_obligation("true", hyp, lambda u: z3.BoolVal(True))])
+    assert verdict.status == "proved"
+    assert not LemmaResult(LEMMAS[0], None, "twin", "fails", verdict).ok
+
+
+def test_lemma_type_is_the_registry_entry():
+    assert all(isinstance(lem, Lemma) for lem in LEMMAS)
