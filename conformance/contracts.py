@@ -25,6 +25,7 @@ NewType is its supertype, so nothing is lost.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import inspect
 import random
@@ -61,39 +62,90 @@ NO_COUNTEREXAMPLE = "no counterexample found within budget"
 
 
 def _random_pool_call(rng: random.Random, st: PoolState) -> PoolState:
-    n = st.num_gpu_blocks
-    op = rng.choice(("get_new_blocks", "touch", "free_blocks", "cache_full_blocks", "evict_blocks", "reset"))
-    ids = [BlockId(b) for b in rng.sample(range(1, max(n, 2)), min(rng.randint(0, 3), max(n - 1, 0)))]
+    """A call a real workload could make: its arguments drawn from the blocks in the right state."""
+    held = [BlockId(b) for b in range(1, st.num_gpu_blocks) if st.ref_cnt[b] > 0]
+    hashed = [BlockId(b) for b in range(1, st.num_gpu_blocks) if st.block_hash[b] is not None]
+
+    def some(blocks: list[BlockId]) -> list[BlockId]:
+        return rng.sample(blocks, rng.randint(0, len(blocks)))
+
+    op = rng.choice(
+        ("get_new_blocks", "get_new_blocks", "free_blocks", "free_blocks", "cache", "touch", "evict", "reset")
+    )
     try:
         if op == "get_new_blocks":
             return spec_ops.get_new_blocks(st, rng.randint(0, len(st.free_queue)))[0]
-        if op == "touch":
-            return spec_ops.touch(st, ids)
         if op == "free_blocks":
-            return spec_ops.free_blocks(st, ids)
-        if op == "evict_blocks":
-            return spec_ops.evict_blocks(st, ids)
-        if op == "cache_full_blocks":
-            return spec_ops.cache_full_blocks(st, ids, [BlockHash(b"h%d" % rng.randint(1, 2)) for _ in ids])
+            return spec_ops.free_blocks(st, some(held))
+        if op == "cache":
+            blocks = some([b for b in held if st.block_hash[b] is None])
+            return spec_ops.cache_full_blocks(st, blocks, [BlockHash(b"h%d" % rng.randint(1, 3)) for _ in blocks])
+        if op == "touch":
+            return spec_ops.touch(st, some(hashed))
+        if op == "evict":
+            return spec_ops.evict_blocks(st, some(hashed)[:1])
         return spec_ops.reset_prefix_cache(st)[0]
     except BlockManagerError:
-        return st  # a rejected call changes nothing
+        return st  # prefix caching off: nothing is cached
 
 
-def pool_state_corpus(size: int = 48, max_blocks: int = 5, seed: int = 0) -> tuple[PoolState, ...]:
-    """Distinct reachable pool states of at most `max_blocks` blocks, fresh pools first."""
+def _pool_features(st: PoolState) -> tuple[object, ...]:
+    """What makes a state a different test case for an operation."""
+    free = st.free_queue
+    free_hashed = [b for b in free if st.block_hash[b] is not None]
+    held = [b for b in range(1, st.num_gpu_blocks) if st.ref_cnt[b] > 0]
+    hashes = [h for h in st.block_hash if h is not None]
+    return (
+        min(st.num_gpu_blocks, 4),
+        st.config.enable_caching,
+        st.config.profile,
+        bool(free) and st.block_hash[free[0]] is not None,
+        bool(free_hashed),
+        len(free_hashed) < len(free),
+        any(st.ref_cnt[b] > 1 for b in held),
+        any(st.block_hash[b] is not None for b in held),
+        any(st.block_hash[b] is None for b in held),
+        len(hashes) != len(set(hashes)),
+    )
+
+
+def _pairwise_cover(candidates: Sequence[T], features: Callable[[T], tuple[object, ...]]) -> list[T]:
+    """A few candidates that together show every pair of feature values any candidate shows.
+
+    Greedy: repeatedly take the candidate adding the most uncovered pairs.
+    """
+
+    def pairs(c: T) -> set[tuple[object, ...]]:
+        f = features(c)
+        return {(i, f[i], j, f[j]) for i in range(len(f)) for j in range(i + 1, len(f))}
+
+    each = [pairs(c) for c in candidates]
+    uncovered = set().union(*each) if each else set()
+    chosen: list[T] = []
+    while uncovered:
+        best = max(range(len(candidates)), key=lambda k: len(each[k] & uncovered))
+        chosen.append(candidates[best])
+        uncovered -= each[best]
+    return chosen
+
+
+def pool_state_corpus(max_blocks: int = 5, seed: int = 0) -> tuple[PoolState, ...]:
+    """Reachable pool states of at most `max_blocks` blocks, covering every pair of features.
+
+    Features are what an operation's behaviour depends on (`_pool_features`):
+    a free cached block at the left end, a shared block, prefix caching off,
+    the profile, ... Fresh pools come first.
+    """
     rng = random.Random(seed)
-    states: dict[object, PoolState] = {}
-    for n in range(1, max_blocks + 1):
-        for profile in PROFILES:
-            fresh = spec_ops.new_pool(n, True, profile)
-            states.setdefault(fresh.snapshot(), fresh)
-    while len(states) < size:
+    seen: dict[object, PoolState] = {}
+    for _ in range(3000):
         st = spec_ops.new_pool(rng.randint(1, max_blocks), rng.random() < 0.85, rng.choice(list(PROFILES)))
-        for _ in range(rng.randint(1, 10)):
+        for _ in range(rng.randint(1, 12)):
             st = _random_pool_call(rng, st)
-        states.setdefault(st.snapshot(), st)
-    return tuple(states.values())
+        seen.setdefault(st.snapshot(), st)
+    fresh = [spec_ops.new_pool(n, True, profile) for n in (1, 2, max_blocks) for profile in PROFILES]
+    covering = [st for st in _pairwise_cover(list(seen.values()), _pool_features) if st not in fresh]
+    return tuple(fresh + covering)
 
 
 def manager_state_corpus(size: int = 24, seed: int = 0) -> tuple[spec_manager.ManagerState, ...]:
@@ -164,7 +216,7 @@ def _register_inputs() -> None:
 
     def from_corpus(corpus: Sequence[T], name: str) -> Callable[[SymbolicFactory], T]:
         def create(p: SymbolicFactory) -> T:
-            with ResumedTracing():
+            with ResumedTracing():  # type: ignore[no-untyped-call]
                 index = p(int, name)
                 if index < 0 or index >= len(corpus):
                     raise IgnoreAttempt
@@ -190,7 +242,7 @@ def _runtime_type(annotation: Any) -> Any:
         return annotation
     erased = tuple(... if a is ... else _runtime_type(a) for a in args)
     if origin is types.UnionType or origin is typing.Union:
-        return typing.Union[erased]
+        return typing.Union[erased]  # noqa: UP007 (the union is built from a tuple)
     try:
         return annotation.copy_with(erased)
     except AttributeError:
@@ -201,7 +253,7 @@ def _function_info(fn: Callable[..., object]) -> Any:
     """CrossHair's FunctionInfo for `fn`, with NewTypes erased from its signature."""
     from crosshair.fnutil import FunctionInfo
 
-    class RuntimeTypedFunction(FunctionInfo):  # type: ignore[misc]
+    class RuntimeTypedFunction(FunctionInfo):
         def get_callable(self) -> Any:
             pair = super().get_callable()
             if pair is None:
@@ -219,13 +271,19 @@ def _function_info(fn: Callable[..., object]) -> Any:
 
 @dataclass(frozen=True)
 class ConditionResult:
-    """One postcondition (or an undeclared error) of one function."""
+    """What CrossHair found for one postcondition of one function."""
 
-    condition: str  # the condition's source text ("" for the function body)
+    condition: str  # the postcondition's source text
     status: str  # "no counterexample found within budget", or CrossHair's failure kind
-    exhausted: bool  # every path of the generated inputs was explored
-    message: str  # the counterexample, as CrossHair prints it ("" when none)
-    line: int  # where CrossHair points
+    exhausted: bool  # every path of the generated inputs was explored before the budget ran out
+    message: str  # the counterexample as CrossHair prints it ("" when none)
+    num_paths: int  # paths explored
+    seconds: float  # wall time
+
+    @property
+    def ok(self) -> bool:
+        """Whether no counterexample was found."""
+        return self.status == NO_COUNTEREXAMPLE
 
 
 @dataclass(frozen=True)
@@ -233,15 +291,27 @@ class FunctionReport:
     """What CrossHair found for one function."""
 
     name: str  # module.function
-    num_conditions: int  # postconditions searched
-    seconds: float  # wall time
-    failures: tuple[ConditionResult, ...]  # counterexamples; empty when none was found
-    exhausted: bool  # every condition's search ran out of paths before the budget
+    conditions: tuple[ConditionResult, ...]  # one per postcondition searched
 
     @property
     def ok(self) -> bool:
         """Whether no counterexample was found."""
-        return not self.failures
+        return all(c.ok for c in self.conditions)
+
+    @property
+    def failures(self) -> tuple[ConditionResult, ...]:
+        """The conditions with a counterexample."""
+        return tuple(c for c in self.conditions if not c.ok)
+
+    @property
+    def seconds(self) -> float:
+        """Wall time over every condition."""
+        return sum(c.seconds for c in self.conditions)
+
+    @property
+    def num_paths(self) -> int:
+        """Paths explored over every condition."""
+        return sum(c.num_paths for c in self.conditions)
 
     @property
     def summary(self) -> str:
@@ -249,16 +319,17 @@ class FunctionReport:
         if self.failures:
             first = self.failures[0]
             return f"counterexample ({first.status}): {first.message}"
-        return NO_COUNTEREXAMPLE + (" (every generated path explored)" if self.exhausted else "")
+        exhausted = bool(self.conditions) and all(c.exhausted for c in self.conditions)
+        return NO_COUNTEREXAMPLE + (" (every generated path explored)" if exhausted else "")
 
 
 @dataclass(frozen=True)
 class ContractsReport:
     """Every function CrossHair searched."""
 
-    functions: tuple[FunctionReport, ...]
-    per_condition_timeout: float
-    seconds: float
+    functions: tuple[FunctionReport, ...]  # in module and source order
+    per_condition_timeout: float  # CrossHair's budget per postcondition (CPU seconds)
+    seconds: float  # wall time of the run
     crosshair_version: str = field(default="")
 
     @property
@@ -272,7 +343,7 @@ def contract_functions(module_names: Sequence[str] = DEFAULT_MODULES) -> list[Ca
     found: list[tuple[str, int, Callable[..., object]]] = []
     for module_name in module_names:
         module = importlib.import_module(module_name)
-        for name, member in vars(module).items():
+        for member in vars(module).values():
             if not inspect.isfunction(member) or member.__module__ != module.__name__:
                 continue
             if getattr(member, "__postconditions__", None) or getattr(member, "__preconditions__", None):
@@ -282,51 +353,73 @@ def contract_functions(module_names: Sequence[str] = DEFAULT_MODULES) -> list[Ca
     return [fn for module_name, line, fn in sorted(found, key=lambda t: (order[t[0]], t[1]))]
 
 
-def _failure_kinds() -> set[Any]:
-    from crosshair.statespace import MessageType
-
-    return {MessageType.PRE_UNSAT, MessageType.POST_ERR, MessageType.EXEC_ERR, MessageType.POST_FAIL,
-            MessageType.SYNTAX_ERR, MessageType.IMPORT_ERR}
-
-
 def check_function(
-    fn: Callable[..., object], per_condition_timeout: float = 4.0, per_path_timeout: float = 2.0
+    fn: Callable[..., object],
+    per_condition_timeout: float = 3.0,
+    per_path_timeout: float = 1.0,
+    *,
+    condition: str | None = None,
+    stop_at_first: bool = False,
 ) -> FunctionReport:
-    """Search every postcondition of `fn` with CrossHair for at most `per_condition_timeout` seconds each."""
+    """Search each postcondition of `fn` with CrossHair, `per_condition_timeout` CPU seconds each.
+
+    Args:
+        fn: an icontract-decorated function.
+        per_condition_timeout: CrossHair's budget per postcondition.
+        per_path_timeout: CrossHair's budget per path.
+        condition: search only the postconditions whose source contains this text.
+        stop_at_first: end the search at the first counterexample.
+
+    Returns:
+        One result per postcondition searched.
+    """
+    from crosshair.core import ConditionCheckable
     from crosshair.core_and_libs import analyze_function, run_checkables
-    from crosshair.options import AnalysisKind, AnalysisOptionSet
     from crosshair.statespace import MessageType
 
     _register_inputs()
-    options = AnalysisOptionSet(
+    results: list[ConditionResult] = []
+    for checkable in analyze_function(_function_info(fn), _options(per_condition_timeout, per_path_timeout)):
+        assert isinstance(checkable, ConditionCheckable), f"{fn.__name__}: {checkable!r} is not a condition"
+        source = " ".join(checkable.conditions.post[0].expr_source.split())
+        if condition is not None and condition not in source:
+            continue
+        stats: collections.Counter[str] = collections.Counter()
+        checkable.options.stats = stats
+        start = time.perf_counter()
+        messages = run_checkables([checkable])
+        seconds = time.perf_counter() - start
+        failed = [m for m in messages if m.state not in (MessageType.CONFIRMED, MessageType.CANNOT_CONFIRM)]
+        results.append(
+            ConditionResult(
+                condition=source,
+                status=failed[0].state.name.lower() if failed else NO_COUNTEREXAMPLE,
+                exhausted=any(m.state == MessageType.CONFIRMED for m in messages),
+                message=failed[0].message if failed else "",
+                num_paths=stats["num_paths"],
+                seconds=seconds,
+            )
+        )
+        if failed and stop_at_first:
+            break
+    return FunctionReport(f"{fn.__module__}.{fn.__name__}", tuple(results))
+
+
+def _options(per_condition_timeout: float, per_path_timeout: float) -> Any:
+    from crosshair.options import AnalysisKind, AnalysisOptionSet
+
+    return AnalysisOptionSet(
         analysis_kind=[AnalysisKind.icontract],
         per_condition_timeout=per_condition_timeout,
         per_path_timeout=per_path_timeout,
         report_all=True,
     )
-    start = time.perf_counter()
-    checkables = analyze_function(_function_info(fn), options)
-    messages = run_checkables(checkables)
-    failures = tuple(
-        ConditionResult(
-            condition="",
-            status=m.state.name.lower(),
-            exhausted=False,
-            message=m.message,
-            line=m.line,
-        )
-        for m in messages
-        if m.state in _failure_kinds()
-    )
-    exhausted = bool(checkables) and all(m.state == MessageType.CONFIRMED for m in messages)
-    name = f"{fn.__module__}.{fn.__name__}"
-    return FunctionReport(name, len(checkables), time.perf_counter() - start, failures, exhausted and not failures)
 
 
 def check_modules(
     module_names: Sequence[str] = DEFAULT_MODULES,
-    per_condition_timeout: float = 4.0,
-    per_path_timeout: float = 2.0,
+    per_condition_timeout: float = 3.0,
+    per_path_timeout: float = 1.0,
     only: Sequence[str] = (),
 ) -> ContractsReport:
     """CrossHair over every contract-carrying function of `module_names` (or those named in `only`)."""

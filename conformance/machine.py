@@ -26,11 +26,20 @@ is the eviction policy, the thing most worth checking.
 Rules use preconditions (never `assume`) and bundles: the pool level keeps
 groups of held blocks (one per simulated request) that `free_blocks`
 consumes; the request level keeps prompts (families of shared prefixes, chats
-that grow turn by turn), running requests and preempted ones. A separate
-rule per operation feeds it each mistake the spec rejects, one mistake per
-call, placed anywhere in the argument list (so an implementation that
-validates half-way and then changes its state is caught). `target()` steers
-the search toward evictions, hits and many different events per example.
+that grow turn by turn), running requests and preempted ones. Each rule makes
+a valid call about three times in four and otherwise one mistake the spec
+rejects for that operation (double frees have their own rule), placed anywhere
+in the argument list, so an implementation that validates half-way and then
+changes its state is caught.
+
+Rules are few and each does what a scheduler does in one go (allocate and
+register the full blocks; look a hash chain up and touch the hits; finish
+every request and reset), because Hypothesis turns a random subset of rules
+off in each example (swarm testing): with many small rules, an example rarely
+had all the ones a deep state needs. `target()` records how many cached blocks
+an example evicted or hit again; long campaigns (1,000 examples or more)
+hill-climb on it, short ones skip that phase, where it spent the budget on one
+example's neighbours.
 """
 
 from __future__ import annotations
@@ -722,9 +731,13 @@ class LockStep:
                 return fail("diverges", f"returned hit blocks {blocks}, not all blocks of this pool")
             try:
                 check_hit(
-                    p.spec_before, len(request.token_ids), self.config.block_size, p.hit_hashes,
-                    [BlockId(b) for b in blocks], num_tokens,
-                )  # fmt: skip
+                    p.spec_before,
+                    len(request.token_ids),
+                    self.config.block_size,
+                    p.hit_hashes,
+                    [BlockId(b) for b in blocks],
+                    num_tokens,
+                )
             except spec_errors.InvariantViolation as e:
                 return fail("invariant", f"{e.rule} (got hit blocks {blocks}, {num_tokens} tokens)", e.name)
         if spec.error != impl.error:
@@ -897,8 +910,16 @@ def _normal_snapshot(s: Snapshot) -> Snapshot:
     )
 
 
-_FIELDS = ("num_gpu_blocks", "enable_caching", "ref_cnt", "free_queue", "block_hash", "hash_to_blocks",
-           "block_tables", "quarantined")  # fmt: skip
+_FIELDS = (
+    "num_gpu_blocks",
+    "enable_caching",
+    "ref_cnt",
+    "free_queue",
+    "block_hash",
+    "hash_to_blocks",
+    "block_tables",
+    "quarantined",
+)
 
 
 def _show(value: Any) -> str:
@@ -1161,9 +1182,11 @@ class PoolMachine(_LockStepMachine):
         mistakes += (["already cached"] if hashed_held else []) + (["not held"] if free else [])
         kind = data.draw(_sampled(_kinds(*mistakes) if unhashed else tuple(mistakes)), label="call")
         size = (1, 3) if kind == VALID else (0, 2)
-        ok = data.draw(
-            st.lists(_sampled(unhashed), min_size=size[0], max_size=size[1], unique=True), label="block_ids"
-        ) if unhashed else []  # fmt: skip
+        ok = (
+            data.draw(st.lists(_sampled(unhashed), min_size=size[0], max_size=size[1], unique=True), label="block_ids")
+            if unhashed
+            else []
+        )
         hashes: list[Any] = data.draw(
             st.lists(strat.hash_values(), min_size=len(ok), max_size=len(ok)), label="block_hashes"
         )

@@ -96,8 +96,15 @@ DEFAULT_IMPLS: tuple[str, ...] = ("reference", "spec", "gpu")
 
 EXIT_CODES: dict[str, int] = {"conforms": 0, "diverges": 1, "crashed": 2, "hung": 2, "could-not-run": 2}
 
-_POOL_METHODS = ("get_new_blocks", "touch", "get_cached_block", "cache_full_blocks", "free_blocks",
-                 "reset_prefix_cache", "snapshot")  # fmt: skip
+_POOL_METHODS = (
+    "get_new_blocks",
+    "touch",
+    "get_cached_block",
+    "cache_full_blocks",
+    "free_blocks",
+    "reset_prefix_cache",
+    "snapshot",
+)
 _MANAGER_METHODS = ("get_computed_blocks", "allocate_slots", "free", "snapshot")
 # How long past the step limit the parent waits before it kills the child: the
 # child's own alarm usually reports first, with a cleaner trace.
@@ -203,19 +210,20 @@ class _Death:
 
 
 def _isolated(
-    work: Callable[[int | None, Any], dict[str, Any]], step_timeout_s: float | None, quiet: bool = False
+    work: Callable[[int | None, Any], dict[str, Any]], step_timeout_s: float | None
 ) -> dict[str, Any] | _Death:
     """Run `work(stream_fd, heartbeat)` in a forked child; its result, or how it died.
 
-    `quiet` turns off the Python traceback dump on a fatal signal (faulthandler,
-    as test runners enable it) for the many replays that cut a crash trace down.
+    The child turns off the traceback dump on a fatal signal that test runners
+    enable (faulthandler): the report names the step, and the replays that cut a
+    crash trace down would each print one.
     """
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
     heartbeat = ctx.RawValue("d", 0.0)
     fd, stream_path = tempfile.mkstemp(prefix="kvspec-steps-", suffix=".jsonl")
     os.close(fd)
-    proc = ctx.Process(target=_child_main, args=(work, send, heartbeat, stream_path, quiet), daemon=True)
+    proc = ctx.Process(target=_child_main, args=(work, send, heartbeat, stream_path), daemon=True)
     try:
         proc.start()
         send.close()
@@ -253,11 +261,8 @@ def _isolated(
         Path(stream_path).unlink(missing_ok=True)
 
 
-def _child_main(
-    work: Callable[[int | None, Any], dict[str, Any]], conn: Any, heartbeat: Any, stream_path: str, quiet: bool
-) -> None:
-    if quiet:
-        faulthandler.disable()
+def _child_main(work: Callable[[int | None, Any], dict[str, Any]], conn: Any, heartbeat: Any, stream_path: str) -> None:
+    faulthandler.disable()
     fd = os.open(stream_path, os.O_WRONLY | os.O_TRUNC)
     try:
         result = work(fd, heartbeat)
@@ -275,10 +280,10 @@ def _child_main(
 
 
 def _run(
-    work: Callable[[int | None, Any], dict[str, Any]], step_timeout_s: float | None, isolate: bool, quiet: bool = False
+    work: Callable[[int | None, Any], dict[str, Any]], step_timeout_s: float | None, isolate: bool
 ) -> dict[str, Any] | _Death:
     if isolate and "fork" in multiprocessing.get_all_start_methods():
-        return _isolated(work, step_timeout_s, quiet)
+        return _isolated(work, step_timeout_s)
     return work(None, None)
 
 
@@ -557,10 +562,7 @@ def _minimize(
     def still_fails(candidate: list[TraceStep]) -> bool:
         t = Trace(config=trace.config, steps=tuple(_renumber(candidate)), impl=trace.impl)
         outcome = _run(
-            lambda fd, hb: _replay_work(t, factory, trace.impl, step_timeout_s, fd, hb),
-            step_timeout_s,
-            True,
-            quiet=True,
+            lambda fd, hb: _replay_work(t, factory, trace.impl, step_timeout_s, fd, hb), step_timeout_s, True
         )
         if isinstance(outcome, _Death):
             return (kind == "hung") == outcome.hung
@@ -774,17 +776,36 @@ def run_check(
 
     def work(stream_fd: int | None, heartbeat: Any) -> dict[str, Any]:
         return _campaign(
-            chosen, level=level, enable_caching=enable_caching, profile=profile, max_examples=max_examples,
-            seed=seed, time_budget_s=time_budget_s, step_timeout_s=step_timeout_s,
-            steps_per_example=steps_per_example, keep_deepest=keep_deepest, impl=impl, database=database,
-            stream_fd=stream_fd, heartbeat=heartbeat,
-        )  # fmt: skip
+            chosen,
+            level=level,
+            enable_caching=enable_caching,
+            profile=profile,
+            max_examples=max_examples,
+            seed=seed,
+            time_budget_s=time_budget_s,
+            step_timeout_s=step_timeout_s,
+            steps_per_example=steps_per_example,
+            keep_deepest=keep_deepest,
+            impl=impl,
+            database=database,
+            stream_fd=stream_fd,
+            heartbeat=heartbeat,
+        )
 
     raw = _run(work, step_timeout_s, isolate)
     return _result(
-        raw, factory=chosen, level=level, enable_caching=enable_caching, profile=profile, impl=impl,
-        trace_dir=trace_dir, step_timeout_s=step_timeout_s, seed=seed, started=started, minimize_s=minimize_s,
-    )  # fmt: skip
+        raw,
+        factory=chosen,
+        level=level,
+        enable_caching=enable_caching,
+        profile=profile,
+        impl=impl,
+        trace_dir=trace_dir,
+        step_timeout_s=step_timeout_s,
+        seed=seed,
+        started=started,
+        minimize_s=minimize_s,
+    )
 
 
 def _could_not_run(
@@ -792,10 +813,20 @@ def _could_not_run(
 ) -> CheckResult:
     branches = expected_branches(level, enable_caching, profile) if level in ("pool", "manager") else ()
     return CheckResult(
-        verdict="could-not-run", level=level, enable_caching=enable_caching, profile=profile, examples_run=0,
-        steps_run=0, seconds=0.0, failure=None, coverage={b: 0 for b in branches}, impl=impl or "",
-        branches=branches, message=message, seed=seed,
-    )  # fmt: skip
+        verdict="could-not-run",
+        level=level,
+        enable_caching=enable_caching,
+        profile=profile,
+        examples_run=0,
+        steps_run=0,
+        seconds=0.0,
+        failure=None,
+        coverage={b: 0 for b in branches},
+        impl=impl or "",
+        branches=branches,
+        message=message,
+        seed=seed,
+    )
 
 
 def replay(
@@ -824,9 +855,18 @@ def replay(
     chosen: Factory = factory
     raw = _run(lambda fd, hb: _replay_work(t, chosen, impl, step_timeout_s, fd, hb), step_timeout_s, isolate)
     return _result(
-        raw, factory=chosen, level=t.config.level, enable_caching=t.config.enable_caching, profile=t.config.profile,
-        impl=impl, trace_dir=trace_dir, step_timeout_s=step_timeout_s, seed=0, started=started, minimize_s=0.0,
-    )  # fmt: skip
+        raw,
+        factory=chosen,
+        level=t.config.level,
+        enable_caching=t.config.enable_caching,
+        profile=t.config.profile,
+        impl=impl,
+        trace_dir=trace_dir,
+        step_timeout_s=step_timeout_s,
+        seed=0,
+        started=started,
+        minimize_s=0.0,
+    )
 
 
 def make_conformance_test(
@@ -867,9 +907,15 @@ def make_conformance_test(
         def test(self: unittest.TestCase) -> None:
             n = max_examples if max_examples is not None else settings().max_examples
             result = run_check(
-                factory, level=lv, enable_caching=caching, profile=profile, max_examples=n, seed=seed,
-                step_timeout_s=step_timeout_s, trace_dir=trace_dir,
-            )  # fmt: skip
+                factory,
+                level=lv,
+                enable_caching=caching,
+                profile=profile,
+                max_examples=n,
+                seed=seed,
+                step_timeout_s=step_timeout_s,
+                trace_dir=trace_dir,
+            )
             if result.verdict != "conforms":
                 self.fail(result.failure.story if result.failure is not None else f"{result.verdict}: {result.message}")
 

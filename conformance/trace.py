@@ -260,8 +260,16 @@ def snapshot_from_json(obj: Any) -> Snapshot:
     """
     if not isinstance(obj, dict):
         raise ValueError("a snapshot must be a JSON object")
-    want = {"num_gpu_blocks", "enable_caching", "ref_cnt", "block_hash", "free_queue", "hash_to_blocks",
-            "block_tables", "quarantined"}  # fmt: skip
+    want = {
+        "num_gpu_blocks",
+        "enable_caching",
+        "ref_cnt",
+        "block_hash",
+        "free_queue",
+        "hash_to_blocks",
+        "block_tables",
+        "quarantined",
+    }
     if set(obj) != want:
         raise ValueError(f"a snapshot has the keys {sorted(want)}; got {sorted(obj)}")
 

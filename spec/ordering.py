@@ -226,7 +226,9 @@ def _distinct_known_blocks(
     return len(set(every)) == len(every) and all(0 <= b < len(block_hash) for b in newly_free)
 
 
-def _sent_left(newly_free: Sequence[BlockId], block_hash: Sequence[BlockHash | None], rule: ProfileRule) -> list[BlockId]:
+def _sent_left(
+    newly_free: Sequence[BlockId], block_hash: Sequence[BlockHash | None], rule: ProfileRule
+) -> list[BlockId]:
     return [b for b in newly_free if freed_goes_left(rule.unhashed_to_left, block_hash[b] is not None, PY)]
 
 
@@ -255,8 +257,8 @@ def freed_in_place(
     sent left keep their given order before all of them, the others keep
     theirs after all of them.
 
-    >>> h = [None, b"x", None]
-    >>> freed_in_place((2,), [1], h, PROFILES["vllm-v1"], (2, 1)), freed_in_place((1,), [2], h, PROFILES["vllm-v1"], (1, 2))
+    >>> h, rule = [None, b"x", None], PROFILES["vllm-v1"]
+    >>> freed_in_place((2,), [1], h, rule, (2, 1)), freed_in_place((1,), [2], h, rule, (1, 2))
     (True, False)
     """
     left = _sent_left(newly_free, block_hash, rule)
@@ -271,7 +273,9 @@ def freed_in_place(
     )
 
 
-@icontract.require(lambda free_queue, newly_free, block_hash: _distinct_known_blocks(free_queue, newly_free, block_hash))
+@icontract.require(
+    lambda free_queue, newly_free, block_hash: _distinct_known_blocks(free_queue, newly_free, block_hash)
+)
 @icontract.ensure(
     lambda free_queue, newly_free, block_hash, rule, result: freed_in_place(
         free_queue, newly_free, block_hash, rule, result

@@ -160,12 +160,12 @@ def run(args: argparse.Namespace) -> int:
             f"\nkilled {summary.num_killed} of {summary.num_mutants} mutants"
             + (f"; survivors: {', '.join(summary.survivors)}" if summary.survivors else "")
         )
-        slowest = (
-            f" (slowest: {summary.slowest}, {summary.max_seconds_to_kill:.1f} s)" if summary.slowest is not None else ""
-        )
+        notes = [f"{len(summary.survivors)} not killed"] if summary.survivors else []
+        if summary.slowest is not None:
+            notes.append(f"slowest kill: {summary.slowest}, {summary.max_seconds_to_kill:.1f} s")
         print(
             f"benchmark: every mutant killed within {KILL_TIME_TARGET_S:g} s: "
-            f"{'yes' if summary.all_killed_within_target else 'NO'}{slowest}"
+            f"{'yes' if summary.all_killed_within_target else 'NO'}" + (f" ({'; '.join(notes)})" if notes else "")
         )
         median = "-" if summary.median_shrunk_steps is None else f"{summary.median_shrunk_steps:g}"
         print(

@@ -107,7 +107,9 @@ def render_text(report: ProofReport) -> str:
         f"{f' under {slowest.profile}' if slowest.profile else ''}, {slowest.verdict.seconds:.2f} s"
     )
     if failed:
-        lines.append("FAILED: " + "; ".join(f"lemma {r.lemma.number} {r.kind} {r.profile or ''}".strip() for r in failed))
+        lines.append(
+            "FAILED: " + "; ".join(f"lemma {r.lemma.number} {r.kind} {r.profile or ''}".strip() for r in failed)
+        )
     return "\n".join(lines)
 
 
@@ -131,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
         missing = sorted(wanted - known)
         if missing:
             names = ", ".join(lem.name for lem in LEMMAS)
-            print(f"kvspec prove: unknown lemma={missing[0]!r}; known lemmas: {names} (or their numbers 1-{len(LEMMAS)})")
+            print(
+                f"kvspec prove: unknown lemma={missing[0]!r}; known lemmas: {names} (or their numbers 1-{len(LEMMAS)})"
+            )
             return 2
     report = prove(args.profile, chosen, timeout_s=args.timeout)
     if args.json:

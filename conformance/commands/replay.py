@@ -31,12 +31,18 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("trace", metavar="TRACE", help="a .trace.jsonl file written by kvspec check")
     p.add_argument(
-        "--impl", metavar="NAME|module:function",
+        "--impl",
+        metavar="NAME|module:function",
         help=f"the implementation ({', '.join(sorted(BUILTIN_IMPLS))} or module:function); "
         "default: the one named in the trace",
-    )  # fmt: skip
-    p.add_argument("--step-timeout", type=float, default=10.0, metavar="SECONDS",
-                   help="the most one implementation call may take (default 10)")  # fmt: skip
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="the most one implementation call may take (default 10)",
+    )
     p.add_argument("--trace-dir", default=None, metavar="DIR", help="where the replay's own trace is written")
     p.set_defaults(run=run)
 

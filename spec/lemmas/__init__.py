@@ -9,15 +9,27 @@ breaks it. Proofs are for every pool size, queue length and batch size
 (quantified over z3 arrays); where one is only checked up to a size the
 report says "bounded (n <= N)", never "proved".
 
-| # | lemma | claim | holds for |
-|---|-------|-------|-----------|
-| 1 | lemma_tail_first_free_evicts_deeper_first | a request freed tail-first leaves its hashed blocks so that a deeper block is evicted before any of its ancestors | every profile |
-| 2 | lemma_hashed_free_is_lru | a block freed with a hash is evicted after every block free when it was freed, unless one is touched in between; no operation reorders free blocks, and get_new_blocks takes from the left | every profile |
-| 3 | lemma_unhashed_free_evicted_first | a block freed without a hash is evicted before every block free when it was freed | profiles sending unhashed blocks left (vllm-v1) |
-| 4 | lemma_touched_free_becomes_mru | a touched block freed again goes behind every block free at that moment | every profile |
-| 5 | lemma_hit_cap_within_prompt | for all L >= 1, B >= 1, c >= 0: B * min(c, (L - 1) // B) <= L - 1 | every profile |
-| 6 | lemma_key_encoding_matches_queue | the key encoding (lo - k + i left, hi + 1 + i right, take the n smallest) orders blocks as the free queue does, after any operation sequence | every profile |
-| 7 | lemma_invariants_inductive | ref_cnt >= 0, null-block, free-has-zero-ref, conservation, hash-table-consistent, caching-off-no-hash and the writable rule hold initially and after every operation | every profile |
+1. lemma_tail_first_free_evicts_deeper_first (every profile): a request freed
+   tail-first leaves its hashed blocks so that a deeper block is evicted before
+   any of its ancestors.
+2. lemma_hashed_free_is_lru (every profile): a block freed with a hash is
+   evicted after every block free when it was freed, unless one is touched in
+   between; no operation reorders free blocks, and get_new_blocks takes from
+   the left.
+3. lemma_unhashed_free_evicted_first (profiles sending unhashed blocks left:
+   vllm-v1; vllm-v1-tail breaks it): a block freed without a hash is evicted
+   before every block free when it was freed.
+4. lemma_touched_free_becomes_mru (every profile): a touched block freed again
+   goes behind every block free at that moment.
+5. lemma_hit_cap_within_prompt (every profile): for all L >= 1, B >= 1,
+   c >= 0: B * min(c, (L - 1) // B) <= L - 1.
+6. lemma_key_encoding_matches_queue (every profile): the key encoding
+   (lo - k + i left, hi + 1 + i right, take the n smallest) orders blocks as
+   the free queue does, after any operation sequence.
+7. lemma_invariants_inductive (every profile): ref_cnt >= 0, null-block,
+   free-has-zero-ref, conservation, hash-table-consistent,
+   caching-off-no-hash and the writable rule hold initially and after every
+   operation.
 
 This package is the only part of kvspec.spec that imports z3.
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 import z3
 
@@ -26,7 +27,7 @@ from kvspec.spec.ordering import Backend
 __all__ = ["Z3", "Index", "Universe", "z3_lex_lt"]
 
 # An index into an array-valued field: a concrete int (unrolled) or a z3 integer term.
-Index = int | z3.ArithRef
+Index: TypeAlias = int | z3.ArithRef
 
 
 def _and(*xs: object) -> z3.BoolRef:
@@ -114,9 +115,7 @@ class Universe:
         window = limit if isinstance(limit, int) else self.cap
         return _and(*(z3.Implies(z3.And(lo <= i, i < hi), body(i)) for i in range(window)))
 
-    def forall_pairs(
-        self, lo: Index, hi: Index, body: Callable[[Index, Index], z3.BoolRef]
-    ) -> z3.BoolRef:
+    def forall_pairs(self, lo: Index, hi: Index, body: Callable[[Index, Index], z3.BoolRef]) -> z3.BoolRef:
         """`body(i, j)` for every pair lo <= i < j < hi."""
         if isinstance(lo, int) and isinstance(hi, int):
             return _and(*(body(i, j) for i in range(lo, hi) for j in range(i + 1, hi)))
@@ -125,18 +124,5 @@ class Universe:
             i, j = z3.Int(f"i!{n}"), z3.Int(f"j!{n}")
             return z3.ForAll([i, j], z3.Implies(z3.And(lo <= i, i < j, j < hi), body(i, j)))
         return _and(
-            *(
-                z3.Implies(z3.And(lo <= i, j < hi), body(i, j))
-                for i in range(self.cap)
-                for j in range(i + 1, self.cap)
-            )
+            *(z3.Implies(z3.And(lo <= i, j < hi), body(i, j)) for i in range(self.cap) for j in range(i + 1, self.cap))
         )
-
-    def exists(self, lo: Index, hi: Index, body: Callable[[Index], z3.BoolRef]) -> z3.BoolRef:
-        """`body(i)` for some integer i with lo <= i < hi."""
-        if isinstance(lo, int) and isinstance(hi, int):
-            return _or(*(body(i) for i in range(lo, hi)))
-        if self.bound is None:
-            i = z3.Int(f"e!{next(_fresh)}")
-            return z3.Exists([i], z3.And(lo <= i, i < hi, body(i)))
-        return _or(*(z3.And(lo <= i, i < hi, body(i)) for i in range(self.cap)))

@@ -48,9 +48,7 @@ def _placement(rule: ProfileRule) -> Obligation:
                 s.has_hash[b],
                 pm.in_queue(s, y),
             ],
-            claim=z3.And(
-                pm.in_queue(after, b), pm.in_queue(after, y), after.queue_pos[y] < after.queue_pos[b]
-            ),
+            claim=z3.And(pm.in_queue(after, b), pm.in_queue(after, y), after.queue_pos[y] < after.queue_pos[b]),
             render=lambda m: "\n".join(
                 [
                     pm.render_state(m, s, "before", label),

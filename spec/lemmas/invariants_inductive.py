@@ -60,7 +60,9 @@ def _preserved(rule: ProfileRule, op: str, invariant: str, check_ref_cnt: bool =
         if op == "free_blocks" and not check_ref_cnt:
             batch = pm.fresh_batch(u, "call.block_ids")
             step = pm.free_blocks(u, s, batch, rule.unhashed_to_left, check_ref_cnt=False)
-            call = pm.Call(op, step, lambda m, h: f"free_blocks(block_ids={pm.render_batch(m, batch)}), no ref_cnt check")
+            call = pm.Call(
+                op, step, lambda m, h: f"free_blocks(block_ids={pm.render_batch(m, batch)}), no ref_cnt check"
+            )
         else:
             call = pm.any_call(u, s, op, rule.unhashed_to_left, "call")
         after = call.step.post

@@ -50,7 +50,8 @@ def keys_match_queue(u: Universe, s: pm.PoolVars) -> z3.BoolRef:
 def _render_keys(m: z3.ModelRef, s: pm.PoolVars) -> str:
     n = min(pm.model_int(m, s.num_free), 16)
     pairs = [f"{pm.model_int(m, s.free_queue[i])}:{pm.model_int(m, s.key[s.free_queue[i]])}" for i in range(n)]
-    return f"    keys (block:key, queue order)  [{', '.join(pairs)}]  lo={pm.model_int(m, s.lo)} hi={pm.model_int(m, s.hi)}"
+    bounds = f"lo={pm.model_int(m, s.lo)} hi={pm.model_int(m, s.hi)}"
+    return f"    keys (block:key, queue order)  [{', '.join(pairs)}]  {bounds}"
 
 
 def _initial() -> Obligation:
@@ -116,9 +117,7 @@ def _takes_smallest() -> Obligation:
             ],
             claim=z3.And(
                 z3.Implies(step.taken(x), s.key_free[x]),
-                z3.Implies(
-                    z3.And(step.taken(x), s.key_free[y], z3.Not(step.taken(y))), s.key[x] < s.key[y]
-                ),
+                z3.Implies(z3.And(step.taken(x), s.key_free[y], z3.Not(step.taken(y))), s.key[x] < s.key[y]),
             ),
             render=lambda m: "\n".join(
                 [

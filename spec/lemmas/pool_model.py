@@ -148,9 +148,7 @@ def in_queue(s: PoolVars, b: Index) -> z3.BoolRef:
 
 def block_writable(s: PoolVars, b: Index) -> z3.BoolRef:
     """The encoding of spec.invariants.is_block_writable."""
-    return z3.And(
-        b >= 0, b < s.num_gpu_blocks, b != NULL_BLOCK_ID, s.ref_cnt[b] == 1, z3.Not(s.has_hash[b])
-    )
+    return z3.And(b >= 0, b < s.num_gpu_blocks, b != NULL_BLOCK_ID, s.ref_cnt[b] == 1, z3.Not(s.has_hash[b]))
 
 
 _REF_ARRAY = z3.Array("held.ref_cnt", _INT, _INT)
@@ -193,13 +191,9 @@ def free_queue_has_zero_ref(u: Universe, s: PoolVars) -> z3.BoolRef:
     listed_once = u.forall(
         0,
         s.num_free,
-        lambda i: z3.And(
-            s.free_queue[i] >= 0, s.free_queue[i] < n, s.queue_pos[s.free_queue[i]] == i
-        ),
+        lambda i: z3.And(s.free_queue[i] >= 0, s.free_queue[i] < n, s.queue_pos[s.free_queue[i]] == i),
     )
-    exactly_zero_ref = u.forall(
-        0, n, lambda b: in_queue(s, b) == z3.And(b != NULL_BLOCK_ID, s.ref_cnt[b] == 0)
-    )
+    exactly_zero_ref = u.forall(0, n, lambda b: in_queue(s, b) == z3.And(b != NULL_BLOCK_ID, s.ref_cnt[b] == 0))
     return z3.And(listed_once, exactly_zero_ref)
 
 
@@ -224,9 +218,7 @@ def caching_off_no_hash(u: Universe, s: PoolVars) -> z3.BoolRef:
     """inv_caching_off_no_hash."""
     return z3.Or(
         s.enable_caching,
-        u.forall(
-            0, s.num_gpu_blocks, lambda b: z3.And(z3.Not(s.has_hash[b]), s.table_count[b] == 0)
-        ),
+        u.forall(0, s.num_gpu_blocks, lambda b: z3.And(z3.Not(s.has_hash[b]), s.table_count[b] == 0)),
     )
 
 
@@ -235,9 +227,7 @@ def writable_is_private(u: Universe, s: PoolVars) -> z3.BoolRef:
     return u.forall(
         0,
         s.num_gpu_blocks,
-        lambda b: z3.Implies(
-            block_writable(s, b), z3.And(z3.Not(in_queue(s, b)), s.table_count[b] == 0)
-        ),
+        lambda b: z3.Implies(block_writable(s, b), z3.And(z3.Not(in_queue(s, b)), s.table_count[b] == 0)),
     )
 
 
@@ -300,9 +290,7 @@ def filter_list(
             lambda i: z3.Implies(keep(i), z3.And(rho[i] >= 0, rho[i] < length, sigma[rho[i]] == i)),
             trigger=lambda i: rho[i],
         ),
-        u.forall_pairs(
-            0, src_len, lambda i, j: z3.Implies(z3.And(keep(i), keep(j)), rho[i] < rho[j])
-        ),
+        u.forall_pairs(0, src_len, lambda i, j: z3.Implies(z3.And(keep(i), keep(j)), rho[i] < rho[j])),
     )
     items = _lam(lambda j: src[sigma[j]], f"{name}.items")
     return Filtered(items, length, sigma, rho, axioms)
@@ -399,9 +387,7 @@ def get_new_blocks(u: Universe, s: PoolVars, num_blocks: Index) -> Step:
 
 def touch(u: Universe, s: PoolVars, batch: Batch) -> Step:
     """spec.ops.touch: each block leaves the free queue if it is there, and gains a reference."""
-    guard = z3.And(
-        _valid_block_ids(u, s, batch), u.forall(0, batch.length, lambda t: s.has_hash[batch.ids[t]])
-    )
+    guard = z3.And(_valid_block_ids(u, s, batch), u.forall(0, batch.length, lambda t: s.has_hash[batch.ids[t]]))
     kept = filter_list(u, s.free_queue, s.num_free, lambda i: z3.Not(in_batch(batch, s.free_queue[i])), "touch.kept")
 
     def stays_free(b: Index) -> z3.BoolRef:
@@ -640,7 +626,7 @@ _int = model_int
 
 
 def _bool(model: z3.ModelRef, term: object) -> bool:
-    return z3.is_true(model.eval(term, model_completion=True))
+    return bool(z3.is_true(model.eval(term, model_completion=True)))
 
 
 def _ids(model: z3.ModelRef, arr: z3.ArrayRef, length: Index) -> list[int]:

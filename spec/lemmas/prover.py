@@ -108,9 +108,7 @@ def _satisfiable(obligation: Obligation, max_bound: int, timeout_s: float) -> bo
     return False
 
 
-def _smallest_counterexample(
-    obligation: Obligation, max_bound: int, timeout_s: float
-) -> tuple[z3.CheckSatResult, str]:
+def _smallest_counterexample(obligation: Obligation, max_bound: int, timeout_s: float) -> tuple[z3.CheckSatResult, str]:
     """The first counterexample at sizes 1..max_bound (unsat: none up to max_bound)."""
     for n in range(1, max_bound + 1):
         result, text = _check(obligation, Universe(bound=n), timeout_s)
@@ -174,11 +172,15 @@ def decide_false(
     for ob in obligations:
         result, text = _smallest_counterexample(ob, min(max_bound, ob.bound or max_bound), timeout_s)
         if result == z3.sat:
-            return Verdict("refuted", time.perf_counter() - start, len(obligations), obligation=ob.name, counterexample=text)
+            return Verdict(
+                "refuted", time.perf_counter() - start, len(obligations), obligation=ob.name, counterexample=text
+            )
     for ob in obligations:
         result, text = _check(ob, Universe(bound=ob.bound), timeout_s)
         if result == z3.sat:
-            return Verdict("refuted", time.perf_counter() - start, len(obligations), obligation=ob.name, counterexample=text)
+            return Verdict(
+                "refuted", time.perf_counter() - start, len(obligations), obligation=ob.name, counterexample=text
+            )
         if result == z3.unknown:
             return Verdict("unknown", time.perf_counter() - start, len(obligations), obligation=ob.name, reason=text)
     bounds = [ob.bound for ob in obligations if ob.bound is not None]

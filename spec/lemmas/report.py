@@ -106,12 +106,21 @@ class ProofReport:
             "profiles": list(self.profiles),
             "ok": self.ok,
             "seconds": round(self.seconds, 3),
-            "slowest": {"lemma": slowest.lemma.name, "profile": slowest.profile, "kind": slowest.kind,
-                        "seconds": round(slowest.verdict.seconds, 4)},
+            "slowest": {
+                "lemma": slowest.lemma.name,
+                "profile": slowest.profile,
+                "kind": slowest.kind,
+                "seconds": round(slowest.verdict.seconds, 4),
+            },
             "breaks": {p: [lem.name for lem in self.breaks(p)] for p in self.profiles},
             "lemmas": [
-                {"number": lem.number, "lemma": lem.name, "claim": lem.claim, "holds_for": lem.holds_for_text,
-                 "twin": lem.twin}
+                {
+                    "number": lem.number,
+                    "lemma": lem.name,
+                    "claim": lem.claim,
+                    "holds_for": lem.holds_for_text,
+                    "twin": lem.twin,
+                }
                 for lem in LEMMAS
             ],
             "results": [r.as_json() for r in self.results],

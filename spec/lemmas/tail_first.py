@@ -51,7 +51,7 @@ def _deeper_first(rule: ProfileRule, tail_first: bool) -> Obligation:
                 pm.all_invariants(u, s),
                 step.guard,
                 step.axioms,
-                0 <= p,
+                p >= 0,
                 p < q,
                 q < m,
                 s.ref_cnt[first] == 1,

@@ -52,9 +52,7 @@ def obligations(rule: ProfileRule) -> list[Obligation]:
                 z3.Not(s.has_hash[b]),
                 pm.in_queue(s, y),
             ],
-            claim=z3.And(
-                pm.in_queue(after, b), pm.in_queue(after, y), after.queue_pos[b] < after.queue_pos[y]
-            ),
+            claim=z3.And(pm.in_queue(after, b), pm.in_queue(after, y), after.queue_pos[b] < after.queue_pos[y]),
             render=lambda m: "\n".join(
                 [
                     pm.render_state(m, s, "before", label),

@@ -74,8 +74,17 @@ class OtherHashFunction(ReferenceManagerAdapter):
 
     def __init__(self, config: AdapterConfig) -> None:
         other = "sha256" if config.hash_fn != "sha256" else "sha256_cbor"
-        super().__init__(AdapterConfig(config.level, config.num_gpu_blocks, config.enable_caching, config.profile,
-                                       config.block_size, other, config.seed))  # fmt: skip
+        super().__init__(
+            AdapterConfig(
+                config.level,
+                config.num_gpu_blocks,
+                config.enable_caching,
+                config.profile,
+                config.block_size,
+                other,
+                config.seed,
+            )
+        )
 
 
 class DriftingHashes(ReferencePoolAdapter):
@@ -94,9 +103,15 @@ class DriftingHashes(ReferencePoolAdapter):
             return None if h is None else BlockHash(salt + h)
 
         return Snapshot(
-            s.num_gpu_blocks, s.enable_caching, s.ref_cnt, tuple(rename(h) for h in s.block_hash), s.free_queue,
-            tuple((BlockHash(salt + h), b) for h, b in s.hash_to_blocks), s.block_tables, s.quarantined,
-        )  # fmt: skip
+            s.num_gpu_blocks,
+            s.enable_caching,
+            s.ref_cnt,
+            tuple(rename(h) for h in s.block_hash),
+            s.free_queue,
+            tuple((BlockHash(salt + h), b) for h, b in s.hash_to_blocks),
+            s.block_tables,
+            s.quarantined,
+        )
 
 
 class CrashOnLongFree(ReferencePoolAdapter):

@@ -22,17 +22,22 @@ from kvspec.conformance.runner import load_factory
 
 _FACTORY = load_factory(os.environ.get("KVSPEC_FUZZ_IMPL", "reference"))
 _PROFILE = os.environ.get("KVSPEC_FUZZ_PROFILE", "vllm-v1")
-_SETTINGS = settings(
+# A profile, not per-test settings: HypoFuzz saves what it finds to the active
+# profile's database, and that is what every worker must share.
+settings.register_profile(
+    "kvspec-fuzz",
     database=DirectoryBasedExampleDatabase(os.environ.get("KVSPEC_FUZZ_DB", ".hypothesis/kvspec-fuzz")),
     deadline=None,
-    suppress_health_check=list(HealthCheck),
+    # HypoFuzz refuses tests that suppress nested_given; only the cost checks go.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     stateful_step_count=50,
 )
+settings.load_profile("kvspec-fuzz")
 
 
 def _target(level, enable_caching):
     test_case = conformance_machine(_FACTORY, level, enable_caching, _PROFILE).TestCase
-    test_case.settings = _SETTINGS
+    test_case.settings = settings()
     return test_case
 
 

@@ -5,20 +5,46 @@ import xml.etree.ElementTree as ET
 from kvspec.conformance import runner
 from kvspec.conformance.cli import main
 from kvspec.conformance.commands.check import _default_impls
+from kvspec.conformance.trace import read_trace
 
 ADAPTERS = "kvspec.tests.conformance.adapters"
 
 
 def test_check_on_the_reference_prints_one_screen_and_exits_0(tmp_path, capsys):
     junit = tmp_path / "out.xml"
-    code = main(["check", "--impl", "reference", "--level", "pool", "--caching", "on", "--max-examples", "20",
-                 "--junit", str(junit), "--trace-dir", str(tmp_path)])  # fmt: skip
+    code = main(
+        [
+            "check",
+            "--impl",
+            "reference",
+            "--level",
+            "pool",
+            "--caching",
+            "on",
+            "--max-examples",
+            "20",
+            "--junit",
+            str(junit),
+            "--trace-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     lines = out.splitlines()
     assert lines[0] == "kvspec check: profile vllm-v1, seed 0, 20 examples x up to 50 steps per configuration"
-    assert lines[1].split() == ["implementation", "level", "caching", "verdict", "examples", "steps", "steps/s",
-                                "states", "invariants", "branches"]  # fmt: skip
+    assert lines[1].split() == [
+        "implementation",
+        "level",
+        "caching",
+        "verdict",
+        "examples",
+        "steps",
+        "steps/s",
+        "states",
+        "invariants",
+        "branches",
+    ]
     assert lines[2].split()[:4] == ["reference", "pool", "on", "conforms"]
     assert any(line.startswith("total: 1 configurations,") and "steps/s" in line for line in lines)
     assert any(line.startswith("reached: cached blocks evicted") for line in lines)
@@ -31,8 +57,23 @@ def test_check_on_the_reference_prints_one_screen_and_exits_0(tmp_path, capsys):
 def test_check_on_a_diverging_implementation_exits_1_with_story_trace_and_junit_failure(tmp_path, capsys):
     junit = tmp_path / "out.xml"
     impl = f"{ADAPTERS}:make_free_head_first"
-    code = main(["check", "--impl", impl, "--level", "pool", "--caching", "on", "--max-examples", "100",
-                 "--junit", str(junit), "--trace-dir", str(tmp_path)])  # fmt: skip
+    code = main(
+        [
+            "check",
+            "--impl",
+            impl,
+            "--level",
+            "pool",
+            "--caching",
+            "on",
+            "--max-examples",
+            "100",
+            "--junit",
+            str(junit),
+            "--trace-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1, out
     assert "DIVERGES: diverges at step 2 of 2 (free_blocks)" in out
@@ -48,19 +89,51 @@ def test_check_on_a_diverging_implementation_exits_1_with_story_trace_and_junit_
     assert "verdict: conforms (recorded: diverges)" in capsys.readouterr().out
 
 
-def test_check_on_a_crashing_implementation_exits_2_with_its_trace(tmp_path, capsys):
-    code = main(["check", "--impl", f"{ADAPTERS}:make_crash_on_long_free", "--level", "pool", "--caching", "on",
-                 "--max-examples", "100", "--trace-dir", str(tmp_path)])  # fmt: skip
+def test_check_on_a_segfaulting_implementation_exits_2_with_its_trace(tmp_path, capsys):
+    impl = f"{ADAPTERS}:make_segfault_on_touch"
+    code = main(
+        [
+            "check",
+            "--impl",
+            impl,
+            "--level",
+            "pool",
+            "--caching",
+            "on",
+            "--max-examples",
+            "100",
+            "--trace-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 2, out
-    assert "CRASHED: crashed at step 2 of 2 (free_blocks)" in out and "KeyError" in out
-    assert list(tmp_path.glob("failure-pool-*.trace.jsonl"))
+    assert "crashed" in out and "SIGSEGV" in out
+    (trace,) = tmp_path.glob("crashed-pool-*.trace.jsonl")
+    steps = read_trace(trace).steps
+    assert steps[-1].op == "touch" and steps[-1].impl.crashed
+    assert len(steps) <= 3  # cut down by replaying shorter traces in fresh processes
+    assert main(["replay", str(trace), "--impl", impl]) == 2
+    assert "verdict: crashed (same as recorded)" in capsys.readouterr().out
 
 
 def test_check_with_an_implementation_that_cannot_be_loaded_exits_2(tmp_path, capsys):
     junit = tmp_path / "out.xml"
-    code = main(["check", "--impl", "no_such_package.pool:make", "--level", "pool", "--caching", "on",
-                 "--junit", str(junit), "--trace-dir", str(tmp_path)])  # fmt: skip
+    code = main(
+        [
+            "check",
+            "--impl",
+            "no_such_package.pool:make",
+            "--level",
+            "pool",
+            "--caching",
+            "on",
+            "--junit",
+            str(junit),
+            "--trace-dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 2
     assert "could-not-run" in out and "module no_such_package.pool does not import" in out

@@ -104,15 +104,6 @@ def test_a_python_exception_is_a_shrunk_crash(tmp_path):
     assert replay(r.failure.trace_path, adapters.make_crash_on_long_free).verdict == "crashed"
 
 
-def test_a_segfault_kills_only_the_child_and_is_reported_with_its_trace(tmp_path):
-    r = check(adapters.make_segfault_on_touch, tmp_path, level="pool", minimize_s=10)
-    assert r.verdict == "crashed" and r.exit_code == 2
-    assert "SIGSEGV" in r.failure.message and r.failure.op == "touch"
-    trace = read_trace(r.failure.trace_path)
-    assert trace.steps[-1].op == "touch" and trace.steps[-1].impl.crashed
-    assert replay(r.failure.trace_path, adapters.make_segfault_on_touch).verdict == "crashed"
-
-
 def test_a_hang_in_python_is_reported_at_the_step_time_limit(tmp_path):
     r = check(adapters.make_hang_on_reset, tmp_path, level="pool", step_timeout_s=0.3, minimize_s=3)
     assert r.verdict == "hung" and r.exit_code == 2
@@ -216,3 +207,26 @@ def test_the_request_level_reaches_preemption_chunking_and_capped_hits(tmp_path)
         "allocate_slots: evicted a cached block",
     ):
         assert r.coverage[event] > 0, event
+
+
+def test_make_conformance_test_gives_one_test_per_configuration_that_fails_with_the_story():
+    import unittest
+
+    from kvspec.conformance import make_conformance_test
+
+    case = make_conformance_test(adapters.make_free_head_first, level="pool", enable_caching=True, max_examples=50)
+    assert issubclass(case, unittest.TestCase)
+    assert [n for n in dir(case) if n.startswith("test_")] == ["test_pool_caching_on"]
+    result = unittest.TestResult()
+    case("test_pool_caching_on").run(result)
+    ((_, message),) = result.failures
+    assert "DIVERGES: diverges at step 2 of 2 (free_blocks)" in message
+    both = make_conformance_test(make_reference)
+    assert sorted(n for n in dir(both) if n.startswith("test_")) == [
+        "test_manager_caching_off",
+        "test_manager_caching_on",
+        "test_pool_caching_off",
+        "test_pool_caching_on",
+    ]
+    with pytest.raises(ValueError, match="level must be"):
+        make_conformance_test(make_reference, level="rack")

@@ -38,9 +38,17 @@ def test_every_kind_of_value_survives_a_round_trip(tmp_path):
     steps = (
         TraceStep(1, "get_computed_blocks", (request,), Outcome(result=[[], 0]), Outcome(result=[[], 0]), SNAP, SNAP),
         TraceStep(2, "allocate_slots", (request, 3, 0, [], 0), Outcome(result=[1]), Outcome(result=[1]), SNAP, SNAP),
-        TraceStep(3, "free", ("r9",), Outcome(error="InvalidRequest", message="free: r9"), Outcome(crashed=True, message="KeyError: 'r9'")),
-    )  # fmt: skip
-    trace = Trace(AdapterConfig("manager", 3, True, "vllm-v1", 2), steps, "reference", "crashed", {"kind": "crashed", "step": 3})
+        TraceStep(
+            3,
+            "free",
+            ("r9",),
+            Outcome(error="InvalidRequest", message="free: r9"),
+            Outcome(crashed=True, message="KeyError: 'r9'"),
+        ),
+    )
+    trace = Trace(
+        AdapterConfig("manager", 3, True, "vllm-v1", 2), steps, "reference", "crashed", {"kind": "crashed", "step": 3}
+    )
     path = write_trace(tmp_path / "t.trace.jsonl", trace)
     assert read_trace(path) == trace
 
@@ -63,11 +71,18 @@ HEADER = json.dumps(
     {
         "kvspec_trace": 1,
         "level": "pool",
-        "config": {"num_gpu_blocks": 4, "enable_caching": True, "profile": "vllm-v1", "block_size": 4,
-                   "hash_fn": "sha256_cbor", "seed": "kvspec", "device": None},
+        "config": {
+            "num_gpu_blocks": 4,
+            "enable_caching": True,
+            "profile": "vllm-v1",
+            "block_size": 4,
+            "hash_fn": "sha256_cbor",
+            "seed": "kvspec",
+            "device": None,
+        },
         "impl": "reference",
     }
-)  # fmt: skip
+)
 
 
 @pytest.mark.parametrize(
@@ -79,14 +94,26 @@ HEADER = json.dumps(
         ([HEADER.replace('"pool"', '"rack"', 1)], ":1:", "header level must be 'pool' or 'manager'"),
         ([HEADER, "{not json"], ":2:", "not JSON"),
         ([HEADER, '{"step": 1, "op": "allocate", "args": []}'], ":2:", "op='allocate' is not a pool-level operation"),
-        ([HEADER, '{"step": 1, "op": "touch", "args": [[1], [2]]}'], ":2:", r"touch takes 1 arguments \('block_ids',\); got 2"),
+        (
+            [HEADER, '{"step": 1, "op": "touch", "args": [[1], [2]]}'],
+            ":2:",
+            r"touch takes 1 arguments \('block_ids',\); got 2",
+        ),
         ([HEADER, '{"step": 2, "op": "touch", "args": [[1]]}'], ":2:", "expected step 1, got 2"),
         ([HEADER, '{"step": 1, "op": "touch"}'], ":2:", "a step needs 'args'"),
         ([HEADER, '{"step": 1, "op": "get_cached_block", "args": [{"sha": "00"}]}'], ":2:", "unknown tagged value"),
-        ([HEADER, '{"step": 1, "op": "touch", "args": [[1]], "spec_snapshot": {"ref_cnt": []}}'], ":2:", "a snapshot has the keys"),
-        ([HEADER, '{"verdict": "conforms"}', '{"step": 1, "op": "touch", "args": [[1]]}'], ":3:", "nothing may follow the verdict"),
+        (
+            [HEADER, '{"step": 1, "op": "touch", "args": [[1]], "spec_snapshot": {"ref_cnt": []}}'],
+            ":2:",
+            "a snapshot has the keys",
+        ),
+        (
+            [HEADER, '{"verdict": "conforms"}', '{"step": 1, "op": "touch", "args": [[1]]}'],
+            ":3:",
+            "nothing may follow the verdict",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_malformed_trace_names_the_line_and_the_problem(tmp_path, lines, where, says):
     path = _write(tmp_path, lines)
     with pytest.raises(MalformedTrace, match=says) as e:
@@ -132,12 +159,15 @@ def test_a_hand_written_trace_replays_on_the_spec_and_the_reference():
 
 
 def test_a_pool_of_only_the_null_block_refuses_every_block():
-    trace = Trace(AdapterConfig("pool", 1), (
-        TraceStep(1, "get_new_blocks", (0,)),
-        TraceStep(2, "get_new_blocks", (1,)),
-        TraceStep(3, "reset_prefix_cache", ()),
-        TraceStep(4, "free_blocks", ([0],)),
-    ))  # fmt: skip
+    trace = Trace(
+        AdapterConfig("pool", 1),
+        (
+            TraceStep(1, "get_new_blocks", (0,)),
+            TraceStep(2, "get_new_blocks", (1,)),
+            TraceStep(3, "reset_prefix_cache", ()),
+            TraceStep(4, "free_blocks", ([0],)),
+        ),
+    )
     r = replay(trace, make_reference, isolate=False)
     assert r.verdict == "conforms"
     assert r.coverage["get_new_blocks: PoolExhausted"] == 1 and r.coverage["free_blocks: InvalidBlock"] == 1

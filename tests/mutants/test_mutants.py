@@ -179,7 +179,7 @@ def test_cli_prints_the_table_and_the_benchmark(capsys):
     assert re.search(r"^null_block_queued +pool +killed +\d+\.\d\d +0  invariant: ", out, re.M), out
     assert re.search(r"^num_free_counts_null_block +pool +killed +\d+\.\d\d +1  diverges: ", out, re.M), out
     assert "killed 2 of 2 mutants" in out
-    assert re.search(r"^benchmark: every mutant killed within 60 s: yes \(slowest: ", out, re.M)
+    assert re.search(r"^benchmark: every mutant killed within 60 s: yes \(slowest kill: ", out, re.M)
     assert "benchmark: median shrunk trace 0.5 steps (target <= 8): yes" in out
 
 

@@ -1,3 +1,4 @@
 from kvspec.conformance import make_conformance_test
 from kvspec.conformance.builtin import make_spec
+
 TestSpecConformance = make_conformance_test(make_spec, max_examples=25)

@@ -376,7 +376,7 @@ def test_filter_relation_forces_exactly_the_python_filter():
         mask = [rng.random() < 0.5 for _ in src]
         u = Universe(bound=len(src))
         arr = pm.encode_batch(src).ids
-        f = pm.filter_list(u, arr, len(src), lambda i: _mask_term(mask, i), "f")
+        f = pm.filter_list(u, arr, len(src), lambda i, mask=mask: _mask_term(mask, i), "f")
         kept = [x for x, k in zip(src, mask) if k]
         s = z3.Solver()
         s.add(*u.assumptions, f.axioms)
@@ -488,8 +488,15 @@ def test_place_freed_agrees_with_the_free_blocks_encoding_on_every_small_batch()
                     expected = place_freed(st.free_queue, order, st.block_hash, rule)
                     names = pm.HashNames()
                     u = Universe(bound=6)
-                    step = pm.free_blocks(u, pm.encode_snapshot(st, names), pm.encode_batch(order), rule.unhashed_to_left)
+                    step = pm.free_blocks(
+                        u, pm.encode_snapshot(st, names), pm.encode_batch(order), rule.unhashed_to_left
+                    )
                     s = z3.Solver()
                     s.add(*u.assumptions, step.axioms)
-                    s.add(z3.Or(step.post.num_free != len(expected), *(step.post.free_queue[i] != b for i, b in enumerate(expected))))
+                    s.add(
+                        z3.Or(
+                            step.post.num_free != len(expected),
+                            *(step.post.free_queue[i] != b for i, b in enumerate(expected)),
+                        )
+                    )
                     assert s.check() == z3.unsat, (profile, order, hashed)

@@ -1,0 +1,98 @@
+"""CrossHair on the spec's contracts: every planted wrong operation is caught, the spec is not.
+
+Each bug in crosshair_bugs.py carries the contracts of the spec operation it
+imitates; the search of the postcondition it breaks must find a
+counterexample, and the same search, with the same inputs, finds none in the
+spec operation itself. A run that finds nothing means something only because
+the same run finds these. The full, unhinted searches are behind `slow`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvspec.conformance import contracts
+from kvspec.conformance.cli import main
+from kvspec.spec import ops
+from kvspec.tests.spec.crosshair_bugs import BUGS, Bug
+
+pytestmark = [pytest.mark.crosshair, pytest.mark.timeout(240)]
+
+FIND_BUDGET_S = 25.0  # CPU seconds CrossHair may take to find a planted bug (it needs 0.2 to 8)
+SPEC_BUDGET_S = 2.0  # CPU seconds the same search gets on the spec operation
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=lambda b: b.name)
+def test_crosshair_catches_planted_bug(bug: Bug):
+    report = contracts.check_function(bug.fn, FIND_BUDGET_S, condition=bug.caught_by, stop_at_first=True)
+    assert report.conditions, f"no postcondition of {bug.spec_fn.__name__} contains {bug.caught_by!r}"
+    assert not report.ok, f"{bug.name}: {report.summary}"
+    (found,) = report.failures
+    assert found.status in ("post_fail", "post_err", "exec_err") and "when calling" in found.message
+
+
+@pytest.mark.parametrize("bug", BUGS, ids=lambda b: b.spec_fn.__name__ + "-" + b.name)
+def test_same_search_finds_nothing_in_the_spec_operation(bug: Bug):
+    report = contracts.check_function(bug.spec_fn, SPEC_BUDGET_S, condition=bug.caught_by)
+    assert report.conditions and report.ok, report.summary
+    assert report.num_paths > 0
+    assert report.summary.startswith("no counterexample found within budget")
+    assert "verified" not in report.summary
+
+
+def test_every_spec_operation_has_a_postcondition():
+    names = {f.__name__ for f in contracts.contract_functions()}
+    for op in ops.__all__:
+        fn = getattr(ops, op)
+        assert getattr(fn, "__postconditions__", None), f"spec.ops.{op} has no postcondition"
+        assert op in names
+    assert {"get_computed_blocks", "allocate_slots", "free", "place_freed"} <= names
+
+
+def test_declared_errors_are_readable_by_crosshair():
+    from crosshair.condition_parser import parse_sphinx_raises
+
+    from kvspec.spec.errors import DoubleFree, InvalidBlock, InvalidRequest
+
+    assert parse_sphinx_raises(ops.free_blocks) == {InvalidBlock, InvalidRequest, DoubleFree}
+    for bug in BUGS:  # the bugs declare what their spec operation declares
+        assert parse_sphinx_raises(bug.fn) == parse_sphinx_raises(bug.spec_fn), bug.name
+
+
+def test_state_corpora_are_reachable_and_varied():
+    from kvspec.spec.invariants import all_hold
+
+    pools = contracts.pool_state_corpus()
+    assert all(all_hold(st.snapshot()) for st in pools)
+    assert any(st.free_queue and st.block_hash[st.free_queue[0]] is not None for st in pools)
+    assert any(max(st.ref_cnt) > 1 for st in pools)
+    assert any(not st.config.enable_caching for st in pools)
+    assert {st.config.profile for st in pools} == {"vllm-v1", "vllm-v1-tail"}
+    managers = contracts.manager_state_corpus()
+    assert all(all_hold(m.snapshot()) for m in managers)
+    assert any(m.requests for m in managers) and any(not m.requests for m in managers)
+
+
+def test_contracts_cli_json_on_one_function(capsys):
+    assert main(["contracts", "--function", "get_usage", "--per-condition-timeout", "0.5", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (fn,) = data["functions"]
+    assert fn["function"] == "kvspec.spec.ops.get_usage" and fn["ok"] is True
+    assert fn["result"].startswith("no counterexample found within budget")
+    assert main(["contracts", "--function", "no_such_op"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", BUGS, ids=lambda b: b.name)
+def test_full_search_catches_planted_bug(bug: Bug):
+    report = contracts.check_function(bug.fn, 15.0, stop_at_first=True)
+    assert not report.ok, f"{bug.name}: {report.summary}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_full_search_finds_nothing_in_the_spec():
+    report = contracts.check_modules(per_condition_timeout=5.0)
+    assert report.ok, [f.summary for f in report.functions if not f.ok]
