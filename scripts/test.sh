@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Set up a virtual environment with every test dependency and run the whole suite.
-# Heavy campaigns are opt-in: KVSPEC_SLOW=1 (long conformance runs), KVSPEC_VLLM=1 (the real vLLM).
+# Set up a virtual environment with every test dependency and run the whole test suite:
+#   1. the default suite (no vLLM needed; slow campaigns are opt-in with KVSPEC_SLOW=1);
+#   2. the real-vLLM tests (scripts/test-vllm.sh): every release's BlockPool in light
+#      mode and the newest release's KVCacheManager; KVSPEC_VLLM=0 leaves them out.
+# Arguments go to the default suite's pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVSPEC_VENV:-.venv}"
@@ -9,4 +12,7 @@ VENV="${KVSPEC_VENV:-.venv}"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q 'torch==2.13.0'
 "$VENV/bin/python" -m pip install -q -e '.[test]'
-exec "$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest "$@"
+if [ "${KVSPEC_VLLM:-1}" != "0" ]; then
+  bash scripts/test-vllm.sh
+fi
