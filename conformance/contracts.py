@@ -43,7 +43,9 @@ from kvspec.spec.ordering import PROFILES
 from kvspec.spec.state import BlockHash, BlockId, PoolState
 
 __all__ = [
+    "ANALYSIS_ERROR",
     "DEFAULT_MODULES",
+    "NO_COUNTEREXAMPLE",
     "ConditionResult",
     "ContractsReport",
     "FunctionReport",
@@ -56,6 +58,7 @@ __all__ = [
 
 DEFAULT_MODULES = ("kvspec.spec.ops", "kvspec.spec.manager", "kvspec.spec.ordering")
 NO_COUNTEREXAMPLE = "no counterexample found within budget"
+ANALYSIS_ERROR = "analysis_error"  # CrossHair could not analyse the function at all
 
 
 # --- the state corpora ----------------------------------------------------------------------------
@@ -337,6 +340,11 @@ class ContractsReport:
         """Whether no function had a counterexample."""
         return all(f.ok for f in self.functions)
 
+    @property
+    def could_not_run(self) -> bool:
+        """Whether CrossHair failed to analyse some function."""
+        return any(c.status == ANALYSIS_ERROR for f in self.functions for c in f.conditions)
+
 
 def contract_functions(module_names: Sequence[str] = DEFAULT_MODULES) -> list[Callable[..., object]]:
     """The functions defined in these modules that carry icontract conditions, in source order."""
@@ -428,7 +436,13 @@ def check_modules(
     start = time.perf_counter()
     reports = []
     for fn in _selected(contract_functions(module_names), only):
-        reports.append(check_function(fn, per_condition_timeout, per_path_timeout))
+        began = time.perf_counter()
+        try:
+            reports.append(check_function(fn, per_condition_timeout, per_path_timeout))
+        except Exception as e:  # CrossHair or icontract failing on this function: report it, go on
+            error = f"{type(e).__name__}: {e}"
+            failed = ConditionResult("", ANALYSIS_ERROR, False, error, 0, time.perf_counter() - began)
+            reports.append(FunctionReport(f"{fn.__module__}.{fn.__name__}", (failed,)))
     return ContractsReport(
         tuple(reports), per_condition_timeout, time.perf_counter() - start, getattr(crosshair, "__version__", "")
     )

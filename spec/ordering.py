@@ -239,9 +239,11 @@ def _in_order_of(items: Sequence[BlockId], within: Sequence[BlockId]) -> bool:
 
 
 def _all_before(first: Sequence[BlockId], then: Sequence[BlockId], within: Sequence[BlockId]) -> bool:
-    """Every block of `first` sits before every block of `then` in `within`."""
+    """Every block of `first` sits before every block of `then` in `within` (all of them are in it)."""
+    if not first or not then:
+        return True
     where = {b: i for i, b in enumerate(within)}
-    return all(where[a] < where[b] for a in first for b in then)
+    return max(where[a] for a in first) < min(where[b] for b in then)
 
 
 def freed_in_place(
@@ -262,7 +264,8 @@ def freed_in_place(
     (True, False)
     """
     left = _sent_left(newly_free, block_hash, rule)
-    right = [b for b in newly_free if b not in left]
+    sent_left = set(left)
+    right = [b for b in newly_free if b not in sent_left]
     return (
         sorted(result) == sorted([*free_queue, *newly_free])
         and _in_order_of(free_queue, result)

@@ -6,7 +6,8 @@ counterexample: arguments where the preconditions hold but the postcondition
 fails, or an error the function does not declare is raised. The report says
 "no counterexample found within budget" or prints the counterexample; it never
 says "verified". Exit 0 when nothing was found, 1 when something was, 2 when
-CrossHair is not installed or a name is unknown.
+CrossHair is not installed, a name is unknown, or CrossHair could not analyse
+a function.
 """
 
 from __future__ import annotations
@@ -126,4 +127,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
     report = check_modules(DEFAULT_MODULES, args.per_condition_timeout, args.per_path_timeout, only)
     print(json.dumps(_as_json(report), indent=2) if args.json else render_text(report))
+    if report.could_not_run:
+        return 2
     return 0 if report.ok else 1

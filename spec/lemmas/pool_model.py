@@ -565,9 +565,19 @@ def _store(default: z3.ExprRef, items: Mapping[int, z3.ExprRef | int | bool]) ->
 
 
 def encode_snapshot(state: PoolState | Snapshot, names: HashNames | None = None) -> PoolVars:
-    """The arrays of a concrete state (key fields left unknown; the encoding is exact elsewhere)."""
+    """The arrays of a concrete pool-level state (key fields left unknown; exact everywhere else).
+
+    Raises:
+        ValueError: the snapshot has quarantined blocks or request block tables,
+            which the pool model does not hold.
+    """
     names = names or HashNames()
     snap = state.snapshot() if isinstance(state, PoolState) else state
+    if snap.quarantined or snap.block_tables is not None:
+        raise ValueError(
+            f"encode_snapshot takes a pool-level state; got quarantined={list(snap.quarantined)} "
+            f"block_tables={snap.block_tables!r}"
+        )
     n = snap.num_gpu_blocks
     first_pos: dict[int, int] = {}
     for i, b in enumerate(snap.free_queue):

@@ -38,9 +38,9 @@ def test_enforcement_is_read_from_the_code():
     assert cap.lemmas == ("5 lemma_hit_cap_within_prompt",)
     # A step rule sharing the null-block id is covered by the lemma on inv_null_block_isolated.
     assert by_name["step_null_block_never_freed"].lemmas == ("7 lemma_invariants_inductive",)
-    # Nothing in the three columns checks content integrity (gpu_impl reads KV back): said so.
+    # Content integrity has no contract or lemma (the spec has no memory); the machine reads hits back.
     content = by_name["hit_content_intact"]
-    assert content.contracts == () and not content.machine and content.lemmas == ()
+    assert content.contracts == () and content.machine and content.lemmas == ()
     writable = by_name["is_block_writable"]
     assert writable.contracts == ("ops.is_block_writable",) and writable.lemmas == ("7 lemma_invariants_inductive",)
 
