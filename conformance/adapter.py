@@ -12,6 +12,23 @@ Two levels:
 
 A user names a factory as `module:function`; it is called with one
 `AdapterConfig` and returns the adapter for `config.level`.
+
+Optional declarations, as class attributes the harness reads (absent means
+the default):
+- `validates_bad_input: bool` (default True): the adapter raises the spec's
+  error type for every caller mistake. An implementation that trusts its
+  caller (vLLM) sets it False and lists in `rejected_mistakes` the mistakes
+  it does reject, as "<op>: <mistake>" (e.g. "get_new_blocks: more than
+  free"); the machine then makes only those mistakes against it and the
+  summary names the ones it left out.
+- `uses_kvspec_hash_chain: bool` (default False): the adapter hashes blocks
+  with kvspec's own chain (kvspec.spec.hashing) for the config's hash_fn and
+  seed, so the machine compares block hash values exactly. Otherwise hash
+  values are compared as names (an equality relation), and the values are
+  checked separately against golden vectors (`kvspec hashes`).
+- the `KVContentAdapter` methods: the machine has the adapter write, for
+  every computed token, a value that names the token's whole prefix, and
+  reads every prefix hit back (invariant hit_content_intact).
 """
 
 from __future__ import annotations

@@ -72,6 +72,8 @@ class SpecPoolAdapter:
 class SpecManagerAdapter:
     """The spec's KVCacheManager functions behind the adapter protocol."""
 
+    uses_kvspec_hash_chain = True  # it is kvspec's chain: hash values are compared exactly
+
     def __init__(self, config: AdapterConfig) -> None:
         self.state = spec_manager.new_manager(
             config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed
@@ -115,6 +117,8 @@ class ReferencePoolAdapter(BlockPool):
 
 class ReferenceManagerAdapter(KVCacheManager):
     """The reference KVCacheManager, built from a config."""
+
+    uses_kvspec_hash_chain = True  # it hashes with kvspec.spec.hashing: hash values are compared exactly
 
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(

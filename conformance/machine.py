@@ -55,7 +55,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Literal, cast
 
 from hypothesis import strategies as st
 from hypothesis import target
@@ -73,22 +73,25 @@ from hypothesis.stateful import (
 )
 
 from kvspec.conformance import strategies as strat
-from kvspec.conformance.adapter import AdapterConfig, capabilities
+from kvspec.conformance.adapter import AdapterConfig, KVContentAdapter, capabilities
 from kvspec.conformance.report import render_story
-from kvspec.conformance.trace import Outcome, Trace, TraceStep, encode_value, header_line
+from kvspec.conformance.trace import OP_PARAMS, Outcome, Trace, TraceStep, encode_value, header_line
 from kvspec.spec import errors as spec_errors
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
-from kvspec.spec.invariants import INVARIANTS, STEP_RULES, check_all, check_hit, check_step
+from kvspec.spec.hashing import block_extra_keys
+from kvspec.spec.invariants import INVARIANTS, STEP_RULES, check_all, check_hit, check_step, hit_content_intact
 from kvspec.spec.manager import ManagerState, Request
 from kvspec.spec.state import BlockHash, BlockId, PoolState, Snapshot
 
 __all__ = [
+    "NOT_EXERCISED_WHY",
     "ConformanceFailure",
     "LockStep",
     "ManagerMachine",
     "Observer",
     "PoolMachine",
+    "PrefixKVSource",
     "SpecFailure",
     "StepTimeout",
     "conformance_machine",
@@ -460,8 +463,10 @@ class Observer:
     heartbeat: Any = None  # a shared double: when the running implementation call started, 0 when none
     keep_deepest: bool = False  # keep the records of the example that reached the most events
     impl_name: str | None = None  # written into trace headers
+    device: str | None = None  # AdapterConfig.device for every adapter the machine builds
     coverage: Counter[str] = field(default_factory=Counter)
     states: set[int] = field(default_factory=set)  # hashes of the distinct spec states reached
+    not_exercised: set[str] = field(default_factory=set)  # "<op>: <mistake>" the adapter declares it does not reject
     examples: int = 0
     steps: int = 0
     invariants_checked: int = 0
@@ -527,6 +532,60 @@ class Observer:
                 self.deepest = (score, lock)
 
 
+# --- the KV the harness has the implementation write ---------------------------------------
+
+
+class PrefixKVSource:
+    """The harness's model of a layer's KV: token position p's value names the request's prefix up to p.
+
+    A `KVSource` for adapters with KV memory (`KVContentAdapter`). Value p is
+    the number the source gave, on first sight, to the pair (value p - 1,
+    token p, and at each block's first position the block's extra keys:
+    LoRA, multimodal inputs, and the cache_salt on block 0). By induction it
+    names the whole prefix (tokens and the extra keys of every block it
+    touches), so two different prefixes never get the same value, equal
+    prefixes always do, and every value is a small positive int64 (0 is
+    never given: a slot nobody wrote reads as no prefix's value). The
+    rejected alternative, a digest of the prefix, fits int64 only by
+    truncation and then "never" holds only up to collisions.
+
+    One source serves one example: the numbering depends on the order
+    prefixes are first seen, so a replay numbers them the same way.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size  # tokens per block: where each block's extra keys join the chain
+        self._ids: dict[tuple[Any, ...], int] = {}  # (previous value, token, block keys) -> value
+
+    def __call__(self, request: Request, start: int, end: int) -> list[int]:
+        """The values of token positions [start, end) of `request` (its tokens and extra keys). Cost: O(end).
+
+        >>> src = PrefixKVSource(2)
+        >>> src(Request("a", (5, 6, 7)), 0, 3), src(Request("b", (5, 6, 8)), 1, 3)
+        ([1, 2, 3], [2, 4])
+        >>> src(Request("c", (5, 6), cache_salt="t"), 0, 2)
+        [5, 6]
+        """
+        bs, values, previous = self.block_size, [], 0
+        for p in range(end):
+            keys = (
+                block_extra_keys(p, p + bs, request.lora_name, request.mm_inputs, request.cache_salt)
+                if p % bs == 0
+                else None
+            )
+            previous = self._ids.setdefault((previous, request.token_ids[p], keys), len(self._ids) + 1)
+            if p >= start:
+                values.append(previous)
+        return values
+
+
+# Why a caller mistake is not exercised against an adapter (the summary prints it).
+NOT_EXERCISED_WHY = (
+    "the adapter declares validates_bad_input = False and does not list these in rejected_mistakes, "
+    "so it is not expected to raise the spec's error for them"
+)
+
+
 # --- lock-step execution ------------------------------------------------------------------
 
 
@@ -539,10 +598,11 @@ class _Pending:
     impl: Outcome
     spec_before: Snapshot
     hit_hashes: tuple[BlockHash, ...] | None = None  # the request's spec chain, for get_computed_blocks
+    hit_content: list[Any] | None = None  # what read_kv returned for the implementation's hit blocks
 
 
-# check_hit evaluates hit_within_cap and hit_prefix_closed; the other hit rules
-# (content, salt isolation) are checked through them or on real memory (gpu_impl).
+# check_hit evaluates hit_within_cap and hit_prefix_closed; hit_content_intact is
+# checked on adapters with KV memory; salt isolation follows from prefix closure.
 _NUM_HIT_RULES_CHECKED = 2
 
 
@@ -597,8 +657,38 @@ class LockStep:
         finally:
             self.observer.impl_finished()
         self._inflight = None
-        self.capabilities = capabilities(self.adapter) if self.adapter is not None else frozenset()
+        adapter = self.adapter
+        self.capabilities = capabilities(adapter) if adapter is not None else frozenset()
+        # What the adapter declares (adapter.py): which caller mistakes it rejects,
+        # whether its hashes are kvspec's own chain, whether it holds KV memory.
+        self.validates_bad_input = bool(getattr(adapter, "validates_bad_input", True))
+        self.rejected_mistakes = frozenset(getattr(adapter, "rejected_mistakes", None) or ())
+        self.uses_kvspec_hash_chain = bool(getattr(adapter, "uses_kvspec_hash_chain", False))
+        self.kv_source: PrefixKVSource | None = None
+        if config.level == "manager" and adapter is not None and isinstance(adapter, KVContentAdapter):
+            self.kv_source = PrefixKVSource(config.block_size)
+            self._inflight = (0, "init", (), Outcome())
+            self.observer.impl_started()
+            try:
+                adapter.set_kv_source(self.kv_source)
+            except Exception as e:
+                impl = Outcome(crashed=True, message=f"set_kv_source() failed: {_crash_message(e)}")
+            finally:
+                self.observer.impl_finished()
+            self._inflight = None
         self._pending: _Pending | None = _Pending(0, "init", (), Outcome(), impl, self.spec_snapshot)
+
+    def exercises(self, mistake: str) -> bool:
+        """Whether the machine may make this caller mistake ("<op>: <mistake>") against the adapter.
+
+        Every mistake, unless the adapter declares `validates_bad_input = False`;
+        then only those it lists in `rejected_mistakes`. A mistake left out is
+        recorded for the summary.
+        """
+        if self.validates_bad_input or mistake in self.rejected_mistakes:
+            return True
+        self.observer.not_exercised.add(mistake)
+        return False
 
     # --- driving ---------------------------------------------------------------------------
 
@@ -617,6 +707,8 @@ class LockStep:
             StepTimeout: the implementation ran past the step time limit.
         """
         assert self._pending is None, f"call({op}) before the previous step ({self._pending.op}) was checked"
+        # Every argument, defaults included: a trace records them all, and a replay reads them back.
+        assert len(args) == len(OP_PARAMS[op]), f"{op} takes {OP_PARAMS[op]}; the machine passed {len(args)}"
         index = len(self.records) + 1
         before = self.spec_snapshot
         new_state: PoolState | ManagerState
@@ -636,11 +728,34 @@ class LockStep:
         self.observer.stream_step(index, op, args)
         self._inflight = (index, op, tuple(args), spec)
         impl = self._impl_call(op, args)
+        hit_content = None
+        if hit_hashes is not None and self.kv_source is not None:
+            impl, hit_content = self._read_hit(impl)
         self._inflight = None
         self.spec_state = new_state
         self.spec_snapshot = new_state.snapshot()
-        self._pending = _Pending(index, op, tuple(args), spec, impl, before, hit_hashes)
+        self._pending = _Pending(index, op, tuple(args), spec, impl, before, hit_hashes, hit_content)
         return spec
+
+    def _read_hit(self, impl: Outcome) -> tuple[Outcome, list[Any] | None]:
+        """Read the implementation's hit blocks back from its KV memory (content-integrity).
+
+        Only a well-formed hit of blocks of this pool is read; anything else is
+        named by the checks that follow.
+        """
+        if impl.error is not None or impl.crashed or not isinstance(impl.result, list) or not impl.result[0]:
+            return impl, None
+        blocks = impl.result[0]
+        if not all(0 <= b < self.config.num_gpu_blocks for b in blocks):
+            return impl, None
+        self.observer.impl_started()
+        try:
+            content = self.adapter.read_kv(list(blocks))
+            return impl, [list(row) for row in content]
+        except Exception as e:
+            return Outcome(crashed=True, message=f"read_kv({blocks}) failed: {_crash_message(e)}"), None
+        finally:
+            self.observer.impl_finished()
 
     def _impl_call(self, op: str, args: Sequence[Any]) -> Outcome:
         fn = getattr(self.adapter, op, None)
@@ -740,6 +855,10 @@ class LockStep:
                 )
             except spec_errors.InvariantViolation as e:
                 return fail("invariant", f"{e.rule} (got hit blocks {blocks}, {num_tokens} tokens)", e.name)
+            if p.hit_content is not None:
+                problem = self._content_problem(request, blocks, p.hit_content)
+                if problem is not None:
+                    return fail("invariant", problem, "hit_content_intact")
         if spec.error != impl.error:
             if spec.error is None:
                 return fail(
@@ -775,6 +894,14 @@ class LockStep:
             return fail(
                 "diverges", f"the state differs from the spec's: {_diff(spec_c, impl_c, 'spec', 'implementation')}"
             )
+        if self.uses_kvspec_hash_chain and spec_snap.block_hash != impl_snap.block_hash:
+            b = next(i for i, (hs, hi) in enumerate(zip(spec_snap.block_hash, impl_snap.block_hash)) if hs != hi)
+            return fail(
+                "diverges",
+                f"block {b}'s hash is {_show(impl_snap.block_hash[b])}, but kvspec's chain "
+                f"(hash_fn={self.config.hash_fn!r}, seed={self.config.seed!r}) gives {_show(spec_snap.block_hash[b])} "
+                "for the same prefix (the adapter declares uses_kvspec_hash_chain, so values are compared exactly)",
+            )
         self.observer.states.add(hash(spec_c))
         for b, (hs, hi) in enumerate(zip(spec_snap.block_hash, impl_snap.block_hash)):
             if hs is None or hi is None:
@@ -787,13 +914,36 @@ class LockStep:
                 )
         return None
 
+    def _content_problem(self, request: Request, blocks: Sequence[int], content: list[Any]) -> str | None:
+        """What is wrong with the KV read back from a hit's blocks, or None (hit_content_intact)."""
+        assert self.kv_source is not None, "content read without a KV source"
+        bs = self.config.block_size
+        if len(content) != len(blocks):
+            return f"read_kv({list(blocks)}) returned {len(content)} blocks, not {len(blocks)}"
+        for i, (b, actual) in enumerate(zip(blocks, content)):
+            expected = self.kv_source(request, i * bs, (i + 1) * bs)
+            if not hit_content_intact(expected, actual):
+                slot = next(
+                    (j for j, (e, a) in enumerate(zip(expected, actual)) if e != a), min(len(expected), len(actual))
+                )
+                return (
+                    f"hit block {b} (the request's block {i}) does not hold its prefix's KV: slot {slot} reads "
+                    f"{actual[slot] if slot < len(actual) else 'nothing'}, the value written for token position "
+                    f"{i * bs + slot} of this prefix is {expected[slot] if slot < len(expected) else 'nothing'} "
+                    f"(block reads {actual}, expected {expected})"
+                )
+        return None
+
     def _count(self, p: _Pending, spec_snap: Snapshot) -> None:
         obs = self.observer
         if p.index == 0:
             return
         obs.steps += 1
         obs.invariants_checked += (
-            len(INVARIANTS) + len(STEP_RULES) + (_NUM_HIT_RULES_CHECKED if p.hit_hashes is not None else 0)
+            len(INVARIANTS)
+            + len(STEP_RULES)
+            + (_NUM_HIT_RULES_CHECKED if p.hit_hashes is not None else 0)
+            + (1 if p.hit_content is not None else 0)
         )
         if self.level == "pool":
             events = _pool_events(p.op, p.args, p.spec_before, spec_snap, p.spec)
@@ -968,6 +1118,16 @@ class _LockStepMachine(RuleBasedStateMachine):
     def _has(self, op: str) -> bool:
         return self.lock is not None and op in self.lock.capabilities
 
+    def _mistakes(self, op: str, *mistakes: str) -> tuple[str, ...]:
+        """The caller mistakes of `op` this adapter is checked on (see `LockStep.exercises`)."""
+        return tuple(m for m in mistakes if self._lock.exercises(f"{op}: {m}"))
+
+    def _config(self, level: Literal["pool", "manager"], num_gpu_blocks: int, block_size: int = 4) -> AdapterConfig:
+        cls = type(self)
+        return AdapterConfig(
+            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.observer.device
+        )
+
     @invariant()
     def conforms(self) -> None:
         """The last adapter call agreed with the spec and broke no invariant (LockStep.check)."""
@@ -1055,7 +1215,7 @@ class PoolMachine(_LockStepMachine):
 
     @initialize(num_gpu_blocks=strat.pool_sizes())
     def new_pool(self, num_gpu_blocks: int) -> None:
-        self._start(AdapterConfig("pool", num_gpu_blocks, self.enable_caching, self.profile))
+        self._start(self._config("pool", num_gpu_blocks))
 
     @property
     def _state(self) -> PoolState:
@@ -1083,9 +1243,12 @@ class PoolMachine(_LockStepMachine):
     def get_new_blocks(self, data: st.DataObject) -> Any:
         """A request's new blocks; then, as vLLM's scheduler does, the ones already full are registered."""
         num_free = len(self._state.free_queue)
-        kind = data.draw(_sampled(_kinds("none", "more than free", "bad count")), label="call")
+        mistakes = self._mistakes("get_new_blocks", "none", "more than free", "bad count")
+        kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         if kind == VALID:
-            num_blocks: Any = data.draw(st.integers(1, 4), label="num_blocks")  # often more than a tiny pool has
+            # Often more than a tiny pool has, where asking for too many is a mistake the adapter rejects.
+            most = 4 if "more than free" in mistakes else min(num_free, 4)
+            num_blocks: Any = data.draw(st.integers(1, most), label="num_blocks")
         elif kind == "none":
             num_blocks = 0
         elif kind == "more than free":
@@ -1112,12 +1275,20 @@ class PoolMachine(_LockStepMachine):
         self.live.remove(group)
         self._call("free_blocks", list(reversed(group)) if order == "tail first" else list(group))
 
+    @precondition(lambda self: self.lock is not None and bool(self._free_mistakes()))
     @rule(data=st.data())
     def free_blocks_mistake(self, data: st.DataObject) -> None:
         """Double frees and other bad frees; the error types must match and nothing may change."""
         held, free = self._held(), self._state.free_queue
-        ok = data.draw(st.lists(_sampled(held), max_size=3, unique=True), label="valid ids") if held else []
-        kinds = (["double free"] if free else []) + ["bad id"] + (["named twice"] if ok else [])
+        allowed = self._free_mistakes()
+        ok = (
+            data.draw(st.lists(_sampled(held), max_size=3, unique=True), label="valid ids")
+            if held and ("bad id" in allowed or "double free" in allowed or "named twice" in allowed)
+            else []
+        )
+        kinds = [k for k in allowed if k != "named twice" or ok]
+        if not kinds:
+            return
         kind = data.draw(_sampled(kinds), label="mistake")
         if kind == "double free":
             bad: Any = data.draw(_sampled(free), label="free block")
@@ -1127,13 +1298,19 @@ class PoolMachine(_LockStepMachine):
             bad = data.draw(_sampled(ok), label="named twice")
         self._call("free_blocks", _insert(data, ok, bad))
 
+    def _free_mistakes(self) -> tuple[str, ...]:
+        return self._mistakes(
+            "free_blocks", *(["double free"] if self._state.free_queue else []), "bad id", "named twice"
+        )
+
     @rule(target=groups, data=st.data())
     def touch(self, data: st.DataObject) -> Any:
         """A prefix hit as vLLM's scheduler takes it: look up a hash chain until a miss, then touch the hits."""
         hashed, n = self._hashed(), self._state.num_gpu_blocks
         unhashed = [b for b in range(1, n) if b not in hashed]
         mistakes = (["named twice"] if hashed else []) + ["bad id"] + (["no hash"] if unhashed else [])
-        kind = data.draw(_sampled(_kinds(*mistakes, "hash not bytes")), label="call")
+        mistakes = [*self._mistakes("touch", *mistakes), *self._mistakes("get_cached_block", "hash not bytes")]
+        kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         if kind == "hash not bytes":
             self._call("get_cached_block", data.draw(strat.bad_hashes(), label="block_hash"))
             return multiple()
@@ -1171,6 +1348,8 @@ class PoolMachine(_LockStepMachine):
         s, n = self._state, self._state.num_gpu_blocks
         if not self.enable_caching:
             # Without prefix caching every call is a mistake, even a well-formed one.
+            if not self._mistakes("cache_full_blocks", "caching off"):
+                return
             ids = (
                 data.draw(st.lists(st.integers(1, n - 1), max_size=2, unique=True), label="block_ids") if n > 1 else []
             )
@@ -1180,7 +1359,10 @@ class PoolMachine(_LockStepMachine):
         free = [b for b in s.free_queue if s.block_hash[b] is None]
         mistakes = ["bad id", "length mismatch"] + (["named twice", "hash not bytes"] if unhashed else [])
         mistakes += (["already cached"] if hashed_held else []) + (["not held"] if free else [])
-        kind = data.draw(_sampled(_kinds(*mistakes) if unhashed else tuple(mistakes)), label="call")
+        allowed = self._mistakes("cache_full_blocks", *mistakes)
+        if not unhashed and not allowed:
+            return
+        kind = data.draw(_sampled(_kinds(*allowed) if unhashed else allowed), label="call")
         size = (1, 3) if kind == VALID else (0, 2)
         ok = (
             data.draw(st.lists(_sampled(unhashed), min_size=size[0], max_size=size[1], unique=True), label="block_ids")
@@ -1221,7 +1403,8 @@ class PoolMachine(_LockStepMachine):
     @rule(data=st.data())
     def evict_blocks(self, data: st.DataObject) -> None:
         n = self._state.num_gpu_blocks
-        kind = data.draw(_sampled(_kinds("bad id", *(["named twice"] if n > 1 else []))), label="call")
+        mistakes = self._mistakes("evict_blocks", "bad id", *(["named twice"] if n > 1 else []))
+        kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         hashed = self._hashed()
         any_id = st.integers(1, n - 1) if n > 1 else st.nothing()
         ids_strategy = _one_of(_sampled(hashed), any_id) if hashed else any_id
@@ -1262,7 +1445,8 @@ class PoolMachine(_LockStepMachine):
         held = self._held()
         valid = _one_of(_sampled(held), st.integers(0, n - 1)) if held else st.integers(0, n - 1)
         bad = _sampled(tuple(b for b in strat.bad_block_id_values(n) if b != 0))
-        self._call("is_block_writable", data.draw(_one_of(valid, bad), label="block_id"))
+        either = _one_of(valid, bad) if self._mistakes("is_block_writable", "bad id") else valid
+        self._call("is_block_writable", data.draw(either, label="block_id"))
 
     @precondition(lambda self: self._has("get_num_free_blocks") or self._has("get_usage"))
     @rule()
@@ -1301,7 +1485,7 @@ class ManagerMachine(_LockStepMachine):
     def new_manager(self, num_gpu_blocks: int, block_size: int, data: st.DataObject) -> None:
         self.block_size = block_size
         self.shared = data.draw(strat.system_prompts(block_size), label="system prompts")
-        self._start(AdapterConfig("manager", num_gpu_blocks, self.enable_caching, self.profile, block_size))
+        self._start(self._config("manager", num_gpu_blocks, block_size))
 
     def _new_id(self) -> str:
         self.num_ids += 1
@@ -1321,12 +1505,29 @@ class ManagerMachine(_LockStepMachine):
     def continue_chat(self, prompt: Request, data: st.DataObject) -> Request:
         return strat.continue_chat(prompt, data.draw(strat.chat_turns(self.block_size), label="turn"))
 
+    @rule(target=prompts, prompt=prompts, data=st.data())
+    def new_prompt_other_keys(self, prompt: Request, data: st.DataObject) -> Request:
+        """An earlier prompt's tokens again, under another cache_salt, LoRA adapter or image.
+
+        Isolation bugs (a chain that leaves out a key) show only when the same
+        tokens arrive under different keys; independent prompts almost never
+        repeat a whole prefix with only a key changed.
+        """
+        return data.draw(strat.other_keys(prompt, self.block_size), label="same tokens, other keys")
+
     # --- adapter calls ---------------------------------------------------------------------
 
     @rule(prompt=prompts, data=st.data())
     def get_computed_blocks(self, prompt: Request, data: st.DataObject) -> None:
         kind = data.draw(
-            _sampled(_kinds("no tokens", "no id", *(["already running"] if self.requests else []))), label="call"
+            _sampled(
+                _kinds(
+                    *self._mistakes(
+                        "get_computed_blocks", "no tokens", "no id", *(["already running"] if self.requests else [])
+                    )
+                )
+            ),
+            label="call",
         )
         if kind == "already running":
             request = self.requests[data.draw(_sampled(sorted(self.requests)), label="running request")].request
@@ -1367,7 +1568,7 @@ class ManagerMachine(_LockStepMachine):
         mistakes = ["no tokens scheduled", "bad count", "more tokens than the request has", "hit count mismatch"]
         mistakes += ["hit on a running request"] if self.requests else []
         mistakes += ["wrong hit block"] if self.enable_caching else ["hit without caching"]
-        kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
+        kind = data.draw(_sampled(_kinds(*self._mistakes("allocate_slots", *mistakes))), label="call")
         request = replace(prompt, request_id=self._new_id())
         if kind == VALID:
             return self._admit(request, data)
@@ -1386,9 +1587,11 @@ class ManagerMachine(_LockStepMachine):
             on_running = data.draw(st.booleans(), label="running request") if self.requests else False
             if on_running:
                 run = self.requests[data.draw(_sampled(sorted(self.requests)), label="running request")]
-                self._call("allocate_slots", run.request, len(run.request.token_ids) - run.num_computed_tokens + 1)
+                self._call(
+                    "allocate_slots", run.request, len(run.request.token_ids) - run.num_computed_tokens + 1, 0, [], 0
+                )
             else:
-                self._call("allocate_slots", fresh, len(fresh.token_ids) + 1)
+                self._call("allocate_slots", fresh, len(fresh.token_ids) + 1, 0, [], 0)
         elif kind == "hit count mismatch":
             self._call("allocate_slots", fresh, 1, bs, [], 0)
         elif kind == "hit on a running request":
@@ -1422,7 +1625,7 @@ class ManagerMachine(_LockStepMachine):
             num = data.draw(_chunk(remaining), label="num_new_tokens")
             if num < remaining:
                 self._lock.tag("allocate_slots: chunked prefill")
-        out = self._call("allocate_slots", run.request, num)
+        out = self._call("allocate_slots", run.request, num, 0, [], 0)
         if out.error is None and out.result is not None:
             run.num_computed_tokens += num
 
@@ -1449,6 +1652,13 @@ class ManagerMachine(_LockStepMachine):
             self._lock.tag("readmitted after preemption")
         return result
 
+    # NOTE: only once a request has finished. A rule that is enabled from the
+    # first step and changes nothing is what the shrinker leaves in place of
+    # steps it cannot delete (those that hold Hypothesis's first draws about
+    # which rules are enabled): with this rule enabled at the start, shrunk
+    # traces began with a dozen no-op frees; now those steps become prompt
+    # draws, which call nothing and leave no step in the trace.
+    @precondition(lambda self: bool(self.finished) and bool(self._mistakes("free", "not running")))
     @rule(data=st.data())
     def free_mistake(self, data: st.DataObject) -> None:
         """Freeing a request that is not running (never admitted, or already finished)."""
@@ -1462,24 +1672,28 @@ def conformance_machine(
     enable_caching: bool = True,
     profile: str = "vllm-v1",
     observer: Observer | None = None,
+    device: str | None = None,
 ) -> type[_LockStepMachine]:
     """A state machine class that checks `factory`'s adapters against the spec.
 
     Its `.TestCase` is an ordinary Hypothesis stateful test, usable directly
-    in a test suite or under a fuzzing engine (HypoFuzz).
+    in a test suite or under a fuzzing engine (HypoFuzz). `device` becomes
+    every `AdapterConfig.device` (None: the observer's, else the adapter picks).
 
     Raises:
         ValueError: level is not "pool" or "manager".
     """
     if level not in ("pool", "manager"):
         raise ValueError(f"level must be 'pool' or 'manager'; got level={level!r}")
+    if observer is not None and device is not None:
+        observer.device = device
     base: type[_LockStepMachine] = PoolMachine if level == "pool" else ManagerMachine
     name = f"{base.__name__}_{'caching' if enable_caching else 'no_caching'}"
     attrs = {
         "factory": staticmethod(factory),
         "enable_caching": enable_caching,
         "profile": profile,
-        "observer": observer if observer is not None else Observer(),
+        "observer": observer if observer is not None else Observer(device=device),
         "__module__": __name__,
     }
     return type(name, (base,), attrs)

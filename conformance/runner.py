@@ -23,6 +23,7 @@ loaded, or the arguments were wrong.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import hashlib
 import importlib
@@ -94,6 +95,11 @@ BUILTIN_IMPLS: dict[str, str] = {
 # the regression oracle's business and runs only when named.
 DEFAULT_IMPLS: tuple[str, ...] = ("reference", "spec", "gpu")
 
+# The spec's caller-mistake errors, as coverage names them ("free_blocks: DoubleFree").
+_ERROR_TYPES = frozenset(
+    {"InvalidRequest", "InvalidBlock", "DoubleFree", "AlreadyCached", "PoolExhausted", "NotWritable"}
+)
+
 EXIT_CODES: dict[str, int] = {"conforms": 0, "diverges": 1, "crashed": 2, "hung": 2, "could-not-run": 2}
 
 _POOL_METHODS = (
@@ -115,13 +121,34 @@ class FactoryError(ValueError):
     """An implementation name that cannot be turned into a factory: unknown, not importable, not callable."""
 
 
+# "vllm@0.24.0": that vLLM release's real pool, loaded from its wheel (light mode, fetched on first use).
+VLLM_RELEASE_PREFIX = "vllm@"
+
+
+def _vllm_release_factory(name: str) -> Factory:
+    """The factory for `vllm@<release>`; the release itself is fetched and loaded when an adapter is built."""
+    try:
+        from kvspec.conformance.vllm.adapter import factory_for
+    except Exception as e:  # an import can fail any way the module's top level can
+        raise FactoryError(
+            f"implementation {name!r}: the vLLM adapter does not import ({type(e).__name__}: {e})"
+        ) from None
+    try:
+        factory: Factory = factory_for(name)
+    except ValueError as e:
+        raise FactoryError(f"implementation {name!r}: {e}") from None
+    return factory
+
+
 def load_factory(name: str) -> Factory:
-    """The factory a name stands for: a built-in name ("reference", "spec", ...) or "module:function".
+    """The factory a name stands for: a built-in name ("reference", ...), "vllm@<release>" or "module:function".
 
     Raises:
         FactoryError: the name is malformed, the module does not import, the
             attribute is missing, or it is not callable; the message says which.
     """
+    if name.startswith(VLLM_RELEASE_PREFIX):
+        return _vllm_release_factory(name)
     target = BUILTIN_IMPLS.get(name, name)
     if ":" not in target:
         known = ", ".join(sorted(BUILTIN_IMPLS))
@@ -180,6 +207,8 @@ class CheckResult:
     message: str = ""  # why it could not run, or a note (time budget spent, flaky failure)
     deepest_trace_path: str | None = None  # the example that reached the most events, when kept
     seed: int = 0
+    not_exercised: tuple[str, ...] = ()  # caller mistakes ("<op>: <mistake>") the adapter declares it does not reject
+    device: str | None = None  # AdapterConfig.device the adapters were built with
 
     @property
     def exit_code(self) -> int:
@@ -279,10 +308,26 @@ def _child_main(work: Callable[[int | None, Any], dict[str, Any]], conn: Any, he
     os._exit(0)
 
 
+def _cuda_started_here() -> bool:
+    """Whether this process has started CUDA (through torch): a forked child could then not use it.
+
+    Asks only torch's own flag, which starts nothing; a process that never
+    imported torch has not started CUDA through it.
+    """
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    is_initialized = getattr(cuda, "is_initialized", None)
+    return bool(is_initialized()) if callable(is_initialized) else False
+
+
 def _run(
     work: Callable[[int | None, Any], dict[str, Any]], step_timeout_s: float | None, isolate: bool
 ) -> dict[str, Any] | _Death:
-    if isolate and "fork" in multiprocessing.get_all_start_methods():
+    # NOTE: CUDA cannot be started again in a child forked from a process that
+    # started it. The harness never touches CUDA itself (gpu_impl picks and
+    # starts its device inside the child); if the calling process did, the
+    # campaign runs here instead, without the child's crash protection.
+    if isolate and "fork" in multiprocessing.get_all_start_methods() and not _cuda_started_here():
         return _isolated(work, step_timeout_s)
     return work(None, None)
 
@@ -352,10 +397,12 @@ def _campaign(
     database: Any,
     stream_fd: int | None,
     heartbeat: Any,
+    device: str | None = None,
+    shrink: bool = True,
 ) -> dict[str, Any]:
     start = time.monotonic()
     deadline = start + time_budget_s if time_budget_s is not None else None
-    observer = Observer(step_timeout_s, stream_fd, heartbeat, keep_deepest, impl)
+    observer = Observer(step_timeout_s, stream_fd, heartbeat, keep_deepest, impl, device)
     base: dict[str, Any] = {"examples": 0, "steps": 0, "coverage": {}, "states": 0, "invariants_checked": 0}
     verdict, message = "conforms", ""
     failure: tuple[ConformanceFailure | SpecFailure, LockStep | None] | None = None
@@ -363,7 +410,7 @@ def _campaign(
     try:
         observer.impl_started()
         try:
-            why = _probe(factory, AdapterConfig(level, 8, enable_caching, profile))  # type: ignore[arg-type]
+            why = _probe(factory, AdapterConfig(level, 8, enable_caching, profile, device=device))  # type: ignore[arg-type]
         finally:
             observer.impl_finished()
         if why is not None:
@@ -382,7 +429,7 @@ def _campaign(
                 per_example = (time.monotonic() - start) / observer.examples if observer.examples else None
                 n = min(remaining, 20 if per_example is None else max(10, int(left / per_example)))
             failure, message = _run_chunk(
-                factory, observer, level, enable_caching, profile, n, chunk_seed, steps_per_example, database
+                factory, observer, level, enable_caching, profile, n, chunk_seed, steps_per_example, database, shrink
             )
             remaining -= n
             chunk_seed += 1
@@ -400,6 +447,7 @@ def _campaign(
         "states": len(observer.states),
         "invariants_checked": observer.invariants_checked,
         "seconds": time.monotonic() - start,
+        "not_exercised": sorted(observer.not_exercised),
     }
     if failure is not None:
         found, lock = failure
@@ -421,13 +469,14 @@ def _run_chunk(
     seed: int,
     steps_per_example: int,
     database: Any,
+    shrink: bool = True,
 ) -> tuple[tuple[ConformanceFailure | SpecFailure, LockStep | None] | None, str]:
-    """One Hypothesis run of the machine; the failure it found (shrunk) and a note."""
+    """One Hypothesis run of the machine; the failure it found (shrunk unless `shrink` is False) and a note."""
     machine = conformance_machine(factory, level, enable_caching, profile, observer)
     hypothesis_seed(seed)(machine)
     # Targeting (hill-climbing on the reuse of cached blocks) pays off only in
     # long runs; in a short one it spends the examples on one example's neighbours.
-    phases = [Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if shrink else [])
     if max_examples >= 1000:
         phases.append(Phase.target)
     run_settings = settings(
@@ -631,12 +680,21 @@ def _result(
     seed: int,
     started: float,
     minimize_s: float,
+    device: str | None = None,
 ) -> CheckResult:
     branches = expected_branches(level, enable_caching, profile)
 
     def make(verdict: str, failure: Failure | None, message: str, data: dict[str, Any]) -> CheckResult:
         coverage = {b: 0 for b in branches}
         coverage.update(data.get("coverage", {}))
+        not_exercised = tuple(data.get("not_exercised", ()))
+        # An error no mistake made against this adapter could raise is not a branch it should reach.
+        skipped_ops = {m.split(": ", 1)[0] for m in not_exercised}
+        expected = tuple(
+            b
+            for b in branches
+            if coverage.get(b) or not (b.split(": ", 1)[0] in skipped_ops and b.split(": ", 1)[-1] in _ERROR_TYPES)
+        )
         return CheckResult(
             verdict=verdict,
             level=level,
@@ -650,9 +708,11 @@ def _result(
             impl=impl or "",
             states_reached=int(data.get("states", 0)),
             invariants_checked=int(data.get("invariants_checked", 0)),
-            branches=branches,
+            branches=expected,
             message=message,
             seed=seed,
+            not_exercised=not_exercised,
+            device=device,
         )
 
     trace: Trace | None = None
@@ -732,6 +792,8 @@ def run_check(
     isolate: bool = True,
     database: Any = None,
     minimize_s: float = 30.0,
+    device: str | None = None,
+    shrink: bool = True,
 ) -> CheckResult:
     """Check one implementation at one level against the spec.
 
@@ -751,6 +813,9 @@ def run_check(
         isolate: run in a child process (crash- and hang-proof); False runs in this process.
         database: a Hypothesis example database (e.g. a shared directory for long campaigns).
         minimize_s: time allowed for cutting down a trace that a dead or hung process left.
+        device: `AdapterConfig.device` for every adapter built ("cpu", "cuda:0"; None: the adapter picks).
+            The device is first used inside the campaign's child process.
+        shrink: shrink a failure found by Hypothesis (False: report the first failing example as found).
 
     Returns:
         The verdict, what ran and was reached, and the failure with its saved trace and story.
@@ -790,6 +855,8 @@ def run_check(
             database=database,
             stream_fd=stream_fd,
             heartbeat=heartbeat,
+            device=device,
+            shrink=shrink,
         )
 
     raw = _run(work, step_timeout_s, isolate)
@@ -804,7 +871,8 @@ def run_check(
         step_timeout_s=step_timeout_s,
         seed=seed,
         started=started,
-        minimize_s=minimize_s,
+        minimize_s=minimize_s if shrink else 0.0,
+        device=device,
     )
 
 
@@ -837,14 +905,19 @@ def replay(
     step_timeout_s: float | None = 10.0,
     trace_dir: str | Path | None = None,
     isolate: bool = True,
+    device: str | None = None,
 ) -> CheckResult:
     """Re-run a recorded trace on an implementation, checking every step as the machine does.
+
+    `device`, when given, replaces the device the trace was recorded on.
 
     Raises:
         MalformedTrace: the trace file cannot be read.
     """
     started = time.monotonic()
     t = trace if isinstance(trace, Trace) else read_trace(trace)
+    if device is not None:
+        t = dataclasses.replace(t, config=dataclasses.replace(t.config, device=device))
     if isinstance(factory, str):
         impl = impl or factory
         try:
@@ -866,6 +939,7 @@ def replay(
         seed=0,
         started=started,
         minimize_s=0.0,
+        device=t.config.device,
     )
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "lora_names",
     "manager_pool_sizes",
     "mm_inputs",
+    "other_keys",
     "pool_sizes",
     "prompts",
     "system_prompts",
@@ -191,3 +192,32 @@ def bad_block_ids(num_gpu_blocks: int) -> st.SearchStrategy[object]:
 def bad_hashes() -> st.SearchStrategy[object]:
     """Block hashes of the wrong type (not bytes)."""
     return st.sampled_from(("hash-0", 7, None))
+
+
+@lru_cache(maxsize=2048)
+def other_keys(prompt: Request, block_size: int) -> st.SearchStrategy[Request]:
+    """`prompt`'s tokens under one other extra key: another cache_salt, LoRA adapter or image.
+
+    Shrinks toward a changed cache_salt. The new value always differs from the
+    prompt's, so the new request's chain must differ from the first block on
+    (salt, LoRA) or from the image's first block on (multimodal).
+    """
+    salts = tuple(v for v in (None, *CACHE_SALTS) if v != prompt.cache_salt)
+    loras = tuple(v for v in (None, *LORA_NAMES) if v != prompt.lora_name)
+    num_tokens = len(prompt.token_ids)
+    image = st.builds(
+        MultiModalInput,
+        identifier=st.sampled_from(("img-a", "img-b")),
+        offset=st.integers(0, max(num_tokens - 1, 0)),
+        length=st.integers(1, 2 * block_size),
+    )
+    images: st.SearchStrategy[tuple[MultiModalInput, ...]] = st.tuples(image)
+    if prompt.mm_inputs:
+        first = prompt.mm_inputs[0]
+        other = "img-b" if first.identifier == "img-a" else "img-a"
+        images = st.sampled_from(((), (replace(first, identifier=other), *prompt.mm_inputs[1:])))
+    return st.one_of(
+        st.sampled_from(salts).map(lambda salt: replace(prompt, cache_salt=salt)),
+        st.sampled_from(loras).map(lambda lora: replace(prompt, lora_name=lora)),
+        images.map(lambda mm: replace(prompt, mm_inputs=mm)),
+    )

@@ -26,6 +26,8 @@ class TensorPoolAdapter(TensorBlockPool):
 class TensorManagerAdapter(TensorKVCacheManager):
     """The tensor KVCacheManager with KV memory, built from a config."""
 
+    uses_kvspec_hash_chain = True  # it hashes with kvspec.spec.hashing: hash values are compared exactly
+
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
             config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile,

@@ -7,11 +7,23 @@ steps per second, distinct states, invariant checks, spec branches reached),
 what the whole run reached, then the story of each failure. Exit 0 when
 everything conforms, 1 when something diverges, 2 when something could not
 be checked (it crashed, hung, could not be loaded or built, bad arguments).
+
+`--profile auto` asks which ordering profile an implementation follows (the
+vLLM regression oracle's question): every configuration is checked once per
+vLLM profile, and each profile's line says conforms, or gives the shortest
+trace that breaks it. Exit 0 when some profile conforms in every
+configuration, 1 when in some configuration none does, 2 when one could not run.
+
+`--impl vllm` is the installed vLLM (or, with KVSPEC_VLLM_VERSION=X.Y.Z set,
+that release in light mode); `--impl vllm@X.Y.Z` is release X.Y.Z's own pool
+modules, loaded from its wheel (fetched once, then cached), pool level only.
+`--device cpu|cuda:0` is passed to device-backed implementations (gpu).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -19,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.machine import NOT_EXERCISED_WHY
 from kvspec.conformance.runner import (
     BUILTIN_IMPLS,
     DEFAULT_IMPLS,
@@ -44,7 +57,7 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    names = ", ".join(sorted(BUILTIN_IMPLS))
+    names = ", ".join(sorted(BUILTIN_IMPLS)) + ", vllm@X.Y.Z"
     p.add_argument(
         "--impl",
         action="append",
@@ -54,7 +67,16 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--level", choices=("pool", "manager", "both"), default="both", help="adapter level (default both)")
     p.add_argument(
-        "--profile", default="vllm-v1", help=f"ordering profile claimed ({', '.join(PROFILES)}; default vllm-v1)"
+        "--profile",
+        default="vllm-v1",
+        help=f"ordering profile claimed ({', '.join(PROFILES)}; default vllm-v1), "
+        "or auto: find which vLLM profiles the implementation conforms to",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="device for device-backed implementations: cpu, cuda, cuda:0 (default: the implementation picks)",
     )
     p.add_argument("--caching", choices=("on", "off", "both"), default="both", help="prefix caching (default both)")
     p.add_argument(
@@ -107,8 +129,9 @@ def _default_impls() -> tuple[list[str], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
-    if args.profile not in PROFILES:
-        print(f"kvspec check: unknown profile {args.profile!r}; known profiles: {', '.join(sorted(PROFILES))}")
+    if args.profile != AUTO and args.profile not in PROFILES:
+        known = ", ".join(sorted(PROFILES))
+        print(f"kvspec check: unknown profile {args.profile!r}; known profiles: {known}, or {AUTO}")
         return 2
     for name in ("max_examples", "steps"):
         value = getattr(args, name)
@@ -116,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvspec check: --{name.replace('_', '-')} must be at least 1; got {value}")
             return 2
     impls, notes = (args.impl, []) if args.impl else _default_impls()
+    if any(name == "vllm" or name.startswith("vllm@") for name in impls):
+        # vLLM logs a warning for every refused reset; the verdicts and the summary say it all.
+        logging.disable(logging.WARNING)
     levels = ("pool", "manager") if args.level == "both" else (args.level,)
     modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.caching]
     configs = [(impl, lv, caching) for impl in impls for lv in levels for caching in modes]
@@ -129,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvspec check: profile {args.profile}, seed {args.seed}, {per} x up to {args.steps} steps per configuration")
     for note in notes:
         print(f"  {note}")
+    if args.profile == AUTO:
+        return _run_auto(args, configs, max_examples, database)
     print(_HEADER)
     start = time.monotonic()
     results: list[CheckResult] = []
@@ -151,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
             steps_per_example=args.steps,
             keep_deepest=args.keep_deepest,
             database=database,
+            device=args.device,
         )
         results.append(result)
         print(_row(result), flush=True)
@@ -159,6 +188,53 @@ def run(args: argparse.Namespace) -> int:
         write_junit(results, args.junit)
         print(f"JUnit report: {args.junit}")
     return max((r.exit_code for r in results), default=2)
+
+
+AUTO = "auto"
+
+
+def _run_auto(
+    args: argparse.Namespace, configs: Sequence[tuple[str, str, bool]], max_examples: int, database: Any
+) -> int:
+    """`--profile auto`: every configuration once per vLLM profile; which ones it conforms to."""
+    from kvspec.conformance.vllm.oracle import PROFILES as VLLM_PROFILES
+    from kvspec.conformance.vllm.oracle import detect_profiles
+
+    print(f"profiles tried per configuration: {', '.join(VLLM_PROFILES)}")
+    start = time.monotonic()
+    codes: list[int] = []
+    everything: list[CheckResult] = []
+    for i, (impl, lv, caching) in enumerate(configs):
+        budget = None
+        if args.time_budget is not None:
+            left = args.time_budget - (time.monotonic() - start)
+            budget = max(left / (len(configs) - i), 1.0)
+        found = detect_profiles(
+            impl, lv, caching, max_examples, time_budget_s=budget, trace_dir=args.trace_dir, seed=args.seed
+        )
+        where = f"{impl} {lv} caching {'on' if caching else 'off'}"
+        conforming = [p for p, r in found.items() if r.verdict == "conforms"]
+        ran = [r for r in found.values() if r.verdict not in ("could-not-run",)]
+        code = 0 if conforming else (1 if ran else 2)
+        codes.append(code)
+        print(f"\n{where}: " + (f"conforms to {', '.join(conforming)}" if conforming else "conforms to no profile"))
+        for profile, r in found.items():
+            if r.verdict == "conforms":
+                print(f"  {profile:<14} conforms ({r.examples_run} examples, {r.steps_run} steps)")
+            elif r.failure is not None:
+                f = r.failure
+                print(
+                    f"  {profile:<14} {r.verdict}: shortest trace {f.num_steps} steps, "
+                    f"first bad step {f.step_index} ({f.op}): {f.message[:200]}"
+                )
+                print(f"  {'':<14} trace: {f.trace_path}")
+            else:
+                print(f"  {profile:<14} {r.verdict}: {r.message[:300]}")
+        everything += found.values()
+    print(render_summary(everything, time.monotonic() - start))
+    worst = max(codes, default=2)
+    print(f"profile auto: exit {worst} (0: some profile conforms everywhere; 1: none in some configuration)")
+    return worst
 
 
 _HEADER = (
@@ -214,6 +290,15 @@ def render_summary(results: Sequence[CheckResult], seconds: float) -> str:
         if r.unreached and r.verdict == "conforms":
             where = f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}"
             lines.append(f"not reached ({where}): {'; '.join(r.unreached)}")
+    not_exercised: dict[str, set[str]] = {}
+    for r in results:
+        if r.not_exercised:
+            where = f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}"
+            not_exercised.setdefault(where, set()).update(r.not_exercised)
+    for where, mistakes in not_exercised.items():
+        lines.append(f"not exercised ({where}): {'; '.join(sorted(mistakes))}")
+    if any(r.not_exercised for r in results):
+        lines.append(f"  (why: {NOT_EXERCISED_WHY})")
     for r in results:
         if r.message:
             lines.append(f"note ({r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}): {r.message}")

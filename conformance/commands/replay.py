@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--impl",
         metavar="NAME|module:function",
-        help=f"the implementation ({', '.join(sorted(BUILTIN_IMPLS))} or module:function); "
+        help=f"the implementation ({', '.join(sorted(BUILTIN_IMPLS))}, vllm@X.Y.Z or module:function); "
         "default: the one named in the trace",
     )
     p.add_argument(
@@ -44,6 +44,12 @@ def register(subparsers: Any) -> None:
         help="the most one implementation call may take (default 10)",
     )
     p.add_argument("--trace-dir", default=None, metavar="DIR", help="where the replay's own trace is written")
+    p.add_argument(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="run a device-backed implementation on this device instead of the trace's (cpu, cuda:0)",
+    )
     p.set_defaults(run=run)
 
 
@@ -60,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     recorded = trace.verdict or "not recorded"
     print(f"replaying {args.trace} ({len(trace.steps)} steps, recorded verdict: {recorded}) on {impl}\n")
-    result = replay(trace, impl, impl=impl, step_timeout_s=args.step_timeout, trace_dir=args.trace_dir)
+    result = replay(
+        trace, impl, impl=impl, step_timeout_s=args.step_timeout, trace_dir=args.trace_dir, device=args.device
+    )
     if result.failure is not None:
         print(result.failure.story)
     elif result.verdict == "conforms":

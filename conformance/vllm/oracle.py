@@ -75,7 +75,7 @@ _IMPORT_CHECK = (
 
 
 def detect_profiles(
-    factory: Callable[[AdapterConfig], Any],
+    factory: Callable[[AdapterConfig], Any] | str,
     level: str = "pool",
     enable_caching: bool = True,
     max_examples: int = 200,
@@ -92,7 +92,7 @@ def detect_profiles(
     conforms, 1 if none does, 2 if none could run.
 
     Args:
-        factory: The adapter factory.
+        factory: The adapter factory, or an implementation name (``vllm@0.24.0``), which traces then record.
         level: ``"pool"`` or ``"manager"``.
         enable_caching: Prefix caching on or off.
         max_examples: Examples per profile.
@@ -280,7 +280,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     for caching in cachings:
         key = f"{args.level}/{'on' if caching else 'off'}"
         start = time.monotonic()
-        results = detect_profiles(factory, args.level, caching, args.max_examples,
+        results = detect_profiles(impl_name, args.level, caching, args.max_examples,
                                   time_budget_s=budget, trace_dir=args.trace_dir)  # fmt: skip
         elapsed = time.monotonic() - start
         steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())

@@ -72,6 +72,8 @@ class HitPastCap(ReferenceManagerAdapter):
 class OtherHashFunction(ReferenceManagerAdapter):
     """Correct, but hashes with pickle-sha256 whatever the config says: conforms (hashes are names)."""
 
+    uses_kvspec_hash_chain = False  # its own hash function: hash values can only be compared as names
+
     def __init__(self, config: AdapterConfig) -> None:
         other = "sha256" if config.hash_fn != "sha256" else "sha256_cbor"
         super().__init__(

@@ -1,8 +1,10 @@
 """`kvspec check` and `kvspec replay` as a CI job runs them: the summary, the exit codes, JUnit XML."""
 
+import dataclasses
 import xml.etree.ElementTree as ET
 
 from kvspec.conformance import runner
+from kvspec.conformance.builtin import make_reference
 from kvspec.conformance.cli import main
 from kvspec.conformance.commands.check import _default_impls
 from kvspec.conformance.trace import read_trace
@@ -167,3 +169,34 @@ def test_replay_needs_an_implementation_when_the_trace_names_none(tmp_path, caps
     assert main(["replay", str(path)]) == 2
     assert "the trace names no implementation" in capsys.readouterr().out
     assert main(["replay", str(path), "--impl", "spec"]) == 0
+
+
+def v1_whatever_asked(config):
+    """The reference pool, always under vllm-v1, whatever profile the harness asks for."""
+    return make_reference(dataclasses.replace(config, profile="vllm-v1"))
+
+
+def test_check_profile_auto_reports_each_profile_and_exits_0_when_one_conforms(tmp_path, capsys):
+    code = main(
+        ["check", "--impl", "kvspec.tests.conformance.test_cli:v1_whatever_asked", "--level", "pool",
+         "--caching", "on", "--profile", "auto", "--max-examples", "100", "--trace-dir", str(tmp_path)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "test_cli:v1_whatever_asked pool caching on: conforms to vllm-v1\n" in out
+    assert any(line.split()[:2] == ["vllm-v1", "conforms"] for line in out.splitlines())
+    tail = next(line for line in out.splitlines() if line.split()[:1] == ["vllm-v1-tail"])
+    assert "diverges: shortest trace 2 steps" in tail
+    trace = read_trace(next(tmp_path.glob("failure-pool-*.trace.jsonl")))
+    assert trace.impl == "kvspec.tests.conformance.test_cli:v1_whatever_asked"
+    assert trace.config.profile == "vllm-v1-tail"
+
+
+def test_check_profile_auto_exits_1_when_no_profile_conforms(tmp_path, capsys):
+    code = main(
+        ["check", "--impl", f"{ADAPTERS}:make_accepts_double_free", "--level", "pool", "--caching", "on",
+         "--profile", "auto", "--max-examples", "100", "--trace-dir", str(tmp_path)]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "conforms to no profile" in out

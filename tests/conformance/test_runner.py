@@ -230,3 +230,123 @@ def test_make_conformance_test_gives_one_test_per_configuration_that_fails_with_
     ]
     with pytest.raises(ValueError, match="level must be"):
         make_conformance_test(make_reference, level="rack")
+
+
+# --- what an adapter declares, and KV content ----------------------------------------------
+
+
+def test_the_prefix_kv_source_names_each_prefix_once():
+    from kvspec.conformance.machine import PrefixKVSource
+    from kvspec.spec.hashing import MultiModalInput
+    from kvspec.spec.manager import Request
+
+    src = PrefixKVSource(2)
+    base = Request("a", (1, 2, 3, 4))
+    values = src(base, 0, 4)
+    assert len(set(values)) == 4 and all(0 < v < 1 << 63 for v in values)
+    assert src(Request("b", (1, 2, 3, 4)), 1, 3) == values[1:3]  # same prefix, same values, any request
+    assert src(Request("c", (1, 2, 9, 4)), 0, 4)[:2] == values[:2]  # shared up to the first different token
+    assert set(src(Request("c", (1, 2, 9, 4)), 2, 4)).isdisjoint(values)
+    for other in (
+        Request("d", (1, 2, 3, 4), cache_salt="t"),
+        Request("e", (1, 2, 3, 4), lora_name="l"),
+        Request("f", (1, 2, 3, 4), mm_inputs=(MultiModalInput("img", 0, 1),)),
+    ):
+        assert set(src(other, 0, 4)).isdisjoint(values), other
+    # An image in block 1 changes block 1's values only.
+    late = src(Request("g", (1, 2, 3, 4), mm_inputs=(MultiModalInput("img", 3, 1),)), 0, 4)
+    assert late[:2] == values[:2] and set(late[2:]).isdisjoint(values)
+
+
+def test_a_kv_write_into_the_wrong_slot_is_caught_by_reading_the_hit_back(tmp_path):
+    from kvspec.tests.mutants.gpu_memory import MUTANTS as GPU_MUTANTS
+
+    mutant = next(m for m in GPU_MUTANTS if m.name == "gpu_write_wrong_slot")
+    r = check(mutant.factory, tmp_path, level="manager", max_examples=100)
+    assert r.verdict == "diverges"
+    f = r.failure
+    assert (f.kind, f.invariant, f.op) == ("invariant", "hit_content_intact", "get_computed_blocks")
+    assert "does not hold its prefix's KV" in r.failure.message
+    assert replay(r.failure.trace_path, mutant.factory).verdict == "diverges"
+
+
+def test_gpu_impl_conforms_with_its_content_checked_on_the_device_asked_for(tmp_path):
+    r = check("gpu", tmp_path, level="manager", max_examples=30, device="cpu")
+    assert r.verdict == "conforms", r.failure and r.failure.story
+    assert r.device == "cpu" and r.coverage["get_computed_blocks: hit"] > 0
+    bad = check("gpu", tmp_path, level="manager", max_examples=5, device="tpu:3")
+    assert bad.verdict == "could-not-run" and "device='tpu:3'" in bad.message
+
+
+def test_an_adapter_on_kvspecs_chain_has_its_hash_values_compared_exactly(tmp_path):
+    from kvspec.tests.mutants.hashing import MUTANTS as HASH_MUTANTS
+
+    salted = next(m for m in HASH_MUTANTS if m.name == "cache_salt_on_every_block")
+    r = check(salted.factory, tmp_path, level="manager", max_examples=100)
+    assert r.verdict == "diverges" and r.failure.op == "allocate_slots"
+    assert "but kvspec's chain (hash_fn='sha256_cbor', seed='kvspec') gives" in r.failure.message
+
+    class Undeclared(salted.factory):  # the same bug, hash values compared as names only
+        uses_kvspec_hash_chain = False
+
+    assert check(Undeclared, tmp_path, level="manager", max_examples=60).verdict == "conforms"
+
+
+def test_isolation_bugs_are_reached_by_resending_a_prompt_under_other_keys(tmp_path):
+    from kvspec.tests.mutants.hashing import MUTANTS as HASH_MUTANTS
+
+    for name in ("cache_salt_ignored", "lora_ignored", "multimodal_ignored"):
+        mutant = next(m for m in HASH_MUTANTS if m.name == name)
+
+        class AsNames(mutant.factory):  # found by sharing, not by hash values
+            uses_kvspec_hash_chain = False
+
+        # Before the rule that re-sends a prompt under other keys, these took 200 to 2,000 examples.
+        r = check(AsNames, tmp_path, level="manager", max_examples=300, shrink=False)
+        assert r.verdict == "diverges", name
+
+
+class _TrustsItsCaller(adapters.AcceptsDoubleFree):
+    validates_bad_input = False
+    rejected_mistakes = frozenset({"get_new_blocks: more than free"})
+
+
+class _RejectsDoubleFreesOnly(adapters.AcceptsDoubleFree):
+    validates_bad_input = False
+    rejected_mistakes = frozenset({"free_blocks: double free"})
+
+
+def test_mistakes_an_adapter_declares_it_does_not_reject_are_not_made_and_are_listed(tmp_path):
+    r = check(_TrustsItsCaller, tmp_path, level="pool", max_examples=60)
+    assert r.verdict == "conforms", r.failure and r.failure.story
+    assert "free_blocks: double free" in r.not_exercised and "get_new_blocks: more than free" not in r.not_exercised
+    assert r.coverage["get_new_blocks: PoolExhausted"] > 0
+    assert "free_blocks: DoubleFree" not in r.branches  # no mistake could raise it: not expected
+    # A mistake it declares it rejects is made, and the lie is caught.
+    lied = check(_RejectsDoubleFreesOnly, tmp_path, level="pool", max_examples=100)
+    assert lied.verdict == "diverges" and "the spec raised DoubleFree" in lied.failure.message
+
+
+def test_without_shrinking_the_first_failing_example_is_reported(tmp_path):
+    r = check(adapters.make_free_head_first, tmp_path, level="pool", shrink=False)
+    assert r.verdict == "diverges" and r.failure.num_steps >= 2
+    assert replay(r.failure.trace_path, adapters.make_free_head_first).verdict == "diverges"
+
+
+def test_a_request_level_failure_trace_with_decode_steps_reads_back_and_replays(tmp_path):
+    from kvspec.tests.mutants.gpu_memory import MUTANTS as GPU_MUTANTS
+
+    mutant = next(m for m in GPU_MUTANTS if m.name == "gpu_write_shared_block")
+    for seed in (0, 1):
+        r = check(mutant.factory, tmp_path, level="manager", max_examples=100, seed=seed, shrink=False)
+        assert r.verdict in ("diverges", "crashed"), r.message
+        trace = read_trace(r.failure.trace_path)
+        assert all(len(s.args) == 5 for s in trace.steps if s.op == "allocate_slots")
+        assert replay(trace, mutant.factory).verdict == r.verdict
+
+
+def test_vllm_release_names_resolve_without_fetching_anything():
+    factory = load_factory("vllm@0.33.0")
+    assert callable(factory) and factory.__name__ == "vllm@0.33.0"
+    with pytest.raises(FactoryError, match=r"^implementation 'vllm@': "):
+        load_factory("vllm@")
