@@ -64,6 +64,9 @@ LEAN_DEPS: tuple[str, ...] = (
 # Import names that differ from their distribution's name (for the missing-module loop).
 _MODULE_TO_DIST = {"yaml": "pyyaml", "cv2": "opencv-python-headless", "google": "protobuf", "PIL": "pillow",
                    "cpuinfo": "py-cpuinfo", "zmq": "pyzmq"}  # fmt: skip
+# Set for every process that imports vLLM: 0.8.x decorates model code with
+# torch.compile at import, which torch 2.13's dynamo rejects; nothing here compiles.
+WORKER_ENV: dict[str, str] = {"TORCHDYNAMO_DISABLE": "1"}
 _IMPORT_CHECK = (
     "from vllm.v1.core.kv_cache_manager import KVCacheManager; from vllm.v1.request import Request; "
     "from vllm import SamplingParams; print('IMPORT OK')"
@@ -337,7 +340,7 @@ def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Pa
 
     def run(cmd: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
         log(f"vllm=={version}: {what}")
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False, env={**os.environ, **WORKER_ENV})
         if proc.returncode != 0 and "IMPORT" not in what:
             tail = "\n".join(line for line in proc.stderr.splitlines() if "WARNING" not in line)[-600:]
             raise RuntimeError(f"{what} failed (rc={proc.returncode}): {tail}")
@@ -446,7 +449,7 @@ def run_oracle(
     for version in versions:
         row = ReleaseRow(version)
         for level in levels:
-            env = dict(os.environ)
+            env = {**os.environ, **WORKER_ENV}
             env.pop("KVSPEC_VLLM_VERSION", None)
             python: Path | str = sys.executable
             if level == "manager":
