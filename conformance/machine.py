@@ -73,7 +73,7 @@ from hypothesis.stateful import (
 )
 
 from kvspec.conformance import strategies as strat
-from kvspec.conformance.adapter import AdapterConfig, KVContentAdapter, capabilities
+from kvspec.conformance.adapter import OPTIONAL_POOL_OPS, AdapterConfig, KVContentAdapter, capabilities
 from kvspec.conformance.report import render_story
 from kvspec.conformance.trace import OP_PARAMS, Outcome, Trace, TraceStep, encode_value, header_line
 from kvspec.spec import errors as spec_errors
@@ -467,6 +467,7 @@ class Observer:
     coverage: Counter[str] = field(default_factory=Counter)
     states: set[int] = field(default_factory=set)  # hashes of the distinct spec states reached
     not_exercised: set[str] = field(default_factory=set)  # "<op>: <mistake>" the adapter declares it does not reject
+    absent_ops: set[str] = field(default_factory=set)  # optional operations the adapter lacks or declares deviant
     examples: int = 0
     steps: int = 0
     invariants_checked: int = 0
@@ -582,7 +583,8 @@ class PrefixKVSource:
 # Why a caller mistake is not exercised against an adapter (the summary prints it).
 NOT_EXERCISED_WHY = (
     "the adapter declares validates_bad_input = False and does not list these in rejected_mistakes, "
-    "so it is not expected to raise the spec's error for them"
+    "so it is not expected to raise the spec's error for them; operations 'not compared' are its "
+    "declared known_deviations"
 )
 
 
@@ -658,7 +660,15 @@ class LockStep:
             self.observer.impl_finished()
         self._inflight = None
         adapter = self.adapter
-        self.capabilities = capabilities(adapter) if adapter is not None else frozenset()
+        # An adapter may name operations whose results knowingly differ from the
+        # spec's (a vLLM release's documented formula): they are not called, and
+        # the summary says so, so that the rest of its behaviour is still judged.
+        deviations: dict[str, str] = dict(getattr(adapter, "known_deviations", None) or {})
+        self.capabilities = (capabilities(adapter) if adapter is not None else frozenset()) - set(deviations)
+        if adapter is not None:
+            self.observer.absent_ops.update(set(OPTIONAL_POOL_OPS) - self.capabilities)
+        for op, why in deviations.items():
+            self.observer.not_exercised.add(f"{op}: not compared, {why}")
         # What the adapter declares (adapter.py): which caller mistakes it rejects,
         # whether its hashes are kvspec's own chain, whether it holds KV memory.
         self.validates_bad_input = bool(getattr(adapter, "validates_bad_input", True))
@@ -1124,6 +1134,9 @@ class _LockStepMachine(RuleBasedStateMachine):
 
     def _config(self, level: Literal["pool", "manager"], num_gpu_blocks: int, block_size: int = 4) -> AdapterConfig:
         cls = type(self)
+        # A factory may name the smallest pool it can build (a vLLM release
+        # without a null block cannot build a pool of the null block alone).
+        num_gpu_blocks = max(num_gpu_blocks, getattr(cls.factory, "min_num_gpu_blocks", 1))
         return AdapterConfig(
             level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.observer.device
         )

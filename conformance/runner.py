@@ -448,6 +448,7 @@ def _campaign(
         "invariants_checked": observer.invariants_checked,
         "seconds": time.monotonic() - start,
         "not_exercised": sorted(observer.not_exercised),
+        "absent_ops": sorted(observer.absent_ops),
     }
     if failure is not None:
         found, lock = failure
@@ -690,10 +691,16 @@ def _result(
         not_exercised = tuple(data.get("not_exercised", ()))
         # An error no mistake made against this adapter could raise is not a branch it should reach.
         skipped_ops = {m.split(": ", 1)[0] for m in not_exercised}
+        # Nor is any branch of an optional operation the adapter does not have.
+        absent_ops = set(data.get("absent_ops", ()))
         expected = tuple(
             b
             for b in branches
-            if coverage.get(b) or not (b.split(": ", 1)[0] in skipped_ops and b.split(": ", 1)[-1] in _ERROR_TYPES)
+            if coverage.get(b)
+            or not (
+                (b.split(": ", 1)[0] in skipped_ops and b.split(": ", 1)[-1] in _ERROR_TYPES)
+                or b.split(": ", 1)[0] in absent_ops
+            )
         )
         return CheckResult(
             verdict=verdict,

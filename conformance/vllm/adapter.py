@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvspec.conformance.adapter import AdapterConfig, AdapterFactory, BlockManagerAdapter, KVCacheManagerAdapter
+from kvspec.conformance.vllm.releases import facts_for
 from kvspec.spec.errors import InvalidBlock, PoolExhausted
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
@@ -263,6 +264,16 @@ class VllmPoolAdapter:
         self._lookup_by_group = "kv_cache_group_ids" in inspect.signature(self.pool.get_cached_block).parameters
         self._make_key_with_group = getattr(ku, "make_block_hash_with_group_id", None)
         self._any_hash_fn = next(iter(release.hash_functions.values()), hash)
+        # Measured, not assumed: a fresh pool has no block in use, so a usage
+        # above 0 is the release's own formula (before 0.10.2 it counts the null
+        # block). The harness then leaves get_usage out and says why; the
+        # oracle's probe reports it as a finding.
+        fresh_usage = float(self.pool.get_usage())
+        self.known_deviations: dict[str, str] = (
+            {"get_usage": f"{release.label} reports a usage above 0 for a fresh pool (it counts the null block)"}
+            if fresh_usage != 0.0
+            else {}
+        )
 
     # -- translation ---------------------------------------------------------
 
@@ -490,6 +501,9 @@ def make_light_adapter(version: str) -> AdapterFactory:
         return make_release_adapter(light_release(version), config)
 
     factory.__qualname__ = factory.__name__ = f"vllm@{version}"
+    # Releases without a null block cannot build the spec's one-block pool (it
+    # would have no block at all): the harness starts them at two blocks.
+    factory.min_num_gpu_blocks = 1 if facts_for(version).has_null_block else 2  # type: ignore[attr-defined]
     return factory
 
 

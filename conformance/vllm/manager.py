@@ -269,6 +269,7 @@ class VllmManagerAdapter:
         (0.8.x) the manager counted the hit from the blocks it was given.
         """
         vreq = self._vllm_request(request)
+        table_before = self._block_table(request.request_id) if request.request_id in self._requests else ()
         num_tokens = num_new_tokens
         if "num_external_computed_tokens" not in self._allocate_params:
             num_tokens += num_external_computed_tokens
@@ -285,7 +286,17 @@ class VllmManagerAdapter:
         self._requests[request.request_id] = vreq
         self._freed.pop(request.request_id, None)
         vreq.num_computed_tokens += num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
-        return self._ids(new_blocks)
+        returned = self._ids(new_blocks)
+        if not num_external_computed_tokens:
+            return returned
+        # NOTE: newer releases (0.33) take the blocks for external tokens in a
+        # separate stage and return only those for the tokens to compute; the
+        # scheduler reads the table instead. The table is append-only, so the
+        # blocks taken for external tokens are the ones between the hit and the
+        # returned blocks: vLLM's own table, not a guess.
+        table = self._block_table(request.request_id)
+        start = len(table_before) + len(new_computed_blocks)
+        return [*table[start : len(table) - len(returned)], *returned]
 
     def free(self, request_id: str) -> None:
         """vLLM's ``free``; the request stops running, its Request kept as on preemption (see the module doc)."""
