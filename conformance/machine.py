@@ -1519,6 +1519,18 @@ class ManagerMachine(_LockStepMachine):
         return strat.continue_chat(prompt, data.draw(strat.chat_turns(self.block_size), label="turn"))
 
     @rule(target=prompts, prompt=prompts, data=st.data())
+    def long_continuation(self, prompt: Request, data: st.DataObject) -> Request:
+        """An earlier prompt followed by more tokens than the whole pool holds (a long document).
+
+        Its admission hits the cached prefix and then runs out of blocks: the
+        failed allocation that must leave no block touched and none taken.
+        Independent prompts are short, so without this that case is rare.
+        """
+        extra = self._state.pool.num_gpu_blocks * self.block_size
+        tail = data.draw(strat.token_ids(extra, extra + self.block_size), label="long continuation")
+        return replace(prompt, token_ids=prompt.token_ids + tail)
+
+    @rule(target=prompts, prompt=prompts, data=st.data())
     def new_prompt_other_keys(self, prompt: Request, data: st.DataObject) -> Request:
         """An earlier prompt's tokens again, under another cache_salt, LoRA adapter or image.
 
