@@ -151,13 +151,25 @@ class BlockPool:
 
         Cost: O(len(block_ids)).
         """
-        blocks = self._blocks_of(block_ids, "touch")
-        for block in blocks:
-            if block.block_hash is None:
-                raise InvalidBlock(
-                    f"touch: block_id={block.block_id} has no hash (ref_cnt={block.ref_cnt}), "
-                    "so no request can have hit it; stale block table?"
-                )
+        # One pass checks every id and notes the first block without a hash; the
+        # errors are raised in the spec's order (ids, then duplicates, then hashes).
+        n, all_blocks = self.num_gpu_blocks, self.blocks
+        blocks: list[KVCacheBlock] = []
+        unhashed: KVCacheBlock | None = None
+        for b in block_ids:
+            if type(b) is not int or not 0 < b < n:
+                self._check_block_id_slowly(b, "touch")
+            block = all_blocks[b]
+            if unhashed is None and block.block_hash is None:
+                unhashed = block
+            blocks.append(block)
+        if len(blocks) > 1 and len(set(block_ids)) != len(blocks):
+            raise InvalidRequest(f"touch: block_ids={list(block_ids)} names a block twice")
+        if unhashed is not None:
+            raise InvalidBlock(
+                f"touch: block_id={unhashed.block_id} has no hash (ref_cnt={unhashed.ref_cnt}), "
+                "so no request can have hit it; stale block table?"
+            )
         remove = self.free_block_queue.remove
         for block in blocks:
             if block.ref_cnt == 0:
@@ -178,12 +190,24 @@ class BlockPool:
 
         Cost: O(len(ordered_block_ids)).
         """
-        blocks = self._blocks_of(ordered_block_ids, "free_blocks")
-        for block in blocks:
-            if block.ref_cnt == 0:
-                raise DoubleFree(
-                    f"free_blocks: block_id={block.block_id} has ref_cnt=0, no request holds it (double free?)"
-                )
+        # One pass checks every id and notes the first block nobody holds; the
+        # errors are raised in the spec's order (ids, then duplicates, then double free).
+        n, all_blocks = self.num_gpu_blocks, self.blocks
+        blocks: list[KVCacheBlock] = []
+        unheld: KVCacheBlock | None = None
+        for b in ordered_block_ids:
+            if type(b) is not int or not 0 < b < n:
+                self._check_block_id_slowly(b, "free_blocks")
+            block = all_blocks[b]
+            if unheld is None and block.ref_cnt == 0:
+                unheld = block
+            blocks.append(block)
+        if len(blocks) > 1 and len(set(ordered_block_ids)) != len(blocks):
+            raise InvalidRequest(f"free_blocks: block_ids={list(ordered_block_ids)} names a block twice")
+        if unheld is not None:
+            raise DoubleFree(
+                f"free_blocks: block_id={unheld.block_id} has ref_cnt=0, no request holds it (double free?)"
+            )
         left: list[KVCacheBlock] = []
         right: list[KVCacheBlock] = []
         for block in blocks:
