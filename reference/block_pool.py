@@ -151,6 +151,8 @@ class BlockPool:
 
         Cost: O(len(block_ids)).
         """
+        if not block_ids:  # most requests miss: keep the no-hit call as cheap as vLLM's
+            return
         # One pass checks every id and notes the first block without a hash; the
         # errors are raised in the spec's order (ids, then duplicates, then hashes).
         n, all_blocks = self.num_gpu_blocks, self.blocks
