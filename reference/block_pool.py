@@ -6,8 +6,10 @@ hash to the blocks registered under it. Hot paths carry no contracts; every
 state invariant is checked by `check_invariants()`, which builds a `Snapshot`
 and calls the spec's predicates (none is restated here).
 
-Every operation validates all its arguments before it changes anything, so a
-caller's mistake raises the spec's error type and leaves the pool as it was.
+Every operation validates all its arguments before it changes anything (touch
+takes each reference as it checks the id and gives them back if a later check
+fails), so a caller's mistake raises the spec's error type and leaves the pool
+as it was.
 """
 
 from __future__ import annotations
@@ -151,27 +153,43 @@ class BlockPool:
 
         Cost: O(len(block_ids)).
         """
-        if not block_ids:  # most requests miss: keep the no-hit call as cheap as vLLM's
-            return
-        # One pass checks every id and notes the first block without a hash; the
-        # errors are raised in the spec's order (ids, then duplicates, then hashes).
+        # Every prefix hit lands here, a few blocks at a time, so the common case
+        # is one loop that tests an id and takes its reference at once. The free
+        # queue is left alone until every id has passed; anything the loop does
+        # not accept goes to `_touch_slowly`, which gives those references back first.
         n, all_blocks = self.num_gpu_blocks, self.blocks
-        blocks: list[KVCacheBlock] = []
-        unhashed: KVCacheBlock | None = None
+        was_free: list[KVCacheBlock] = []
         for b in block_ids:
-            if type(b) is not int or not 0 < b < n:
-                self._check_block_id_slowly(b, "touch")
-            block = all_blocks[b]
-            if unhashed is None and block.block_hash is None:
-                unhashed = block
-            blocks.append(block)
-        if len(blocks) > 1 and len(set(block_ids)) != len(blocks):
-            raise InvalidRequest(f"touch: block_ids={list(block_ids)} names a block twice")
-        if unhashed is not None:
-            raise InvalidBlock(
-                f"touch: block_id={unhashed.block_id} has no hash (ref_cnt={unhashed.ref_cnt}), "
-                "so no request can have hit it; stale block table?"
-            )
+            if type(b) is not int or not 0 < b < n or (block := all_blocks[b]).block_hash is None:
+                return self._touch_slowly(block_ids)
+            if block.ref_cnt == 0:
+                was_free.append(block)
+            block.ref_cnt += 1
+        if len(block_ids) > 1 and len(set(block_ids)) != len(block_ids):
+            return self._touch_slowly(block_ids)
+        if was_free:  # cached blocks nobody held: they leave the free queue
+            remove = self.free_block_queue.remove
+            for block in was_free:
+                remove(block)
+
+    def _touch_slowly(self, block_ids: Sequence[BlockId]) -> None:
+        """`touch` for a call its loop did not accept: usually a mistake, else an int subclass as an id.
+
+        Gives back the references the loop took, checks every id with the spec's
+        error order (ids, then duplicates, then hashes), and only then touches.
+        """
+        n, all_blocks = self.num_gpu_blocks, self.blocks
+        for b in block_ids:  # touch's own test, so this stops where its loop stopped
+            if type(b) is not int or not 0 < b < n or all_blocks[b].block_hash is None:
+                break
+            all_blocks[b].ref_cnt -= 1
+        blocks = self._blocks_of(block_ids, "touch")
+        for block in blocks:
+            if block.block_hash is None:
+                raise InvalidBlock(
+                    f"touch: block_id={block.block_id} has no hash (ref_cnt={block.ref_cnt}), "
+                    "so no request can have hit it; stale block table?"
+                )
         remove = self.free_block_queue.remove
         for block in blocks:
             if block.ref_cnt == 0:

@@ -21,7 +21,7 @@ from kvspec.conformance.vllm.releases import RELEASES
 for version in RELEASES:
     fetch_release(version)
 PY
-FILES=(tests/conformance/test_vllm_hashes.py tests/conformance/test_vllm_adapter.py)
+FILES=(tests/conformance/test_vllm_hashes.py tests/conformance/test_vllm_adapter.py tests/reference/test_vllm_bench.py)
 if [ "${KVSPEC_VLLM_LEVEL:-both}" != "pool" ]; then
   FILES+=(tests/conformance/test_vllm_manager.py)
 fi

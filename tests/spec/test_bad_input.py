@@ -69,6 +69,12 @@ def a_finished(m: Any) -> None:
     m.free("A")
 
 
+def a_freed_all(p: Any) -> None:
+    """Pool: A freed [3, 2, 1]; 1 and 2 stay cached in the free queue, 3 went to its left end."""
+    a_holds_1_2_3(p)
+    p.free_blocks([BlockId(3), BlockId(2), BlockId(1)])
+
+
 def ids(*b: int) -> list[BlockId]:
     return [BlockId(x) for x in b]
 
@@ -124,6 +130,16 @@ POOL_CASES = [
          a_holds_1_2_3),
     Case("touch a block twice in one call", lambda p: p.touch(ids(1, 1)), InvalidRequest,
          r"touch: block_ids=\[1, 1\] names a block twice", a_holds_1_2_3),
+    # the mistake after good ids: the references taken for 1 and 2 (free, so queued) are given back
+    Case("touch two cached free blocks, then block 9", lambda p: p.touch(ids(1, 2, 9)), InvalidBlock,
+         r"touch: block_id=9 is not a block of this pool \(ids 0\.\.6\)", a_freed_all),
+    Case("touch two cached free blocks, then the first again", lambda p: p.touch(ids(1, 2, 1)), InvalidRequest,
+         r"touch: block_ids=\[1, 2, 1\] names a block twice", a_freed_all),
+    # the spec's order: a bad id before a duplicate before a block without a hash, wherever they stand
+    Case("touch an unhashed block, then block 9", lambda p: p.touch(ids(1, 3, 9)), InvalidBlock,
+         r"touch: block_id=9 is not a block of this pool \(ids 0\.\.6\)", a_freed_all),
+    Case("touch an unhashed block, then a cached one twice", lambda p: p.touch(ids(3, 2, 2)), InvalidRequest,
+         r"touch: block_ids=\[3, 2, 2\] names a block twice", a_freed_all),
     # caching a block not held, already hashed, with caching off, or with a length mismatch
     Case("cache_full_blocks a free block", lambda p: p.cache_full_blocks(ids(4), [H3]), InvalidBlock,
          r"cache_full_blocks: block_id=4 has ref_cnt=0; only a held, computed block is cached", a_holds_1_2_3),
@@ -300,6 +316,24 @@ def test_a_bad_pool_config_is_refused(impl: str, level: str, kwargs: dict[str, A
 def test_a_bad_manager_config_is_refused(impl: str, kwargs: dict[str, Any], pattern: str) -> None:
     with pytest.raises(InvalidRequest, match=rf"^{pattern}$"):
         IMPLS[impl](AdapterConfig("manager", 7, **kwargs))  # type: ignore[arg-type]
+
+
+class Id(int):
+    """An int subclass: still a block id (only bool, the int subclass that means a truth value, is not)."""
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_int_subclass_names_a_block(impl: str) -> None:
+    by_subclass, by_int = IMPLS[impl](AdapterConfig("pool", 7)), IMPLS[impl](AdapterConfig("pool", 7))
+    for p, name in ((by_subclass, Id), (by_int, int)):
+        a_freed_all(p)
+        p.touch([BlockId(name(2)), BlockId(name(1))])  # cached and free: both leave the queue
+    assert by_subclass.snapshot() == by_int.snapshot()
+    assert by_subclass.snapshot().ref_cnt[1:3] == (1, 1)
+    for p, name in ((by_subclass, Id), (by_int, int)):
+        p.free_blocks([BlockId(name(1)), BlockId(name(2))])
+    assert by_subclass.snapshot() == by_int.snapshot()
+    assert by_subclass.snapshot().ref_cnt[1:3] == (0, 0)
 
 
 # --- writing a block that is not writable ---------------------------------------------------
