@@ -21,6 +21,10 @@ the default):
   it does reject, as "<op>: <mistake>" (e.g. "get_new_blocks: more than
   free"); the machine then makes only those mistakes against it and the
   summary names the ones it left out.
+- `not_applicable: Mapping[str, str]` (default empty): what the harness
+  checks that the implementation does not have, each with why (e.g.
+  "cache_salt": its requests carry no salt). The machine does not exercise
+  it (for "cache_salt": it sends no salted request) and the summary lists it.
 - `uses_kvspec_hash_chain: bool` (default False): the adapter hashes blocks
   with kvspec's own chain (kvspec.spec.hashing) for the config's hash_fn and
   seed, so the machine compares block hash values exactly. Otherwise hash

@@ -584,7 +584,7 @@ class PrefixKVSource:
 NOT_EXERCISED_WHY = (
     "the adapter declares validates_bad_input = False and does not list these in rejected_mistakes, "
     "so it is not expected to raise the spec's error for them; operations 'not compared' are its "
-    "declared known_deviations"
+    "declared known_deviations, features 'not applicable' its declared not_applicable"
 )
 
 
@@ -669,6 +669,10 @@ class LockStep:
             self.observer.absent_ops.update(set(OPTIONAL_POOL_OPS) - self.capabilities)
         for op, why in deviations.items():
             self.observer.not_exercised.add(f"{op}: not compared, {why}")
+        # What the implementation does not have (adapter.py): not exercised, and listed.
+        self.not_applicable: dict[str, str] = dict(getattr(adapter, "not_applicable", None) or {})
+        for feature, why in self.not_applicable.items():
+            self.observer.not_exercised.add(f"{feature}: not applicable, {why}")
         # What the adapter declares (adapter.py): which caller mistakes it rejects,
         # whether its hashes are kvspec's own chain, whether it holds KV memory.
         self.validates_bad_input = bool(getattr(adapter, "validates_bad_input", True))
@@ -1510,9 +1514,15 @@ class ManagerMachine(_LockStepMachine):
 
     # --- workload --------------------------------------------------------------------------
 
+    def _sendable(self, request: Request) -> Request:
+        """`request` without its cache_salt when the adapter declares it has none (`not_applicable`)."""
+        if request.cache_salt is not None and "cache_salt" in self._lock.not_applicable:
+            return replace(request, cache_salt=None)
+        return request
+
     @rule(target=prompts, data=st.data())
     def new_prompt(self, data: st.DataObject) -> Request:
-        return data.draw(strat.prompts(self.block_size, self.shared), label="prompt")
+        return self._sendable(data.draw(strat.prompts(self.block_size, self.shared), label="prompt"))
 
     @rule(target=prompts, prompt=prompts, data=st.data())
     def continue_chat(self, prompt: Request, data: st.DataObject) -> Request:
@@ -1538,7 +1548,7 @@ class ManagerMachine(_LockStepMachine):
         tokens arrive under different keys; independent prompts almost never
         repeat a whole prefix with only a key changed.
         """
-        return data.draw(strat.other_keys(prompt, self.block_size), label="same tokens, other keys")
+        return self._sendable(data.draw(strat.other_keys(prompt, self.block_size), label="same tokens, other keys"))
 
     # --- adapter calls ---------------------------------------------------------------------
 

@@ -1,26 +1,52 @@
 """vLLM's KVCacheManager behind the request-level adapter protocol.
 
-The adapter plays the scheduler's part and nothing more: it builds the config
-objects a scheduler's engine passes (one full-attention KV-cache group, a
-``KVCacheConfig``), one vLLM ``Request`` per running request (with the LoRA
-request, cache_salt and multimodal inputs the release understands), and after
-each successful ``allocate_slots`` advances ``request.num_computed_tokens`` as
-the scheduler does once a step is scheduled. Everything else (the prefix hit
-and its cap, which blocks are touched and taken, what is registered, the free
-order) is vLLM's.
+The adapter plays the scheduler's part and nothing more: it builds the
+arguments a scheduler's engine passes (the pool size and block size, or from
+0.8.3 one full-attention KV-cache group in a ``KVCacheConfig``), one vLLM
+``Request`` per running request (with the LoRA request, cache_salt and
+multimodal inputs the release understands), and after each successful
+``allocate_slots`` advances ``request.num_computed_tokens`` as the scheduler
+does once a step is scheduled. Everything else (the prefix hit, which blocks
+are touched and taken, what is registered, the free order) is vLLM's.
 
-Three API generations, told apart by the loaded code, not the version string:
+API generations, told apart by the loaded code (constructor and method
+signatures, attributes), not the version string:
 
-- 0.8.x (``blocks="list"``; run on 0.8.5.post1): ``get_computed_blocks`` returns a
-  plain list of blocks, ``allocate_slots(request, num_tokens,
-  new_computed_blocks)`` counts the hit from the blocks it is given, the
-  manager hashes requests itself (``caching_hash_algo``), and ``free`` reverses
-  the block table only when caching is on.
-- 0.9.x (``hashes="manager"``; run on 0.9.2): ``KVCacheBlocks`` and
+- 0.8.0 to 0.8.2 (``constructor="sizes"``): ``KVCacheManager(block_size,
+  num_gpu_blocks, max_model_len, sliding_window, enable_caching,
+  num_preallocate_tokens, log_stats)``; builtin ``hash()`` only; no null
+  block (the pool is built one block smaller and block ids shifted by one,
+  as at the pool level); and the manager returns the whole prefix hit: the
+  len-1 cap lives in that generation's scheduler, which drops the last block
+  of a hit that covers every token. The adapter does what that scheduler
+  does, and declares it (``not_applicable``), so the hit rules check the
+  pair a deployment of these releases runs.
+- 0.8.3 on (``constructor="kv_cache_config"``): a ``KVCacheConfig``, the cap
+  in the manager, ``caching_hash_algo`` (``builtin`` or ``sha256``).
+- 0.8.x (``blocks="list"``): ``get_computed_blocks`` returns a plain list of
+  blocks, ``allocate_slots(request, num_tokens, new_computed_blocks)`` counts
+  the hit from the blocks it is given, the manager hashes requests itself,
+  and ``free`` reverses the block table only when caching is on.
+- 0.9.x (``hashes="manager"``): ``KVCacheBlocks`` and
   ``num_new_computed_tokens`` arrive; the manager still hashes requests itself.
-- 0.10.1 on (``hashes="request"``; run on 0.10.2 and 0.33.0): the
-  ``Request`` carries the release's block hasher; from 0.11 (and 0.33's ``hash_block_size``) only parameters
+- 0.10.1 on (``hashes="request"``): the ``Request`` carries the release's
+  block hasher; from 0.11 (and 0.33's ``hash_block_size``) only parameters
   are added, which are passed by name where the loaded code takes them.
+
+NOTE: 0.8.0 to 0.8.4 take ``num_preallocate_tokens`` (default 64: a request
+that needs a new block gets up to 64 tokens' worth more, so ``allocate_slots``
+takes more blocks than asked). The adapter passes ``num_preallocate_tokens=0``,
+a value the constructor accepts, under which ``allocate_slots`` takes exactly
+the blocks asked for, as 0.8.5 (which removed the parameter) does. Stated
+limit: those releases' schedulers used the default, so the pre-allocation
+branch is not exercised; the adapter declares it (``not_applicable``) and
+the summary and the oracle list it.
+
+Features a release lacks are declared, not faked (``not_applicable``, see
+``kvspec.conformance.adapter``): before 0.9.0 the ``Request`` takes no
+``cache_salt``, so the harness sends no salted request (a salted one that
+arrives anyway, from a trace, gets ``InvalidRequest`` with caching on; with
+caching off a salt keys nothing and the request is sent without it).
 
 A freed request may be preempted, not finished: the harness's ``free`` does
 not say which. The adapter treats it as preemption does: it keeps the vLLM
@@ -28,18 +54,14 @@ not say which. The adapter treats it as preemption does: it keeps the vLLM
 in the manager by request id before, where only a finished request gets
 ``free_block_hashes``) and re-admits that same object with its computed tokens
 reset, as the scheduler does. For a finished request this is unobservable:
-the harness never reuses a finished request's id.
-
-Refused, with a ValueError that says so: releases whose ``KVCacheManager``
-takes no ``KVCacheConfig`` or takes ``num_preallocate_tokens`` (0.8.0 to 0.8.4
-pre-allocate 64 tokens ahead; not run here): another design, not driven half
-right. A salted request on a release whose ``Request`` has no cache_salt
-(before 0.9.0) gets ``InvalidRequest`` with caching on; with caching off a
-salt keys nothing and the request is sent without it.
+the harness never reuses a finished request's id. Freeing a request that is
+not running goes to vLLM's ``free`` with that kept ``Request``, and vLLM
+answers as it does (every release: nothing to free, no error); only an id
+never admitted, for which there is no vLLM ``Request`` to pass, is refused.
 
 Hash values are vLLM's own (``sha256``/``sha256_cbor`` from 0.10.1, else the
-manager's ``caching_hash_algo``); the harness compares them as an equality
-relation, and ``kvspec hashes`` checks the values.
+manager's ``caching_hash_algo``, else builtin ``hash()``); the harness
+compares them as an equality relation, and ``kvspec hashes`` checks the values.
 """
 
 from __future__ import annotations
@@ -51,7 +73,7 @@ from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig, KVCacheManagerAdapter
 from kvspec.conformance.vllm.adapter import VllmRelease, pool_snapshot
-from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
@@ -74,7 +96,14 @@ class VllmManagerAdapter:
         release: The vLLM being driven.
         manager: vLLM's ``KVCacheManager``.
         validates_bad_input: False: vLLM's manager trusts its scheduler's arguments.
-        rejected_mistakes: None of the harness's request-level mistakes gets a typed error.
+        rejected_mistakes: None of the harness's request-level mistakes gets a typed error from vLLM.
+        not_applicable: What the harness checks that this release does not have or leaves to its
+            scheduler, each with why (see the module doc); the harness does not exercise it.
+        constructor: ``"sizes"`` (0.8.0 to 0.8.2) or ``"kv_cache_config"``.
+        blocks: What ``get_computed_blocks`` returns: ``"list"`` (0.8.x) or ``"KVCacheBlocks"``.
+        hashes: Who hashes a request's blocks: ``"manager"`` or ``"request"`` (0.10.1+).
+        hash_fn: The block-hash function the release uses here.
+        has_null_block: The release takes block 0 out as the null block (from 0.8.3).
     """
 
     validates_bad_input = False
@@ -86,20 +115,17 @@ class VllmManagerAdapter:
                 f"{release.label}: the request level needs vLLM installed (its Request and config "
                 "classes); light mode loads the pool only. Use level='pool', or an environment with vLLM"
             )
-        import torch  # the installed vLLM depends on it
-
         self.release = release
         self.config = config
         mod = release.module
-        interface = mod("vllm.v1.kv_cache_interface")
         manager_mod = mod("vllm.v1.core.kv_cache_manager")
         manager_cls = manager_mod.KVCacheManager
         manager_params = inspect.signature(manager_cls).parameters
-        if "kv_cache_config" not in manager_params or "num_preallocate_tokens" in manager_params:
+        self.constructor: str = "kv_cache_config" if "kv_cache_config" in manager_params else "sizes"
+        if self.constructor == "sizes" and not {"block_size", "num_gpu_blocks"} <= set(manager_params):
             raise ValueError(
-                f"{release.label}: its KVCacheManager takes ({', '.join(manager_params)}): no KVCacheConfig, "
-                "or blocks pre-allocated ahead of the tokens asked for; the request-level adapter speaks "
-                "the managers that take a KVCacheConfig and allocate what is asked (0.8.5 on). Use level='pool'"
+                f"{release.label}: its KVCacheManager takes ({', '.join(manager_params)}): neither a "
+                "KVCacheConfig nor block_size and num_gpu_blocks; this adapter speaks 0.8.0 to 0.33's managers"
             )
         ku = release.kv_cache_utils
         self._request_cls: Any = mod("vllm.v1.request").Request
@@ -109,45 +135,94 @@ class VllmManagerAdapter:
         # What get_computed_blocks / allocate_slots return: KVCacheBlocks (0.9+) or a plain list (0.8.x).
         self._kv_cache_blocks_cls: Any = getattr(manager_mod, "KVCacheBlocks", None)
         self.blocks: str = "list" if self._kv_cache_blocks_cls is None else "KVCacheBlocks"
-        block_size = config.block_size
-        spec_cls = interface.FullAttentionSpec
-        spec = spec_cls(**_kwargs_for(spec_cls, {
-            "block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32, "use_mla": False,
-        }))  # fmt: skip
-        group = interface.KVCacheGroupSpec(["layer.0"], spec)
-        cfg_cls = interface.KVCacheConfig
-        kv_cache_config = cfg_cls(**_kwargs_for(cfg_cls, {
-            "num_blocks": config.num_gpu_blocks, "kv_cache_tensors": [], "tensors": {}, "kv_cache_groups": [group],
-        }))  # fmt: skip
-        # Before 0.10.1 the manager hashes with "sha256" or, for any other name, builtin hash().
+        # The manager's hash function: the request's (0.10.1+), the manager's caching_hash_algo
+        # ("sha256", or builtin hash() for any other name), or builtin hash() alone (0.8.0 to 0.8.2).
         self.hash_fn = config.hash_fn if config.hash_fn in release.hash_functions else "sha256"
-        if self.hashes == "manager" and self.hash_fn != "builtin":
+        if self.hashes == "manager" and "caching_hash_algo" not in manager_params:
+            self.hash_fn = "builtin"
+        elif self.hashes == "manager" and self.hash_fn != "builtin":
             self.hash_fn = "sha256" if "sha256" in release.hash_functions else "builtin"
-        self.manager: Any = manager_cls(**_kwargs_for(manager_cls, {
-            "kv_cache_config": kv_cache_config,
-            "max_model_len": _MAX_MODEL_LEN,
-            "scheduler_block_size": block_size,
-            "hash_block_size": block_size,
-            "enable_caching": config.enable_caching,
-            "caching_hash_algo": self.hash_fn,
-        }))  # fmt: skip
+        self.manager: Any = self._build_manager(manager_cls, config.num_gpu_blocks)
+        # Releases before 0.8.3 allocate block 0 like any other: built one block smaller,
+        # vLLM's block k is the spec's block k + 1 (see kvspec.conformance.vllm.adapter).
+        self.has_null_block = hasattr(self.manager.block_pool, "null_block")
+        self._offset = 0 if self.has_null_block else 1
+        if not self.has_null_block:
+            if config.num_gpu_blocks < 2:
+                raise ValueError(
+                    f"{release.label} has no null block, so a pool of num_gpu_blocks={config.num_gpu_blocks} "
+                    "(the null block included) would be empty; use num_gpu_blocks >= 2"
+                )
+            self.manager = self._build_manager(manager_cls, config.num_gpu_blocks - 1)
         self._pool: Any = self.manager.block_pool
         self._block_hasher: Any = None
         if self.hashes == "request":
             fn = release.hash_functions[self.hash_fn]
             if hasattr(ku, "init_none_hash"):
                 ku.init_none_hash(fn)
-            self._block_hasher = ku.get_request_block_hasher(block_size, fn)
+            self._block_hasher = ku.get_request_block_hasher(config.block_size, fn)
         self._sampling_params = mod("vllm.sampling_params").SamplingParams(max_tokens=1)
         self._lora_cls = mod("vllm.lora.request").LoRARequest
         self._lora_ids: dict[str, int] = {}  # vLLM wants an int id per adapter; stable per name
         self._allocate_params = inspect.signature(self.manager.allocate_slots).parameters
         self._requests: dict[str, Any] = {}  # running request id -> vLLM Request
         self._freed: dict[str, Any] = {}  # freed (finished or preempted) request id -> its vLLM Request
-        self._last_hit: dict[str, Any] = {}  # request id -> what its get_computed_blocks returned
+        self._last_hit: dict[str, Any] = {}  # request id -> the hit get_computed_blocks gave (after the cap)
         self._mm: Any = None
         with contextlib.suppress(ImportError):  # multimodal inputs are optional here
             self._mm = mod("vllm.multimodal.inputs")
+        # The sizes generation's scheduler, not its manager, holds the len-1 cap (see the module doc).
+        self._scheduler_caps_hit = self.constructor == "sizes"
+        self.not_applicable: dict[str, str] = {}
+        if "cache_salt" not in self._request_params:
+            self.not_applicable["cache_salt"] = (
+                f"{release.label}'s Request takes no cache_salt (added in 0.9.0): no salted request is sent"
+            )
+        if "num_preallocate_tokens" in manager_params:
+            self.not_applicable["allocate_slots: pre-allocation"] = (
+                f"{release.label}'s KVCacheManager is built with num_preallocate_tokens=0 (its scheduler "
+                "used 64), so allocate_slots takes the blocks asked for; the pre-allocation branch is not run"
+            )
+        if self._scheduler_caps_hit:
+            self.not_applicable["get_computed_blocks: len-1 cap in the manager"] = (
+                f"{release.label}'s manager returns the whole hit and its scheduler drops the last block "
+                "of a hit that covers every token; the adapter does what that scheduler does"
+            )
+
+    def _build_manager(self, manager_cls: Any, num_blocks: int) -> Any:
+        """vLLM's KVCacheManager over ``num_blocks`` blocks, with the arguments its generation takes.
+
+        Parameters are passed by name where the loaded code takes them:
+        ``num_preallocate_tokens=0`` (0.8.0 to 0.8.4, see the module NOTE), the
+        sizes (0.8.0 to 0.8.2) or a ``KVCacheConfig`` of one full-attention
+        group (0.8.3 on), and 0.33's ``scheduler_block_size``/``hash_block_size``.
+        """
+        block_size = self.config.block_size
+        wanted: dict[str, Any] = {
+            "max_model_len": _MAX_MODEL_LEN,
+            "scheduler_block_size": block_size,
+            "hash_block_size": block_size,
+            "enable_caching": self.config.enable_caching,
+            "caching_hash_algo": self.hash_fn,
+            "num_preallocate_tokens": 0,
+        }
+        if self.constructor == "sizes":
+            wanted.update(block_size=block_size, num_gpu_blocks=num_blocks, sliding_window=None)
+        else:
+            import torch  # the installed vLLM depends on it; its attention spec names a dtype
+
+            interface = self.release.module("vllm.v1.kv_cache_interface")
+            spec_cls = interface.FullAttentionSpec
+            spec = spec_cls(**_kwargs_for(spec_cls, {
+                "block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32,
+                "use_mla": False,
+            }))  # fmt: skip
+            group = interface.KVCacheGroupSpec(["layer.0"], spec)
+            cfg_cls = interface.KVCacheConfig
+            wanted["kv_cache_config"] = cfg_cls(**_kwargs_for(cfg_cls, {
+                "num_blocks": num_blocks, "kv_cache_tensors": [], "tensors": {}, "kv_cache_groups": [group],
+            }))  # fmt: skip
+        return manager_cls(**_kwargs_for(manager_cls, wanted))
 
     # -- requests ------------------------------------------------------------
 
@@ -198,6 +273,7 @@ class VllmManagerAdapter:
         if running is None:
             return self._request_cls(**_kwargs_for(self._request_cls, {
                 "request_id": request.request_id,
+                "prompt": None,  # the prompt text (0.8.0 to 0.8.4); blocks are keyed by token ids
                 "prompt_token_ids": list(request.token_ids),
                 "sampling_params": self._sampling_params,
                 "pooling_params": None,
@@ -224,8 +300,18 @@ class VllmManagerAdapter:
     def _ids(self, blocks: Any) -> list[BlockId]:
         """Block ids of what the manager returned: KVCacheBlocks (group 0) or a plain list."""
         if self._kv_cache_blocks_cls is not None:
-            return [BlockId(b) for b in blocks.get_block_ids()[0]]
-        return [BlockId(b.block_id) for b in blocks]
+            return [BlockId(b + self._offset) for b in blocks.get_block_ids()[0]]
+        return [BlockId(b.block_id + self._offset) for b in blocks]
+
+    def _block(self, block_id: BlockId) -> Any:
+        """vLLM's ``KVCacheBlock`` for a harness block id; an id that names none cannot be passed."""
+        index = block_id - self._offset if isinstance(block_id, int) and not isinstance(block_id, bool) else -1
+        if not 0 <= index < len(self._pool.blocks):
+            raise InvalidBlock(
+                f"allocate_slots: block_id={block_id!r} names no block of {self.release.label} "
+                f"(ids {self._offset}..{self.config.num_gpu_blocks - 1})"
+            )
+        return self._pool.blocks[index]
 
     def _hit_blocks(self, request_id: str, block_ids: Sequence[BlockId]) -> Any:
         """The hit to pass, as the scheduler passes it.
@@ -239,18 +325,25 @@ class VllmManagerAdapter:
             return last
         if not block_ids:
             return None
-        blocks = [self._pool.blocks[b] for b in block_ids]
+        blocks = [self._block(b) for b in block_ids]
         return blocks if self._kv_cache_blocks_cls is None else self._kv_cache_blocks_cls((blocks,))
 
     # -- the protocol --------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        """vLLM's ``get_computed_blocks`` for a new request (its own len-1 cap, where it has one)."""
+        """vLLM's ``get_computed_blocks`` for a new request, capped at len - 1 tokens where the scheduler caps it.
+
+        From 0.8.3 the manager caps the hit itself. Before, its scheduler did:
+        a hit that covers every token loses its last block, so that one token
+        is computed; the adapter does the same (see the module doc).
+        """
         vreq = self._vllm_request(request)
         result = self.manager.get_computed_blocks(vreq)
         blocks, num_tokens = result[0], result[1]
         if len(result) > 2 and hasattr(vreq, "shared_prefix_boundary"):
             vreq.shared_prefix_boundary = result[2]  # the scheduler keeps it on the request
+        if self._scheduler_caps_hit and blocks and num_tokens == len(request.token_ids):
+            blocks, num_tokens = blocks[:-1], num_tokens - self.config.block_size
         self._last_hit[request.request_id] = blocks
         return self._ids(blocks), int(num_tokens)
 
@@ -299,10 +392,26 @@ class VllmManagerAdapter:
         return [*table[start : len(table) - len(returned)], *returned]
 
     def free(self, request_id: str) -> None:
-        """vLLM's ``free``; the request stops running, its Request kept as on preemption (see the module doc)."""
+        """vLLM's ``free``; the request stops running, its Request kept as on preemption (see the module doc).
+
+        A request that is not running but was admitted before (finished or
+        preempted) goes to vLLM's ``free`` with its kept ``Request``, and vLLM
+        answers as it does (a preempted request aborted in the waiting queue
+        takes the same path in vLLM's scheduler).
+
+        Raises:
+            InvalidRequest: ``request_id`` was never admitted: there is no vLLM ``Request`` to pass.
+        """
         vreq = self._requests.pop(request_id, None)
         if vreq is None:
-            raise InvalidRequest(f"free: request_id={request_id!r} is not running (freed twice?)")
+            freed = self._freed.get(request_id)
+            if freed is None:
+                raise InvalidRequest(
+                    f"free: request_id={request_id!r} was never admitted, so there is no vLLM Request "
+                    "to pass to vLLM's free (it takes the Request object, not an id)"
+                )
+            self.manager.free(freed)
+            return
         self.manager.free(vreq)
         vreq.num_computed_tokens = 0  # as the scheduler resets a preempted request
         self._freed[request_id] = vreq
@@ -315,22 +424,22 @@ class VllmManagerAdapter:
 
     def _block_table(self, request_id: str) -> tuple[BlockId, ...]:
         if hasattr(self.manager, "get_block_ids"):
-            return tuple(BlockId(b) for b in self.manager.get_block_ids(request_id)[0])
+            return tuple(BlockId(b + self._offset) for b in self.manager.get_block_ids(request_id)[0])
         # 0.8.x: the manager's own table (a defaultdict: read without inserting)
-        return tuple(BlockId(b.block_id) for b in self.manager.req_to_blocks.get(request_id, ()))
+        return tuple(BlockId(b.block_id + self._offset) for b in self.manager.req_to_blocks.get(request_id, ()))
 
     def snapshot(self) -> Snapshot:
         """The pool's state and every running request's block table."""
         tables = tuple((rid, self._block_table(rid)) for rid in sorted(self._requests))
         return pool_snapshot(self._pool, self.config.num_gpu_blocks, self.config.enable_caching, self._raw,
-                             block_tables=tables)  # fmt: skip
+                             self._offset, block_tables=tables)  # fmt: skip
 
 
 def make_manager_adapter(release: VllmRelease, config: AdapterConfig) -> KVCacheManagerAdapter:
     """The request-level adapter over one installed vLLM.
 
     Raises:
-        ValueError: the release is loaded in light mode, or its KVCacheManager takes no KVCacheConfig
-            or pre-allocates (before 0.8.5).
+        ValueError: the release is loaded in light mode, its KVCacheManager takes neither a KVCacheConfig
+            nor the pool's sizes, or it has no null block and ``config.num_gpu_blocks < 2``.
     """
     return VllmManagerAdapter(release, config)

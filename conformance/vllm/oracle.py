@@ -6,8 +6,12 @@ the profiles whose checks pass, and for each profile it breaks there is the
 shortest trace that shows it. Directed probes then replay the caller mistakes
 and historical bugs of vLLM's block manager on the release (a double free, the
 null block freed or touched, a block registered twice, usage counting the null
-block, a hash left behind by eviction, reset while blocks are held) and record
-what the release does; ``kvspec hashes`` adds hash compatibility.
+block, a hash left behind by eviction, reset while blocks are held; at the
+request level a request freed twice, and a block filled in decode right after
+an image) and record what the release does; ``kvspec hashes`` adds hash
+compatibility. What a release lacks and the adapter declares not applicable
+(``cache_salt`` before 0.9.0, pre-allocation driven off in 0.8.0 to 0.8.4)
+is listed in the notes, not reported as a divergence.
 
 Design choice: every release runs in its own subprocess under a time budget.
 The pool level runs in this environment in light mode (the release's real
@@ -35,10 +39,13 @@ from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.vllm.releases import RELEASES, version_key
+from kvspec.spec.hashing import MultiModalInput
+from kvspec.spec.manager import Request
 
 __all__ = [
     "PROFILES",
     "PROBES",
+    "REQUEST_PROBES",
     "Cell",
     "ReleaseRow",
     "detect_profiles",
@@ -171,6 +178,39 @@ PROBES: tuple[Probe, ...] = (
 )
 
 
+# Request-level probes (block size 4, a pool of 8): a caller mistake the
+# campaigns do not make against vLLM (its adapter declares it rejects none), and
+# a known bug, each replayed once so the matrix says what the release does.
+_PROBE_PROMPT = Request("p1", tuple(range(8)))
+# An image over block 0 exactly; block 1 fills during decode. Until the overlap
+# test became `start >= offset + length` (0.19), a block hashed as it fills
+# looked at the last image again and took its key when it starts where the
+# image ends, while the prompt's own chain leaves it out: the same prefix then
+# misses that block.
+_IMAGE = (MultiModalInput("img-a", 0, 4),)
+_DECODE = Request("p2", tuple(range(5)), mm_inputs=_IMAGE)
+REQUEST_PROBES: tuple[Probe, ...] = (
+    Probe(
+        "free of a request that is not running accepted silently",
+        (
+            ("get_computed_blocks", (_PROBE_PROMPT,)),
+            ("allocate_slots", (_PROBE_PROMPT, 8, 0, [], 0)),
+            ("free", ("p1",)),
+            ("free", ("p1",)),
+        ),
+    ),
+    Probe(
+        "block filled in decode after an image keyed by that image",
+        (
+            ("get_computed_blocks", (_DECODE,)),
+            ("allocate_slots", (_DECODE, 5, 0, [], 0)),
+            ("allocate_slots", (Request("p2", tuple(range(8)), mm_inputs=_IMAGE), 3, 0, [], 0)),
+            ("get_computed_blocks", (Request("p3", tuple(range(9)), mm_inputs=_IMAGE),)),
+        ),
+    ),
+)
+
+
 @dataclass(slots=True)
 class ProbeResult:
     """What one probe found on one release."""
@@ -189,8 +229,18 @@ def run_probes(
     trace_dir: str | None,
     impl_name: str,
     num_gpu_blocks: int = 4,
+    *,
+    level: str = "pool",
 ) -> list[ProbeResult]:
-    """Run every probe against ``factory`` through the harness's lock-step (no shrinking needed: each is minimal).
+    """Run every probe of a level against ``factory`` through the harness's lock-step (each is minimal: no shrinking).
+
+    Args:
+        factory: The adapter factory.
+        profile: The spec profile to check against (one the release conforms to, where there is one).
+        trace_dir: Where the traces of probes that diverge go (None: not written).
+        impl_name: The implementation's name, written into traces.
+        num_gpu_blocks: The pool size (the request level uses 8: its probe needs two blocks).
+        level: ``"pool"`` (``PROBES``) or ``"manager"`` (``REQUEST_PROBES``).
 
     Returns:
         One result per probe that the adapter can run.
@@ -199,8 +249,10 @@ def run_probes(
     from kvspec.conformance.trace import Trace, write_trace
 
     results: list[ProbeResult] = []
-    config = AdapterConfig(level="pool", num_gpu_blocks=num_gpu_blocks, enable_caching=True, profile=profile)
-    for probe in PROBES:
+    probes = PROBES if level == "pool" else REQUEST_PROBES
+    config = AdapterConfig(level="pool" if level == "pool" else "manager", num_gpu_blocks=num_gpu_blocks,
+                           enable_caching=True, profile=profile)  # fmt: skip
+    for probe in probes:
         lock = LockStep(factory, config)
         if any(not callable(getattr(lock.adapter, op, None)) for op, _ in probe.steps):
             continue  # an operation this release lacks
@@ -237,6 +289,7 @@ class Cell:
     why: str = ""  # for a cell that did not run
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # profile -> verdict, trace, story, steps
     steps_per_s: float | None = None  # harness speed against this release
+    not_applicable: list[str] = field(default_factory=list)  # what the adapter declares absent, with why
 
     def conforms_to(self) -> list[str]:
         """The profiles whose check passed."""
@@ -257,6 +310,8 @@ class ReleaseRow:
 def _result_json(result: Any) -> dict[str, Any]:
     failure = getattr(result, "failure", None)
     out: dict[str, Any] = {"verdict": result.verdict, "steps_run": getattr(result, "steps_run", None)}
+    if getattr(result, "message", ""):
+        out["message"] = result.message  # why it could not run, or a note; a failure's own message replaces it
     if failure is not None:
         out.update(
             step=failure.step_index,
@@ -277,6 +332,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     light = args.level == "pool"
     factory = make_light_adapter(version) if light else make_installed_adapter
     impl_name = f"vllm@{version}" if light else "vllm"
+    # A request-level trace names its implementation "vllm" (the installed one): its folder names the
+    # release, whose environment replays it (`<venv_root()>/<version>/bin/kvspec replay TRACE`).
+    trace_dir = args.trace_dir if light else str(Path(args.trace_dir) / f"vllm-{version}")
     row: dict[str, Any] = {"version": version, "cells": {}, "probes": [], "hashes": ""}
     cachings = [True, False] if args.caching == "both" else [args.caching == "on"]
     budget = None if args.time_budget is None else args.time_budget / (len(cachings) + 1)
@@ -284,11 +342,13 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         key = f"{args.level}/{'on' if caching else 'off'}"
         start = time.monotonic()
         results = detect_profiles(impl_name, args.level, caching, args.max_examples,
-                                  time_budget_s=budget, trace_dir=args.trace_dir)  # fmt: skip
+                                  time_budget_s=budget, trace_dir=trace_dir)  # fmt: skip
         elapsed = time.monotonic() - start
         steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())
+        # Declared absences (adapter.py's not_applicable), as the summary lists them.
+        absent = sorted({m for r in results.values() for m in r.not_exercised if ": not applicable, " in m})
         row["cells"][key] = asdict(Cell("ran", "", {p: _result_json(r) for p, r in results.items()},
-                                        steps / elapsed if elapsed > 0 else None))  # fmt: skip
+                                        steps / elapsed if elapsed > 0 else None, absent))  # fmt: skip
     if light:
         cell = row["cells"].get("pool/on")
         conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == "conforms"]
@@ -297,6 +357,13 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         from kvspec.conformance.vllm.hashes import compare_release
 
         row["hashes"] = compare_release(version, seeds=(None, "0"), builtin_in_subprocess=True).summary()
+    else:
+        cell = row["cells"].get("manager/on")
+        conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == "conforms"]
+        # The probes free only hashed blocks, where both profiles agree; prefer a conforming one.
+        probe_profile = conforming[0] if conforming else PROFILES[0]
+        probes = run_probes(factory, probe_profile, trace_dir, impl_name, num_gpu_blocks=8, level="manager")
+        row["probes"] = [{**asdict(r), "name": f"request level: {r.name}"} for r in probes]
     return row
 
 
@@ -413,6 +480,12 @@ def _notes(row: ReleaseRow) -> list[str]:
         if on and off and off.status == "ran" and got and off.conforms_to() and set(got) != set(off.conforms_to()):
             notes.append(f"free order flips when caching is off: on conforms to {', '.join(got)}, "
                          f"off to {', '.join(off.conforms_to())}")  # fmt: skip
+    for key in ("manager/on", "manager/off"):
+        cell = row.cells.get(key)
+        for entry in cell.not_applicable if cell is not None and cell.status == "ran" else ():
+            note = f"request level: {entry}"
+            if note not in notes:
+                notes.append(note)
     for p in row.probes:
         if p.verdict != "conforms":
             notes.append(f"{p.name} (step {p.step} {p.op}: {p.message[:120]}; trace {p.trace_path})")
@@ -467,8 +540,8 @@ def run_oracle(
                 continue
             for key, cell in data["cells"].items():
                 row.cells[key] = Cell(**cell)
+            row.probes += [ProbeResult(**p) for p in data["probes"]]
             if level == "pool":
-                row.probes = [ProbeResult(**p) for p in data["probes"]]
                 row.hashes = data["hashes"]
         row.notes = _notes(row)
         rows.append(row)

@@ -4,11 +4,15 @@ The request level needs vLLM installed; each release runs in the environment
 the oracle creates for it (``ensure_venv``), through the harness's own
 lock-step, so every comparison is the harness's, not this file's. One
 subprocess per release runs seed 000's requests three ways: caching on,
-caching off, and with the last request under a cache_salt.
+caching off, and with the last request under a cache_salt (where the
+release's Request takes one); then the oracle's request-level probe (a
+request freed twice), whose trace is replayed to the same verdict.
 
 The verdicts asserted are the ones measured on each release; where a release
 diverges, the divergence is vLLM's own behaviour (named below with its step),
-not the adapter's.
+not the adapter's. What the adapter declares not applicable (a feature the
+release lacks, or drives another way) is asserted too, so a declaration
+cannot silently appear or vanish.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ pytestmark = pytest.mark.vllm
 # one block (len - 1 cap). Steps, counted as the lock-step counts them:
 # 1-2 admit A, 3-4 admit B, 5 decode A, 6 free A, 7 free B, 8-9 admit C.
 _SCRIPT = r"""
-import json, logging, sys
+import json, logging, sys, tempfile
 logging.disable(logging.WARNING)
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.machine import ConformanceFailure, LockStep
+from kvspec.conformance.runner import replay
 from kvspec.conformance.vllm.adapter import make_installed_adapter
+from kvspec.conformance.vllm.oracle import run_probes
 from kvspec.spec.manager import Request
 
 A = Request("A", tuple(range(10)))
@@ -45,7 +51,12 @@ B = Request("B", tuple(range(8)) + (99, 98))
 def scenario(profile, caching, salt):
     config = AdapterConfig(level="manager", num_gpu_blocks=7, block_size=4, profile=profile, enable_caching=caching)
     lock = LockStep(make_installed_adapter, config)
-    out = {"steps": [], "generation": [lock.adapter.blocks, lock.adapter.hashes]}
+    adapter = lock.adapter
+    out = {"steps": [], "generation": [adapter.constructor, adapter.blocks, adapter.hashes],
+           "not_applicable": sorted(adapter.not_applicable)}
+    if salt is not None and "cache_salt" in adapter.not_applicable:
+        out["verdict"] = "not applicable"
+        return out
 
     def step(op, *args):
         spec = lock.call(op, *args)
@@ -61,6 +72,11 @@ def scenario(profile, caching, salt):
         step("allocate_slots", Request("A", A.token_ids + (7,)), 1, 0, [], 0)
         step("free", "A")
         step("free", "B")
+        if salt is None:
+            # vLLM's manager alone, outside the lock-step (a lookup changes no block): where the
+            # adapter declares the len-1 cap its scheduler's, the manager gives the whole hit.
+            raw = adapter.manager.get_computed_blocks(adapter._vllm_request(Request("C0", tuple(range(8)))))
+            out["manager_hit_tokens"] = raw[1]
         C = Request("C", tuple(range(8)), cache_salt=salt)
         blocks, n = step("get_computed_blocks", C)
         step("allocate_slots", C, 8 - n, n, blocks, 0)
@@ -72,33 +88,90 @@ def scenario(profile, caching, salt):
 
 
 profile = sys.argv[1]
-print(json.dumps({"on": scenario(profile, True, None), "off": scenario(profile, False, None),
-                  "salt": scenario(profile, True, "tenant-1")}))
+out = {"on": scenario(profile, True, None), "off": scenario(profile, False, None),
+       "salt": scenario(profile, True, "tenant-1")}
+with tempfile.TemporaryDirectory() as tmp:
+    out["probes"] = {}
+    for probe in run_probes(make_installed_adapter, profile, tmp, "vllm", num_gpu_blocks=8, level="manager"):
+        got = {"verdict": probe.verdict, "step": probe.step, "op": probe.op, "message": probe.message}
+        if probe.trace_path is not None:
+            again = replay(probe.trace_path, make_installed_adapter, impl="vllm", isolate=False)
+            got["replayed"] = [again.verdict, again.failure.step_index if again.failure else None]
+        out["probes"][probe.name] = got
+print(json.dumps(out))
 """
 
 _CONFORMS: dict[str, Any] = {"verdict": "conforms"}
 
-# Per release: the API generation the adapter detected (what get_computed_blocks
-# returns, where hashes come from), then the verdict per scenario, as measured.
+# With caching off 0.8.x frees a request's blocks head first (the reversal
+# sits under `if self.enable_caching`): A's blocks 1, 2, 3 join the queue as
+# 1, 2, 3 where the spec frees tail first (3, 2, 1).
+_HEAD_FIRST_WITHOUT_CACHING: dict[str, Any] = {
+    "verdict": "diverges",
+    "step": 6,
+    "op": "free",
+    "message": "spec (3, 2, 1) vs implementation (1, 2, 3)",
+}
+# 0.8.x's Request has no cache_salt: declared, so no salted request is sent.
+_NOT_APPLICABLE: dict[str, Any] = {"verdict": "not applicable"}
+_PRE_ALLOCATION = "allocate_slots: pre-allocation"
+_SCHEDULER_CAP = "get_computed_blocks: len-1 cap in the manager"
+
+# Per release: whether a block filled in decode after an image is keyed by it
+# (the oracle's probe; fixed in 0.19), the API generation the adapter detected
+# (constructor, what get_computed_blocks returns, where hashes come from), what
+# it declares not applicable, then the verdict per scenario, as measured.
 EXPECTED: dict[str, dict[str, Any]] = {
-    "0.8.5.post1": {
-        "generation": ["list", "manager"],
+    # Built from the pool's sizes with num_preallocate_tokens=0, no null block
+    # (ids shifted by one), the len-1 cap applied as its scheduler applies it.
+    "0.8.0": {
+        "image_end_keyed": True,
+        "generation": ["sizes", "list", "manager"],
+        "not_applicable": [_PRE_ALLOCATION, "cache_salt", _SCHEDULER_CAP],
         "on": _CONFORMS,
-        # With caching off 0.8.x frees a request's blocks head first (the
-        # reversal sits under `if self.enable_caching`): A's blocks 1, 2, 3
-        # join the queue as 1, 2, 3 where the spec frees tail first (3, 2, 1).
-        "off": {
-            "verdict": "diverges",
-            "step": 6,
-            "op": "free",
-            "message": "spec (3, 2, 1) vs implementation (1, 2, 3)",
-        },
-        # 0.8.x's Request has no cache_salt: a salted request cannot be sent.
-        "salt": {"verdict": "diverges", "step": 8, "op": "get_computed_blocks", "message": "takes no cache_salt"},
+        "off": _HEAD_FIRST_WITHOUT_CACHING,
+        "salt": _NOT_APPLICABLE,
     },
-    "0.9.2": {"generation": ["KVCacheBlocks", "manager"], "on": _CONFORMS, "off": _CONFORMS, "salt": _CONFORMS},
-    "0.10.2": {"generation": ["KVCacheBlocks", "request"], "on": _CONFORMS, "off": _CONFORMS, "salt": _CONFORMS},
-    "0.33.0": {"generation": ["KVCacheBlocks", "request"], "on": _CONFORMS, "off": _CONFORMS, "salt": _CONFORMS},
+    "0.8.4": {
+        "image_end_keyed": True,
+        "generation": ["kv_cache_config", "list", "manager"],
+        "not_applicable": [_PRE_ALLOCATION, "cache_salt"],
+        "on": _CONFORMS,
+        "off": _HEAD_FIRST_WITHOUT_CACHING,
+        "salt": _NOT_APPLICABLE,
+    },
+    "0.8.5.post1": {
+        "image_end_keyed": True,
+        "generation": ["kv_cache_config", "list", "manager"],
+        "not_applicable": ["cache_salt"],
+        "on": _CONFORMS,
+        "off": _HEAD_FIRST_WITHOUT_CACHING,
+        "salt": _NOT_APPLICABLE,
+    },
+    "0.9.2": {
+        "image_end_keyed": True,
+        "generation": ["kv_cache_config", "KVCacheBlocks", "manager"],
+        "not_applicable": [],
+        "on": _CONFORMS,
+        "off": _CONFORMS,
+        "salt": _CONFORMS,
+    },
+    "0.10.2": {
+        "image_end_keyed": True,
+        "generation": ["kv_cache_config", "KVCacheBlocks", "request"],
+        "not_applicable": [],
+        "on": _CONFORMS,
+        "off": _CONFORMS,
+        "salt": _CONFORMS,
+    },
+    "0.33.0": {
+        "image_end_keyed": False,
+        "generation": ["kv_cache_config", "KVCacheBlocks", "request"],
+        "not_applicable": [],
+        "on": _CONFORMS,
+        "off": _CONFORMS,
+        "salt": _CONFORMS,
+    },
 }
 
 
@@ -116,13 +189,34 @@ def test_seed_requests_at_the_request_level(version: str) -> None:
     for scenario in ("on", "off", "salt"):
         got = out[scenario]
         assert got["generation"] == expected["generation"], (scenario, got)
+        assert got["not_applicable"] == expected["not_applicable"], (scenario, got)
         want = expected[scenario]
         assert got["verdict"] == want["verdict"], (scenario, got)
-        if want["verdict"] != "conforms":
+        if want["verdict"] == "diverges":
             assert (got["step"], got["op"]) == (want["step"], want["op"]), (scenario, got)
             assert want["message"] in got["message"], (scenario, got)
-    # C hits block 1 only: 8 tokens, the last one must be computed (len - 1 cap)
+    # C hits block 1 only: 8 tokens, the last one must be computed (len - 1 cap) ...
     assert out["on"]["steps"][-2] == ["get_computed_blocks", [[1], 4]]
+    # ... which 0.8.0 to 0.8.2 leave to the scheduler: their manager hits both blocks.
+    assert out["on"]["manager_hit_tokens"] == (8 if _SCHEDULER_CAP in expected["not_applicable"] else 4)
     # under a cache_salt C's chain is another one: no hit, where the release takes a salt
     if expected["salt"]["verdict"] == "conforms":
         assert out["salt"]["steps"][-2] == ["get_computed_blocks", [[], 0]]
+    # Every release: freeing a request that is no longer running is a silent no-op
+    # (vLLM's free pops an empty table), where the spec raises InvalidRequest.
+    probes = out["probes"]
+    freed_twice = probes["free of a request that is not running accepted silently"]
+    assert (freed_twice["verdict"], freed_twice["step"], freed_twice["op"]) == ("diverges", 4, "free"), freed_twice
+    assert "the spec raised InvalidRequest" in freed_twice["message"], freed_twice
+    assert "the implementation returned None" in freed_twice["message"], freed_twice
+    assert freed_twice["replayed"] == ["diverges", 4], freed_twice
+    # Before 0.19 a block that fills in decode right after an image is keyed by
+    # that image (the overlap test was `start > offset + length`), so the same
+    # prefix, hashed as a prompt, hits only the image's block.
+    image_end = probes["block filled in decode after an image keyed by that image"]
+    if expected["image_end_keyed"]:
+        assert (image_end["verdict"], image_end["step"], image_end["op"]) == ("diverges", 4, "get_computed_blocks")
+        assert "returned [[1], 4]; the spec returned [[1, 2], 8]" in image_end["message"], image_end
+        assert image_end["replayed"] == ["diverges", 4], image_end
+    else:
+        assert image_end["verdict"] == "conforms", image_end

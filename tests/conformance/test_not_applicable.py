@@ -1,0 +1,80 @@
+"""An adapter's `not_applicable` declaration: the machine leaves the feature out and says so.
+
+The implementation here is the reference KVCacheManager with its cache_salt
+taken away: it refuses a salted request, as a vLLM release before 0.9.0 must
+(its Request takes no cache_salt). Declared, the harness sends it no salted
+request and lists the feature as not applicable; undeclared, the same
+implementation is caught at the first salted request, so the declaration is
+what makes the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.builtin import ReferenceManagerAdapter
+from kvspec.conformance.runner import run_check
+from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.manager import Request
+from kvspec.spec.state import BlockId
+
+# Enough examples that a salted prompt is drawn many times over (salts are one
+# draw in three of a prompt's keys, and more in the "other keys" rule).
+N = 40
+
+
+class NoSaltManager(ReferenceManagerAdapter):
+    """The reference manager without cache_salt: a salted request is refused before any change."""
+
+    def _refuse_salt(self, request: Request) -> None:
+        if request.cache_salt is not None:
+            raise InvalidRequest(
+                f"request_id={request.request_id!r} has cache_salt={request.cache_salt!r}; this manager takes none"
+            )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
+        self._refuse_salt(request)
+        return super().get_computed_blocks(request)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[BlockId] = (),
+        num_external_computed_tokens: int = 0,
+    ) -> list[BlockId] | None:
+        self._refuse_salt(request)
+        return super().allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
+        )
+
+
+class DeclaredNoSaltManager(NoSaltManager):
+    """The same, declaring it (as the vLLM adapter does for releases before 0.9.0)."""
+
+    not_applicable = {"cache_salt": "this manager's requests take no cache_salt"}
+
+
+def make_undeclared(config: AdapterConfig) -> NoSaltManager:
+    return NoSaltManager(config)
+
+
+def make_declared(config: AdapterConfig) -> DeclaredNoSaltManager:
+    return DeclaredNoSaltManager(config)
+
+
+def test_an_undeclared_missing_cache_salt_is_caught(tmp_path: Path) -> None:
+    r = run_check(make_undeclared, level="manager", max_examples=N, trace_dir=tmp_path, impl="no-salt")
+    assert r.verdict == "diverges", r.message
+    assert r.failure is not None and "cache_salt" in r.failure.message
+
+
+def test_a_declared_missing_cache_salt_is_left_out_and_listed(tmp_path: Path) -> None:
+    r = run_check(make_declared, level="manager", max_examples=N, trace_dir=tmp_path, impl="no-salt")
+    assert r.verdict == "conforms", r.failure.story if r.failure else r.message
+    assert "cache_salt: not applicable, this manager's requests take no cache_salt" in r.not_exercised
+    # Everything else still ran: LoRA and multimodal keys, prefix hits, preemption.
+    assert r.coverage.get("allocate_slots: admitted with a prefix hit"), r.coverage
