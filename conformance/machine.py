@@ -1558,7 +1558,11 @@ class ManagerMachine(_LockStepMachine):
             _sampled(
                 _kinds(
                     *self._mistakes(
-                        "get_computed_blocks", "no tokens", "no id", *(["already running"] if self.requests else [])
+                        "get_computed_blocks",
+                        "no tokens",
+                        "no id",
+                        "misplaced images",
+                        *(["already running"] if self.requests else []),
                     )
                 )
             ),
@@ -1570,6 +1574,9 @@ class ManagerMachine(_LockStepMachine):
             request = replace(prompt, request_id="")
         elif kind == "no tokens":
             request = replace(prompt, request_id=self._new_id(), token_ids=(), mm_inputs=())
+        elif kind == "misplaced images":
+            images = data.draw(strat.bad_mm_inputs(len(prompt.token_ids)), label="misplaced images")
+            request = replace(prompt, request_id=self._new_id(), mm_inputs=images)
         else:
             request = replace(prompt, request_id=self._new_id())
         self._call("get_computed_blocks", request)

@@ -35,6 +35,7 @@ __all__ = [
     "bad_block_ids",
     "bad_counts",
     "bad_hashes",
+    "bad_mm_inputs",
     "block_sizes",
     "cache_salts",
     "chat_turns",
@@ -106,16 +107,49 @@ def cache_salts() -> st.SearchStrategy[str | None]:
     return st.one_of(st.none(), st.sampled_from(CACHE_SALTS))
 
 
+@st.composite
+def _images(draw: st.DrawFn, num_tokens: int, block_size: int, most: int) -> tuple[MultiModalInput, ...]:
+    """1 to `most` images inside the prompt, in offset order, none overlapping another.
+
+    That is how vLLM's input processor places them (its block hashing relies
+    on it); `bad_mm_inputs` draws the other cases, which are caller mistakes.
+    """
+    images: list[MultiModalInput] = []
+    start = 0  # the first position the next image may take
+    for _ in range(draw(st.integers(1, most), label="images")):
+        if start >= num_tokens:
+            break
+        offset = draw(st.integers(start, num_tokens - 1), label="offset")
+        length = draw(st.integers(1, min(2 * block_size, num_tokens - offset)), label="length")
+        images.append(MultiModalInput(draw(st.sampled_from(("img-a", "img-b")), label="image"), offset, length))
+        start = offset + length
+    return tuple(images)
+
+
 @lru_cache(maxsize=512)
 def mm_inputs(num_tokens: int, block_size: int) -> st.SearchStrategy[tuple[MultiModalInput, ...]]:
     """Mostly none; else one or two images placed inside the prompt, possibly spanning blocks."""
-    one = st.builds(
-        MultiModalInput,
-        identifier=st.sampled_from(("img-a", "img-b")),
-        offset=st.integers(0, max(num_tokens - 1, 0)),
-        length=st.integers(1, 2 * block_size),
+    if num_tokens == 0:
+        return st.just(())
+    return st.one_of(st.just(()), _images(num_tokens, block_size, 2))
+
+
+def bad_mm_inputs(num_tokens: int) -> st.SearchStrategy[tuple[MultiModalInput, ...]]:
+    """Images no input processor would place: past the last token, empty, overlapping, or out of order.
+
+    >>> from hypothesis import find
+    >>> find(bad_mm_inputs(6), lambda mm: True)
+    (MultiModalInput(identifier='img-a', offset=5, length=2),)
+    """
+    a, b = "img-a", "img-b"
+    return st.sampled_from(
+        (
+            (MultiModalInput(a, num_tokens - 1, 2),),  # runs past the last token
+            (MultiModalInput(a, 0, 0),),  # covers no token
+            (MultiModalInput(a, 0, num_tokens), MultiModalInput(b, num_tokens - 1, 1)),  # overlapping
+            (MultiModalInput(a, num_tokens - 1, 1), MultiModalInput(b, 0, 1)),  # out of order (or overlapping)
+        )
     )
-    return st.one_of(st.just(()), st.lists(one, min_size=1, max_size=2).map(tuple))
 
 
 @lru_cache(maxsize=512)
@@ -205,13 +239,7 @@ def other_keys(prompt: Request, block_size: int) -> st.SearchStrategy[Request]:
     salts = tuple(v for v in (None, *CACHE_SALTS) if v != prompt.cache_salt)
     loras = tuple(v for v in (None, *LORA_NAMES) if v != prompt.lora_name)
     num_tokens = len(prompt.token_ids)
-    image = st.builds(
-        MultiModalInput,
-        identifier=st.sampled_from(("img-a", "img-b")),
-        offset=st.integers(0, max(num_tokens - 1, 0)),
-        length=st.integers(1, 2 * block_size),
-    )
-    images: st.SearchStrategy[tuple[MultiModalInput, ...]] = st.tuples(image)
+    images: st.SearchStrategy[tuple[MultiModalInput, ...]] = _images(num_tokens, block_size, 1)
     if prompt.mm_inputs:
         first = prompt.mm_inputs[0]
         other = "img-b" if first.identifier == "img-a" else "img-a"

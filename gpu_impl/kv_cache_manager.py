@@ -36,7 +36,7 @@ import torch
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.kv_cache import PagedKVCache
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
-from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, hash_request_blocks
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import check_all
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
@@ -82,6 +82,22 @@ def _check_request(request: Request, op: str) -> None:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
     if len(request.token_ids) == 0:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
+    end = 0  # where the previous multimodal input ends
+    for mm in request.mm_inputs:
+        if not (
+            isinstance(mm, MultiModalInput)
+            and _is_count(mm.offset)
+            and _is_count(mm.length)
+            and mm.length > 0
+            and end <= mm.offset
+            and mm.offset + mm.length <= len(request.token_ids)
+        ):
+            raise InvalidRequest(
+                f"{op}: request_id={request.request_id!r} has mm_inputs={list(request.mm_inputs)!r}; each must "
+                f"cover one or more of its {len(request.token_ids)} token positions, in offset order, without "
+                "overlapping another (as vLLM's input processor places them)"
+            )
+        end = mm.offset + mm.length
 
 
 class TensorKVCacheManager:
@@ -162,7 +178,7 @@ class TensorKVCacheManager:
         (another block registered under the same hash may still be intact).
 
         Raises:
-            InvalidRequest: the request has no tokens, or is already running.
+            InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
 
         Cost: O(tokens) for the hashes, O(1) host work per hit block, one checksum pass over the hit.
         """
@@ -213,7 +229,7 @@ class TensorKVCacheManager:
 
         Raises:
             InvalidRequest: a bad count, a hit on a running request, more tokens than the request
-                has, or a KV source that returns the wrong number of values or values beyond int64.
+                has, misplaced mm_inputs, or a KV source that returns the wrong number of values or values beyond int64.
             InvalidBlock: a hit block is not registered under the request's chain.
             NotWritable: a block the step writes is shared or registered; nothing changes.
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvspec.reference.block_pool import BlockPool
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
-from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, hash_request_blocks
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import check_all
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
@@ -32,6 +32,22 @@ def _check_request(request: Request, op: str) -> None:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
     if len(request.token_ids) == 0:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
+    end = 0  # where the previous multimodal input ends
+    for mm in request.mm_inputs:
+        if not (
+            isinstance(mm, MultiModalInput)
+            and _is_count(mm.offset)
+            and _is_count(mm.length)
+            and mm.length > 0
+            and end <= mm.offset
+            and mm.offset + mm.length <= len(request.token_ids)
+        ):
+            raise InvalidRequest(
+                f"{op}: request_id={request.request_id!r} has mm_inputs={list(request.mm_inputs)!r}; each must "
+                f"cover one or more of its {len(request.token_ids)} token positions, in offset order, without "
+                "overlapping another (as vLLM's input processor places them)"
+            )
+        end = mm.offset + mm.length
 
 
 class KVCacheManager:
@@ -75,7 +91,7 @@ class KVCacheManager:
         """The longest cached prefix of a new request, at most len - 1 tokens, in whole blocks.
 
         Raises:
-            InvalidRequest: the request has no tokens, or is already running.
+            InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
 
         Cost: O(tokens) for the hashes, O(1) per hit block.
         """
@@ -104,7 +120,8 @@ class KVCacheManager:
         """Give a request slots for its next tokens; None (and no change) when too few blocks are free.
 
         Raises:
-            InvalidRequest: a bad count, a hit on a running request, or more tokens than the request has.
+            InvalidRequest: a bad count, a hit on a running request, more tokens than the request has,
+                or misplaced mm_inputs.
             InvalidBlock: a hit block is not registered under the request's chain.
 
         Cost: O(new blocks + hit blocks), plus hashing of new full blocks.

@@ -108,6 +108,22 @@ def _check_request(request: Request, op: str) -> None:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
     if len(request.token_ids) == 0:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
+    end = 0  # where the previous multimodal input ends
+    for mm in request.mm_inputs:
+        if not (
+            isinstance(mm, MultiModalInput)
+            and _is_count(mm.offset)
+            and _is_count(mm.length)
+            and mm.length > 0
+            and end <= mm.offset
+            and mm.offset + mm.length <= len(request.token_ids)
+        ):
+            raise InvalidRequest(
+                f"{op}: request_id={request.request_id!r} has mm_inputs={list(request.mm_inputs)!r}; each must "
+                f"cover one or more of its {len(request.token_ids)} token positions, in offset order, without "
+                "overlapping another (as vLLM's input processor places them)"
+            )
+        end = mm.offset + mm.length
 
 
 def _is_count(value: object) -> bool:
@@ -168,7 +184,7 @@ def get_computed_blocks(state: ManagerState, request: Request) -> tuple[tuple[Bl
         The hit blocks (a prefix of the request's hash chain) and the tokens they cover.
 
     Raises:
-        InvalidRequest: the request has no tokens, or is already running.
+        InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
 
     raises: InvalidRequest  # the errors above, as CrossHair reads them
     """
@@ -217,7 +233,8 @@ def allocate_slots(
 
     Raises:
         InvalidRequest: a count is negative or not an integer, num_new_tokens is 0, the
-            tokens exceed the request's, or the hit does not match its block count.
+            tokens exceed the request's, the hit does not match its block count, or the
+            request's mm_inputs are misplaced (outside its tokens, out of order, overlapping).
         InvalidBlock: a hit block is not registered under the request's chain.
 
     raises: InvalidRequest, InvalidBlock  # the errors above, as CrossHair reads them

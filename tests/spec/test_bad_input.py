@@ -24,6 +24,7 @@ from kvspec.spec.errors import (
     InvalidRequest,
     PoolExhausted,
 )
+from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.invariants import check_all
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
@@ -73,6 +74,11 @@ def a_freed_all(p: Any) -> None:
     """Pool: A freed [3, 2, 1]; 1 and 2 stay cached in the free queue, 3 went to its left end."""
     a_holds_1_2_3(p)
     p.free_blocks([BlockId(3), BlockId(2), BlockId(1)])
+
+
+def call(m: Any, op: str, request: Request) -> object:
+    """`op` on a new request: a lookup, or a first step of all its tokens."""
+    return m.get_computed_blocks(request) if op == "get_computed_blocks" else m.allocate_slots(request, 10)
 
 
 def ids(*b: int) -> list[BlockId]:
@@ -188,6 +194,21 @@ MANAGER_CASES = [
          r"allocate_slots: request_id='E' has no tokens; a request needs a prompt", a_runs),
     Case("get_computed_blocks of a request without an id", lambda m: m.get_computed_blocks(Request("", (1,))),
          InvalidRequest, r"get_computed_blocks: request_id='' must be a non-empty string", a_runs),
+    # images no input processor would place: past the tokens, empty, overlapping, out of order
+    *[
+        Case(f"{op} with images {name}", lambda m, op=op, mm=mm: call(m, op, replace(B, mm_inputs=mm)),
+             InvalidRequest, rf"{op}: request_id='B' has mm_inputs=\[.*\]; each must cover one or more of its "
+             r"10 token positions, in offset order, without overlapping another \(as vLLM's input processor "
+             r"places them\)", a_runs)
+        for op in ("get_computed_blocks", "allocate_slots")
+        for name, mm in (
+            ("past the last token", (MultiModalInput("i", 9, 2),)),
+            ("covering no token", (MultiModalInput("i", 0, 0),)),
+            ("overlapping", (MultiModalInput("i", 0, 4), MultiModalInput("j", 3, 2))),
+            ("out of order", (MultiModalInput("i", 6, 1), MultiModalInput("j", 0, 1))),
+            ("at a negative offset", (MultiModalInput("i", -1, 2),)),
+        )
+    ],
     # bad counts
     *[
         Case(f"allocate_slots num_new_tokens={v!r}", lambda m, v=v: m.allocate_slots(B, v), InvalidRequest,
