@@ -46,16 +46,9 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.machine import (
-    ConformanceFailure,
-    LockStep,
-    Observer,
-    SpecFailure,
-    StepTimeout,
-    conformance_machine,
-    expected_branches,
-    run_spec,
-)
+from kvspec.conformance.coverage import expected_branches
+from kvspec.conformance.lockstep import ConformanceFailure, LockStep, Observer, SpecFailure, StepTimeout, run_spec
+from kvspec.conformance.machine import conformance_machine
 from kvspec.conformance.report import render_story
 from kvspec.conformance.trace import (
     MalformedTrace,

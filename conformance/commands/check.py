@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvspec.conformance.machine import NOT_EXERCISED_WHY
+from kvspec.conformance.lockstep import NOT_EXERCISED_WHY
 from kvspec.conformance.runner import (
     BUILTIN_IMPLS,
     DEFAULT_IMPLS,

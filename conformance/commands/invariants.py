@@ -27,7 +27,8 @@ from kvspec.spec import invariants as spec_invariants
 __all__ = ["Row", "register", "rows", "run"]
 
 CONTRACT_MODULES = ("kvspec.spec.ops", "kvspec.spec.manager", "kvspec.spec.ordering")
-MACHINE_MODULE = "kvspec.conformance.machine"
+# The conformance machines and the lock-step core that checks each of their steps.
+MACHINE_MODULES = ("kvspec.conformance.machine", "kvspec.conformance.lockstep")
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,14 @@ def _contract_functions() -> list[Callable[..., object]]:
 
 
 def _machine_roots() -> list[object] | None:
-    try:
-        module = importlib.import_module(MACHINE_MODULE)
-    except ImportError:
-        return None
-    return [v for v in vars(module).values() if getattr(v, "__module__", None) == module.__name__]
+    roots: list[object] = []
+    for name in MACHINE_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            return None
+        roots.extend(v for v in vars(module).values() if getattr(v, "__module__", None) == module.__name__)
+    return roots
 
 
 def _lemma_claims() -> list[tuple[str, tuple[str, ...]]]:

@@ -245,7 +245,7 @@ def run_probes(
     Returns:
         One result per probe that the adapter can run.
     """
-    from kvspec.conformance.machine import ConformanceFailure, LockStep
+    from kvspec.conformance.lockstep import ConformanceFailure, LockStep
     from kvspec.conformance.trace import Trace, write_trace
 
     results: list[ProbeResult] = []

@@ -236,7 +236,7 @@ def test_make_conformance_test_gives_one_test_per_configuration_that_fails_with_
 
 
 def test_the_prefix_kv_source_names_each_prefix_once():
-    from kvspec.conformance.machine import PrefixKVSource
+    from kvspec.conformance.lockstep import PrefixKVSource
     from kvspec.spec.hashing import MultiModalInput
     from kvspec.spec.manager import Request
 

@@ -151,7 +151,7 @@ def test_a_hand_written_trace_replays_on_the_spec_and_the_reference():
         r = replay(trace, factory, isolate=False)
         assert r.verdict == "conforms" and r.steps_run == 5
     # The spec's own outcomes, step by step: block 3 (unhashed) was freed to the left end, so it is taken first.
-    from kvspec.conformance.machine import run_spec
+    from kvspec.conformance.lockstep import run_spec
 
     outcomes = run_spec(trace.config, [(s.op, s.args) for s in trace.steps])
     assert [o.result for o, _ in outcomes] == [[1, 2, 3], None, None, [3], 1]

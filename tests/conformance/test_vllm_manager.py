@@ -38,7 +38,7 @@ _SCRIPT = r"""
 import json, logging, sys, tempfile
 logging.disable(logging.WARNING)
 from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.machine import ConformanceFailure, LockStep
+from kvspec.conformance.lockstep import ConformanceFailure, LockStep
 from kvspec.conformance.runner import replay
 from kvspec.conformance.vllm.adapter import make_installed_adapter
 from kvspec.conformance.vllm.oracle import run_probes

@@ -27,7 +27,8 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
 from kvspec.conformance.builtin import make_reference
 from kvspec.conformance.cli import main
-from kvspec.conformance.machine import ConformanceFailure, Observer, StepTimeout, conformance_machine
+from kvspec.conformance.lockstep import ConformanceFailure, Observer, StepTimeout
+from kvspec.conformance.machine import conformance_machine
 from kvspec.conformance.mutants import (
     KILLING_VERDICTS,
     MEDIAN_TRACE_TARGET,
