@@ -391,7 +391,9 @@ def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Pa
     ``LEAN_DEPS`` (and ``transformers<4.54`` before 0.24, whose imports break on
     later ones), then up to 12 rounds of installing whatever module the import
     of vLLM's KVCacheManager still misses, then kvspec itself without
-    dependencies plus hypothesis and icontract.
+    dependencies plus hypothesis and icontract. The environments are shared by
+    every kvspec checkout on the machine: one made from another checkout gets
+    this one's kvspec installed (a few seconds) before it is used.
 
     Returns:
         The environment's python.
@@ -401,8 +403,19 @@ def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Pa
     """
     root = venv_root() / version
     python = root / "bin" / "python"
-    done = root / "KVSPEC_READY"
+    done = root / "KVSPEC_READY"  # the release, then the kvspec checkout installed in it
+    source = _kvspec_source()
     if done.exists():
+        # The environments are shared by every checkout on this machine: one made
+        # from another checkout is pointed at this one, so it runs this kvspec.
+        if source is not None and done.read_text().split("\n")[1:2] != [str(source)]:
+            pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+            log(f"vllm=={version}: pip install kvspec from {source}")
+            proc = subprocess.run([*pip, "--no-deps", "-e", str(source)], capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                tail = proc.stderr[-600:]
+                raise RuntimeError(f"pip install kvspec from {source} failed (rc={proc.returncode}): {tail}")
+            done.write_text(f"{version}\n{source}\n")
         return python
 
     def run(cmd: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
@@ -432,12 +445,11 @@ def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Pa
         run([*pip, _MODULE_TO_DIST.get(module, module)], f"pip install {module} (missing at import)")
     else:
         raise RuntimeError("importing vLLM's KVCacheManager still misses modules after 12 rounds")
-    source = _kvspec_source()
     if source is None:
         raise RuntimeError("kvspec is not running from a source checkout; cannot install it into the environment")
     run([*pip, "--no-deps", "-e", str(source)], "pip install kvspec")
     run([*pip, "hypothesis", "icontract", "cbor2"], "pip install kvspec's dependencies")
-    done.write_text(version + "\n")
+    done.write_text(f"{version}\n{source}\n")
     return python
 
 

@@ -21,10 +21,12 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvspec.conformance.vllm import oracle
 from kvspec.conformance.vllm.oracle import WORKER_ENV, ensure_venv
 from kvspec.conformance.vllm.releases import facts_for
 
@@ -220,3 +222,27 @@ def test_seed_requests_at_the_request_level(version: str) -> None:
         assert image_end["replayed"] == ["diverges", 4], image_end
     else:
         assert image_end["verdict"] == "conforms", image_end
+
+
+def test_an_environment_made_from_another_checkout_runs_this_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-release environments are shared by every checkout: one made elsewhere is re-pointed here.
+
+    A real environment and a real ``pip install -e``; only the release in it is
+    missing, which this step does not look at.
+    """
+    monkeypatch.setenv("KVSPEC_VLLM_CACHE", str(tmp_path / "vllm-wheels"))
+    env = tmp_path / "vllm-venvs" / "0.0.0"
+    subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
+    (env / "KVSPEC_READY").write_text("0.0.0\n/another/checkout\n")
+    python = ensure_venv("0.0.0")
+    source = Path(oracle.__file__).resolve().parents[2]
+    assert (env / "KVSPEC_READY").read_text() == f"0.0.0\n{source}\n"
+    where = subprocess.run(
+        [str(python), "-c", "import importlib.util; print(importlib.util.find_spec('kvspec').origin)"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert Path(where.stdout.strip()) == source / "kvspec" / "__init__.py"
+    ensure_venv("0.0.0")  # already this checkout's: nothing to do
+    assert (env / "KVSPEC_READY").read_text() == f"0.0.0\n{source}\n"
