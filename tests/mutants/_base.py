@@ -21,6 +21,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.reference.free_queue import KVCacheBlock
+from kvspec.reference.kv_cache_manager import _check_request
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockId
@@ -116,11 +117,7 @@ class StepwiseManager(ReferenceManagerAdapter):
         num_external_computed_tokens: int = 0,
     ) -> list[BlockId] | None:
         """The reference's `allocate_slots`, line for line, with three lines made methods."""
-        rid = request.request_id
-        if not isinstance(rid, str) or not rid:
-            raise InvalidRequest(f"allocate_slots: request_id={rid!r} must be a non-empty string")
-        if len(request.token_ids) == 0:
-            raise InvalidRequest(f"allocate_slots: request_id={rid!r} has no tokens; a request needs a prompt")
+        _check_request(request, "allocate_slots")
         for name, value in (
             ("num_new_tokens", num_new_tokens),
             ("num_new_computed_tokens", num_new_computed_tokens),
@@ -130,6 +127,7 @@ class StepwiseManager(ReferenceManagerAdapter):
                 raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
         if num_new_tokens == 0:
             raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
+        rid = request.request_id
         running = rid in self.req_to_blocks
         if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
             raise InvalidRequest(
@@ -150,7 +148,8 @@ class StepwiseManager(ReferenceManagerAdapter):
                 f"has only {len(hashes)} full blocks"
             )
         for i, b in enumerate(new_computed_blocks):
-            if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.blocks[b].block_hash != hashes[i]:
+            in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
+            if not in_range or pool.blocks[b].block_hash != hashes[i]:
                 raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
         table = self.req_to_blocks.get(rid, [])
         num_computed = self.num_computed_tokens.get(rid, 0)

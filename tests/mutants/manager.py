@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from kvspec.conformance.builtin import ReferenceManagerAdapter
 from kvspec.conformance.mutants import Mutant
+from kvspec.reference.kv_cache_manager import _check_request
 from kvspec.spec.hashing import block_extra_keys, hash_block_tokens, none_hash
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
@@ -27,15 +28,9 @@ class HitCapOffByOne(ReferenceManagerAdapter):
     """
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        rid = request.request_id
-        if (
-            not isinstance(rid, str)
-            or not rid
-            or rid in self.req_to_blocks
-            or not request.token_ids
-            or not self.enable_caching
-        ):
-            return super().get_computed_blocks(request)  # the refusals, and the caching-off answer
+        _check_request(request, "get_computed_blocks")  # the reference's own request checks
+        if request.request_id in self.req_to_blocks or not self.enable_caching:
+            return super().get_computed_blocks(request)  # the already-running refusal, and the caching-off answer
         max_hit_blocks = len(request.token_ids) // self.block_size  # MUTANT: `len - 1`
         hits: list[BlockId] = []
         for h in self._block_hashes(request)[:max_hit_blocks]:
