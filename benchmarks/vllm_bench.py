@@ -103,19 +103,23 @@ def _run(pool_ops: dict[str, Callable[..., Any]], trace: list[Req], num_blocks: 
     return dict(spent)
 
 
-def bench_reference(num_blocks: int, trace: list[Req]) -> dict[str, float]:
-    """The reference model on the trace."""
-    t = time.perf_counter()
-    pool = BlockPool(num_blocks, True)
-    construct = time.perf_counter() - t
-    ops: dict[str, Callable[..., Any]] = {
+def reference_ops(pool: BlockPool, checked_touch: bool = True) -> dict[str, Callable[..., Any]]:
+    """The reference pool's operations as the trace calls them (touch without its checks on request)."""
+    return {
         "get_cached_block": pool.get_cached_block,
-        "touch": pool.touch,
+        "touch": pool.touch if checked_touch else _touch_without_checks(pool),
         "get_new_blocks": pool.get_new_blocks,
         "cache_full_blocks": pool.cache_full_blocks,
         "free_blocks": pool.free_blocks,
     }
-    out = _run(ops, trace, num_blocks)
+
+
+def bench_reference(num_blocks: int, trace: list[Req], checked_touch: bool = True) -> dict[str, float]:
+    """The reference model on the trace; `checked_touch=False` times `_touch_without_checks` instead."""
+    t = time.perf_counter()
+    pool = BlockPool(num_blocks, True)
+    construct = time.perf_counter() - t
+    out = _run(reference_ops(pool, checked_touch), trace, num_blocks)
     out["construct"] = construct
     return out
 
@@ -169,19 +173,6 @@ def _touch_without_checks(pool: BlockPool) -> Callable[[list[Any]], None]:
     return touch
 
 
-def bench_reference_unchecked_touch(num_blocks: int, trace: list[Req]) -> float:
-    """Seconds in touch on the trace, for the reference with `_touch_without_checks`."""
-    pool = BlockPool(num_blocks, True)
-    ops: dict[str, Callable[..., Any]] = {
-        "get_cached_block": pool.get_cached_block,
-        "touch": _touch_without_checks(pool),
-        "get_new_blocks": pool.get_new_blocks,
-        "cache_full_blocks": pool.cache_full_blocks,
-        "free_blocks": pool.free_blocks,
-    }
-    return _run(ops, trace, num_blocks)["touch"]
-
-
 def harness_speed(version: str, max_examples: int = 100) -> tuple[float, float]:
     """Pool-level harness steps per second against the reference and against vLLM ``version``, same campaign."""
     from kvspec.conformance.runner import run_check
@@ -213,12 +204,13 @@ def main(version: str = "0.33.0", num_requests: int = 20_000) -> int:
             print(f"{n:>9} {op:<18} {ref[op]:>12.4f} {vl[op]:>10.4f} {ratio:>6.2f}x")
         # vLLM's touch checks nothing; the reference's checks every id (type, range,
         # null block, hash, duplicates). This row shows what is left without them.
-        bare = bench_reference_unchecked_touch(n, trace)
+        bare = bench_reference(n, trace, checked_touch=False)["touch"]
         print(f"{n:>9} {'touch, no checks':<18} {bare:>12.4f} {vl['touch']:>10.4f} {bare / vl['touch']:>6.2f}x")
     print(f"worst ratio (reference / vLLM): {worst:.2f}x (target: at most 1.5x)")
-    ref_rate, vllm_rate = harness_speed(version)
+    examples = 100
+    ref_rate, vllm_rate = harness_speed(version, examples)
     print(
-        f"harness, pool level, 100 examples: {ref_rate:.0f} steps/s against the reference, "
+        f"harness, pool level, {examples} examples: {ref_rate:.0f} steps/s against the reference, "
         f"{vllm_rate:.0f} against vllm=={version} ({vllm_rate / ref_rate:.2f}x)"
     )
     return 0

@@ -229,7 +229,8 @@ class TensorKVCacheManager:
 
         Raises:
             InvalidRequest: a bad count, a hit on a running request, more tokens than the request
-                has, misplaced mm_inputs, or a KV source that returns the wrong number of values or values beyond int64.
+                has, misplaced mm_inputs, or a KV source that returns the wrong number of values or
+                values beyond int64.
             InvalidBlock: a hit block is not registered under the request's chain.
             NotWritable: a block the step writes is shared or registered; nothing changes.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,16 +10,9 @@ from kvspec.benchmarks import vllm_bench
 from kvspec.reference import BlockPool
 
 
-def _replay(num_blocks: int, unchecked_touch: bool) -> BlockPool:
+def _replay(num_blocks: int, checked_touch: bool) -> BlockPool:
     pool = BlockPool(num_blocks, True)
-    ops: dict[str, Callable[..., Any]] = {
-        "get_cached_block": pool.get_cached_block,
-        "touch": vllm_bench._touch_without_checks(pool) if unchecked_touch else pool.touch,
-        "get_new_blocks": pool.get_new_blocks,
-        "cache_full_blocks": pool.cache_full_blocks,
-        "free_blocks": pool.free_blocks,
-    }
-    vllm_bench._run(ops, vllm_bench.make_trace(400, seed=3), num_blocks)
+    vllm_bench._run(vllm_bench.reference_ops(pool, checked_touch), vllm_bench.make_trace(400, seed=3), num_blocks)
     return pool
 
 
@@ -35,13 +27,9 @@ def test_the_trace_hits_shared_prefixes_and_evicts() -> None:
         calls["evicted"].append(before - len(pool.cached_block_hash_to_block))
         return list(out)
 
-    ops: dict[str, Callable[..., Any]] = {
-        "get_cached_block": pool.get_cached_block,
-        "touch": lambda ids: (calls["touch"].append(list(ids)), pool.touch(ids)),
-        "get_new_blocks": take,
-        "cache_full_blocks": pool.cache_full_blocks,
-        "free_blocks": pool.free_blocks,
-    }
+    ops = vllm_bench.reference_ops(pool)
+    ops["touch"] = lambda ids: (calls["touch"].append(list(ids)), pool.touch(ids))
+    ops["get_new_blocks"] = take
     spent = vllm_bench._run(ops, vllm_bench.make_trace(400, seed=3), 200)
     assert set(spent) == set(vllm_bench.OPS) - {"construct"}
     assert sum(len(ids) for ids in calls["touch"]) > 400  # prefix hits, several blocks a request
@@ -52,7 +40,7 @@ def test_the_trace_hits_shared_prefixes_and_evicts() -> None:
 
 @pytest.mark.parametrize("num_blocks", [120, 1000])
 def test_touch_without_checks_does_the_references_work(num_blocks: int) -> None:
-    checked, unchecked = _replay(num_blocks, False), _replay(num_blocks, True)
+    checked, unchecked = _replay(num_blocks, True), _replay(num_blocks, False)
     assert unchecked.snapshot() == checked.snapshot()
     unchecked.check_invariants()
 
