@@ -205,6 +205,31 @@ def _hash_table_entries(table: Any) -> Iterable[tuple[Any, list[Any]]]:
         yield key, list(value.values()) if isinstance(value, dict) else [value]
 
 
+def _pool_kwargs(release: VllmRelease, block_size: int) -> dict[str, Any]:
+    """The BlockPool constructor's keyword arguments beyond the pool size and caching flag."""
+    params = inspect.signature(release.block_pool.BlockPool).parameters
+    return {"hash_block_size": block_size} if "hash_block_size" in params else {}  # required from 0.12
+
+
+def has_null_block(release: VllmRelease, config: AdapterConfig) -> bool:
+    """Whether the release takes block 0 out as the null block (from 0.8.3), probed on a 2-block pool of its own.
+
+    Releases before allocate block 0 like any other; an adapter then builds
+    vLLM's pool one block smaller and shifts ids by one (see the module NOTE).
+
+    Raises:
+        ValueError: the release has no null block and ``config.num_gpu_blocks < 2`` (its pool would be empty).
+    """
+    pool = release.block_pool.BlockPool(2, config.enable_caching, **_pool_kwargs(release, config.block_size))
+    found = hasattr(pool, "null_block")
+    if not found and config.num_gpu_blocks < 2:
+        raise ValueError(
+            f"{release.label} has no null block, so a pool of num_gpu_blocks={config.num_gpu_blocks} "
+            "(the null block included) would be empty; use num_gpu_blocks >= 2"
+        )
+    return found
+
+
 class _PoolRequest:
     """The request argument of ``cache_full_blocks`` at the pool level.
 
@@ -243,21 +268,11 @@ class VllmPoolAdapter:
         self.release = release
         self.config = config
         bp, ku = release.block_pool, release.kv_cache_utils
-        params = inspect.signature(bp.BlockPool).parameters
-        kwargs: dict[str, Any] = {}
-        if "hash_block_size" in params:  # required from 0.12
-            kwargs["hash_block_size"] = config.block_size
-        # Releases before 0.8.3 allocate block 0 like any other; see the module NOTE.
-        probe_has_null = hasattr(bp.BlockPool(2, config.enable_caching, **kwargs), "null_block")
-        self._offset = 0 if probe_has_null else 1
-        num_vllm_blocks = config.num_gpu_blocks - self._offset
-        if num_vllm_blocks < 1:
-            raise ValueError(
-                f"{release.label} has no null block, so a pool of num_gpu_blocks={config.num_gpu_blocks} "
-                "(the null block included) would be empty; use num_gpu_blocks >= 2"
-            )
-        self.pool: Any = bp.BlockPool(num_vllm_blocks, config.enable_caching, **kwargs)
-        self.has_null_block = probe_has_null
+        self.has_null_block = has_null_block(release, config)
+        self._offset = 0 if self.has_null_block else 1
+        self.pool: Any = bp.BlockPool(
+            config.num_gpu_blocks - self._offset, config.enable_caching, **_pool_kwargs(release, config.block_size)
+        )
         self.hash_key_kind = _hash_key_kind(ku)
         self.touch_shape = _touch_shape(self.pool)
         self._cfb_params = tuple(inspect.signature(self.pool.cache_full_blocks).parameters)

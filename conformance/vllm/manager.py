@@ -72,7 +72,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig, KVCacheManagerAdapter
-from kvspec.conformance.vllm.adapter import VllmRelease, pool_snapshot
+from kvspec.conformance.vllm.adapter import VllmRelease, has_null_block, pool_snapshot
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
@@ -142,18 +142,11 @@ class VllmManagerAdapter:
             self.hash_fn = "builtin"
         elif self.hashes == "manager" and self.hash_fn != "builtin":
             self.hash_fn = "sha256" if "sha256" in release.hash_functions else "builtin"
-        self.manager: Any = self._build_manager(manager_cls, config.num_gpu_blocks)
         # Releases before 0.8.3 allocate block 0 like any other: built one block smaller,
         # vLLM's block k is the spec's block k + 1 (see kvspec.conformance.vllm.adapter).
-        self.has_null_block = hasattr(self.manager.block_pool, "null_block")
+        self.has_null_block = has_null_block(release, config)
         self._offset = 0 if self.has_null_block else 1
-        if not self.has_null_block:
-            if config.num_gpu_blocks < 2:
-                raise ValueError(
-                    f"{release.label} has no null block, so a pool of num_gpu_blocks={config.num_gpu_blocks} "
-                    "(the null block included) would be empty; use num_gpu_blocks >= 2"
-                )
-            self.manager = self._build_manager(manager_cls, config.num_gpu_blocks - 1)
+        self.manager: Any = self._build_manager(manager_cls, config.num_gpu_blocks - self._offset)
         self._pool: Any = self.manager.block_pool
         self._block_hasher: Any = None
         if self.hashes == "request":
