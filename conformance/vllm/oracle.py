@@ -405,18 +405,7 @@ def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Pa
     python = root / "bin" / "python"
     done = root / "KVSPEC_READY"  # the release, then the kvspec checkout installed in it
     source = _kvspec_source()
-    if done.exists():
-        # The environments are shared by every checkout on this machine: one made
-        # from another checkout is pointed at this one, so it runs this kvspec.
-        if source is not None and done.read_text().split("\n")[1:2] != [str(source)]:
-            pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-            log(f"vllm=={version}: pip install kvspec from {source}")
-            proc = subprocess.run([*pip, "--no-deps", "-e", str(source)], capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                tail = proc.stderr[-600:]
-                raise RuntimeError(f"pip install kvspec from {source} failed (rc={proc.returncode}): {tail}")
-            done.write_text(f"{version}\n{source}\n")
-        return python
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
 
     def run(cmd: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
         log(f"vllm=={version}: {what}")
@@ -426,9 +415,16 @@ def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Pa
             raise RuntimeError(f"{what} failed (rc={proc.returncode}): {tail}")
         return proc
 
+    if done.exists():
+        # The environments are shared by every checkout on this machine: one made
+        # from another checkout is pointed at this one, so it runs this kvspec.
+        if source is not None and done.read_text().split("\n")[1:2] != [str(source)]:
+            run([*pip, "--no-deps", "-e", str(source)], f"pip install kvspec from {source}")
+            done.write_text(f"{version}\n{source}\n")
+        return python
+
     root.parent.mkdir(parents=True, exist_ok=True)
     run([sys.executable, "-m", "venv", str(root)], "create the environment")
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     run([*pip, "--no-deps", f"vllm=={version}"], "pip install --no-deps vllm")
     run([*pip, TORCH_PIN], f"pip install {TORCH_PIN}")
     transformers = "transformers>=4.51.1,<4.54" if version_key(version) < version_key("0.24.0") else "transformers"
