@@ -15,6 +15,7 @@ as it was.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 from kvspec.spec.errors import (
@@ -175,26 +176,22 @@ class BlockPool:
     def _touch_slowly(self, block_ids: Sequence[BlockId]) -> None:
         """`touch` for a call its loop did not accept: usually a mistake, else an int subclass as an id.
 
-        Gives back the references the loop took, checks every id with the spec's
-        error order (ids, then duplicates, then hashes), and only then touches.
+        Gives back the references the loop took, raises the spec's error in the
+        spec's order (ids, then duplicates, then hashes), and touches only a
+        call with no mistake.
         """
         n, all_blocks = self.num_gpu_blocks, self.blocks
         for b in block_ids:  # touch's own test, so this stops where its loop stopped
             if type(b) is not int or not 0 < b < n or all_blocks[b].block_hash is None:
                 break
             all_blocks[b].ref_cnt -= 1
-        blocks = self._blocks_of(block_ids, "touch")
-        for block in blocks:
+        for block in self._blocks_of(block_ids, "touch"):
             if block.block_hash is None:
                 raise InvalidBlock(
                     f"touch: block_id={block.block_id} has no hash (ref_cnt={block.ref_cnt}), "
                     "so no request can have hit it; stale block table?"
                 )
-        remove = self.free_block_queue.remove
-        for block in blocks:
-            if block.ref_cnt == 0:
-                remove(block)
-            block.ref_cnt += 1
+        self.touch([BlockId(int(b)) for b in block_ids])  # checked: plain ints pass the first loop
 
     def free_blocks(self, ordered_block_ids: Sequence[BlockId]) -> None:
         """Drop one reference per block, in eviction-priority order (a request's blocks tail first).
@@ -210,35 +207,44 @@ class BlockPool:
 
         Cost: O(len(ordered_block_ids)).
         """
-        # One pass checks every id and notes the first block nobody holds; the
-        # errors are raised in the spec's order (ids, then duplicates, then double free).
-        n, all_blocks = self.num_gpu_blocks, self.blocks
-        blocks: list[KVCacheBlock] = []
-        unheld: KVCacheBlock | None = None
+        # Every finished request lands here, so the common case is one pass that
+        # checks an id and drops its reference at once; the queue is left alone
+        # until every id has passed. Anything the pass does not accept goes to
+        # `_free_slowly`, which hands back the references it dropped first.
+        n, all_blocks, unhashed_to_left = self.num_gpu_blocks, self.blocks, self._unhashed_to_left
+        left: list[KVCacheBlock] = []  # newly free, reused first
+        right: list[KVCacheBlock] = []  # newly free, kept longest (LRU)
+        dropped = 0
         for b in ordered_block_ids:
-            if type(b) is not int or not 0 < b < n:
-                self._check_block_id_slowly(b, "free_blocks")
-            block = all_blocks[b]
-            if unheld is None and block.ref_cnt == 0:
-                unheld = block
-            blocks.append(block)
-        if len(blocks) > 1 and len(set(ordered_block_ids)) != len(blocks):
-            raise InvalidRequest(f"free_blocks: block_ids={list(ordered_block_ids)} names a block twice")
-        if unheld is not None:
-            raise DoubleFree(
-                f"free_blocks: block_id={unheld.block_id} has ref_cnt=0, no request holds it (double free?)"
-            )
-        left: list[KVCacheBlock] = []
-        right: list[KVCacheBlock] = []
-        for block in blocks:
+            if type(b) is not int or not 0 < b < n or (block := all_blocks[b]).ref_cnt == 0:
+                return self._free_slowly(ordered_block_ids, dropped)
             block.ref_cnt -= 1
+            dropped += 1
             if block.ref_cnt == 0:
-                if self._unhashed_to_left and block.block_hash is None:
+                if unhashed_to_left and block.block_hash is None:
                     left.append(block)
                 else:
                     right.append(block)
+        if dropped > 1 and len(set(ordered_block_ids)) != dropped:
+            return self._free_slowly(ordered_block_ids, dropped)
         self.free_block_queue.prepend_n(left)
         self.free_block_queue.append_n(right)
+
+    def _free_slowly(self, ordered_block_ids: Sequence[BlockId], dropped: int) -> None:
+        """`free_blocks` for a call its pass did not accept: usually a mistake, else an int subclass as an id.
+
+        Hands back the references the pass dropped (one per id, for the first
+        `dropped` ids), raises the spec's error in the spec's order (ids, then
+        duplicates, then double free), and frees only a call with no mistake.
+        """
+        for b in islice(ordered_block_ids, dropped):
+            self.blocks[b].ref_cnt += 1
+        for block in self._blocks_of(ordered_block_ids, "free_blocks"):
+            if block.ref_cnt == 0:
+                raise DoubleFree(
+                    f"free_blocks: block_id={block.block_id} has ref_cnt=0, no request holds it (double free?)"
+                )
+        self.free_blocks([BlockId(int(b)) for b in ordered_block_ids])  # checked: plain ints pass the first pass
 
     def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
         """Register full, held blocks under their hashes.

@@ -109,13 +109,15 @@ class FreeKVCacheBlockQueue:
         """
         last = self._tail.prev_free_block
         assert last is not None
+        count = 0  # counted here and added once: this runs for every block a request frees
         for block in blocks:
             last.next_free_block = block
             block.prev_free_block = last
             last = block
-            self.num_free_blocks += 1
+            count += 1
         last.next_free_block = self._tail
         self._tail.prev_free_block = last
+        self.num_free_blocks += count
 
     def append(self, block: KVCacheBlock) -> None:
         """Put `block` at the right end. Cost: O(1)."""
@@ -129,13 +131,15 @@ class FreeKVCacheBlockQueue:
         first = self._head.next_free_block
         assert first is not None
         prev = self._head
+        count = 0
         for block in blocks:
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
-            self.num_free_blocks += 1
+            count += 1
         prev.next_free_block = first
         first.prev_free_block = prev
+        self.num_free_blocks += count
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         """The queued blocks, left to right. Cost: O(n)."""
