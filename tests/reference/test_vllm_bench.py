@@ -16,9 +16,9 @@ def _replay(num_blocks: int, checked_touch: bool) -> BlockPool:
     return pool
 
 
-def test_the_trace_hits_shared_prefixes_and_evicts() -> None:
-    calls: dict[str, list[Any]] = {"touch": [], "evicted": []}
-    pool = BlockPool(200, True)
+def test_the_trace_hits_held_and_free_cached_blocks_and_evicts() -> None:
+    calls: dict[str, list[Any]] = {"free hits": [], "held hits": [], "evicted": []}
+    pool = BlockPool(600, True)
     get_new_blocks = pool.get_new_blocks
 
     def take(n: int) -> list[int]:
@@ -27,15 +27,39 @@ def test_the_trace_hits_shared_prefixes_and_evicts() -> None:
         calls["evicted"].append(before - len(pool.cached_block_hash_to_block))
         return list(out)
 
+    def touch(ids: list[int]) -> None:
+        free = sum(pool.blocks[b].ref_cnt == 0 for b in ids)
+        calls["free hits"].append(free)
+        calls["held hits"].append(len(ids) - free)
+        pool.touch(ids)
+
     ops = vllm_bench.reference_ops(pool)
-    ops["touch"] = lambda ids: (calls["touch"].append(list(ids)), pool.touch(ids))
-    ops["get_new_blocks"] = take
-    spent = vllm_bench._run(ops, vllm_bench.make_trace(400, seed=3), 200)
+    ops.update(touch=touch, get_new_blocks=take)
+    spent = vllm_bench._run(ops, vllm_bench.make_trace(3000, seed=3), 600)
     assert set(spent) == set(vllm_bench.OPS) - {"construct"}
-    assert sum(len(ids) for ids in calls["touch"]) > 400  # prefix hits, several blocks a request
+    assert sum(calls["held hits"]) > 1000  # shared system prompts held by running requests
+    assert sum(calls["free hits"]) > 1000  # a next turn takes its conversation's cached blocks out of the queue
     assert sum(calls["evicted"]) > 0  # allocation evicted cached blocks
     pool.check_invariants()
-    assert pool.get_num_free_blocks() == 199  # every request was freed at the end
+    assert pool.get_num_free_blocks() == 599  # every request was freed at the end
+
+
+def test_at_most_max_num_seqs_requests_run_at_once() -> None:
+    pool, running, most = BlockPool(100_000, True), [0], [0]
+    ops = vllm_bench.reference_ops(pool)
+
+    def take(n: int) -> list[int]:
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        return list(pool.get_new_blocks(n))
+
+    def free(ids: list[int]) -> None:
+        running[0] -= 1
+        pool.free_blocks(ids)
+
+    ops.update(get_new_blocks=take, free_blocks=free)
+    vllm_bench._run(ops, vllm_bench.make_trace(1000), 100_000)
+    assert most[0] == vllm_bench.MAX_RUNNING  # the batch limit binds in a pool this large, and holds
 
 
 @pytest.mark.parametrize("num_blocks", [120, 1000])
