@@ -35,7 +35,7 @@ import tempfile
 import time
 import traceback
 import unittest
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,7 @@ class CheckResult:
     seed: int = 0
     not_exercised: tuple[str, ...] = ()  # caller mistakes ("<op>: <mistake>") the adapter declares it does not reject
     device: str | None = None  # AdapterConfig.device the adapters were built with
+    extra_rounds: int = 0  # rounds run after max_examples because a branch was unreached (see cover_rounds)
 
     @property
     def exit_code(self) -> int:
@@ -392,12 +393,13 @@ def _campaign(
     heartbeat: Any,
     device: str | None = None,
     shrink: bool = True,
+    cover_rounds: int = 0,
 ) -> dict[str, Any]:
     start = time.monotonic()
     deadline = start + time_budget_s if time_budget_s is not None else None
     observer = Observer(step_timeout_s, stream_fd, heartbeat, keep_deepest, impl, device)
     base: dict[str, Any] = {"examples": 0, "steps": 0, "coverage": {}, "states": 0, "invariants_checked": 0}
-    verdict, message = "conforms", ""
+    verdict, message, extra_rounds = "conforms", "", 0
     failure: tuple[ConformanceFailure | SpecFailure, LockStep | None] | None = None
     undo = observer.install_alarm()
     try:
@@ -426,6 +428,30 @@ def _campaign(
             )
             remaining -= n
             chunk_seed += 1
+        # One seed can miss a rare branch; while one is unreached, further rounds
+        # of as many examples run on the next seeds, so a report's coverage says
+        # what the campaign reached rather than what one seed happened to draw.
+        branches = expected_branches(level, enable_caching, profile)
+        while failure is None and extra_rounds < cover_rounds:
+            reachable = _reachable(branches, observer.coverage, observer.not_exercised, observer.absent_ops)
+            if all(observer.coverage.get(b) for b in reachable):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            failure, message = _run_chunk(
+                factory,
+                observer,
+                level,
+                enable_caching,
+                profile,
+                max_examples,
+                chunk_seed,
+                steps_per_example,
+                database,
+                shrink,
+            )
+            chunk_seed += 1
+            extra_rounds += 1
         if failure is not None:
             found = failure[0]
             verdict = _VERDICT_OF_KIND["spec" if isinstance(found, SpecFailure) else found.kind]
@@ -442,6 +468,7 @@ def _campaign(
         "seconds": time.monotonic() - start,
         "not_exercised": sorted(observer.not_exercised),
         "absent_ops": sorted(observer.absent_ops),
+        "extra_rounds": extra_rounds,
     }
     if failure is not None:
         found, lock = failure
@@ -661,6 +688,25 @@ def _failure_of(trace: Trace, fd: dict[str, Any], path: str, impl: str | None, i
     )
 
 
+def _reachable(
+    branches: Sequence[str], coverage: Mapping[str, int], not_exercised: Iterable[str], absent_ops: Iterable[str]
+) -> tuple[str, ...]:
+    """The expected branches this adapter can reach: all, less what its declarations rule out (or reached anyway)."""
+    # An error no mistake made against this adapter could raise is not a branch it should reach.
+    skipped_ops = {m.split(": ", 1)[0] for m in not_exercised}
+    # Nor is any branch of an optional operation the adapter does not have.
+    absent = set(absent_ops)
+    return tuple(
+        b
+        for b in branches
+        if coverage.get(b)
+        or not (
+            (b.split(": ", 1)[0] in skipped_ops and b.split(": ", 1)[-1] in _ERROR_TYPES)
+            or b.split(": ", 1)[0] in absent
+        )
+    )
+
+
 def _result(
     raw: dict[str, Any] | _Death,
     *,
@@ -682,19 +728,7 @@ def _result(
         coverage = {b: 0 for b in branches}
         coverage.update(data.get("coverage", {}))
         not_exercised = tuple(data.get("not_exercised", ()))
-        # An error no mistake made against this adapter could raise is not a branch it should reach.
-        skipped_ops = {m.split(": ", 1)[0] for m in not_exercised}
-        # Nor is any branch of an optional operation the adapter does not have.
-        absent_ops = set(data.get("absent_ops", ()))
-        expected = tuple(
-            b
-            for b in branches
-            if coverage.get(b)
-            or not (
-                (b.split(": ", 1)[0] in skipped_ops and b.split(": ", 1)[-1] in _ERROR_TYPES)
-                or b.split(": ", 1)[0] in absent_ops
-            )
-        )
+        expected = _reachable(branches, coverage, not_exercised, data.get("absent_ops", ()))
         return CheckResult(
             verdict=verdict,
             level=level,
@@ -713,6 +747,7 @@ def _result(
             seed=seed,
             not_exercised=not_exercised,
             device=device,
+            extra_rounds=int(data.get("extra_rounds", 0)),
         )
 
     trace: Trace | None = None
@@ -794,6 +829,7 @@ def run_check(
     minimize_s: float = 30.0,
     device: str | None = None,
     shrink: bool = True,
+    cover_rounds: int = 0,
 ) -> CheckResult:
     """Check one implementation at one level against the spec.
 
@@ -816,6 +852,8 @@ def run_check(
         device: `AdapterConfig.device` for every adapter built ("cpu", "cuda:0"; None: the adapter picks).
             The device is first used inside the campaign's child process.
         shrink: shrink a failure found by Hypothesis (False: report the first failing example as found).
+        cover_rounds: while an expected branch is unreached after `max_examples`, up to this many
+            more rounds of `max_examples` each, on the next seeds (within the time budget).
 
     Returns:
         The verdict, what ran and was reached, and the failure with its saved trace and story.
@@ -837,6 +875,8 @@ def run_check(
         return could_not_run(f"unknown profile={profile!r}; known profiles: {', '.join(sorted(PROFILES))}")
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
         return could_not_run(f"max_examples must be a positive integer; got max_examples={max_examples!r}")
+    if isinstance(cover_rounds, bool) or not isinstance(cover_rounds, int) or cover_rounds < 0:
+        return could_not_run(f"cover_rounds must be a non-negative integer; got cover_rounds={cover_rounds!r}")
     chosen: Factory = factory
 
     def work(stream_fd: int | None, heartbeat: Any) -> dict[str, Any]:
@@ -857,6 +897,7 @@ def run_check(
             heartbeat=heartbeat,
             device=device,
             shrink=shrink,
+            cover_rounds=cover_rounds,
         )
 
     raw = _run(work, step_timeout_s, isolate)

@@ -341,9 +341,7 @@ class BlockPool:
 
     def snapshot(self, block_tables: tuple[tuple[str, tuple[BlockId, ...]], ...] | None = None) -> Snapshot:
         """The state in the spec's normal form. Cost: O(num_gpu_blocks)."""
-        table = tuple(
-            (h, tuple(BlockId(b) for b in entry)) for h, entry in self.cached_block_hash_to_block.items()
-        )
+        table = tuple((h, tuple(BlockId(b) for b in entry)) for h, entry in self.cached_block_hash_to_block.items())
         return Snapshot(
             num_gpu_blocks=self.num_gpu_blocks,
             enable_caching=self.enable_caching,

@@ -4,7 +4,9 @@ Without `--impl` it checks every built-in implementation whose module imports
 (reference, spec, gpu), at both levels, with prefix caching on and off, and
 prints one screen: a row per configuration (verdict, examples, steps,
 steps per second, distinct states, invariant checks, spec branches reached),
-what the whole run reached, then the story of each failure. Exit 0 when
+what the whole run reached, then the story of each failure. A configuration
+that leaves a spec branch unreached runs up to `--cover-rounds` more rounds of
+examples on the next seeds; a branch still unreached is listed. Exit 0 when
 everything conforms, 1 when something diverges, 2 when something could not
 be checked (it crashed, hung, could not be loaded or built, bad arguments).
 
@@ -45,6 +47,9 @@ from kvspec.spec.ordering import PROFILES
 __all__ = ["register", "render_summary", "run", "write_junit"]
 
 DEFAULT_MAX_EXAMPLES = 100
+# Rare branches (a duplicate id, an eviction by the manager) can go unreached by
+# one seed's 100 examples; a few more rounds reach them, and the summary says so.
+DEFAULT_COVER_ROUNDS = 3
 # With a time budget and no example count, the budget alone decides.
 UNBOUNDED_EXAMPLES = 10**9
 
@@ -87,6 +92,14 @@ def register(subparsers: Any) -> None:
         help=f"examples per configuration (default {DEFAULT_MAX_EXAMPLES}; unbounded with --time-budget)",
     )
     p.add_argument("--steps", type=int, default=50, metavar="N", help="rules per example (default 50)")
+    p.add_argument(
+        "--cover-rounds",
+        type=int,
+        default=DEFAULT_COVER_ROUNDS,
+        metavar="N",
+        help="while a branch is unreached after the examples, up to N more rounds of as many examples on the "
+        f"next seeds (default {DEFAULT_COVER_ROUNDS}; 0: none)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same campaign")
     p.add_argument(
         "--time-budget",
@@ -138,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"kvspec check: --{name.replace('_', '-')} must be at least 1; got {value}")
             return 2
+    if args.cover_rounds < 0:
+        print(f"kvspec check: --cover-rounds must be at least 0; got {args.cover_rounds}")
+        return 2
     impls, notes = (args.impl, []) if args.impl else _default_impls()
     if any(name == "vllm" or name.startswith("vllm@") for name in impls):
         # vLLM logs a warning for every refused reset; the verdicts and the summary say it all.
@@ -180,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
             keep_deepest=args.keep_deepest,
             database=database,
             device=args.device,
+            cover_rounds=args.cover_rounds,
         )
         results.append(result)
         print(_row(result), flush=True)
@@ -286,6 +303,13 @@ def render_summary(results: Sequence[CheckResult], seconds: float) -> str:
         n = bad_inputs if not keys else sum(total.get(k, 0) for k in keys)
         parts.append(f"{label} {n}")
     lines.append("reached: " + ", ".join(parts))
+    more = [
+        f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'} +{r.extra_rounds}"
+        for r in results
+        if r.extra_rounds
+    ]
+    if more:
+        lines.append(f"more rounds to reach every branch: {', '.join(more)}")
     for r in results:
         if r.unreached and r.verdict == "conforms":
             where = f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}"
@@ -348,7 +372,7 @@ def write_junit(results: Sequence[CheckResult], path: str | Path) -> None:
             out.text = (
                 f"examples={r.examples_run} steps={r.steps_run} steps_per_second={r.steps_per_second:.0f} "
                 f"states={r.states_reached} invariants_checked={r.invariants_checked} "
-                f"branches={len(r.branches) - len(r.unreached)}/{len(r.branches)}"
+                f"branches={len(r.branches) - len(r.unreached)}/{len(r.branches)} extra_rounds={r.extra_rounds}"
             )
         for key in ("tests", "failures", "errors"):
             suite.set(key, str(counts[key]))

@@ -146,6 +146,8 @@ def test_check_with_bad_arguments_exits_2(capsys):
     assert main(["check", "--profile", "lfu-maybe"]) == 2
     assert "unknown profile 'lfu-maybe'" in capsys.readouterr().out
     assert main(["check", "--max-examples", "0"]) == 2
+    assert main(["check", "--cover-rounds", "-1"]) == 2
+    assert "--cover-rounds must be at least 0; got -1" in capsys.readouterr().out
     assert main(["check", "--level", "rack"]) == 2  # argparse's own refusal
 
 

@@ -160,6 +160,27 @@ def test_bad_arguments_could_not_run(tmp_path):
     assert run_check(make_reference, profile="lru", trace_dir=tmp_path).message.startswith("unknown profile='lru'")
     assert "level must be" in run_check(make_reference, level="request", trace_dir=tmp_path).message
     assert "max_examples" in run_check(make_reference, max_examples=0, trace_dir=tmp_path).message
+    assert "cover_rounds" in run_check(make_reference, cover_rounds=-1, trace_dir=tmp_path).message
+
+
+def test_unreached_branches_get_more_rounds_on_the_next_seeds(tmp_path):
+    # Five examples cannot reach the pool's 36 branches: every extra round runs, each a seed further.
+    one = run_check(make_reference, level="pool", max_examples=5, trace_dir=tmp_path)
+    more = run_check(make_reference, level="pool", max_examples=5, cover_rounds=2, trace_dir=tmp_path)
+    assert one.extra_rounds == 0 and one.unreached
+    assert more.verdict == "conforms" and more.extra_rounds == 2
+    assert more.examples_run > one.examples_run and more.steps_run > one.steps_run
+    assert len(more.unreached) < len(one.unreached)
+    # The rounds are the campaign's next seeds: seed 1's campaign is the first extra round.
+    seed_1 = run_check(make_reference, level="pool", max_examples=5, seed=1, trace_dir=tmp_path)
+    assert set(more.unreached) <= set(one.unreached) & set(seed_1.unreached)
+
+
+def test_a_campaign_that_reached_every_branch_runs_no_extra_round(tmp_path):
+    r = run_check(
+        make_reference, level="pool", enable_caching=False, max_examples=300, cover_rounds=3, trace_dir=tmp_path
+    )
+    assert r.verdict == "conforms" and not r.unreached and r.extra_rounds == 0
 
 
 def test_the_same_seed_gives_the_same_campaign(tmp_path):
@@ -194,7 +215,8 @@ def test_the_campaign_reaches_deep_states_and_counts_them(tmp_path):
 
 
 def test_the_request_level_reaches_preemption_chunking_and_capped_hits(tmp_path):
-    r = run_check(make_reference, level="manager", max_examples=100, trace_dir=tmp_path)
+    # An eviction by the manager is the rarest of these: one seed's 100 examples can miss it.
+    r = run_check(make_reference, level="manager", max_examples=100, cover_rounds=3, trace_dir=tmp_path)
     assert r.verdict == "conforms"
     for event in (
         "free: request preempted",
