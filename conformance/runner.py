@@ -413,8 +413,17 @@ def _campaign(
         # A time budget runs the campaign in chunks (seed, seed + 1, ...) sized to
         # the time left: Hypothesis has no time limit of its own, and an exception
         # raised inside a test to stop it would be taken for flaky data generation.
+        # One seed can also miss a rare branch: while one is unreached, up to
+        # `cover_rounds` more rounds of as many examples run on the next seeds, so
+        # the coverage reported is the campaign's rather than one seed's luck.
+        branches = expected_branches(level, enable_caching, profile)
         remaining, chunk_seed = max_examples, seed
-        while remaining > 0 and failure is None:
+        while failure is None:
+            if remaining <= 0:
+                reachable = _reachable(branches, observer.coverage, observer.not_exercised, observer.absent_ops)
+                if extra_rounds == cover_rounds or all(observer.coverage.get(b) for b in reachable):
+                    break
+                remaining, extra_rounds = max_examples, extra_rounds + 1
             n = remaining
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -428,30 +437,6 @@ def _campaign(
             )
             remaining -= n
             chunk_seed += 1
-        # One seed can miss a rare branch; while one is unreached, further rounds
-        # of as many examples run on the next seeds, so a report's coverage says
-        # what the campaign reached rather than what one seed happened to draw.
-        branches = expected_branches(level, enable_caching, profile)
-        while failure is None and extra_rounds < cover_rounds:
-            reachable = _reachable(branches, observer.coverage, observer.not_exercised, observer.absent_ops)
-            if all(observer.coverage.get(b) for b in reachable):
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            failure, message = _run_chunk(
-                factory,
-                observer,
-                level,
-                enable_caching,
-                profile,
-                max_examples,
-                chunk_seed,
-                steps_per_example,
-                database,
-                shrink,
-            )
-            chunk_seed += 1
-            extra_rounds += 1
         if failure is not None:
             found = failure[0]
             verdict = _VERDICT_OF_KIND["spec" if isinstance(found, SpecFailure) else found.kind]

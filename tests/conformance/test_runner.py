@@ -176,6 +176,13 @@ def test_unreached_branches_get_more_rounds_on_the_next_seeds(tmp_path):
     assert set(more.unreached) <= set(one.unreached) & set(seed_1.unreached)
 
 
+def test_extra_rounds_stop_at_the_time_budget(tmp_path):
+    # One example a round never covers everything: only the budget ends the rounds.
+    r = run_check(make_reference, level="pool", max_examples=1, cover_rounds=10**6, time_budget_s=2, trace_dir=tmp_path)
+    assert r.verdict == "conforms" and "time budget" in r.message
+    assert 0 < r.extra_rounds < 10**6 and r.seconds < 20
+
+
 def test_a_campaign_that_reached_every_branch_runs_no_extra_round(tmp_path):
     r = run_check(
         make_reference, level="pool", enable_caching=False, max_examples=300, cover_rounds=3, trace_dir=tmp_path
