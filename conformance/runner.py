@@ -824,7 +824,9 @@ def run_check(
         enable_caching: prefix caching on or off.
         profile: the ordering profile the implementation claims (spec.ordering.PROFILES).
         max_examples: Hypothesis examples (each up to `steps_per_example` rules).
-        seed: the random seed; the same seed gives the same campaign.
+        seed: the random seed; the same seed gives the same campaign in the same program. Hypothesis
+            also mixes constants from the loaded first-party modules into its draws, so a program
+            that has imported other modules of its own (a test suite) may draw a different campaign.
         time_budget_s: stop starting new examples after this long (a failure is still shrunk).
         step_timeout_s: the most one implementation call may take; None: no limit.
         trace_dir: where failure traces go (default: a new temporary directory).
