@@ -209,12 +209,13 @@ def _touch_without_checks(pool: BlockPool) -> Callable[[list[Any]], None]:
 
 def harness_speed(version: str, max_examples: int = 100) -> tuple[float, float]:
     """Pool-level harness steps per second against the reference and against vLLM ``version``, same campaign."""
+    from kvspec.conformance.results import Verdict
     from kvspec.conformance.runner import run_check
 
     rates = []
     for factory in ("reference", f"vllm@{version}"):
         result = run_check(factory, max_examples=max_examples, isolate=False, seed=0)
-        if result.verdict != "conforms":
+        if result.verdict is not Verdict.CONFORMS:
             raise RuntimeError(f"harness against {factory}: {result.verdict} ({result.message})")
         rates.append(result.steps_per_second)
     return rates[0], rates[1]

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from kvspec.conformance.operations import optional_operations
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
@@ -58,8 +59,9 @@ __all__ = [
 
 Level = Literal["pool", "manager"]
 
-# Pool operations an adapter may lack; the machine skips a rule whose op is missing.
-OPTIONAL_POOL_OPS: tuple[str, ...] = ("evict_blocks", "is_block_writable", "get_num_free_blocks", "get_usage")
+# Pool operations an adapter may lack (the operations table marks them); the
+# machine skips a rule whose op is missing.
+OPTIONAL_POOL_OPS: tuple[str, ...] = optional_operations("pool")
 
 
 @dataclass(frozen=True, slots=True)

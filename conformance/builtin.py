@@ -8,7 +8,8 @@ possible adapter.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
 from kvspec.reference import BlockPool, KVCacheManager
@@ -16,6 +17,7 @@ from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
+from kvspec.spec.step import Step
 
 __all__ = [
     "ReferenceManagerAdapter",
@@ -27,49 +29,58 @@ __all__ = [
 ]
 
 
-class SpecPoolAdapter:
+class _SpecState:
+    """Holds a spec state value and steps it: every spec operation returns a `Step` (state, result)."""
+
+    state: Any
+
+    def _apply(self, operation: Callable[..., Step[Any, Any]], *args: Any) -> Any:
+        step = operation(self.state, *args)
+        self.state = step.state
+        return step.result
+
+    def snapshot(self) -> Snapshot:
+        return cast(Snapshot, self.state.snapshot())
+
+
+class SpecPoolAdapter(_SpecState):
     """The spec's BlockPool operations behind the adapter protocol."""
 
     def __init__(self, config: AdapterConfig) -> None:
         self.state = spec_ops.new_pool(config.num_gpu_blocks, config.enable_caching, config.profile)
 
     def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
-        self.state, taken = spec_ops.get_new_blocks(self.state, num_blocks)
-        return list(taken)
+        return list(self._apply(spec_ops.get_new_blocks, num_blocks))
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
-        self.state = spec_ops.touch(self.state, block_ids)
+        self._apply(spec_ops.touch, block_ids)
 
     def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
-        return spec_ops.get_cached_block(self.state, block_hash)
+        return cast("BlockId | None", self._apply(spec_ops.get_cached_block, block_hash))
 
     def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
-        self.state = spec_ops.cache_full_blocks(self.state, block_ids, block_hashes)
+        self._apply(spec_ops.cache_full_blocks, block_ids, block_hashes)
 
     def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
-        self.state = spec_ops.free_blocks(self.state, block_ids)
+        self._apply(spec_ops.free_blocks, block_ids)
 
     def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
-        self.state = spec_ops.evict_blocks(self.state, block_ids)
+        self._apply(spec_ops.evict_blocks, block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        self.state, done = spec_ops.reset_prefix_cache(self.state)
-        return done
+        return bool(self._apply(spec_ops.reset_prefix_cache))
 
     def is_block_writable(self, block_id: BlockId) -> bool:
-        return spec_ops.is_block_writable(self.state, block_id)
+        return bool(self._apply(spec_ops.is_block_writable, block_id))
 
     def get_num_free_blocks(self) -> int:
-        return spec_ops.get_num_free_blocks(self.state)
+        return int(self._apply(spec_ops.get_num_free_blocks))
 
     def get_usage(self) -> float:
-        return spec_ops.get_usage(self.state)
-
-    def snapshot(self) -> Snapshot:
-        return self.state.snapshot()
+        return float(self._apply(spec_ops.get_usage))
 
 
-class SpecManagerAdapter:
+class SpecManagerAdapter(_SpecState):
     """The spec's KVCacheManager functions behind the adapter protocol."""
 
     uses_kvspec_hash_chain = True  # it is kvspec's chain: hash values are compared exactly
@@ -80,7 +91,7 @@ class SpecManagerAdapter:
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        blocks, num_tokens = spec_manager.get_computed_blocks(self.state, request)
+        blocks, num_tokens = self._apply(spec_manager.get_computed_blocks, request)
         return list(blocks), num_tokens
 
     def allocate_slots(
@@ -91,8 +102,8 @@ class SpecManagerAdapter:
         new_computed_blocks: Sequence[BlockId] = (),
         num_external_computed_tokens: int = 0,
     ) -> list[BlockId] | None:
-        self.state, new_blocks = spec_manager.allocate_slots(
-            self.state,
+        new_blocks = self._apply(
+            spec_manager.allocate_slots,
             request,
             num_new_tokens,
             num_new_computed_tokens,
@@ -102,10 +113,7 @@ class SpecManagerAdapter:
         return None if new_blocks is None else list(new_blocks)
 
     def free(self, request_id: str) -> None:
-        self.state = spec_manager.free(self.state, request_id)
-
-    def snapshot(self) -> Snapshot:
-        return self.state.snapshot()
+        self._apply(spec_manager.free, request_id)
 
 
 class ReferencePoolAdapter(BlockPool):

@@ -77,17 +77,17 @@ def _random_pool_call(rng: random.Random, st: PoolState) -> PoolState:
     )
     try:
         if op == "get_new_blocks":
-            return spec_ops.get_new_blocks(st, rng.randint(0, len(st.free_queue)))[0]
+            return spec_ops.get_new_blocks(st, rng.randint(0, len(st.free_queue))).state
         if op == "free_blocks":
-            return spec_ops.free_blocks(st, some(held))
+            return spec_ops.free_blocks(st, some(held)).state
         if op == "cache":
             blocks = some([b for b in held if st.block_hash[b] is None])
-            return spec_ops.cache_full_blocks(st, blocks, [BlockHash(b"h%d" % rng.randint(1, 3)) for _ in blocks])
+            return spec_ops.cache_full_blocks(st, blocks, [BlockHash(b"h%d" % rng.randint(1, 3)) for _ in blocks]).state
         if op == "touch":
-            return spec_ops.touch(st, some(hashed))
+            return spec_ops.touch(st, some(hashed)).state
         if op == "evict":
-            return spec_ops.evict_blocks(st, some(hashed)[:1])
-        return spec_ops.reset_prefix_cache(st)[0]
+            return spec_ops.evict_blocks(st, some(hashed)[:1]).state
+        return spec_ops.reset_prefix_cache(st).state
     except BlockManagerError:
         return st  # prefix caching off: nothing is cached
 
@@ -165,12 +165,13 @@ def manager_state_corpus(size: int = 24, seed: int = 0) -> tuple[spec_manager.Ma
         running: list[str] = []
         for step in range(rng.randint(0, 4)):
             if running and rng.random() < 0.35:
-                state = spec_manager.free(state, running.pop(rng.randrange(len(running))))
+                state = spec_manager.free(state, running.pop(rng.randrange(len(running)))).state
                 continue
             request = spec_manager.Request(f"r{step}", rng.choice(prompts))
-            hit, num_hit = spec_manager.get_computed_blocks(state, request)
+            hit, num_hit = spec_manager.get_computed_blocks(state, request).result
             num_new = len(request.token_ids) - num_hit
-            state, blocks = spec_manager.allocate_slots(state, request, num_new, num_hit, hit)
+            allocated = spec_manager.allocate_slots(state, request, num_new, num_hit, hit)
+            state, blocks = allocated.state, allocated.result
             if blocks is not None:
                 running.append(request.request_id)
         states.setdefault(state.snapshot(), state)

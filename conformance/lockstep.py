@@ -1,8 +1,9 @@
 """The lock-step core: the spec and an implementation stepped together, checked after every call.
 
-`LockStep` runs one example: every call goes to the spec (`kvspec.spec.ops` /
-`kvspec.spec.manager`) and to the implementation with the same arguments, and
-after every call it checks, in this order, naming what failed:
+`LockStep` runs one example: every call goes to the spec (the operation's
+entry in kvspec.conformance.operations says which spec function) and to the
+implementation with the same arguments, and after every call it checks, in
+this order, naming what failed:
 
 1. the implementation did not crash or hang;
 2. hit rules (`check_hit`) on every prefix hit it returns;
@@ -10,9 +11,8 @@ after every call it checks, in this order, naming what failed:
 4. after an error, its state is exactly what it was before the call;
 5. every state invariant of its snapshot (`check_all`) and every step rule
    between its snapshots before and after (`check_step`);
-6. its whole snapshot equals the spec's, hash values renamed consistently
-   (`Snapshot.with_canonical_hashes`), and the renaming stays the same from one
-   step to the next (a hash is a name, but the same name throughout).
+6. its whole snapshot equals the spec's, hash values compared as names
+   (`HashNames`: the same renaming from the first step to the last).
 
 Design choice: the spec itself, contracts included, is the oracle, rather than
 the reference model: an implementation that agrees with the reference but not
@@ -21,33 +21,32 @@ with the spec would hide a bug shared by both. The rejected alternative
 the free queue that keeps the invariants, and the order is the eviction
 policy, the thing most worth checking.
 
-`Observer` collects what a whole campaign reached and carries its mechanics
-(the step time limit, the heartbeat, the stream of steps). The Hypothesis
+`Observer` adds up what a whole campaign reached; `StepWatch`
+(kvspec.conformance.watch) times the implementation's calls. The Hypothesis
 machines that drive `LockStep` are in `kvspec.conformance.machine`; `kvspec
 replay` drives it from a trace.
 """
 
 from __future__ import annotations
 
-import json
 import operator
-import os
-import signal
-import threading
-import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
-from kvspec.conformance.adapter import OPTIONAL_POOL_OPS, AdapterConfig, KVContentAdapter, capabilities
-from kvspec.conformance.coverage import manager_events, pool_events
-from kvspec.conformance.trace import OP_PARAMS, Outcome, Trace, TraceStep, encode_value, header_line
+from kvspec.conformance.adapter import AdapterConfig, KVContentAdapter, capabilities
+from kvspec.conformance.coverage import step_branches
+from kvspec.conformance.hash_names import HashNames
+from kvspec.conformance.kv_source import PrefixKVSource
+from kvspec.conformance.operations import OPERATIONS, BadResult, Operation, optional_operations
+from kvspec.conformance.results import Failure, FailureKind, Outcome
+from kvspec.conformance.trace import Trace, TraceStep
+from kvspec.conformance.watch import StepTimeout, StepWatch
 from kvspec.spec import errors as spec_errors
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
-from kvspec.spec.hashing import block_extra_keys
 from kvspec.spec.invariants import INVARIANTS, STEP_RULES, check_all, check_hit, check_step, hit_content_intact
 from kvspec.spec.manager import ManagerState, Request
 from kvspec.spec.state import BlockHash, BlockId, PoolState, Snapshot
@@ -61,7 +60,9 @@ __all__ = [
     "PrefixKVSource",
     "SpecFailure",
     "StepTimeout",
+    "StepWatch",
     "run_spec",
+    "spec_initial_state",
 ]
 
 
@@ -71,127 +72,26 @@ Factory = Callable[[AdapterConfig], object]
 class ConformanceFailure(AssertionError):
     """The implementation broke the spec at one step; raised inside the machine, shrunk by Hypothesis."""
 
-    def __init__(self, kind: str, step_index: int, op: str, message: str, invariant: str | None = None) -> None:
-        super().__init__(f"{kind} at step {step_index} ({op}): {message}")
-        self.kind = kind  # "diverges", "invariant" or "crashed"
-        self.step_index = step_index  # 1-based; 0 is building the adapter
-        self.op = op
-        self.message = message
-        self.invariant = invariant  # the rule's name, for kind "invariant"
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(f"{failure.kind} at step {failure.step} ({failure.op}): {failure.message}")
+        self.failure = failure
 
 
 class SpecFailure(AssertionError):
     """The spec itself failed (a contract or an unexpected exception): a bug in kvspec, not in the implementation."""
 
-
-class StepTimeout(BaseException):
-    """One implementation call ran past the step time limit.
-
-    A BaseException on purpose: Hypothesis lets it through at once instead of
-    shrinking it, since every shrink attempt of a hang would cost a full time
-    limit.
-    """
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message)
+        self.failure = Failure(FailureKind.SPEC, step, "?", message)
 
 
-# --- results in normal form ---------------------------------------------------------------
-
-
-class _BadResult(Exception):
-    pass
-
-
-def _as_id(v: Any) -> int:
-    if isinstance(v, bool):
-        raise _BadResult(f"{v!r} is a bool, not a block id")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise _BadResult(f"{v!r} is not an integer block id") from None
-
-
-def _as_ids(v: Any) -> list[int]:
-    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
-        try:
-            v = list(v)
-        except TypeError:
-            raise _BadResult(f"{v!r} is not a list of block ids") from None
-    return [_as_id(b) for b in v]
-
-
-def _as_bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise _BadResult(f"{v!r} is not a bool")
-
-
-def _norm_get_computed(v: Any) -> list[Any]:
-    if not isinstance(v, (tuple, list)) or len(v) != 2:
-        raise _BadResult(f"{v!r} is not (hit blocks, num_hit_tokens)")
-    return [_as_ids(v[0]), _as_id(v[1])]
-
-
-def _norm_float(v: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _BadResult(f"{v!r} is not a number")
-    return float(v)
-
-
-# How each operation's return value is put in normal (JSON) form; None: not compared.
-_NORMALIZE: dict[str, Callable[[Any], Any] | None] = {
-    "get_new_blocks": _as_ids,
-    "touch": None,
-    "free_blocks": None,
-    "cache_full_blocks": None,
-    "get_cached_block": lambda v: None if v is None else _as_id(v),
-    "evict_blocks": None,
-    "reset_prefix_cache": _as_bool,
-    "is_block_writable": _as_bool,
-    "get_num_free_blocks": _as_id,
-    "get_usage": _norm_float,
-    "get_computed_blocks": _norm_get_computed,
-    "allocate_slots": lambda v: None if v is None else _as_ids(v),
-    "free": None,
-}
-
-
-def _results_equal(op: str, spec: Any, impl: Any) -> bool:
-    if op == "get_usage":
-        return bool(abs(spec - impl) <= 1e-9)
-    return bool(spec == impl)
-
-
-# --- the spec side ------------------------------------------------------------------------
-
-
-def _pool_op(op: str) -> Callable[..., tuple[PoolState, Any]]:
-    def run(state: PoolState, *args: Any) -> tuple[PoolState, Any]:
-        if op == "get_new_blocks":
-            new, taken = spec_ops.get_new_blocks(state, *args)
-            return new, list(taken)
-        if op == "reset_prefix_cache":
-            return cast(tuple[PoolState, Any], spec_ops.reset_prefix_cache(state))
-        if op in ("touch", "free_blocks", "cache_full_blocks", "evict_blocks"):
-            return getattr(spec_ops, op)(state, *args), None
-        return state, getattr(spec_ops, op)(state, *args)
-
-    return run
-
-
-def _manager_op(op: str) -> Callable[..., tuple[ManagerState, Any]]:
-    def run(state: ManagerState, *args: Any) -> tuple[ManagerState, Any]:
-        if op == "get_computed_blocks":
-            blocks, num_tokens = spec_manager.get_computed_blocks(state, *args)
-            return state, [list(blocks), num_tokens]
-        if op == "allocate_slots":
-            new, allocated = spec_manager.allocate_slots(state, *args)
-            return new, None if allocated is None else list(allocated)
-        return spec_manager.free(state, *args), None
-
-    return run
-
-
-_POOL_OPS = {op: _pool_op(op) for op in list(_NORMALIZE)[:10]}
-_MANAGER_OPS = {op: _manager_op(op) for op in list(_NORMALIZE)[10:]}
+def spec_initial_state(config: AdapterConfig) -> PoolState | ManagerState:
+    """The spec's state before the first step of an example built with `config`."""
+    if config.level == "pool":
+        return spec_ops.new_pool(config.num_gpu_blocks, config.enable_caching, config.profile)
+    return spec_manager.new_manager(
+        config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed
+    )
 
 
 def _spec_error_name(e: BaseException) -> str | None:
@@ -212,139 +112,43 @@ def _crash_message(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-# --- the observer: what a whole campaign collects ----------------------------------------
+def _spec_step(operation: Operation, state: Any, args: Sequence[Any]) -> tuple[Any, Outcome]:
+    """Run one operation on the spec: the new state and the outcome in normal form.
+
+    Raises:
+        Exception: anything that is not a spec error (a bug in kvspec).
+    """
+    try:
+        step = operation.spec(state, *args)
+    except spec_errors.BlockManagerError as e:
+        return state, Outcome(error=_spec_error_name(e), message=str(e))
+    result = None if operation.normalize is None else operation.normalize(step.result)
+    return step.state, Outcome(result=result, events=step.events)
+
+
+# --- the observer: what a whole campaign reached ------------------------------------------
 
 
 @dataclass
 class Observer:
-    """Collects, across every example of a campaign, what the summary and the runner need.
+    """Adds up, across every example of a campaign, what the summary reports."""
 
-    It also carries the campaign's mechanics: the per-step time limit (an
-    alarm signal, where one can be used), the heartbeat a parent process
-    watches, and the stream of steps written before each implementation call
-    so that a process that dies still leaves its trace.
-    """
-
-    step_timeout_s: float | None = None  # per implementation call; None: no limit
-    stream_fd: int | None = None  # where each step is written before it runs (a crash leaves it)
-    heartbeat: Any = None  # a shared double: when the running implementation call started, 0 when none
-    keep_deepest: bool = False  # keep the records of the example that reached the most events
-    impl_name: str | None = None  # written into trace headers
-    device: str | None = None  # AdapterConfig.device for every adapter the machine builds
-    coverage: Counter[str] = field(default_factory=Counter)
+    keep_deepest: bool = False  # keep the example that reached the most branches
+    coverage: Counter[str] = field(default_factory=Counter)  # branch -> times reached
     states: set[int] = field(default_factory=set)  # hashes of the distinct spec states reached
-    not_exercised: set[str] = field(default_factory=set)  # "<op>: <mistake>" the adapter declares it does not reject
+    not_exercised: set[str] = field(default_factory=set)  # what the adapter's declarations left out
     absent_ops: set[str] = field(default_factory=set)  # optional operations the adapter lacks or declares deviant
     examples: int = 0
     steps: int = 0
     invariants_checked: int = 0
-    current: LockStep | None = None  # the example running now
-    failure: tuple[ConformanceFailure | SpecFailure, LockStep] | None = None  # the latest failing example
-    deepest: tuple[tuple[int, int], LockStep] | None = None  # ((events, steps), example)
-    _alarm_ready: bool = False
-
-    def start_example(self, lock: LockStep) -> None:
-        """A new example begins: count it, and start its stream afresh."""
-        self.examples += 1
-        self.current = lock
-        if self.stream_fd is not None:
-            os.ftruncate(self.stream_fd, 0)
-            os.lseek(self.stream_fd, 0, os.SEEK_SET)
-            os.write(self.stream_fd, (header_line(lock.config, self.impl_name) + "\n").encode())
-
-    def stream_step(self, index: int, op: str, args: Sequence[Any]) -> None:
-        """Write the step about to run, so a crash or hang of the process still shows it."""
-        if self.stream_fd is not None:
-            line = json.dumps({"step": index, "op": op, "args": encode_value(list(args))})
-            os.write(self.stream_fd, (line + "\n").encode())
-
-    def install_alarm(self) -> Callable[[], None]:
-        """Arm the per-step time limit with SIGALRM, if this thread can; returns the undo."""
-        if self.step_timeout_s is None or not hasattr(signal, "setitimer"):
-            return lambda: None
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def on_alarm(signum: int, frame: object) -> None:
-            raise StepTimeout()
-
-        old = signal.signal(signal.SIGALRM, on_alarm)
-        self._alarm_ready = True
-
-        def undo() -> None:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old)
-            self._alarm_ready = False
-
-        return undo
-
-    def impl_started(self) -> None:
-        """An implementation call begins: start its clock."""
-        if self._alarm_ready and self.step_timeout_s is not None:
-            signal.setitimer(signal.ITIMER_REAL, self.step_timeout_s)
-        if self.heartbeat is not None:
-            self.heartbeat.value = time.monotonic()
-
-    def impl_finished(self) -> None:
-        """The implementation call returned (or raised): stop its clock."""
-        if self._alarm_ready:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        if self.heartbeat is not None:
-            self.heartbeat.value = 0.0
+    deepest: tuple[tuple[int, int], LockStep] | None = None  # ((branches, steps), example)
 
     def end_example(self, lock: LockStep) -> None:
         """An example finished (passed or failed): keep it if it is the deepest so far."""
         if self.keep_deepest and lock.failure is None:
-            score = (len(lock.events), len(lock.records))
+            score = (len(lock.reached), len(lock.records))
             if self.deepest is None or score > self.deepest[0]:
                 self.deepest = (score, lock)
-
-
-# --- the KV the harness has the implementation write ---------------------------------------
-
-
-class PrefixKVSource:
-    """The harness's model of a layer's KV: token position p's value names the request's prefix up to p.
-
-    A `KVSource` for adapters with KV memory (`KVContentAdapter`). Value p is
-    the number the source gave, on first sight, to the pair (value p - 1,
-    token p, and at each block's first position the block's extra keys:
-    LoRA, multimodal inputs, and the cache_salt on block 0). By induction it
-    names the whole prefix (tokens and the extra keys of every block it
-    touches), so two different prefixes never get the same value, equal
-    prefixes always do, and every value is a small positive int64 (0 is
-    never given: a slot nobody wrote reads as no prefix's value). The
-    rejected alternative, a digest of the prefix, fits int64 only by
-    truncation and then "never" holds only up to collisions.
-
-    One source serves one example: the numbering depends on the order
-    prefixes are first seen, so a replay numbers them the same way.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size  # tokens per block: where each block's extra keys join the chain
-        self._ids: dict[tuple[Any, ...], int] = {}  # (previous value, token, block keys) -> value
-
-    def __call__(self, request: Request, start: int, end: int) -> list[int]:
-        """The values of token positions [start, end) of `request` (its tokens and extra keys). Cost: O(end).
-
-        >>> src = PrefixKVSource(2)
-        >>> src(Request("a", (5, 6, 7)), 0, 3), src(Request("b", (5, 6, 8)), 1, 3)
-        ([1, 2, 3], [2, 4])
-        >>> src(Request("c", (5, 6), cache_salt="t"), 0, 2)
-        [5, 6]
-        """
-        bs, values, previous = self.block_size, [], 0
-        for p in range(end):
-            keys = (
-                block_extra_keys(p, p + bs, request.lora_name, request.mm_inputs, request.cache_salt)
-                if p % bs == 0
-                else None
-            )
-            previous = self._ids.setdefault((previous, request.token_ids[p], keys), len(self._ids) + 1)
-            if p >= start:
-                values.append(previous)
-        return values
 
 
 # Why a caller mistake is not exercised against an adapter (the summary prints it).
@@ -381,7 +185,9 @@ class LockStep:
     Usable without Hypothesis: `kvspec replay` feeds it a trace's steps.
     """
 
-    def __init__(self, factory: Factory, config: AdapterConfig, observer: Observer | None = None) -> None:
+    def __init__(
+        self, factory: Factory, config: AdapterConfig, observer: Observer | None = None, watch: StepWatch | None = None
+    ) -> None:
         """Build the spec state and the adapter; the initial states are checked by the first `check()`.
 
         Raises:
@@ -390,74 +196,62 @@ class LockStep:
         self.config = config
         self.level = config.level
         self.observer = observer if observer is not None else Observer()
+        self.watch = watch if watch is not None else StepWatch()
         self.records: list[TraceStep] = []
-        self.events: Counter[str] = Counter()
+        self.reached: Counter[str] = Counter()  # the branches this example reached
         self.failure: ConformanceFailure | SpecFailure | None = None
-        self._s2i: dict[BlockHash, BlockHash] = {}  # spec hash -> implementation hash, fixed once seen
-        self._i2s: dict[BlockHash, BlockHash] = {}
+        self.hash_names = HashNames()
         self._tags: list[str] = []
         self.impl_snapshot: Snapshot | None = None
-        self.spec_state: PoolState | ManagerState
-        self._ops: dict[str, Callable[..., tuple[Any, Any]]]
-        if config.level == "pool":
-            self.spec_state = spec_ops.new_pool(config.num_gpu_blocks, config.enable_caching, config.profile)
-            self._ops = _POOL_OPS
-        else:
-            self.spec_state = spec_manager.new_manager(
-                config.num_gpu_blocks,
-                config.block_size,
-                config.enable_caching,
-                config.profile,
-                config.hash_fn,
-                config.seed,
-            )
-            self._ops = _MANAGER_OPS
+        self.spec_state: PoolState | ManagerState = spec_initial_state(config)
         self.spec_snapshot = self.spec_state.snapshot()
-        self.observer.start_example(self)
+        self.observer.examples += 1
+        self.watch.start_example(self, config)
         self.adapter: Any = None
-        impl = Outcome()
         # The implementation call running now (index, op, args, spec outcome): what a hang reports.
         self._inflight: tuple[int, str, tuple[Any, ...], Outcome] | None = (0, "init", (), Outcome())
-        self.observer.impl_started()
-        try:
-            self.adapter = factory(config)
-        except Exception as e:
-            impl = Outcome(crashed=True, message=f"building the adapter failed: {_crash_message(e)}")
-        finally:
-            self.observer.impl_finished()
+        impl = self._impl_run(lambda: setattr(self, "adapter", factory(config)), "building the adapter failed: ")
         self._inflight = None
-        adapter = self.adapter
+        self._read_declarations()
+        self.kv_source: PrefixKVSource | None = None
+        if impl is None and config.level == "manager" and isinstance(self.adapter, KVContentAdapter):
+            self.kv_source = source = PrefixKVSource(config.block_size)
+            self._inflight = (0, "init", (), Outcome())
+            impl = self._impl_run(lambda: self.adapter.set_kv_source(source), "set_kv_source() failed: ")
+            self._inflight = None
+        self._pending: _Pending | None = _Pending(0, "init", (), Outcome(), impl or Outcome(), self.spec_snapshot)
+
+    def _impl_run(self, fn: Callable[[], object], what: str) -> Outcome | None:
+        """Run one implementation call under the watch; None, or the crash it ended in."""
+        self.watch.impl_started()
+        try:
+            fn()
+            return None
+        except Exception as e:
+            return Outcome(crashed=True, message=what + _crash_message(e))
+        finally:
+            self.watch.impl_finished()
+
+    def _read_declarations(self) -> None:
+        """What the adapter declares about itself (adapter.py), and what the summary must say it left out."""
+        adapter, obs = self.adapter, self.observer
         # An adapter may name operations whose results knowingly differ from the
         # spec's (a vLLM release's documented formula): they are not called, and
         # the summary says so, so that the rest of its behaviour is still judged.
         deviations: dict[str, str] = dict(getattr(adapter, "known_deviations", None) or {})
         self.capabilities = (capabilities(adapter) if adapter is not None else frozenset()) - set(deviations)
         if adapter is not None:
-            self.observer.absent_ops.update(set(OPTIONAL_POOL_OPS) - self.capabilities)
+            obs.absent_ops.update(set(optional_operations(self.level)) - self.capabilities)
         for op, why in deviations.items():
-            self.observer.not_exercised.add(f"{op}: not compared, {why}")
-        # What the implementation does not have (adapter.py): not exercised, and listed.
+            obs.not_exercised.add(f"{op}: not compared, {why}")
+        # What the implementation does not have: not exercised, and listed.
         self.not_applicable: dict[str, str] = dict(getattr(adapter, "not_applicable", None) or {})
         for feature, why in self.not_applicable.items():
-            self.observer.not_exercised.add(f"{feature}: not applicable, {why}")
-        # What the adapter declares (adapter.py): which caller mistakes it rejects,
-        # whether its hashes are kvspec's own chain, whether it holds KV memory.
+            obs.not_exercised.add(f"{feature}: not applicable, {why}")
+        # Which caller mistakes it rejects, and whether its hashes are kvspec's own chain.
         self.validates_bad_input = bool(getattr(adapter, "validates_bad_input", True))
         self.rejected_mistakes = frozenset(getattr(adapter, "rejected_mistakes", None) or ())
         self.uses_kvspec_hash_chain = bool(getattr(adapter, "uses_kvspec_hash_chain", False))
-        self.kv_source: PrefixKVSource | None = None
-        if config.level == "manager" and adapter is not None and isinstance(adapter, KVContentAdapter):
-            self.kv_source = PrefixKVSource(config.block_size)
-            self._inflight = (0, "init", (), Outcome())
-            self.observer.impl_started()
-            try:
-                adapter.set_kv_source(self.kv_source)
-            except Exception as e:
-                impl = Outcome(crashed=True, message=f"set_kv_source() failed: {_crash_message(e)}")
-            finally:
-                self.observer.impl_finished()
-            self._inflight = None
-        self._pending: _Pending | None = _Pending(0, "init", (), Outcome(), impl, self.spec_snapshot)
 
     def exercises(self, mistake: str) -> bool:
         """Whether the machine may make this caller mistake ("<op>: <mistake>") against the adapter.
@@ -466,6 +260,8 @@ class LockStep:
         then only those it lists in `rejected_mistakes`. A mistake left out is
         recorded for the summary.
         """
+        op, _, name = mistake.partition(": ")
+        assert name in OPERATIONS[op].mistakes, f"{mistake!r} is not a mistake the operations table lists for {op}"
         if self.validates_bad_input or mistake in self.rejected_mistakes:
             return True
         self.observer.not_exercised.add(mistake)
@@ -488,27 +284,25 @@ class LockStep:
             StepTimeout: the implementation ran past the step time limit.
         """
         assert self._pending is None, f"call({op}) before the previous step ({self._pending.op}) was checked"
+        operation = OPERATIONS[op]
         # Every argument, defaults included: a trace records them all, and a replay reads them back.
-        assert len(args) == len(OP_PARAMS[op]), f"{op} takes {OP_PARAMS[op]}; the machine passed {len(args)}"
+        assert len(args) == len(operation.params), f"{op} takes {operation.params}; the machine passed {len(args)}"
         index = len(self.records) + 1
         before = self.spec_snapshot
-        new_state: PoolState | ManagerState
+        self.hash_names.name_values(args)
         try:
-            new_state, result = self._ops[op](self.spec_state, *args)
-            spec = Outcome(result=result)
-        except spec_errors.BlockManagerError as e:
-            new_state, spec = self.spec_state, Outcome(error=_spec_error_name(e), message=str(e))
+            new_state, spec = _spec_step(operation, self.spec_state, args)
         except Exception as e:
-            self.failure = SpecFailure(f"the spec failed at step {index} ({op}): {_crash_message(e)}")
+            self.failure = SpecFailure(f"the spec failed at step {index} ({op}): {_crash_message(e)}", index)
             self.records.append(TraceStep(index, op, tuple(args), Outcome(crashed=True, message=str(e))))
-            self.observer.failure = (self.failure, self)
+            self.watch.failed = self
             raise self.failure from e
         hit_hashes = None
         if op == "get_computed_blocks" and isinstance(self.spec_state, ManagerState) and spec.error is None:
             hit_hashes = spec_manager.request_block_hashes(self.spec_state, args[0])
-        self.observer.stream_step(index, op, args)
+        self.watch.stream_step(index, op, args)
         self._inflight = (index, op, tuple(args), spec)
-        impl = self._impl_call(op, args)
+        impl = self._impl_call(operation, args)
         hit_content = None
         if hit_hashes is not None and self.kv_source is not None:
             impl, hit_content = self._read_hit(impl)
@@ -529,23 +323,23 @@ class LockStep:
         blocks = impl.result[0]
         if not all(0 <= b < self.config.num_gpu_blocks for b in blocks):
             return impl, None
-        self.observer.impl_started()
+        self.watch.impl_started()
         try:
             content = self.adapter.read_kv(list(blocks))
             return impl, [list(row) for row in content]
         except Exception as e:
             return Outcome(crashed=True, message=f"read_kv({blocks}) failed: {_crash_message(e)}"), None
         finally:
-            self.observer.impl_finished()
+            self.watch.impl_finished()
 
-    def _impl_call(self, op: str, args: Sequence[Any]) -> Outcome:
-        fn = getattr(self.adapter, op, None)
+    def _impl_call(self, operation: Operation, args: Sequence[Any]) -> Outcome:
+        fn = getattr(self.adapter, operation.name, None)
         if not callable(fn):
-            return Outcome(crashed=True, message=f"the adapter has no method {op}()")
+            return Outcome(crashed=True, message=f"the adapter has no method {operation.name}()")
         # Each side gets its own lists: an implementation that keeps or mutates its
         # argument must not change what the spec saw.
         impl_args = [list(a) if isinstance(a, (list, tuple)) else a for a in args]
-        self.observer.impl_started()
+        self.watch.impl_started()
         try:
             value = fn(*impl_args)
         except spec_errors.BlockManagerError as e:
@@ -558,13 +352,12 @@ class LockStep:
         except Exception as e:
             return Outcome(crashed=True, message=_crash_message(e))
         finally:
-            self.observer.impl_finished()
-        norm = _NORMALIZE[op]
-        if norm is None:
+            self.watch.impl_finished()
+        if operation.normalize is None:
             return Outcome(result=None)
         try:
-            return Outcome(result=norm(value))
-        except _BadResult as e:
+            return Outcome(result=operation.normalize(value))
+        except BadResult as e:
             return Outcome(result={"malformed": f"{type(value).__name__}: {e}"})
 
     # --- checking --------------------------------------------------------------------------
@@ -581,7 +374,7 @@ class LockStep:
         self._pending = None
         spec_snap = self.spec_snapshot
         if p.impl.crashed:
-            self._fail("crashed", p, p.impl.message, None)
+            self._fail(FailureKind.CRASHED, p, p.impl.message)
         impl_snap = self._take_snapshot(p)
         prev = self.impl_snapshot
         record = TraceStep(p.index, p.op, p.args, p.spec, p.impl, spec_snap, impl_snap)
@@ -589,110 +382,122 @@ class LockStep:
         if p.index > 0:
             self.records.append(record)
         if failure is not None:
-            self._raise(failure)
+            self._raise(Failure(failure[0], p.index, p.op, failure[1], failure[2]))
         self.impl_snapshot = impl_snap
         self._count(p, spec_snap)
 
     def _take_snapshot(self, p: _Pending) -> Snapshot:
         self._inflight = (p.index, p.op, p.args, p.spec)
-        self.observer.impl_started()
+        self.watch.impl_started()
         try:
             snap = self.adapter.snapshot()
         except Exception as e:
-            self.observer.impl_finished()
-            self._fail("crashed", p, f"snapshot() failed: {_crash_message(e)}", None)
-        self.observer.impl_finished()
+            self.watch.impl_finished()
+            self._fail(FailureKind.CRASHED, p, f"snapshot() failed: {_crash_message(e)}")
+        self.watch.impl_finished()
         self._inflight = None
         if not isinstance(snap, Snapshot):
-            self._fail("diverges", p, f"snapshot() returned {type(snap).__name__}, not a kvspec Snapshot", None)
+            self._fail(FailureKind.DIVERGES, p, f"snapshot() returned {type(snap).__name__}, not a kvspec Snapshot")
         return _normal_snapshot(snap)
 
     def _first_problem(
         self, p: _Pending, spec_snap: Snapshot, impl_snap: Snapshot, prev: Snapshot | None
-    ) -> ConformanceFailure | None:
-        def fail(kind: str, message: str, invariant: str | None = None) -> ConformanceFailure:
-            return ConformanceFailure(kind, p.index, p.op, message, invariant)
+    ) -> tuple[FailureKind, str, str | None] | None:
+        """The first check of the step that fails, as (kind, message, rule name), or None."""
+        return (
+            self._result_problem(p)
+            or _state_problem(p, impl_snap, prev)
+            or self._snapshot_problem(spec_snap, impl_snap)
+        )
 
+    def _result_problem(self, p: _Pending) -> tuple[FailureKind, str, str | None] | None:
+        """A malformed result, a broken hit rule, or a different result or error type."""
         spec, impl = p.spec, p.impl
         if isinstance(impl.result, dict) and "malformed" in impl.result:
-            return fail(
-                "diverges",
-                f"returned a malformed value ({impl.result['malformed']}); the spec returned {spec.describe()}",
-            )
+            message = f"returned a malformed value ({impl.result['malformed']}); the spec returned {spec.describe()}"
+            return FailureKind.DIVERGES, message, None
         # Hit rules first: a hit past the cap is named as such, not as "a different list".
         if p.op == "get_computed_blocks" and impl.error is None and spec.error is None and p.hit_hashes is not None:
-            blocks, num_tokens = impl.result
-            request = p.args[0]
-            if not all(0 <= b < p.spec_before.num_gpu_blocks for b in blocks):
-                return fail("diverges", f"returned hit blocks {blocks}, not all blocks of this pool")
-            try:
-                check_hit(
-                    p.spec_before,
-                    len(request.token_ids),
-                    self.config.block_size,
-                    p.hit_hashes,
-                    [BlockId(b) for b in blocks],
-                    num_tokens,
-                )
-            except spec_errors.InvariantViolation as e:
-                return fail("invariant", f"{e.rule} (got hit blocks {blocks}, {num_tokens} tokens)", e.name)
-            if p.hit_content is not None:
-                problem = self._content_problem(request, blocks, p.hit_content)
-                if problem is not None:
-                    return fail("invariant", problem, "hit_content_intact")
+            problem = self._hit_problem(p)
+            if problem is not None:
+                return problem
         if spec.error != impl.error:
-            if spec.error is None:
-                return fail(
-                    "diverges",
-                    f"the implementation raised {impl.error} ({impl.message}); the spec returned {spec.describe()}",
-                )
-            if impl.error is None:
-                return fail(
-                    "diverges",
-                    f"the spec raised {spec.error} ({spec.message}); the implementation returned {impl.describe()}",
-                )
-            return fail(
-                "diverges",
-                f"the spec raised {spec.error} ({spec.message}); "
-                f"the implementation raised {impl.error} ({impl.message})",
+            spec_side = (
+                f"the spec raised {spec.error} ({spec.message})"
+                if spec.error
+                else f"the spec returned {spec.describe()}"
             )
-        if spec.error is None and not _results_equal(p.op, spec.result, impl.result):
-            return fail("diverges", f"returned {impl.describe()}; the spec returned {spec.describe()}")
-        if spec.error is not None and prev is not None and impl_snap != prev:
-            return fail(
-                "diverges",
-                f"after raising {impl.error} the state changed ({_diff(prev, impl_snap, 'before', 'after')}); "
-                "a rejected call must change nothing",
+            impl_side = (
+                f"the implementation raised {impl.error} ({impl.message})"
+                if impl.error
+                else f"the implementation returned {impl.describe()}"
             )
+            first, second = (impl_side, spec_side) if spec.error is None else (spec_side, impl_side)
+            return FailureKind.DIVERGES, f"{first}; {second}", None
+        same_result = OPERATIONS[p.op].same_result if p.index > 0 else operator.eq
+        if spec.error is None and not same_result(spec.result, impl.result):
+            return FailureKind.DIVERGES, f"returned {impl.describe()}; the spec returned {spec.describe()}", None
+        return None
+
+    def _hit_problem(self, p: _Pending) -> tuple[FailureKind, str, str | None] | None:
+        """The hit rules and, with KV memory, the content of every hit block."""
+        assert p.hit_hashes is not None, "hit rules checked without the request's chain"
+        blocks, num_tokens = p.impl.result
+        request = p.args[0]
+        if not all(0 <= b < p.spec_before.num_gpu_blocks for b in blocks):
+            return FailureKind.DIVERGES, f"returned hit blocks {blocks}, not all blocks of this pool", None
         try:
-            check_all(impl_snap)
-            if prev is not None:
-                check_step(prev, impl_snap, p.op)
+            check_hit(
+                p.spec_before,
+                len(request.token_ids),
+                self.config.block_size,
+                p.hit_hashes,
+                [BlockId(b) for b in blocks],
+                num_tokens,
+            )
         except spec_errors.InvariantViolation as e:
-            return fail("invariant", e.rule, e.name)
-        spec_c, impl_c = spec_snap.with_canonical_hashes(), impl_snap.with_canonical_hashes()
-        if spec_c != impl_c:
-            return fail(
-                "diverges", f"the state differs from the spec's: {_diff(spec_c, impl_c, 'spec', 'implementation')}"
+            return FailureKind.INVARIANT, f"{e.rule} (got hit blocks {blocks}, {num_tokens} tokens)", e.name
+        if p.hit_content is not None:
+            problem = self._content_problem(request, blocks, p.hit_content)
+            if problem is not None:
+                return FailureKind.INVARIANT, problem, "hit_content_intact"
+        return None
+
+    def _snapshot_problem(self, spec_snap: Snapshot, impl_snap: Snapshot) -> tuple[FailureKind, str, None] | None:
+        """The whole state against the spec's, hash values as names fixed across the example."""
+        names = self.hash_names
+        pairs = names.local_pairs(spec_snap, impl_snap)
+        if pairs is None or names.as_spec(impl_snap, pairs) != spec_snap:
+            spec_n, impl_n = names.named(spec_snap, impl_snap)
+            return (
+                FailureKind.DIVERGES,
+                f"the state differs from the spec's: {_diff(spec_n, impl_n, 'spec', 'implementation')}",
+                None,
             )
         if self.uses_kvspec_hash_chain and spec_snap.block_hash != impl_snap.block_hash:
             b = next(i for i, (hs, hi) in enumerate(zip(spec_snap.block_hash, impl_snap.block_hash)) if hs != hi)
-            return fail(
-                "diverges",
-                f"block {b}'s hash is {_show(impl_snap.block_hash[b])}, but kvspec's chain "
-                f"(hash_fn={self.config.hash_fn!r}, seed={self.config.seed!r}) gives {_show(spec_snap.block_hash[b])} "
-                "for the same prefix (the adapter declares uses_kvspec_hash_chain, so values are compared exactly)",
+            return (
+                FailureKind.DIVERGES,
+                (
+                    f"block {b}'s hash is {_show(impl_snap.block_hash[b])}, but kvspec's chain "
+                    f"(hash_fn={self.config.hash_fn!r}, seed={self.config.seed!r}) "
+                    f"gives {_show(spec_snap.block_hash[b])} "
+                    "for the same prefix (the adapter declares uses_kvspec_hash_chain, so values are compared exactly)"
+                ),
+                None,
             )
-        self.observer.states.add(hash(spec_c))
-        for b, (hs, hi) in enumerate(zip(spec_snap.block_hash, impl_snap.block_hash)):
-            if hs is None or hi is None:
-                continue
-            if self._s2i.setdefault(hs, hi) != hi or self._i2s.setdefault(hi, hs) != hs:
-                return fail(
-                    "diverges",
-                    f"block {b}'s hash is not the one the implementation used for the same prefix earlier "
-                    "(hash values are compared as names: the same spec hash must keep the same name)",
-                )
+        self.observer.states.add(hash(spec_snap.with_canonical_hashes()))
+        clash = names.conflict(spec_snap, pairs)
+        if clash is not None:
+            return (
+                FailureKind.DIVERGES,
+                (
+                    f"block {clash}'s hash is not the one the implementation used for the same prefix earlier "
+                    "(hash values are compared as names: the same spec hash must keep the same name)"
+                ),
+                None,
+            )
+        names.learn(pairs)
         return None
 
     def _content_problem(self, request: Request, blocks: Sequence[int], content: list[Any]) -> str | None:
@@ -726,18 +531,15 @@ class LockStep:
             + (_NUM_HIT_RULES_CHECKED if p.hit_hashes is not None else 0)
             + (1 if p.hit_content is not None else 0)
         )
-        if self.level == "pool":
-            events = pool_events(p.op, p.args, p.spec_before, spec_snap, p.spec)
-        else:
-            events = manager_events(p.op, p.spec_before, spec_snap, p.spec)
-            if p.hit_hashes is not None:
-                events += self._cap_event(p)
-        events += self._tags
+        reached = step_branches(p.op, p.args, p.spec_before, spec_snap, p.spec)
+        if p.hit_hashes is not None:
+            reached += self._cap_branch(p)
+        reached += self._tags
         self._tags = []
-        self.events.update(events)
-        obs.coverage.update(events)
+        self.reached.update(reached)
+        obs.coverage.update(reached)
 
-    def _cap_event(self, p: _Pending) -> list[str]:
+    def _cap_branch(self, p: _Pending) -> list[str]:
         request: Request = p.args[0]
         block_size = self.config.block_size
         num_full = len(request.token_ids) // block_size
@@ -752,31 +554,28 @@ class LockStep:
             return ["get_computed_blocks: hit capped at len - 1"]
         return []
 
-    def _fail(self, kind: str, p: _Pending, message: str, invariant: str | None) -> Any:
+    def _fail(self, kind: FailureKind, p: _Pending, message: str) -> Any:
         if p.index > 0:
             self.records.append(TraceStep(p.index, p.op, p.args, p.spec, p.impl, self.spec_snapshot, None))
-        self._raise(ConformanceFailure(kind, p.index, p.op, message, invariant))
+        self._raise(Failure(kind, p.index, p.op, message))
 
-    def _raise(self, failure: ConformanceFailure) -> Any:
-        self.failure = failure
-        self.observer.failure = (failure, self)
-        raise failure
+    def _raise(self, failure: Failure) -> Any:
+        self.failure = ConformanceFailure(failure)
+        self.watch.failed = self
+        raise self.failure
 
     def trace(self, impl: str | None = None) -> Trace:
         """This example so far as a trace, with its verdict and failure if it failed."""
-        f = self.failure
-        if f is None:
+        if self.failure is None:
             return Trace(config=self.config, steps=tuple(self.records), impl=impl)
-        if isinstance(f, SpecFailure):
-            failure = {"kind": "spec", "step": len(self.records), "op": "?", "message": str(f), "invariant": None}
-            return Trace(self.config, tuple(self.records), impl, "could-not-run", failure)
-        failure = {"kind": f.kind, "step": f.step_index, "op": f.op, "message": f.message, "invariant": f.invariant}
-        verdict = {"invariant": "diverges"}.get(f.kind, f.kind)
-        return Trace(self.config, tuple(self.records), impl, verdict, failure)
+        failure = self.failure.failure
+        if isinstance(self.failure, SpecFailure):
+            failure = replace(failure, step=len(self.records))
+        return Trace(self.config, tuple(self.records), impl, failure.kind.verdict, failure)
 
     def hung(self) -> ConformanceFailure:
         """Record that the implementation call in flight did not return in time; returns the failure."""
-        limit = self.observer.step_timeout_s
+        limit = self.watch.step_timeout_s
         message = f"no answer within the step time limit of {limit:g} s" if limit else "no answer"
         index, op, args, spec = (
             self._inflight if self._inflight is not None else (len(self.records) + 1, "?", (), Outcome())
@@ -786,8 +585,30 @@ class LockStep:
             self.records.append(
                 TraceStep(index, op, args, spec, Outcome(hung=True, message=message), self.spec_snapshot, None)
             )
-        self.failure = ConformanceFailure("hung", index, op, message)
+        self.failure = ConformanceFailure(Failure(FailureKind.HUNG, index, op, message))
         return self.failure
+
+
+def _state_problem(
+    p: _Pending, impl_snap: Snapshot, prev: Snapshot | None
+) -> tuple[FailureKind, str, str | None] | None:
+    """A rejected call that changed the state, or a broken invariant or step rule."""
+    if p.spec.error is not None and prev is not None and impl_snap != prev:
+        return (
+            FailureKind.DIVERGES,
+            (
+                f"after raising {p.impl.error} the state changed ({_diff(prev, impl_snap, 'before', 'after')}); "
+                "a rejected call must change nothing"
+            ),
+            None,
+        )
+    try:
+        check_all(impl_snap)
+        if prev is not None:
+            check_step(prev, impl_snap, p.op)
+    except spec_errors.InvariantViolation as e:
+        return FailureKind.INVARIANT, e.rule, e.name
+    return None
 
 
 def run_spec(config: AdapterConfig, steps: Sequence[tuple[str, Sequence[Any]]]) -> list[tuple[Outcome, Snapshot]]:
@@ -796,22 +617,11 @@ def run_spec(config: AdapterConfig, steps: Sequence[tuple[str, Sequence[Any]]]) 
     Used to rebuild the story of a process that died: up to its last step the
     implementation matched the spec, so the spec's side is the whole story.
     """
-    state: PoolState | ManagerState
-    table: dict[str, Callable[..., tuple[Any, Any]]]
-    if config.level == "pool":
-        state, table = spec_ops.new_pool(config.num_gpu_blocks, config.enable_caching, config.profile), _POOL_OPS
-    else:
-        state = spec_manager.new_manager(
-            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed
-        )
-        table = _MANAGER_OPS
+    state = spec_initial_state(config)
     out: list[tuple[Outcome, Snapshot]] = []
     for op, args in steps:
         try:
-            state, result = table[op](state, *args)
-            outcome = Outcome(result=result)
-        except spec_errors.BlockManagerError as e:
-            outcome = Outcome(error=_spec_error_name(e), message=str(e))
+            state, outcome = _spec_step(OPERATIONS[op], state, args)
         except Exception as e:
             outcome = Outcome(crashed=True, message=f"the spec failed: {_crash_message(e)}")
         out.append((outcome, state.snapshot()))
@@ -857,7 +667,8 @@ def _show(value: Any) -> str:
     if isinstance(value, tuple):
         return "(" + ", ".join(_show(v) for v in value) + ("," if len(value) == 1 else "") + ")"
     if isinstance(value, bytes):
-        return value.decode("ascii", "replace") if value.startswith(b"h") and len(value) < 8 else value.hex()[:8]
+        is_name = value[:1] in (b"h", b"x") and len(value) < 8 and value[1:].isdigit()
+        return value.decode("ascii", "replace") if is_name else value.hex()[:8]
     return repr(value)
 
 

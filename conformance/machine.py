@@ -48,9 +48,9 @@ from hypothesis.stateful import (
 
 from kvspec.conformance import strategies as strat
 from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.lockstep import Factory, LockStep, Observer
+from kvspec.conformance.lockstep import Factory, LockStep, Observer, StepWatch
 from kvspec.conformance.report import render_story
-from kvspec.conformance.trace import Outcome
+from kvspec.conformance.results import Outcome
 from kvspec.spec import manager as spec_manager
 from kvspec.spec.manager import ManagerState, Request
 from kvspec.spec.state import PoolState
@@ -71,14 +71,17 @@ class _LockStepMachine(RuleBasedStateMachine):
     factory: ClassVar[Factory]
     enable_caching: ClassVar[bool] = True
     profile: ClassVar[str] = "vllm-v1"
-    observer: ClassVar[Observer]
+    observer: ClassVar[Observer]  # what the campaign reached, across examples
+    watch: ClassVar[StepWatch]  # the step time limit, the heartbeat and the step stream
+    device: ClassVar[str | None] = None  # AdapterConfig.device for every adapter built
 
     def __init__(self) -> None:
         super().__init__()
         self.lock: LockStep | None = None
 
     def _start(self, config: AdapterConfig) -> None:
-        self.lock = LockStep(type(self).factory, config, type(self).observer)
+        cls = type(self)
+        self.lock = LockStep(cls.factory, config, cls.observer, cls.watch)
 
     @property
     def _lock(self) -> LockStep:
@@ -101,7 +104,7 @@ class _LockStepMachine(RuleBasedStateMachine):
         # without a null block cannot build a pool of the null block alone).
         num_gpu_blocks = max(num_gpu_blocks, getattr(cls.factory, "min_num_gpu_blocks", 1))
         return AdapterConfig(
-            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.observer.device
+            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.device
         )
 
     @invariant()
@@ -121,7 +124,7 @@ class _LockStepMachine(RuleBasedStateMachine):
         # Steer toward deep states: a cached block evicted or hit again needs
         # allocation, registration and freeing first. One label only: each
         # label gets its own hill-climb, and those runs come out of the budget.
-        reuse = sum(n for e, n in lock.events.items() if "evicted" in e or ": hit" in e)
+        reuse = sum(n for e, n in lock.reached.items() if "evicted" in e or ": hit" in e)
         target(float(reuse), label="cached blocks evicted or hit")
 
 
@@ -674,27 +677,30 @@ def conformance_machine(
     profile: str = "vllm-v1",
     observer: Observer | None = None,
     device: str | None = None,
+    watch: StepWatch | None = None,
 ) -> type[_LockStepMachine]:
     """A state machine class that checks `factory`'s adapters against the spec.
 
     Its `.TestCase` is an ordinary Hypothesis stateful test, usable directly
     in a test suite or under a fuzzing engine (HypoFuzz). `device` becomes
-    every `AdapterConfig.device` (None: the observer's, else the adapter picks).
+    every `AdapterConfig.device` (None: the adapter picks). `observer` adds up
+    what the campaign reached, `watch` times the implementation's calls (a
+    fresh one of each when not given).
 
     Raises:
         ValueError: level is not "pool" or "manager".
     """
     if level not in ("pool", "manager"):
         raise ValueError(f"level must be 'pool' or 'manager'; got level={level!r}")
-    if observer is not None and device is not None:
-        observer.device = device
     base: type[_LockStepMachine] = PoolMachine if level == "pool" else ManagerMachine
     name = f"{base.__name__}_{'caching' if enable_caching else 'no_caching'}"
     attrs = {
         "factory": staticmethod(factory),
         "enable_caching": enable_caching,
         "profile": profile,
-        "observer": observer if observer is not None else Observer(device=device),
+        "observer": observer if observer is not None else Observer(),
+        "watch": watch if watch is not None else StepWatch(),
+        "device": device,
         "__module__": __name__,
     }
     return type(name, (base,), attrs)

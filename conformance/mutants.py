@@ -23,7 +23,8 @@ from typing import Literal
 
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.runner import CheckResult, run_check
+from kvspec.conformance.results import CheckResult, Verdict
+from kvspec.conformance.runner import run_check
 
 __all__ = [
     "KILLING_VERDICTS",
@@ -42,7 +43,7 @@ Level = Literal["pool", "manager"]
 
 # The verdicts that kill a mutant: the harness caught it. "could-not-run" does
 # not: a mutant the harness cannot even build has shown nothing about the machine.
-KILLING_VERDICTS = frozenset({"diverges", "crashed", "hung"})
+KILLING_VERDICTS = frozenset({Verdict.DIVERGES, Verdict.CRASHED, Verdict.HUNG})
 # The benchmark `kvspec mutants` reports against (issue: the harness's proof of strength).
 KILL_TIME_TARGET_S = 60.0
 MEDIAN_TRACE_TARGET = 8
@@ -103,13 +104,13 @@ def _result(mutant: Mutant, check: CheckResult, seconds: float) -> MutantResult:
     killed = check.verdict in KILLING_VERDICTS
     failure = check.failure
     if failure is not None:
-        kind: str | None = failure.kind
+        kind: str | None = failure.kind.value
         message = failure.message
     else:
-        kind = None if check.verdict == "conforms" else check.verdict
+        kind = None if check.verdict is Verdict.CONFORMS else check.verdict.value
         message = (
             f"survived {check.examples_run} examples ({check.steps_run} steps) in {check.seconds:.1f} s"
-            if check.verdict == "conforms"
+            if check.verdict is Verdict.CONFORMS
             else f"verdict {check.verdict} without a failure record"
         )
     return MutantResult(
@@ -119,7 +120,7 @@ def _result(mutant: Mutant, check: CheckResult, seconds: float) -> MutantResult:
         shrunk_steps=failure.num_steps if killed and failure is not None else None,
         failure_kind=kind,
         message=message,
-        verdict=check.verdict,
+        verdict=check.verdict.value,
         seconds=seconds,
         examples_run=check.examples_run,
         steps_run=check.steps_run,

@@ -8,62 +8,26 @@ state after that step in two columns, with the rows that differ marked.
 
 Hash values are unreadable and, between implementations, arbitrary, so they
 are shown as names: `h1`, `h2`, ... in order of first appearance in the
-trace. An implementation's own hash values get the name of the spec hash they
-stand for (the harness compares hashes as names, not as bytes).
+trace (`HashNames`, the naming the lock-step core uses, so a diff in a failure
+message and the story agree). An implementation's own hash values get the name
+of the spec hash they stand for (the harness compares hashes as names, not as bytes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from kvspec.conformance.trace import OP_PARAMS, Outcome, Trace, TraceStep
+from kvspec.conformance.hash_names import HashNames
+from kvspec.conformance.operations import OPERATIONS
+from kvspec.conformance.results import Outcome, Verdict
+from kvspec.conformance.trace import Trace, TraceStep
 from kvspec.spec.manager import Request
 from kvspec.spec.state import Snapshot
 
 __all__ = ["describe_config", "render_call", "render_story", "side_by_side"]
 
 _MARK = "<<"
-
-
-class _Names:
-    """Hash value -> short name, for the spec side and the implementation side."""
-
-    def __init__(self, trace: Trace | None = None) -> None:
-        self.spec: dict[bytes, str] = {}
-        self.impl: dict[bytes, str] = {}
-        for step in trace.steps if trace is not None else ():
-            for arg in step.args:
-                self._name_values(arg)
-            if step.spec_snapshot is not None:
-                for h in step.spec_snapshot.block_hash:
-                    if h is not None:
-                        self._spec_name(bytes(h))
-            if step.spec_snapshot is not None and step.impl_snapshot is not None:
-                for hs, hi in zip(step.spec_snapshot.block_hash, step.impl_snapshot.block_hash):
-                    if hs is not None and hi is not None:
-                        self.impl.setdefault(bytes(hi), self.spec[bytes(hs)])
-
-    def _name_values(self, value: Any) -> None:
-        if isinstance(value, bytes):
-            self._spec_name(value)
-        elif isinstance(value, list):
-            for v in value:
-                self._name_values(v)
-
-    def _spec_name(self, h: bytes) -> str:
-        if h not in self.spec:
-            self.spec[h] = f"h{len(self.spec) + 1}"
-        return self.spec[h]
-
-    def of_impl(self, h: bytes) -> str:
-        """An implementation hash's name: the spec hash it stands for, else its own."""
-        if h in self.impl:
-            return self.impl[h]
-        if h in self.spec:
-            return self.spec[h]
-        self.impl[h] = f"x{sum(1 for n in self.impl.values() if n.startswith('x')) + 1}"
-        return self.impl[h]
 
 
 def describe_config(trace: Trace) -> str:
@@ -78,12 +42,12 @@ def describe_config(trace: Trace) -> str:
     return ", ".join(parts)
 
 
-def _value(value: Any, names: _Names, block_size: int) -> str:
+def _value(value: Any, names: HashNames, block_size: int) -> str:
     if isinstance(value, bytes):
-        return names.spec.get(value, value.hex()[:8])
+        return names.name(value)
     if isinstance(value, Request):
         return _request(value, block_size)
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_value(v, names, block_size) for v in value) + "]"
     return repr(value)
 
@@ -103,10 +67,11 @@ def _request(r: Request, block_size: int) -> str:
     return f"{rid}({len(r.token_ids)} tokens: {tokens or '-'}{'; ' + ' '.join(extra) if extra else ''})"
 
 
-def render_call(op: str, args: Sequence[Any], names: _Names | None = None, block_size: int = 1) -> str:
+def render_call(op: str, args: Sequence[Any], names: HashNames | None = None, block_size: int = 1) -> str:
     """`op(name=value, ...)` with hashes named and requests summarised."""
-    names = names if names is not None else _Names()
-    params = OP_PARAMS.get(op, tuple(f"arg{i}" for i in range(len(args))))
+    names = names if names is not None else HashNames()
+    operation = OPERATIONS.get(op)
+    params = operation.params if operation is not None else tuple(f"arg{i}" for i in range(len(args)))
     shown = [f"{p}={_value(a, names, block_size)}" for p, a in zip(params, args)]
     # The trailing defaults of allocate_slots say nothing on a running request's step.
     if op == "allocate_slots" and list(args[2:]) == [0, [], 0]:
@@ -141,13 +106,10 @@ def _rows(s: Snapshot, name: Any, widths: Sequence[int]) -> list[tuple[str, str]
     return rows
 
 
-def side_by_side(spec: Snapshot | None, impl: Snapshot | None, names: _Names, title: str) -> list[str]:
+def side_by_side(spec: Snapshot | None, impl: Snapshot | None, names: HashNames, title: str) -> list[str]:
     """Both states in two columns; rows that differ end with `<<`."""
-
-    def spec_name(h: bytes) -> str:
-        return names.spec.get(h, h.hex()[:6])
-
-    snaps = [(s, n) for s, n in ((spec, spec_name), (impl, names.of_impl)) if s is not None]
+    spec_name = names.name
+    snaps = [(s, n) for s, n in ((spec, spec_name), (impl, names.impl_name)) if s is not None]
     num_blocks = max((s.num_gpu_blocks for s, _ in snaps), default=1)
     widths = [len(str(b)) for b in range(1, num_blocks)]
     for s, n in snaps:
@@ -155,7 +117,7 @@ def side_by_side(spec: Snapshot | None, impl: Snapshot | None, names: _Names, ti
             h = s.block_hash[b]
             widths[b - 1] = max(widths[b - 1], len(str(s.ref_cnt[b])), 1 if h is None else len(n(bytes(h))))
     spec_rows = _rows(spec, spec_name, widths) if spec is not None else []
-    impl_rows = _rows(impl, names.of_impl, widths) if impl is not None else []
+    impl_rows = _rows(impl, names.impl_name, widths) if impl is not None else []
     labels = [r[0] for r in (spec_rows or impl_rows)]
     s_map, i_map = dict(spec_rows), dict(impl_rows)
     width = max([len("spec")] + [len(v) for v in s_map.values()]) + 3
@@ -171,27 +133,26 @@ def side_by_side(spec: Snapshot | None, impl: Snapshot | None, names: _Names, ti
 
 def render_story(trace: Trace, trace_path: str | None = None, replay_impl: str | None = None) -> str:
     """The short story of a trace with a failure (or a clean run when it has none)."""
-    names = _Names(trace)
+    names = HashNames.from_trace(trace.steps)
     bs = trace.config.block_size
-    failure: Mapping[str, Any] = trace.failure or {}
-    bad = int(failure.get("step", -1)) if failure else -1
-    verdict = trace.verdict or ("conforms" if not failure else "diverges")
+    failure = trace.failure
+    bad = failure.step if failure is not None else -1
     lines = []
-    kind = failure.get("kind", verdict)
-    if failure:
-        where = "building the adapter" if bad == 0 else f"step {bad} of {len(trace.steps)} ({failure.get('op')})"
-        lines.append(f"{verdict.upper()}: {kind} at {where}")
+    if failure is not None:
+        verdict = trace.verdict or failure.kind.verdict
+        where = "building the adapter" if bad == 0 else f"step {bad} of {len(trace.steps)} ({failure.op})"
+        lines.append(f"{verdict.value.upper()}: {failure.kind.value} at {where}")
     else:
-        lines.append(f"{verdict.upper()}: {len(trace.steps)} steps, no divergence")
+        verdict_name = (trace.verdict or Verdict.CONFORMS).value
+        lines.append(f"{verdict_name.upper()}: {len(trace.steps)} steps, no divergence")
     lines.append(f"  {describe_config(trace)}")
     lines.append("")
     for step in trace.steps:
         lines.append(_step_line(step, bad, names, bs))
-    if failure:
+    if failure is not None:
         lines.append("")
-        what = str(failure.get("message", ""))
-        inv = failure.get("invariant")
-        lines.append(f"what failed: {'invariant ' + str(inv) + ': ' if inv else ''}{what}")
+        inv = failure.invariant
+        lines.append(f"what failed: {'invariant ' + str(inv) + ': ' if inv else ''}{failure.message}")
         at = next((s for s in trace.steps if s.index == bad), None)
         if at is not None:
             lines.append("")
@@ -204,7 +165,7 @@ def render_story(trace: Trace, trace_path: str | None = None, replay_impl: str |
     return "\n".join(lines)
 
 
-def _step_line(step: TraceStep, bad: int, names: _Names, block_size: int) -> str:
+def _step_line(step: TraceStep, bad: int, names: HashNames, block_size: int) -> str:
     call = render_call(step.op, step.args, names, block_size)
     mark = ">" if step.index == bad else " "
     spec, impl = _outcome(step.spec), _outcome(step.impl)

@@ -25,19 +25,20 @@ implementation without Hypothesis and without this version of the machine.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.operations import OPERATIONS
+from kvspec.conformance.results import Failure, Outcome, Verdict
 from kvspec.spec import errors as spec_errors
 from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
 __all__ = [
-    "OP_PARAMS",
     "TRACE_FORMAT",
     "MalformedTrace",
     "Outcome",
@@ -54,32 +55,6 @@ __all__ = [
 ]
 
 TRACE_FORMAT = 1
-
-# Each operation a trace may hold, with its parameter names in call order (vLLM's names).
-OP_PARAMS: dict[str, tuple[str, ...]] = {
-    "get_new_blocks": ("num_blocks",),
-    "touch": ("block_ids",),
-    "free_blocks": ("block_ids",),
-    "cache_full_blocks": ("block_ids", "block_hashes"),
-    "get_cached_block": ("block_hash",),
-    "evict_blocks": ("block_ids",),
-    "reset_prefix_cache": (),
-    "is_block_writable": ("block_id",),
-    "get_num_free_blocks": (),
-    "get_usage": (),
-    "get_computed_blocks": ("request",),
-    "allocate_slots": (
-        "request",
-        "num_new_tokens",
-        "num_new_computed_tokens",
-        "new_computed_blocks",
-        "num_external_computed_tokens",
-    ),
-    "free": ("request_id",),
-}
-POOL_OPS = frozenset(list(OP_PARAMS)[:10])
-MANAGER_OPS = frozenset(list(OP_PARAMS)[10:])
-
 
 class MalformedTrace(ValueError):
     """A trace file that cannot be read: names the file, the line and what is wrong there."""
@@ -98,48 +73,11 @@ def error_type(name: str) -> type[spec_errors.BlockManagerError] | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
-    """What one side (spec or implementation) did on one step."""
-
-    result: Any = None  # the return value in JSON form (lists of ids, int, bool, float, None)
-    error: str | None = None  # the spec error type's name, when a caller mistake was reported
-    message: str = ""  # the error's message, or what crashed or hung
-    crashed: bool = False  # raised something that is not a spec error, or the process died
-    hung: bool = False  # did not return within the step time limit
-
-    def describe(self) -> str:
-        """One line: the result, or the error and its message."""
-        if self.hung:
-            return f"hung ({self.message})"
-        if self.crashed:
-            return f"crashed: {self.message}"
-        if self.error is not None:
-            return f"raised {self.error}"
-        return _short(self.result)
-
-    def to_json(self) -> dict[str, Any]:
-        """The outcome as a JSON object."""
-        if self.hung:
-            return {"hung": self.message}
-        if self.crashed:
-            return {"crash": self.message}
-        if self.error is not None:
-            return {"error": self.error, "message": self.message}
-        return {"result": self.result}
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return json.dumps(value) if isinstance(value, list) else repr(value)
-
-
-@dataclass(frozen=True, slots=True)
 class TraceStep:
     """One operation of a trace and, where known, what each side did."""
 
     index: int  # 1-based position in the trace
-    op: str  # the adapter method (OP_PARAMS)
+    op: str  # the adapter method (an entry of kvspec.conformance.operations.OPERATIONS)
     args: tuple[Any, ...]  # positional arguments, decoded (bytes, Request, ...)
     spec: Outcome | None = None  # the spec's outcome
     impl: Outcome | None = None  # the implementation's outcome
@@ -154,8 +92,8 @@ class Trace:
     config: AdapterConfig  # what the factory was called with
     steps: tuple[TraceStep, ...]  # in order, numbered from 1
     impl: str | None = None  # the implementation's name as given to `kvspec check`, if any
-    verdict: str | None = None  # "conforms", "diverges", "crashed", "hung", when recorded
-    failure: Mapping[str, Any] | None = field(default=None)  # kind, step, op, message, invariant
+    verdict: Verdict | None = None  # when recorded
+    failure: Failure | None = None  # the first failure, when the example failed
 
 
 # --- values -------------------------------------------------------------------------------
@@ -349,7 +287,8 @@ def dumps_trace(trace: Trace) -> str:
     lines = [header_line(trace.config, trace.impl)]
     lines += [step_line(s) for s in trace.steps]
     if trace.verdict is not None:
-        lines.append(json.dumps({"verdict": trace.verdict, "failure": trace.failure}))
+        failure = None if trace.failure is None else trace.failure.to_json()
+        lines.append(json.dumps({"verdict": trace.verdict.value, "failure": failure}))
     return "\n".join(lines) + "\n"
 
 
@@ -429,14 +368,15 @@ def _step(obj: Any, expected_index: int, level: str) -> TraceStep:
     if obj["step"] != expected_index:
         raise ValueError(f"steps are numbered 1, 2, ... in order: expected step {expected_index}, got {obj['step']!r}")
     op = obj["op"]
-    ops = POOL_OPS if level == "pool" else MANAGER_OPS
-    if op not in ops:
-        raise ValueError(f"op={op!r} is not a {level}-level operation (known: {', '.join(sorted(ops))})")
+    operation = OPERATIONS.get(op) if isinstance(op, str) else None
+    if operation is None or operation.level != level:
+        known = sorted(o.name for o in OPERATIONS.values() if o.level == level)
+        raise ValueError(f"op={op!r} is not a {level}-level operation (known: {', '.join(known)})")
     if not isinstance(obj["args"], list):
         raise ValueError("step args must be a list")
     args = decode_value(obj["args"])
-    if len(args) != len(OP_PARAMS[op]):
-        raise ValueError(f"{op} takes {len(OP_PARAMS[op])} arguments {OP_PARAMS[op]}; got {len(args)}")
+    if len(args) != len(operation.params):
+        raise ValueError(f"{op} takes {len(operation.params)} arguments {operation.params}; got {len(args)}")
     spec_snap = obj.get("spec_snapshot")
     impl_snap = obj.get("impl_snapshot")
     return TraceStep(
@@ -450,6 +390,17 @@ def _step(obj: Any, expected_index: int, level: str) -> TraceStep:
     )
 
 
+def _verdict_line(obj: dict[str, Any]) -> tuple[Verdict, Failure | None]:
+    try:
+        verdict = Verdict(obj["verdict"])
+    except ValueError:
+        raise ValueError(f"verdict must be one of {[v.value for v in Verdict]}; got {obj['verdict']!r}") from None
+    f = obj.get("failure")
+    if f is not None and not isinstance(f, dict):
+        raise ValueError("failure must be an object or null")
+    return verdict, None if f is None else Failure.from_json(f)
+
+
 def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
     """Parse JSON-lines text into a `Trace`.
 
@@ -459,8 +410,8 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
     config: AdapterConfig | None = None
     impl: str | None = None
     steps: list[TraceStep] = []
-    verdict: str | None = None
-    failure: Mapping[str, Any] | None = None
+    verdict: Verdict | None = None
+    failure: Failure | None = None
     for lineno, raw in enumerate(lines, start=1):
         text = raw.strip()
         if not text:
@@ -476,13 +427,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
             if config is None:
                 config, impl = _header(obj)
             elif isinstance(obj, dict) and "verdict" in obj:
-                if not isinstance(obj["verdict"], str):
-                    raise ValueError("verdict must be a string")
-                verdict = obj["verdict"]
-                f = obj.get("failure")
-                if f is not None and not isinstance(f, dict):
-                    raise ValueError("failure must be an object or null")
-                failure = f
+                verdict, failure = _verdict_line(obj)
             else:
                 steps.append(_step(obj, len(steps) + 1, config.level))
         except (ValueError, TypeError, KeyError) as e:
@@ -510,4 +455,5 @@ def read_trace(path: str | Path) -> Trace:
 
 def args_dict(op: str, args: Sequence[Any]) -> dict[str, Any]:
     """Arguments by parameter name, for display."""
-    return dict(zip(OP_PARAMS.get(op, ()), args))
+    operation = OPERATIONS.get(op)
+    return dict(zip(operation.params if operation is not None else (), args))

@@ -29,6 +29,7 @@ from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import all_hold, check_hit
 from kvspec.spec.state import BlockHash, BlockId, PoolState, Snapshot
+from kvspec.spec.step import Step
 
 __all__ = [
     "ManagerConfig",
@@ -164,8 +165,10 @@ def request_block_hashes(state: ManagerState, request: Request) -> tuple[BlockHa
     )
 
 
-def _computed_ok(state: ManagerState, request: Request, result: tuple[tuple[BlockId, ...], int]) -> bool:
-    blocks, num_tokens = result
+def _computed_ok(
+    state: ManagerState, request: Request, result: Step[ManagerState, tuple[tuple[BlockId, ...], int]]
+) -> bool:
+    blocks, num_tokens = result.result
     check_hit(
         state.snapshot(), len(request.token_ids), state.config.block_size,
         request_block_hashes(state, request), blocks, num_tokens,
@@ -175,13 +178,15 @@ def _computed_ok(state: ManagerState, request: Request, result: tuple[tuple[Bloc
 
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda state, request, result: _computed_ok(state, request, result))
-def get_computed_blocks(state: ManagerState, request: Request) -> tuple[tuple[BlockId, ...], int]:
+@icontract.ensure(lambda state, result: result.state is state)
+def get_computed_blocks(state: ManagerState, request: Request) -> Step[ManagerState, tuple[tuple[BlockId, ...], int]]:
     """The longest cached prefix of a new request, capped so its last token is computed.
 
     Reads only; the hit blocks are touched by `allocate_slots`.
 
     Returns:
-        The hit blocks (a prefix of the request's hash chain) and the tokens they cover.
+        The state, unchanged, and as the result the hit blocks (a prefix of the
+        request's hash chain) and the tokens they cover.
 
     Raises:
         InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
@@ -192,22 +197,22 @@ def get_computed_blocks(state: ManagerState, request: Request) -> tuple[tuple[Bl
     if state.request(request.request_id) is not None:
         raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
     if not state.pool.config.enable_caching:
-        return (), 0
+        return Step(state, ((), 0))
     block_size = state.config.block_size
     # NOTE: at most len - 1 tokens: the last prompt token must be computed to get
     # the logits that sample the first output token.
     max_hit_blocks = (len(request.token_ids) - 1) // block_size
     hits: list[BlockId] = []
     for h in request_block_hashes(state, request)[:max_hit_blocks]:
-        b = ops.get_cached_block(state.pool, h)
+        b = ops.get_cached_block(state.pool, h).result
         if b is None:
             break
         hits.append(b)
-    return tuple(hits), len(hits) * block_size
+    return Step(state, (tuple(hits), len(hits) * block_size))
 
 
-def _alloc_ok(state: ManagerState, request: Request, result: tuple[ManagerState, tuple[BlockId, ...] | None]) -> bool:
-    new_state, new_blocks = result
+def _alloc_ok(state: ManagerState, request: Request, result: Step[ManagerState, tuple[BlockId, ...] | None]) -> bool:
+    new_state, new_blocks = result.state, result.result
     return _holds(new_state) and (new_blocks is not None or new_state == state)
 
 
@@ -220,7 +225,7 @@ def allocate_slots(
     num_new_computed_tokens: int = 0,
     new_computed_blocks: Sequence[BlockId] = (),
     num_external_computed_tokens: int = 0,
-) -> tuple[ManagerState, tuple[BlockId, ...] | None]:
+) -> Step[ManagerState, tuple[BlockId, ...] | None]:
     """Give a request slots for its next `num_new_tokens` tokens, and register the blocks they fill.
 
     On a request's first call, `new_computed_blocks` is its prefix hit (from
@@ -286,25 +291,26 @@ def allocate_slots(
     # against the free blocks just like new ones.
     num_evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt[b] == 0)
     if num_to_allocate + num_evictable_hits > len(pool.free_queue):
-        return state, None
+        return Step(state, None)
     if new_computed_blocks:
-        pool = ops.touch(pool, new_computed_blocks)
-    pool, new_blocks = ops.get_new_blocks(pool, num_to_allocate)
+        pool = ops.touch(pool, new_computed_blocks).state
+    taken = ops.get_new_blocks(pool, num_to_allocate)
+    pool, new_blocks = taken.state, taken.result
     block_ids = entry.block_ids + tuple(new_computed_blocks) + new_blocks
     num_cached = entry.num_cached_blocks + len(new_computed_blocks)
     if pool.config.enable_caching:
         num_full = min(total, len(request.token_ids)) // cfg.block_size
         if num_full > num_cached:
-            pool = ops.cache_full_blocks(pool, block_ids[num_cached:num_full], hashes[num_cached:num_full])
+            pool = ops.cache_full_blocks(pool, block_ids[num_cached:num_full], hashes[num_cached:num_full]).state
             num_cached = num_full
     new_entry = RequestBlocks(block_ids, num_cached, total)
-    return _with_request(replace(state, pool=pool), request.request_id, new_entry), new_blocks
+    return Step(_with_request(replace(state, pool=pool), request.request_id, new_entry), new_blocks)
 
 
 @icontract.require(lambda state: _holds(state))
-@icontract.ensure(lambda result: _holds(result))
-@icontract.ensure(lambda request_id, result: result.request(request_id) is None)
-def free(state: ManagerState, request_id: str) -> ManagerState:
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(lambda request_id, result: result.state.request(request_id) is None)
+def free(state: ManagerState, request_id: str) -> Step[ManagerState, None]:
     """Release a finished or preempted request: its blocks are freed tail first.
 
     Tail first, because a request's last blocks are the least likely to be
@@ -320,5 +326,5 @@ def free(state: ManagerState, request_id: str) -> ManagerState:
     entry = state.request(request_id)
     if entry is None:
         raise InvalidRequest(f"free: request_id={request_id!r} is not running (freed twice?)")
-    pool = ops.free_blocks(state.pool, tuple(reversed(entry.block_ids)))
-    return _with_request(replace(state, pool=pool), request_id, None)
+    pool = ops.free_blocks(state.pool, tuple(reversed(entry.block_ids))).state
+    return Step(_with_request(replace(state, pool=pool), request_id, None), None)

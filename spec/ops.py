@@ -1,6 +1,7 @@
 """The BlockPool operations, one pure function each, with contracts.
 
-Each operation takes a `PoolState` and returns the new state (and its result);
+Each operation takes a `PoolState` and returns a `Step` (kvspec.spec.step): the
+new state, its result and its events, the same shape for every operation;
 nothing is mutated, so "a failed call leaves the state unchanged" holds by
 construction here and is what implementations are held to. Arguments are
 validated first and a caller mistake raises a typed `BlockManagerError`
@@ -37,6 +38,7 @@ from kvspec.spec.state import (
     PoolState,
     canonical_hash_to_blocks,
 )
+from kvspec.spec.step import Step
 
 __all__ = [
     "cache_full_blocks",
@@ -114,11 +116,13 @@ def new_pool(num_gpu_blocks: int, enable_caching: bool = True, profile: str = "v
 
 
 @icontract.require(lambda state: _holds(state))
-@icontract.ensure(lambda result: _holds(result[0]))
-@icontract.ensure(lambda num_blocks, result: len(result[1]) == num_blocks)
-@icontract.ensure(lambda state, result: result[1] == state.free_queue[: len(result[1])])
-@icontract.ensure(lambda result: all(result[0].ref_cnt[b] == 1 and result[0].block_hash[b] is None for b in result[1]))
-def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[BlockId, ...]]:
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(lambda num_blocks, result: len(result.result) == num_blocks)
+@icontract.ensure(lambda state, result: result.result == state.free_queue[: len(result.result)])
+@icontract.ensure(
+    lambda result: all(result.state.ref_cnt[b] == 1 and result.state.block_hash[b] is None for b in result.result)
+)
+def get_new_blocks(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[BlockId, ...]]:
     """Take `num_blocks` blocks from the left end of the free queue, evicting their cached hashes.
 
     Args:
@@ -126,7 +130,7 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[
         num_blocks: how many blocks to take.
 
     Returns:
-        The new state and the blocks taken, in queue order, each with ref_cnt 1.
+        The new state and, as its result, the blocks taken, in queue order, each with ref_cnt 1.
 
     Raises:
         InvalidRequest: num_blocks is not a non-negative integer.
@@ -159,14 +163,16 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[
         free_queue=state.free_queue[num_blocks:],
         hash_to_blocks=_without_blocks(state.hash_to_blocks, set(taken)),
     )
-    return new_state, taken
+    return Step(new_state, taken)
 
 
 @icontract.require(lambda state: _holds(state))
-@icontract.ensure(lambda result: _holds(result))
-@icontract.ensure(lambda state, block_ids, result: all(result.ref_cnt[b] == state.ref_cnt[b] + 1 for b in block_ids))
-@icontract.ensure(lambda block_ids, result: not set(block_ids) & set(result.free_queue))
-def touch(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(
+    lambda state, block_ids, result: all(result.state.ref_cnt[b] == state.ref_cnt[b] + 1 for b in block_ids)
+)
+@icontract.ensure(lambda block_ids, result: not set(block_ids) & set(result.state.free_queue))
+def touch(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Take a hit on cached blocks: each leaves the free queue if it was there, and its ref_cnt grows by one.
 
     Args:
@@ -174,7 +180,7 @@ def touch(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
         block_ids: the blocks hit, each registered in the hash table.
 
     Returns:
-        The new state.
+        The new state; the result is None.
 
     Raises:
         InvalidBlock: an id is out of range, the null block, or a block without a hash
@@ -194,27 +200,30 @@ def touch(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
     ref_cnt = list(state.ref_cnt)
     for b in block_ids:
         ref_cnt[b] += 1
-    return replace(
+    new_state = replace(
         state,
         ref_cnt=tuple(ref_cnt),
         free_queue=tuple(b for b in state.free_queue if b not in touched),
     )
+    return Step(new_state, None)
 
 
 @icontract.require(lambda state: _holds(state))
-@icontract.ensure(lambda result: _holds(result))
-@icontract.ensure(lambda state, block_ids, result: all(result.ref_cnt[b] == state.ref_cnt[b] - 1 for b in block_ids))
-@icontract.ensure(lambda state, result: result.hash_to_blocks == state.hash_to_blocks)
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(
+    lambda state, block_ids, result: all(result.state.ref_cnt[b] == state.ref_cnt[b] - 1 for b in block_ids)
+)
+@icontract.ensure(lambda state, result: result.state.hash_to_blocks == state.hash_to_blocks)
 @icontract.ensure(
     lambda state, block_ids, result: freed_in_place(
         state.free_queue,
         [b for b in block_ids if state.ref_cnt[b] == 1],
         state.block_hash,
         profile_rule(state.config.profile),
-        result.free_queue,
+        result.state.free_queue,
     )
 )
-def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Drop one reference to each block, in the given (eviction-priority) order.
 
     A block whose ref_cnt reaches 0 joins the free queue at the end the profile
@@ -226,7 +235,7 @@ def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
         block_ids: a request's blocks, tail first (the caller reverses its block table).
 
     Returns:
-        The new state.
+        The new state; the result is None.
 
     Raises:
         InvalidBlock: an id is out of range or the null block.
@@ -244,18 +253,22 @@ def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
         ref_cnt[b] -= 1
     newly_free = [b for b in block_ids if ref_cnt[b] == 0]
     free_queue = place_freed(state.free_queue, newly_free, state.block_hash, profile_rule(state.config.profile))
-    return replace(state, ref_cnt=tuple(ref_cnt), free_queue=free_queue)
+    return Step(replace(state, ref_cnt=tuple(ref_cnt), free_queue=free_queue), None)
 
 
 @icontract.require(lambda state: _holds(state))
-@icontract.ensure(lambda result: _holds(result))
+@icontract.ensure(lambda result: _holds(result.state))
 @icontract.ensure(
-    lambda block_ids, block_hashes, result: all(result.block_hash[b] == h for b, h in zip(block_ids, block_hashes))
+    lambda block_ids, block_hashes, result: all(
+        result.state.block_hash[b] == h for b, h in zip(block_ids, block_hashes)
+    )
 )
-@icontract.ensure(lambda state, result: result.free_queue == state.free_queue and result.ref_cnt == state.ref_cnt)
+@icontract.ensure(
+    lambda state, result: result.state.free_queue == state.free_queue and result.state.ref_cnt == state.ref_cnt
+)
 def cache_full_blocks(
     state: PoolState, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]
-) -> PoolState:
+) -> Step[PoolState, None]:
     """Register full blocks under their hashes, so later requests can hit them.
 
     A hash that is already registered gets the block added after the existing
@@ -268,7 +281,7 @@ def cache_full_blocks(
         block_hashes: their hashes, one per block.
 
     Returns:
-        The new state.
+        The new state; the result is None.
 
     Raises:
         InvalidRequest: caching is off, the lengths differ, an id is named twice, or a hash is not bytes.
@@ -297,16 +310,19 @@ def cache_full_blocks(
         block_hash[b] = h
         table.setdefault(h, []).append(b)
     new_table = canonical_hash_to_blocks(tuple((h, tuple(blocks)) for h, blocks in table.items()))
-    return replace(state, block_hash=tuple(block_hash), hash_to_blocks=new_table)
+    return Step(replace(state, block_hash=tuple(block_hash), hash_to_blocks=new_table), None)
 
 
 @icontract.require(lambda state: _holds(state))
-@icontract.ensure(lambda state, block_hash, result: result is None or state.block_hash[result] == block_hash)
-def get_cached_block(state: PoolState, block_hash: BlockHash) -> BlockId | None:
+@icontract.ensure(
+    lambda state, block_hash, result: result.result is None or state.block_hash[result.result] == block_hash
+)
+@icontract.ensure(lambda state, result: result.state is state)
+def get_cached_block(state: PoolState, block_hash: BlockHash) -> Step[PoolState, BlockId | None]:
     """The first block registered under `block_hash`, or None on a miss.
 
     Returns:
-        A block id, or None.
+        The state, unchanged, and a block id or None.
 
     Raises:
         InvalidRequest: block_hash is not bytes.
@@ -317,15 +333,17 @@ def get_cached_block(state: PoolState, block_hash: BlockHash) -> BlockId | None:
         raise InvalidRequest(f"get_cached_block: block_hash={block_hash!r} is not bytes")
     for h, blocks in state.hash_to_blocks:
         if h == block_hash:
-            return blocks[0]
-    return None
+            return Step(state, blocks[0])
+    return Step(state, None)
 
 
 @icontract.require(lambda state: _holds(state))
-@icontract.ensure(lambda result: _holds(result))
-@icontract.ensure(lambda block_ids, result: all(result.block_hash[b] is None for b in block_ids))
-@icontract.ensure(lambda state, result: result.free_queue == state.free_queue and result.ref_cnt == state.ref_cnt)
-def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(lambda block_ids, result: all(result.state.block_hash[b] is None for b in block_ids))
+@icontract.ensure(
+    lambda state, result: result.state.free_queue == state.free_queue and result.state.ref_cnt == state.ref_cnt
+)
+def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Drop the cached hash of each block (held or free); blocks without a hash are left alone.
 
     Used when a block's content is known to be bad (an external load failed):
@@ -340,15 +358,16 @@ def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
     _check_block_ids(state, block_ids, "evict_blocks")
     dropped = set(block_ids)
     block_hash = tuple(None if b in dropped else h for b, h in enumerate(state.block_hash))
-    return replace(state, block_hash=block_hash, hash_to_blocks=_without_blocks(state.hash_to_blocks, dropped))
+    new_state = replace(state, block_hash=block_hash, hash_to_blocks=_without_blocks(state.hash_to_blocks, dropped))
+    return Step(new_state, None)
 
 
 @icontract.require(lambda state: _holds(state))
-@icontract.ensure(lambda result: _holds(result[0]))
-@icontract.ensure(lambda state, result: result[1] == (len(state.free_queue) == state.num_gpu_blocks - 1))
-@icontract.ensure(lambda state, result: result[1] or result[0] == state)
-@icontract.ensure(lambda result: not result[1] or not result[0].hash_to_blocks)
-def reset_prefix_cache(state: PoolState) -> tuple[PoolState, bool]:
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(lambda state, result: result.result == (len(state.free_queue) == state.num_gpu_blocks - 1))
+@icontract.ensure(lambda state, result: result.result or result.state == state)
+@icontract.ensure(lambda result: not result.result or not result.state.hash_to_blocks)
+def reset_prefix_cache(state: PoolState) -> Step[PoolState, bool]:
     """Forget every cached hash, but only when no request holds a block.
 
     Refused (False, nothing changes) while blocks are held: a running request's
@@ -359,31 +378,33 @@ def reset_prefix_cache(state: PoolState) -> tuple[PoolState, bool]:
         The new state, and whether the reset happened.
     """
     if len(state.free_queue) != state.num_gpu_blocks - 1:
-        return state, False
-    return replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=()), True
+        return Step(state, False)
+    return Step(replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=()), True)
 
 
-@icontract.ensure(lambda state, result: result == len(state.free_queue))
-def get_num_free_blocks(state: PoolState) -> int:
-    """How many blocks `get_new_blocks` could take now."""
-    return len(state.free_queue)
+@icontract.ensure(lambda state, result: result.result == len(state.free_queue) and result.state is state)
+def get_num_free_blocks(state: PoolState) -> Step[PoolState, int]:
+    """How many blocks `get_new_blocks` could take now (the state, unchanged, and the count)."""
+    return Step(state, len(state.free_queue))
 
 
-@icontract.ensure(lambda result: 0.0 <= result <= 1.0)
-def get_usage(state: PoolState) -> float:
-    """The fraction of allocatable blocks (all but the null block) held by requests.
+@icontract.ensure(lambda result: 0.0 <= result.result <= 1.0)
+@icontract.ensure(lambda state, result: result.state is state)
+def get_usage(state: PoolState) -> Step[PoolState, float]:
+    """The fraction of allocatable blocks (all but the null block) held by requests (the state, unchanged).
 
-    >>> get_usage(new_pool(5))
+    >>> get_usage(new_pool(5)).result
     0.0
     """
     num_allocatable = state.num_gpu_blocks - 1
     if num_allocatable == 0:
-        return 0.0
-    return 1.0 - len(state.free_queue) / num_allocatable
+        return Step(state, 0.0)
+    return Step(state, 1.0 - len(state.free_queue) / num_allocatable)
 
 
-@icontract.ensure(lambda state, block_id, result: result == _writable(state.snapshot(), block_id))
-def is_block_writable(state: PoolState, block_id: BlockId) -> bool:
+@icontract.ensure(lambda state, block_id, result: result.result == _writable(state.snapshot(), block_id))
+@icontract.ensure(lambda state, result: result.state is state)
+def is_block_writable(state: PoolState, block_id: BlockId) -> Step[PoolState, bool]:
     """Whether a request may write KV into `block_id` (spec.invariants.is_block_writable).
 
     Raises:
@@ -395,4 +416,4 @@ def is_block_writable(state: PoolState, block_id: BlockId) -> bool:
         raise InvalidBlock(
             f"is_block_writable: block_id={block_id!r} is not a block of this pool (ids 0..{state.num_gpu_blocks - 1})"
         )
-    return _writable(state.snapshot(), block_id)
+    return Step(state, _writable(state.snapshot(), block_id))

@@ -34,14 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.lockstep import NOT_EXERCISED_WHY
-from kvspec.conformance.runner import (
-    BUILTIN_IMPLS,
-    DEFAULT_IMPLS,
-    CheckResult,
-    FactoryError,
-    load_factory,
-    run_check,
-)
+from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, FactoryError, load_factory
+from kvspec.conformance.results import CheckResult, Verdict
+from kvspec.conformance.runner import run_check
 from kvspec.spec.ordering import PROFILES
 
 __all__ = ["register", "render_summary", "run", "write_junit"]
@@ -230,19 +225,19 @@ def _run_auto(
             impl, lv, caching, max_examples, time_budget_s=budget, trace_dir=args.trace_dir, seed=args.seed
         )
         where = f"{impl} {lv} caching {'on' if caching else 'off'}"
-        conforming = [p for p, r in found.items() if r.verdict == "conforms"]
-        ran = [r for r in found.values() if r.verdict not in ("could-not-run",)]
+        conforming = [p for p, r in found.items() if r.verdict is Verdict.CONFORMS]
+        ran = [r for r in found.values() if r.verdict is not Verdict.COULD_NOT_RUN]
         code = 0 if conforming else (1 if ran else 2)
         codes.append(code)
         print(f"\n{where}: " + (f"conforms to {', '.join(conforming)}" if conforming else "conforms to no profile"))
         for profile, r in found.items():
-            if r.verdict == "conforms":
+            if r.verdict is Verdict.CONFORMS:
                 print(f"  {profile:<14} conforms ({r.examples_run} examples, {r.steps_run} steps)")
             elif r.failure is not None:
                 f = r.failure
                 print(
                     f"  {profile:<14} {r.verdict}: shortest trace {f.num_steps} steps, "
-                    f"first bad step {f.step_index} ({f.op}): {f.message[:200]}"
+                    f"first bad step {f.step} ({f.op}): {f.message[:200]}"
                 )
                 print(f"  {'':<14} trace: {f.trace_path}")
             else:
@@ -263,7 +258,7 @@ _HEADER = (
 def _row(r: CheckResult) -> str:
     reached = len(r.branches) - len(r.unreached)
     return (
-        f"{r.impl[:15]:<16}{r.level:<9}{'on' if r.enable_caching else 'off':<9}{r.verdict:<15}{r.examples_run:>9}"
+        f"{r.impl[:15]:<16}{r.level:<9}{'on' if r.enable_caching else 'off':<9}{r.verdict.value:<15}{r.examples_run:>9}"
         f"{r.steps_run:>8}{r.steps_per_second:>9.0f}{r.states_reached:>8}{r.invariants_checked:>12}"
         f"{f'{reached}/{len(r.branches)}':>10}"
     )
@@ -311,7 +306,7 @@ def render_summary(results: Sequence[CheckResult], seconds: float) -> str:
     if more:
         lines.append(f"more rounds to reach every branch: {', '.join(more)}")
     for r in results:
-        if r.unreached and r.verdict == "conforms":
+        if r.unreached and r.verdict is Verdict.CONFORMS:
             where = f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}"
             lines.append(f"not reached ({where}): {'; '.join(r.unreached)}")
     not_exercised: dict[str, set[str]] = {}
@@ -360,13 +355,14 @@ def write_junit(results: Sequence[CheckResult], path: str | Path) -> None:
                 time=f"{r.seconds:.3f}",
             )
             counts["tests"] += 1
-            if r.verdict == "could-not-run":
-                ET.SubElement(case, "error", message=r.message[:500], type="could-not-run").text = r.message
+            if r.verdict is Verdict.COULD_NOT_RUN:
+                ET.SubElement(case, "error", message=r.message[:500], type=Verdict.COULD_NOT_RUN.value).text = r.message
                 counts["errors"] += 1
-            elif r.verdict != "conforms":
+            elif r.verdict is not Verdict.CONFORMS:
                 f = r.failure
-                message = f"{r.verdict} at step {f.step_index} ({f.op}): {f.message}" if f else r.verdict
-                ET.SubElement(case, "failure", message=message[:500], type=r.verdict).text = f.story if f else r.message
+                message = f"{r.verdict} at step {f.step} ({f.op}): {f.message}" if f else r.verdict.value
+                element = ET.SubElement(case, "failure", message=message[:500], type=r.verdict.value)
+                element.text = f.story if f else r.message
                 counts["failures"] += 1
             out = ET.SubElement(case, "system-out")
             out.text = (

@@ -29,6 +29,7 @@ from kvspec.conformance.mutants import (
     run_mutants,
     summarize,
 )
+from kvspec.conformance.results import Verdict
 
 
 def register(subparsers: Any) -> None:
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         why = f"{type(e).__name__}: {e}"
         print(f"kvspec mutants: the harness failed on the unmutated reference: {why}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
-    broken = [c for c in controls if c.verdict != "conforms"]
+    broken = [c for c in controls if c.verdict is not Verdict.CONFORMS]
     if not args.json:
         for c in controls:
             print(
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             )
     if broken:
         for c in broken:
-            detail = c.failure.message if c.failure is not None else c.verdict
+            detail = c.failure.message if c.failure is not None else c.verdict.value
             print(
                 f"kvspec mutants: the unmutated reference does not conform ({detail}); kills would mean nothing",
                 file=sys.stderr,
@@ -144,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                         {
                             "level": c.level,
                             "enable_caching": c.enable_caching,
-                            "verdict": c.verdict,
+                            "verdict": c.verdict.value,
                             "seconds": c.seconds,
                         }
                         for c in controls

@@ -14,8 +14,10 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
+from kvspec.conformance.registry import BUILTIN_IMPLS
 from kvspec.conformance.report import render_story
-from kvspec.conformance.runner import BUILTIN_IMPLS, replay
+from kvspec.conformance.results import Verdict
+from kvspec.conformance.runner import replay
 from kvspec.conformance.trace import MalformedTrace, read_trace
 
 __all__ = ["register", "run"]
@@ -71,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if result.failure is not None:
         print(result.failure.story)
-    elif result.verdict == "conforms":
-        print(render_story(replace(trace, impl=impl, verdict="conforms", failure=None)))
+    elif result.verdict is Verdict.CONFORMS:
+        print(render_story(replace(trace, impl=impl, verdict=Verdict.CONFORMS, failure=None)))
     else:
         print(f"{result.verdict}: {result.message}")
-    same = "same as recorded" if result.verdict == trace.verdict else f"recorded: {recorded}"
+    same = "same as recorded" if result.verdict is trace.verdict else f"recorded: {recorded}"
     print(f"\nverdict: {result.verdict} ({same})")
     return result.exit_code

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.results import Verdict
 from kvspec.conformance.vllm.releases import RELEASES, version_key
 from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.manager import Request
@@ -246,7 +247,7 @@ def run_probes(
         One result per probe that the adapter can run.
     """
     from kvspec.conformance.lockstep import ConformanceFailure, LockStep
-    from kvspec.conformance.trace import Trace, write_trace
+    from kvspec.conformance.trace import write_trace
 
     results: list[ProbeResult] = []
     probes = PROBES if level == "pool" else REQUEST_PROBES
@@ -258,20 +259,19 @@ def run_probes(
             continue  # an operation this release lacks
         if probe.needs == "null_block" and not getattr(lock.adapter, "has_null_block", True):
             continue  # 0.8.0 to 0.8.2: there is no null block to misuse
-        result = ProbeResult(probe.name, "conforms")
+        result = ProbeResult(probe.name, Verdict.CONFORMS.value)
         try:
             lock.check()
             for op, args in probe.steps:
                 lock.call(op, *[list(a) if isinstance(a, list) else a for a in args])
                 lock.check()
         except ConformanceFailure as failure:
-            result = ProbeResult(probe.name, failure.kind, failure.step_index, failure.op, failure.message)
+            f = failure.failure
+            result = ProbeResult(probe.name, f.kind.value, f.step, f.op, f.message)
             if trace_dir is not None:
                 slug = probe.name.replace(" ", "-")
                 path = Path(trace_dir) / f"{impl_name.replace('@', '-')}-probe-{slug}.trace.jsonl"
-                failure_info = {"kind": failure.kind, "step": failure.step_index, "op": failure.op,
-                                "message": failure.message, "invariant": failure.invariant}  # fmt: skip
-                trace = Trace(config, tuple(lock.records), impl_name, failure.kind, failure_info)
+                trace = lock.trace(impl_name)
                 result.trace_path = str(write_trace(path, trace))
         results.append(result)
     return results
@@ -293,7 +293,7 @@ class Cell:
 
     def conforms_to(self) -> list[str]:
         """The profiles whose check passed."""
-        return [p for p, r in self.profiles.items() if r["verdict"] == "conforms"]
+        return [p for p, r in self.profiles.items() if r["verdict"] == Verdict.CONFORMS]
 
 
 @dataclass(slots=True)
@@ -309,12 +309,12 @@ class ReleaseRow:
 
 def _result_json(result: Any) -> dict[str, Any]:
     failure = getattr(result, "failure", None)
-    out: dict[str, Any] = {"verdict": result.verdict, "steps_run": getattr(result, "steps_run", None)}
+    out: dict[str, Any] = {"verdict": str(result.verdict), "steps_run": getattr(result, "steps_run", None)}
     if getattr(result, "message", ""):
         out["message"] = result.message  # why it could not run, or a note; a failure's own message replaces it
     if failure is not None:
         out.update(
-            step=failure.step_index,
+            step=failure.step,
             op=failure.op,
             message=failure.message,
             trace=failure.trace_path,
@@ -351,7 +351,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
                                         steps / elapsed if elapsed > 0 else None, absent))  # fmt: skip
     if light:
         cell = row["cells"].get("pool/on")
-        conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == "conforms"]
+        conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == Verdict.CONFORMS]
         probe_profile = conforming[0] if conforming else PROFILES[0]
         row["probes"] = [asdict(r) for r in run_probes(factory, probe_profile, args.trace_dir, impl_name)]
         from kvspec.conformance.vllm.hashes import compare_release
@@ -359,7 +359,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         row["hashes"] = compare_release(version, seeds=(None, "0"), builtin_in_subprocess=True).summary()
     else:
         cell = row["cells"].get("manager/on")
-        conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == "conforms"]
+        conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == Verdict.CONFORMS]
         # The probes free only hashed blocks, where both profiles agree; prefer a conforming one.
         probe_profile = conforming[0] if conforming else PROFILES[0]
         probes = run_probes(factory, probe_profile, trace_dir, impl_name, num_gpu_blocks=8, level="manager")
@@ -495,7 +495,7 @@ def _notes(row: ReleaseRow) -> list[str]:
             if note not in notes:
                 notes.append(note)
     for p in row.probes:
-        if p.verdict != "conforms":
+        if p.verdict != Verdict.CONFORMS:
             notes.append(f"{p.name} (step {p.step} {p.op}: {p.message[:120]}; trace {p.trace_path})")
     return notes
 
@@ -564,7 +564,7 @@ def _cell_text(cell: Cell | None, footnotes: list[str]) -> str:
     parts = []
     for profile, r in cell.profiles.items():
         short = profile.replace("vllm-", "")
-        if r["verdict"] == "conforms":
+        if r["verdict"] == Verdict.CONFORMS:
             parts.append(f"{short} ok")
         else:
             footnotes.append(f"{r['verdict']} under {profile} at step {r.get('step')} ({r.get('op')}): "

@@ -42,7 +42,7 @@ def test_head_first_free_diverges_with_a_short_replayable_trace(head_first):
     assert trace.steps[-1].impl_snapshot.free_queue == (1, 2)
     again = replay(f.trace_path, adapters.make_free_head_first)
     assert again.verdict == "diverges"
-    assert (again.failure.step_index, again.failure.op, again.failure.message) == (f.step_index, f.op, f.message)
+    assert (again.failure.step, again.failure.op, again.failure.message) == (f.step, f.op, f.message)
     assert replay(f.trace_path, make_reference).verdict == "conforms"
 
 

@@ -7,6 +7,7 @@ import pytest
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.builtin import make_reference, make_spec
 from kvspec.conformance.cli import main
+from kvspec.conformance.results import Failure, FailureKind, Verdict
 from kvspec.conformance.runner import replay
 from kvspec.conformance.trace import (
     MalformedTrace,
@@ -47,7 +48,11 @@ def test_every_kind_of_value_survives_a_round_trip(tmp_path):
         ),
     )
     trace = Trace(
-        AdapterConfig("manager", 3, True, "vllm-v1", 2), steps, "reference", "crashed", {"kind": "crashed", "step": 3}
+        AdapterConfig("manager", 3, True, "vllm-v1", 2),
+        steps,
+        "reference",
+        Verdict.CRASHED,
+        Failure(FailureKind.CRASHED, 3, "free", "KeyError: 'r9'"),
     )
     path = write_trace(tmp_path / "t.trace.jsonl", trace)
     assert read_trace(path) == trace

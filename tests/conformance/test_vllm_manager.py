@@ -85,7 +85,7 @@ def scenario(profile, caching, salt):
         out["queue"] = list(lock.impl_snapshot.free_queue)
         out["verdict"] = "conforms"
     except ConformanceFailure as f:
-        out.update(verdict=f.kind, step=f.step_index, op=f.op, message=f.message)
+        out.update(verdict=f.kind, step=f.step, op=f.op, message=f.message)
     return out
 
 
@@ -98,7 +98,7 @@ with tempfile.TemporaryDirectory() as tmp:
         got = {"verdict": probe.verdict, "step": probe.step, "op": probe.op, "message": probe.message}
         if probe.trace_path is not None:
             again = replay(probe.trace_path, make_installed_adapter, impl="vllm", isolate=False)
-            got["replayed"] = [again.verdict, again.failure.step_index if again.failure else None]
+            got["replayed"] = [again.verdict, again.failure.step if again.failure else None]
         out["probes"][probe.name] = got
 print(json.dumps(out))
 """

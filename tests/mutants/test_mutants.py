@@ -27,7 +27,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
 from kvspec.conformance.builtin import make_reference
 from kvspec.conformance.cli import main
-from kvspec.conformance.lockstep import ConformanceFailure, Observer, StepTimeout
+from kvspec.conformance.lockstep import ConformanceFailure, StepTimeout, StepWatch
 from kvspec.conformance.machine import conformance_machine
 from kvspec.conformance.mutants import (
     KILLING_VERDICTS,
@@ -53,10 +53,10 @@ MAX_SHRUNK_STEPS = 16
 
 def _first_failure(factory, level: str, enable_caching: bool, max_examples: int, seed: int = 0) -> str | None:
     """Run the conformance machine in this process, unshrunk; what it caught first, or None."""
-    observer = Observer(step_timeout_s=10.0)
-    machine = conformance_machine(factory, level, enable_caching, observer=observer)
+    watch = StepWatch(step_timeout_s=10.0)
+    machine = conformance_machine(factory, level, enable_caching, watch=watch)
     hypothesis_seed(seed)(machine)
-    undo = observer.install_alarm()
+    undo = watch.install_alarm()
     try:
         run_state_machine_as_test(
             machine,
@@ -70,7 +70,7 @@ def _first_failure(factory, level: str, enable_caching: bool, max_examples: int,
             ),
         )
     except ConformanceFailure as e:
-        return f"{e.kind}: {e}"
+        return f"{e.failure.kind}: {e}"
     except StepTimeout:
         return "hung"
     finally:

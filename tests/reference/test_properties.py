@@ -98,14 +98,14 @@ def test_pool_matches_the_spec_step_by_step(profile: str, enable_caching: bool, 
             got, error = attempt(ops.get_new_blocks, spec, k)
             result, ref_error = attempt(reference.get_new_blocks, k)
             if got is not None:
-                spec, taken = got
+                spec, taken = got.state, got.result
                 assert result == list(taken)
         elif op in ("touch", "free_blocks", "evict_blocks"):
             valid = {"touch": hashed, "free_blocks": held, "evict_blocks": list(range(1, n))}[op]
             ids = block_ids(data, valid, n, op)
             got, error = attempt(getattr(ops, op), spec, ids)
             result, ref_error = attempt(getattr(reference, op), ids)
-            spec = got if got is not None else spec
+            spec = got.state if got is not None else spec
         elif op == "cache_full_blocks":
             ids = block_ids(data, [b for b in held if spec.block_hash[b] is None], n, op)
             num_hashes = len(ids) + rarely(data, "one hash too many?")
@@ -113,30 +113,30 @@ def test_pool_matches_the_spec_step_by_step(profile: str, enable_caching: bool, 
                                label="block_hashes")
             got, error = attempt(ops.cache_full_blocks, spec, ids, hashes)
             result, ref_error = attempt(reference.cache_full_blocks, ids, hashes)
-            spec = got if got is not None else spec
+            spec = got.state if got is not None else spec
         elif op == "get_cached_block":
             h = data.draw(st.sampled_from(HASHES), label="block_hash")
             got, error = attempt(ops.get_cached_block, spec, h)
             result, ref_error = attempt(reference.get_cached_block, h)
-            assert result == got
+            assert result == (None if got is None else got.result)
         elif op == "reset_prefix_cache":
             got, error = attempt(ops.reset_prefix_cache, spec)
             result, ref_error = attempt(reference.reset_prefix_cache)
             assert got is not None
-            spec, done = got
+            spec, done = got.state, got.result
             assert result == done
         elif op == "is_block_writable":
             b = data.draw(st.integers(0, n - 1) if not rarely(data, "out of range?") else st.sampled_from([-1, n]),
                           label="block_id")
             got, error = attempt(ops.is_block_writable, spec, BlockId(b))
             result, ref_error = attempt(reference.is_block_writable, BlockId(b))
-            assert result == got
+            assert result == (None if got is None else got.result)
         elif op == "get_num_free_blocks":
-            got, error = ops.get_num_free_blocks(spec), None
+            got, error = ops.get_num_free_blocks(spec).result, None
             result, ref_error = reference.get_num_free_blocks(), None
             assert result == got
         else:
-            got, error = ops.get_usage(spec), None
+            got, error = ops.get_usage(spec).result, None
             result, ref_error = reference.get_usage(), None
             assert result == got
         assert ref_error == error, op
@@ -149,7 +149,7 @@ def test_pool_matches_the_spec_step_by_step(profile: str, enable_caching: bool, 
         check_after(op, before, spec.snapshot(), reference.snapshot())
         reference.check_invariants()
         assert [reference.is_block_writable(BlockId(b)) for b in range(n)] == [
-            ops.is_block_writable(spec, BlockId(b)) for b in range(n)
+            ops.is_block_writable(spec, BlockId(b)).result for b in range(n)
         ]
 
 
@@ -183,7 +183,7 @@ def test_manager_matches_the_spec_step_by_step(profile: str, enable_caching: boo
                 request = Request(rid, tuple(data.draw(prompts, label="prompt")),
                                   lora_name=data.draw(st.sampled_from([None, "l"]), label="lora_name"),
                                   cache_salt=data.draw(st.sampled_from([None, "s"]), label="cache_salt"))
-            spec_hit = manager.get_computed_blocks(spec, request)
+            spec_hit = manager.get_computed_blocks(spec, request).result
             ref_blocks, ref_tokens = reference.get_computed_blocks(request)
             assert (list(spec_hit[0]), spec_hit[1]) == (ref_blocks, ref_tokens)
             hit_blocks, num_hit_tokens = spec_hit
@@ -198,7 +198,7 @@ def test_manager_matches_the_spec_step_by_step(profile: str, enable_caching: boo
             result, ref_error = attempt(reference.allocate_slots, request, num_new, num_hit_tokens, list(hit_blocks),
                                        num_external)
             assert got is not None and error is None and ref_error is None
-            spec, new_blocks = got
+            spec, new_blocks = got.state, got.result
             assert result == (None if new_blocks is None else list(new_blocks))
             if new_blocks is not None:
                 requests[rid] = request
@@ -221,13 +221,13 @@ def test_manager_matches_the_spec_step_by_step(profile: str, enable_caching: boo
             got, error = attempt(manager.allocate_slots, spec, request, num_new)
             result, ref_error = attempt(reference.allocate_slots, request, num_new)
             assert got is not None and error is None and ref_error is None
-            spec, new_blocks = got
+            spec, new_blocks = got.state, got.result
             assert result == (None if new_blocks is None else list(new_blocks))
             if new_blocks is not None:
                 requests[rid] = request
         elif op == "free":  # finished or preempted: the same call
             rid = data.draw(st.sampled_from(sorted(requests)), label="request_id")
-            spec = manager.free(spec, rid)
+            spec = manager.free(spec, rid).state
             reference.free(rid)
             finished.append(requests.pop(rid))
         else:

@@ -21,6 +21,7 @@ from kvspec.spec import ops
 from kvspec.spec.errors import AlreadyCached, DoubleFree, InvalidBlock, InvalidRequest, PoolExhausted
 from kvspec.spec.ordering import place_freed, profile_rule
 from kvspec.spec.state import BlockHash, BlockId, PoolState, canonical_hash_to_blocks
+from kvspec.spec.step import Step
 
 __all__ = ["BUGS", "AlreadyCached", "Bug", "InvalidRequest", "PoolExhausted"]
 
@@ -53,17 +54,17 @@ def _freed(state: PoolState, ref_cnt: Sequence[int], block_ids: Sequence[BlockId
 
 
 @with_contracts_of(ops.free_blocks)
-def free_blocks_without_ref_cnt_check(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+def free_blocks_without_ref_cnt_check(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """A double free goes unnoticed: ref_cnt drops below 0 and the block is queued twice."""
     ops._check_block_ids(state, block_ids, "free_blocks")
     ref_cnt = list(state.ref_cnt)
     for b in block_ids:
         ref_cnt[b] -= 1
-    return replace(state, ref_cnt=tuple(ref_cnt), free_queue=_freed(state, ref_cnt, block_ids))
+    return Step(replace(state, ref_cnt=tuple(ref_cnt), free_queue=_freed(state, ref_cnt, block_ids)), None)
 
 
 @with_contracts_of(ops.free_blocks)
-def free_blocks_hashed_to_the_left(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+def free_blocks_hashed_to_the_left(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Every freed block goes to the left end: cached blocks are evicted first, not last."""
     ops._check_block_ids(state, block_ids, "free_blocks")
     for b in block_ids:
@@ -73,11 +74,11 @@ def free_blocks_hashed_to_the_left(state: PoolState, block_ids: Sequence[BlockId
     for b in block_ids:
         ref_cnt[b] -= 1
     newly_free = tuple(b for b in block_ids if ref_cnt[b] == 0)
-    return replace(state, ref_cnt=tuple(ref_cnt), free_queue=newly_free + state.free_queue)
+    return Step(replace(state, ref_cnt=tuple(ref_cnt), free_queue=newly_free + state.free_queue), None)
 
 
 @with_contracts_of(ops.touch)
-def touch_forgets_the_queue(state: PoolState, block_ids: Sequence[BlockId]) -> PoolState:
+def touch_forgets_the_queue(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """A hit raises ref_cnt but leaves the block in the free queue, where it can be reallocated."""
     ops._check_block_ids(state, block_ids, "touch")
     for b in block_ids:
@@ -86,37 +87,38 @@ def touch_forgets_the_queue(state: PoolState, block_ids: Sequence[BlockId]) -> P
     ref_cnt = list(state.ref_cnt)
     for b in block_ids:
         ref_cnt[b] += 1
-    return replace(state, ref_cnt=tuple(ref_cnt))
+    return Step(replace(state, ref_cnt=tuple(ref_cnt)), None)
 
 
 @with_contracts_of(ops.get_new_blocks)
-def get_new_blocks_keeps_the_hash(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[BlockId, ...]]:
+def get_new_blocks_keeps_the_hash(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[BlockId, ...]]:
     """Reallocating a cached block keeps its hash: a later request would hit someone else's KV."""
-    new_state, taken = ops.get_new_blocks(state, num_blocks)
-    return replace(new_state, block_hash=state.block_hash, hash_to_blocks=state.hash_to_blocks), taken
+    taken = ops.get_new_blocks(state, num_blocks)
+    kept = replace(taken.state, block_hash=state.block_hash, hash_to_blocks=state.hash_to_blocks)
+    return Step(kept, taken.result)
 
 
 @with_contracts_of(ops.get_new_blocks)
-def get_new_blocks_from_the_right(state: PoolState, num_blocks: int) -> tuple[PoolState, tuple[BlockId, ...]]:
+def get_new_blocks_from_the_right(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[BlockId, ...]]:
     """Blocks are taken from the wrong end: the most recently used go first."""
     mirrored = replace(state, free_queue=state.free_queue[::-1])
-    new_state, taken = ops.get_new_blocks(mirrored, num_blocks)
-    return replace(new_state, free_queue=new_state.free_queue[::-1]), taken
+    taken = ops.get_new_blocks(mirrored, num_blocks)
+    return Step(replace(taken.state, free_queue=taken.state.free_queue[::-1]), taken.result)
 
 
 @with_contracts_of(ops.cache_full_blocks)
 def cache_full_blocks_skips_the_table(
     state: PoolState, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]
-) -> PoolState:
+) -> Step[PoolState, None]:
     """Blocks get their hash but are never entered in hash_to_blocks: nothing can hit them."""
-    registered = ops.cache_full_blocks(state, block_ids, block_hashes)
-    return replace(registered, hash_to_blocks=canonical_hash_to_blocks(state.hash_to_blocks))
+    registered = ops.cache_full_blocks(state, block_ids, block_hashes).state
+    return Step(replace(registered, hash_to_blocks=canonical_hash_to_blocks(state.hash_to_blocks)), None)
 
 
 @with_contracts_of(ops.reset_prefix_cache)
-def reset_prefix_cache_while_held(state: PoolState) -> tuple[PoolState, bool]:
+def reset_prefix_cache_while_held(state: PoolState) -> Step[PoolState, bool]:
     """The cache is reset even while requests hold registered blocks."""
-    return replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=()), True
+    return Step(replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=()), True)
 
 
 class Bug:
@@ -134,11 +136,11 @@ class Bug:
 
 
 BUGS: tuple[Bug, ...] = (
-    Bug(free_blocks_without_ref_cnt_check, ops.free_blocks, "_holds(result)"),
+    Bug(free_blocks_without_ref_cnt_check, ops.free_blocks, "_holds(result.state)"),
     Bug(free_blocks_hashed_to_the_left, ops.free_blocks, "freed_in_place("),
-    Bug(touch_forgets_the_queue, ops.touch, "not set(block_ids) & set(result.free_queue)"),
-    Bug(get_new_blocks_keeps_the_hash, ops.get_new_blocks, "result[0].block_hash[b] is None"),
-    Bug(get_new_blocks_from_the_right, ops.get_new_blocks, "result[1] == state.free_queue[: len(result[1])]"),
-    Bug(cache_full_blocks_skips_the_table, ops.cache_full_blocks, "_holds(result)"),
-    Bug(reset_prefix_cache_while_held, ops.reset_prefix_cache, "result[1] == (len(state.free_queue)"),
+    Bug(touch_forgets_the_queue, ops.touch, "not set(block_ids) & set(result.state.free_queue)"),
+    Bug(get_new_blocks_keeps_the_hash, ops.get_new_blocks, "result.state.block_hash[b] is None"),
+    Bug(get_new_blocks_from_the_right, ops.get_new_blocks, "result.result == state.free_queue[: len(result.result)]"),
+    Bug(cache_full_blocks_skips_the_table, ops.cache_full_blocks, "_holds(result.state)"),
+    Bug(reset_prefix_cache_while_held, ops.reset_prefix_cache, "result.result == (len(state.free_queue)"),
 )

@@ -171,10 +171,11 @@ def test_a_salted_request_does_not_hit_a_lora_requests_blocks() -> None:
     # have read KV computed with X's LoRA.
     state = manager.new_manager(num_gpu_blocks=8, block_size=4)
     prompt = tuple(range(1, 10))
-    state, taken = manager.allocate_slots(state, manager.Request("X", prompt, lora_name="t"), 9)
+    step = manager.allocate_slots(state, manager.Request("X", prompt, lora_name="t"), 9)
+    state, taken = step.state, step.result
     assert taken == (1, 2, 3)
-    assert manager.get_computed_blocks(state, manager.Request("Y", prompt, cache_salt="t")) == ((), 0)
-    assert manager.get_computed_blocks(state, manager.Request("Z", prompt, lora_name="t")) == ((1, 2), 8)
+    assert manager.get_computed_blocks(state, manager.Request("Y", prompt, cache_salt="t")).result == ((), 0)
+    assert manager.get_computed_blocks(state, manager.Request("Z", prompt, lora_name="t")).result == ((1, 2), 8)
 
 
 # --- across processes -------------------------------------------------------------------------

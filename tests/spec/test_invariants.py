@@ -110,15 +110,16 @@ def caching_off() -> Snapshot:
 def _reachable() -> list[Snapshot]:
     """States the spec's own operations reach (the operations carry the contracts too)."""
     s = ops.new_pool(6)
-    s, taken = ops.get_new_blocks(s, 3)
-    s = ops.cache_full_blocks(s, taken[:2], (H1, H2))
-    s = ops.touch(s, taken[:2])
+    step = ops.get_new_blocks(s, 3)
+    s, taken = step.state, step.result
+    s = ops.cache_full_blocks(s, taken[:2], (H1, H2)).state
+    s = ops.touch(s, taken[:2]).state
     after_touch = s
-    s = ops.free_blocks(s, taken[::-1])
-    s = ops.free_blocks(s, taken[1::-1])
+    s = ops.free_blocks(s, taken[::-1]).state
+    s = ops.free_blocks(s, taken[1::-1]).state
     after_free = s
     assert after_free.free_queue == (3, 4, 5, 2, 1)
-    s, _ = ops.get_new_blocks(s, 5)  # evicts both cached blocks
+    s = ops.get_new_blocks(s, 5).state  # evicts both cached blocks
     return [ops.new_pool(1).snapshot(), after_touch.snapshot(), after_free.snapshot(), s.snapshot()]
 
 

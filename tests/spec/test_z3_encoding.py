@@ -130,8 +130,8 @@ def test_hit_cap_formulas_agree_with_spec_manager():
         if num_cached:
             # A request that shares the first num_cached full blocks registers them.
             donor = Request("donor", prompt[: num_cached * block_size])
-            state, _ = allocate_slots(state, donor, len(donor.token_ids))
-        blocks, num_tokens = get_computed_blocks(state, Request("r", prompt))
+            state = allocate_slots(state, donor, len(donor.token_ids)).state
+        blocks, num_tokens = get_computed_blocks(state, Request("r", prompt)).result
         max_hit = (len(prompt) - 1) // block_size
         assert num_tokens == num_hit_tokens(block_size, num_cached, max_hit, PY), (prompt, block_size, num_cached)
         assert hit_tokens_within_cap(len(prompt), num_tokens, PY)
@@ -167,8 +167,7 @@ def _random_call(rng: random.Random, st: PoolState) -> tuple[str, tuple[object, 
 
 
 def _apply(st: PoolState, op: str, args: tuple[object, ...]) -> PoolState:
-    result = getattr(ops, op)(st, *args)
-    return result[0] if isinstance(result, tuple) else result
+    return getattr(ops, op)(st, *args).state
 
 
 def _reachable_states(seed: int, count: int) -> Iterator[PoolState]:
@@ -459,7 +458,7 @@ def test_key_encoding_simulation_orders_like_the_free_queue_and_satisfies_the_en
 
 
 def test_key_relation_encoding_rejects_keys_out_of_queue_order():
-    st = ops.free_blocks(ops.get_new_blocks(ops.new_pool(5), 4)[0], [BlockId(2), BlockId(1), BlockId(3)])
+    st = ops.free_blocks(ops.get_new_blocks(ops.new_pool(5), 4).state, [BlockId(2), BlockId(1), BlockId(3)]).state
     pv = pm.encode_snapshot(st)
     keys_in_order = {b: i for i, b in enumerate(st.free_queue)}
     for swap in ((0, 1), (1, 2), (0, 2)):
@@ -479,11 +478,11 @@ def test_place_freed_agrees_with_the_free_blocks_encoding_on_every_small_batch()
         rule = profile_rule(profile)
         for num_held in range(0, 4):
             for hashed_mask in range(1 << num_held):
-                st = ops.get_new_blocks(ops.new_pool(6, profile=profile), num_held)[0]
+                st = ops.get_new_blocks(ops.new_pool(6, profile=profile), num_held).state
                 held = [BlockId(b) for b in range(1, num_held + 1)]
                 hashed = [b for i, b in enumerate(held) if hashed_mask >> i & 1]
                 if hashed:
-                    st = ops.cache_full_blocks(st, hashed, [BlockHash(bytes([b])) for b in hashed])
+                    st = ops.cache_full_blocks(st, hashed, [BlockHash(bytes([b])) for b in hashed]).state
                 for order in (held, held[::-1]):
                     expected = place_freed(st.free_queue, order, st.block_hash, rule)
                     names = pm.HashNames()

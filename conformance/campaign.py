@@ -1,0 +1,197 @@
+"""Campaign scheduling: the Hypothesis runs of one configuration, in chunks, inside the child process.
+
+A campaign checks one implementation at one level, caching mode and profile.
+It first builds one adapter to see that the level can run at all, then runs
+the state machine in chunks: a time budget sizes each chunk to the time
+left (Hypothesis has no time limit of its own, and an exception raised
+inside a test to stop it would be taken for flaky data generation), and
+while an expected branch is still unreached after the examples asked for,
+up to `cover_rounds` more rounds run on the next seeds, so the coverage
+reported is the campaign's rather than one seed's luck. It hands back a
+`CampaignReport`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, Verbosity, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Flaky
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.coverage import expected_branches, reachable_branches
+from kvspec.conformance.lockstep import ConformanceFailure, Factory, LockStep, Observer, SpecFailure, StepTimeout
+from kvspec.conformance.machine import conformance_machine
+from kvspec.conformance.operations import required_methods
+from kvspec.conformance.results import CampaignReport, Failure, FailureKind, Verdict
+from kvspec.conformance.watch import StepWatch
+
+__all__ = ["CampaignPlan", "run_campaign"]
+
+
+@dataclass(frozen=True)
+class CampaignPlan:
+    """Everything one campaign is asked to do."""
+
+    level: str
+    enable_caching: bool
+    profile: str
+    max_examples: int
+    seed: int
+    time_budget_s: float | None
+    step_timeout_s: float | None
+    steps_per_example: int
+    keep_deepest: bool
+    impl: str | None
+    database: Any
+    device: str | None = None
+    shrink: bool = True
+    cover_rounds: int = 0
+
+
+def _probe(factory: Factory, config: AdapterConfig) -> str | None:
+    """Why no campaign can run on this factory at this level, or None."""
+    try:
+        adapter = factory(config)
+    except Exception as e:
+        return f"building the adapter failed for {config}: {type(e).__name__}: {e}"
+    missing = [m for m in required_methods(config.level) if not callable(getattr(adapter, m, None))]
+    if missing:
+        return f"the {config.level}-level adapter {type(adapter).__name__} lacks {', '.join(m + '()' for m in missing)}"
+    return None
+
+
+def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, heartbeat: Any) -> CampaignReport:
+    """Run one campaign; what it ran, reached and found."""
+    start = time.monotonic()
+    observer = Observer(keep_deepest=plan.keep_deepest)
+    watch = StepWatch(plan.step_timeout_s, stream_fd, heartbeat, plan.impl)
+    undo = watch.install_alarm()
+    try:
+        watch.impl_started()
+        try:
+            config = AdapterConfig(plan.level, 8, plan.enable_caching, plan.profile, device=plan.device)  # type: ignore[arg-type]
+            why = _probe(factory, config)
+        finally:
+            watch.impl_finished()
+        if why is not None:
+            return CampaignReport(Verdict.COULD_NOT_RUN, why, seconds=time.monotonic() - start)
+        found, message, extra_rounds = _chunks(factory, plan, observer, watch, start)
+    finally:
+        undo()
+    return _report(plan, observer, found, message, extra_rounds, time.monotonic() - start)
+
+
+def _chunks(
+    factory: Factory, plan: CampaignPlan, observer: Observer, watch: StepWatch, start: float
+) -> tuple[tuple[Failure, LockStep | None] | None, str, int]:
+    """Run chunks until the examples (and cover rounds) are done, the budget is spent, or a failure is found."""
+    deadline = start + plan.time_budget_s if plan.time_budget_s is not None else None
+    branches = expected_branches(plan.level, plan.enable_caching, plan.profile)
+    remaining, chunk_seed, extra_rounds, message = plan.max_examples, plan.seed, 0, ""
+    found: tuple[Failure, LockStep | None] | None = None
+    while found is None:
+        if remaining <= 0:
+            reachable = reachable_branches(
+                plan.level, branches, observer.coverage, observer.not_exercised, observer.absent_ops
+            )
+            if extra_rounds == plan.cover_rounds or all(observer.coverage.get(b) for b in reachable):
+                break
+            remaining, extra_rounds = plan.max_examples, extra_rounds + 1
+        n = remaining
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                message = f"time budget of {plan.time_budget_s:g} s spent"
+                break
+            per_example = (time.monotonic() - start) / observer.examples if observer.examples else None
+            n = min(remaining, 20 if per_example is None else max(10, int(left / per_example)))
+        found, message = _run_chunk(factory, plan, observer, watch, n, chunk_seed)
+        remaining -= n
+        chunk_seed += 1
+    return found, message, extra_rounds
+
+
+def _report(
+    plan: CampaignPlan,
+    observer: Observer,
+    found: tuple[Failure, LockStep | None] | None,
+    message: str,
+    extra_rounds: int,
+    seconds: float,
+) -> CampaignReport:
+    failure, lock = found if found is not None else (None, None)
+    verdict = failure.kind.verdict if failure is not None else Verdict.CONFORMS
+    trace = None
+    if failure is not None and lock is not None:
+        trace = lock.trace(plan.impl)
+        failure = trace.failure or failure
+    deepest = observer.deepest[1].trace(plan.impl) if observer.deepest is not None else None
+    return CampaignReport(
+        verdict=verdict,
+        message=message,
+        examples=observer.examples,
+        steps=observer.steps,
+        coverage=dict(observer.coverage),
+        states=len(observer.states),
+        invariants_checked=observer.invariants_checked,
+        seconds=seconds,
+        not_exercised=tuple(sorted(observer.not_exercised)),
+        absent_ops=tuple(sorted(observer.absent_ops)),
+        extra_rounds=extra_rounds,
+        failure=failure,
+        trace=trace,
+        deepest=deepest,
+    )
+
+
+def _run_chunk(
+    factory: Factory, plan: CampaignPlan, observer: Observer, watch: StepWatch, max_examples: int, seed: int
+) -> tuple[tuple[Failure, LockStep | None] | None, str]:
+    """One Hypothesis run of the machine; the failure it found (shrunk unless the plan says not) and a note."""
+    machine = conformance_machine(
+        factory, plan.level, plan.enable_caching, plan.profile, observer, device=plan.device, watch=watch
+    )
+    hypothesis_seed(seed)(machine)
+    try:
+        run_state_machine_as_test(machine, settings=_settings(plan, max_examples))
+    except StepTimeout:
+        lock = watch.current
+        hung = lock.hung() if lock is not None else ConformanceFailure(Failure(FailureKind.HUNG, 0, "?", "no answer"))
+        return (hung.failure, lock), ""
+    except (ConformanceFailure, SpecFailure, Flaky) as e:
+        failed: LockStep | None = watch.failed
+        if failed is None or failed.failure is None:
+            raise
+        found = failed.failure
+        message = ""
+        if isinstance(e, Flaky):
+            message = "the failure did not reproduce every time (the implementation is not deterministic?)"
+        if isinstance(found, SpecFailure):
+            message = f"the spec itself failed; a bug in kvspec: {found}"
+        return (found.failure, failed), message
+    return None, ""
+
+
+def _settings(plan: CampaignPlan, max_examples: int) -> settings:
+    # Targeting (hill-climbing on the reuse of cached blocks) pays off only in
+    # long runs; in a short one it spends the examples on one example's neighbours.
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if plan.shrink else [])
+    if max_examples >= 1000:
+        phases.append(Phase.target)
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=plan.steps_per_example,
+        deadline=None,
+        database=plan.database,
+        derandomize=False,
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+        report_multiple_bugs=False,
+        phases=phases,
+        print_blob=False,
+    )

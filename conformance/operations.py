@@ -1,0 +1,355 @@
+"""Every operation the harness drives, described once.
+
+One `Operation` per adapter method: its level, its parameters in call order
+(vLLM's names), the spec function that defines it, how a returned value is
+put in normal form, whether an adapter may lack it, the spec branches it has
+(outcomes and the errors it raises for caller mistakes), which of those only
+prefix caching reaches, and the caller mistakes the machine makes against it.
+The trace format (parameter names and counts), the lock-step core (the spec
+call and the result comparison), coverage (the branches a configuration
+should reach), adapter capabilities (the optional operations) and the
+runner's method checks are all read from `OPERATIONS`; adding an operation
+is one entry here plus its spec function and its implementations.
+
+Design choice: a table of plain records rather than a class per operation
+with methods to override; every column is data or a small pure function, so
+the table reads as one page and no behaviour hides in a subclass.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Literal
+
+from kvspec.conformance import branches as br
+from kvspec.spec import manager as spec_manager
+from kvspec.spec import ops as spec_ops
+from kvspec.spec.state import Snapshot
+from kvspec.spec.step import Step
+
+__all__ = [
+    "OPERATIONS",
+    "BadResult",
+    "Level",
+    "Operation",
+    "level_operations",
+    "optional_operations",
+    "required_methods",
+]
+
+Level = Literal["pool", "manager"]
+Reached = Callable[[Sequence[Any], Snapshot, Snapshot, Any], list[str]]
+
+
+class BadResult(Exception):
+    """An implementation returned a value that cannot be put in normal form (the message says why)."""
+
+
+# --- results in normal form ---------------------------------------------------------------
+
+
+def as_id(v: Any) -> int:
+    """A block id as a plain int (numpy ints and other index types accepted, bools refused).
+
+    >>> as_id(3)
+    3
+    """
+    if isinstance(v, bool):
+        raise BadResult(f"{v!r} is a bool, not a block id")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise BadResult(f"{v!r} is not an integer block id") from None
+
+
+def as_ids(v: Any) -> list[int]:
+    """A list of block ids as plain ints, from any iterable (not a string).
+
+    >>> as_ids((1, 2))
+    [1, 2]
+    """
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+        try:
+            v = list(v)
+        except TypeError:
+            raise BadResult(f"{v!r} is not a list of block ids") from None
+    return [as_id(b) for b in v]
+
+
+def _as_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise BadResult(f"{v!r} is not a bool")
+
+
+def _as_id_or_none(v: Any) -> int | None:
+    return None if v is None else as_id(v)
+
+
+def _as_ids_or_none(v: Any) -> list[int] | None:
+    return None if v is None else as_ids(v)
+
+
+def _as_hit(v: Any) -> list[Any]:
+    if not isinstance(v, (tuple, list)) or len(v) != 2:
+        raise BadResult(f"{v!r} is not (hit blocks, num_hit_tokens)")
+    return [as_ids(v[0]), as_id(v[1])]
+
+
+def _as_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadResult(f"{v!r} is not a number")
+    return float(v)
+
+
+def _close(a: Any, b: Any) -> bool:
+    return bool(abs(a - b) <= 1e-9)
+
+
+# --- the table ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Operation:
+    """One adapter method, as the harness drives, records, compares and covers it."""
+
+    name: str  # the adapter method, vLLM's name
+    level: Level  # "pool" (BlockPool) or "manager" (KVCacheManager)
+    params: tuple[str, ...]  # parameter names in call order; a trace step records one argument for each
+    spec: Callable[..., Step[Any, Any]]  # the spec's definition: (state, *args) -> Step
+    normalize: Callable[[Any], Any] | None  # a returned value in normal (JSON) form; None: nothing to compare
+    branches: tuple[str, ...]  # the outcomes the spec distinguishes, as coverage names them
+    errors: tuple[str, ...] = ()  # the spec error types a caller mistake raises ("<name>: <error>" branches)
+    reached: Reached = br.reached_nothing  # which branches a step that returned normally reached
+    caching_only: frozenset[str] = frozenset()  # branches (outcomes or errors) only prefix caching reaches
+    mistakes: tuple[str, ...] = ()  # the caller mistakes the machine makes ("<name>: <mistake>")
+    is_optional: bool = False  # an adapter may lack it (an old vLLM has no evict_blocks)
+    same_result: Callable[[Any, Any], bool] = operator.eq  # spec and implementation results in normal form
+
+    def all_branches(self) -> tuple[str, ...]:
+        """Every branch of the operation: its outcomes, then one per error type."""
+        return self.branches + tuple(f"{self.name}: {e}" for e in self.errors)
+
+
+def _branches(name: str, *outcomes: str) -> tuple[str, ...]:
+    return tuple(f"{name}: {o}" for o in outcomes)
+
+
+_TABLE: tuple[Operation, ...] = (
+    Operation(
+        "get_new_blocks",
+        "pool",
+        ("num_blocks",),
+        spec_ops.get_new_blocks,
+        as_ids,
+        _branches("get_new_blocks", "taken", "evicted a cached block"),
+        ("PoolExhausted", "InvalidRequest"),
+        br.reached_get_new_blocks,
+        frozenset({"get_new_blocks: evicted a cached block"}),
+        ("none", "more than free", "bad count"),
+    ),
+    Operation(
+        "touch",
+        "pool",
+        ("block_ids",),
+        spec_ops.touch,
+        None,
+        _branches("touch", "hit a free block", "hit a held block"),
+        ("InvalidBlock", "InvalidRequest"),
+        br.reached_touch,
+        frozenset({"touch: hit a free block", "touch: hit a held block", "touch: InvalidRequest"}),
+        ("named twice", "bad id", "no hash"),
+    ),
+    Operation(
+        "free_blocks",
+        "pool",
+        ("block_ids",),
+        spec_ops.free_blocks,
+        None,
+        _branches("free_blocks", "to the left end", "to the right end", "still held by another"),
+        ("DoubleFree", "InvalidBlock", "InvalidRequest"),
+        br.reached_free_blocks,
+        frozenset({"free_blocks: still held by another"}),  # only a touch shares a block
+        ("double free", "bad id", "named twice"),
+    ),
+    Operation(
+        "cache_full_blocks",
+        "pool",
+        ("block_ids", "block_hashes"),
+        spec_ops.cache_full_blocks,
+        None,
+        _branches("cache_full_blocks", "registered", "duplicate hash kept"),
+        ("AlreadyCached", "InvalidBlock", "InvalidRequest"),
+        br.reached_cache_full_blocks,
+        frozenset(_branches("cache_full_blocks", "registered", "duplicate hash kept", "AlreadyCached", "InvalidBlock")),
+        ("caching off", "bad id", "length mismatch", "named twice", "hash not bytes", "already cached", "not held"),
+    ),
+    Operation(
+        "get_cached_block",
+        "pool",
+        ("block_hash",),
+        spec_ops.get_cached_block,
+        _as_id_or_none,
+        _branches("get_cached_block", "hit", "hit a free block", "miss"),
+        ("InvalidRequest",),
+        br.reached_get_cached_block,
+        frozenset(_branches("get_cached_block", "hit", "hit a free block")),
+        ("hash not bytes",),
+    ),
+    Operation(
+        "evict_blocks",
+        "pool",
+        ("block_ids",),
+        spec_ops.evict_blocks,
+        None,
+        _branches("evict_blocks", "dropped a held block's hash", "dropped a free block's hash", "nothing cached"),
+        ("InvalidBlock", "InvalidRequest"),
+        br.reached_evict_blocks,
+        frozenset(_branches("evict_blocks", "dropped a held block's hash", "dropped a free block's hash")),
+        ("bad id", "named twice"),
+        is_optional=True,
+    ),
+    Operation(
+        "reset_prefix_cache",
+        "pool",
+        (),
+        spec_ops.reset_prefix_cache,
+        _as_bool,
+        _branches("reset_prefix_cache", "accepted", "accepted, hashes dropped", "refused, blocks held"),
+        (),
+        br.reached_reset_prefix_cache,
+        frozenset({"reset_prefix_cache: accepted, hashes dropped"}),
+    ),
+    Operation(
+        "is_block_writable",
+        "pool",
+        ("block_id",),
+        spec_ops.is_block_writable,
+        _as_bool,
+        _branches("is_block_writable", "yes", "no"),
+        ("InvalidBlock",),
+        br.reached_is_block_writable,
+        mistakes=("bad id",),
+        is_optional=True,
+    ),
+    Operation(
+        "get_num_free_blocks",
+        "pool",
+        (),
+        spec_ops.get_num_free_blocks,
+        as_id,
+        ("get_num_free_blocks",),
+        reached=br.reached_itself("get_num_free_blocks"),
+        is_optional=True,
+    ),
+    Operation(
+        "get_usage",
+        "pool",
+        (),
+        spec_ops.get_usage,
+        _as_float,
+        ("get_usage",),
+        reached=br.reached_itself("get_usage"),
+        is_optional=True,
+        same_result=_close,
+    ),
+    Operation(
+        "get_computed_blocks",
+        "manager",
+        ("request",),
+        spec_manager.get_computed_blocks,
+        _as_hit,
+        _branches("get_computed_blocks", "miss", "hit", "hit a free block", "hit capped at len - 1"),
+        ("InvalidRequest",),
+        br.reached_get_computed_blocks,
+        frozenset(_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1")),
+        ("no tokens", "no id", "misplaced images", "already running"),
+    ),
+    Operation(
+        "allocate_slots",
+        "manager",
+        ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_external_computed_tokens"),
+        spec_manager.allocate_slots,
+        _as_ids_or_none,
+        _branches(
+            "allocate_slots",
+            "admitted",
+            "admitted with a prefix hit",
+            "external tokens",
+            "chunked prefill",
+            "decode",
+            "registered full blocks",
+            "duplicate hash kept",
+            "evicted a cached block",
+            "too few free blocks",
+        ),
+        ("InvalidRequest", "InvalidBlock"),
+        br.reached_allocate_slots,
+        frozenset(
+            _branches(
+                "allocate_slots",
+                "admitted with a prefix hit",
+                "registered full blocks",
+                "duplicate hash kept",
+                "evicted a cached block",
+                "InvalidBlock",
+            )
+        ),
+        (
+            "no tokens scheduled",
+            "bad count",
+            "more tokens than the request has",
+            "hit count mismatch",
+            "hit on a running request",
+            "wrong hit block",
+            "hit without caching",
+        ),
+    ),
+    Operation(
+        "free",
+        "manager",
+        ("request_id",),
+        spec_manager.free,
+        None,
+        (
+            *_branches("free", "request finished", "request preempted", "shared blocks kept"),
+            "readmitted after preemption",
+        ),
+        ("InvalidRequest",),
+        br.reached_free,
+        frozenset({"free: shared blocks kept"}),
+        ("not running",),
+    ),
+)
+
+OPERATIONS: Mapping[str, Operation] = MappingProxyType({op.name: op for op in _TABLE})
+
+
+def level_operations(level: str) -> tuple[Operation, ...]:
+    """The operations of one level, in table order.
+
+    >>> [op.name for op in level_operations("manager")]
+    ['get_computed_blocks', 'allocate_slots', 'free']
+    """
+    return tuple(op for op in _TABLE if op.level == level)
+
+
+def optional_operations(level: str = "pool") -> tuple[str, ...]:
+    """The operations of a level an adapter may lack.
+
+    >>> optional_operations()
+    ('evict_blocks', 'is_block_writable', 'get_num_free_blocks', 'get_usage')
+    """
+    return tuple(op.name for op in level_operations(level) if op.is_optional)
+
+
+def required_methods(level: str) -> tuple[str, ...]:
+    """The methods an adapter of a level must have: every operation that is not optional, and `snapshot`.
+
+    >>> required_methods("manager")
+    ('get_computed_blocks', 'allocate_slots', 'free', 'snapshot')
+    """
+    return tuple(op.name for op in level_operations(level) if not op.is_optional) + ("snapshot",)
