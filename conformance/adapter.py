@@ -179,5 +179,6 @@ class AdapterFactory(Protocol):
 
 
 def capabilities(adapter: object) -> frozenset[str]:
-    """The optional pool operations `adapter` has (see OPTIONAL_POOL_OPS)."""
-    return frozenset(op for op in OPTIONAL_POOL_OPS if callable(getattr(adapter, op, None)))
+    """The optional operations `adapter` has (the operations table marks which are optional)."""
+    optional = optional_operations("pool") + optional_operations("manager")
+    return frozenset(op for op in optional if callable(getattr(adapter, op, None)))

@@ -19,7 +19,8 @@ the table reads as one page and no behaviour hides in a subclass.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
@@ -36,6 +37,7 @@ __all__ = [
     "Level",
     "Operation",
     "level_operations",
+    "operation_added",
     "optional_operations",
     "required_methods",
 ]
@@ -325,7 +327,29 @@ _TABLE: tuple[Operation, ...] = (
     ),
 )
 
-OPERATIONS: Mapping[str, Operation] = MappingProxyType({op.name: op for op in _TABLE})
+_BY_NAME: dict[str, Operation] = {op.name: op for op in _TABLE}
+# Every operation by name, in table order (a read-only view: `operation_added` is the one way to extend it).
+OPERATIONS: Mapping[str, Operation] = MappingProxyType(_BY_NAME)
+
+
+@contextmanager
+def operation_added(operation: Operation) -> Iterator[Operation]:
+    """The table with one more operation while the block runs: how a test or a prototype adds one.
+
+    Everything that reads the table (traces, the lock-step core, coverage,
+    capabilities, stories) sees it; the machines do not draw it, since they
+    have no rule for it.
+
+    Raises:
+        ValueError: an operation of that name is already in the table.
+    """
+    if operation.name in _BY_NAME:
+        raise ValueError(f"the operations table already has {operation.name!r}")
+    _BY_NAME[operation.name] = operation
+    try:
+        yield operation
+    finally:
+        del _BY_NAME[operation.name]
 
 
 def level_operations(level: str) -> tuple[Operation, ...]:
@@ -334,7 +358,7 @@ def level_operations(level: str) -> tuple[Operation, ...]:
     >>> [op.name for op in level_operations("manager")]
     ['get_computed_blocks', 'allocate_slots', 'free']
     """
-    return tuple(op for op in _TABLE if op.level == level)
+    return tuple(op for op in _BY_NAME.values() if op.level == level)
 
 
 def optional_operations(level: str = "pool") -> tuple[str, ...]:

@@ -79,6 +79,12 @@ def register(subparsers: Any) -> None:
         help="device for device-backed implementations: cpu, cuda, cuda:0 (default: the implementation picks)",
     )
     p.add_argument("--caching", choices=("on", "off", "both"), default="both", help="prefix caching (default both)")
+    _add_budget_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """How much to run, how long to wait, and where the outputs go."""
     p.add_argument(
         "--max-examples",
         type=int,
@@ -120,7 +126,6 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--database", metavar="DIR", help="a Hypothesis example database directory, shared by campaigns and machines"
     )
-    p.set_defaults(run=run)
 
 
 def _default_impls() -> tuple[list[str], list[str]]:
@@ -135,19 +140,25 @@ def _default_impls() -> tuple[list[str], list[str]]:
     return chosen, skipped
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments, in one line, or None."""
     if args.profile != AUTO and args.profile not in PROFILES:
         known = ", ".join(sorted(PROFILES))
-        print(f"kvspec check: unknown profile {args.profile!r}; known profiles: {known}, or {AUTO}")
-        return 2
+        return f"unknown profile {args.profile!r}; known profiles: {known}, or {AUTO}"
     for name in ("max_examples", "steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            print(f"kvspec check: --{name.replace('_', '-')} must be at least 1; got {value}")
-            return 2
+            return f"--{name.replace('_', '-')} must be at least 1; got {value}"
     if args.cover_rounds < 0:
-        print(f"kvspec check: --cover-rounds must be at least 0; got {args.cover_rounds}")
+        return f"--cover-rounds must be at least 0; got {args.cover_rounds}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
+    problem = _argument_problem(args)
+    if problem is not None:
+        print(f"kvspec check: {problem}")
         return 2
     impls, notes = (args.impl, []) if args.impl else _default_impls()
     if any(name == "vllm" or name.startswith("vllm@") for name in impls):
@@ -170,6 +181,18 @@ def run(args: argparse.Namespace) -> int:
         return _run_auto(args, configs, max_examples, database)
     print(_HEADER)
     start = time.monotonic()
+    results = _run_configs(args, configs, max_examples, database, start)
+    print(render_summary(results, time.monotonic() - start))
+    if args.junit:
+        write_junit(results, args.junit)
+        print(f"JUnit report: {args.junit}")
+    return max((r.exit_code for r in results), default=2)
+
+
+def _run_configs(
+    args: argparse.Namespace, configs: Sequence[tuple[str, str, bool]], max_examples: int, database: Any, start: float
+) -> list[CheckResult]:
+    """Each configuration in turn, its row printed as it ends; a time budget is shared among those left."""
     results: list[CheckResult] = []
     for i, (impl, lv, caching) in enumerate(configs):
         budget = None
@@ -195,11 +218,7 @@ def run(args: argparse.Namespace) -> int:
         )
         results.append(result)
         print(_row(result), flush=True)
-    print(render_summary(results, time.monotonic() - start))
-    if args.junit:
-        write_junit(results, args.junit)
-        print(f"JUnit report: {args.junit}")
-    return max((r.exit_code for r in results), default=2)
+    return results
 
 
 AUTO = "auto"

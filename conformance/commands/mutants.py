@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from kvspec.conformance.mutants import (
     run_mutants,
     summarize,
 )
-from kvspec.conformance.results import Verdict
+from kvspec.conformance.results import CheckResult, Verdict
 
 
 def register(subparsers: Any) -> None:
@@ -100,32 +101,12 @@ def run(args: argparse.Namespace) -> int:
     for line in found.skipped:
         print(f"skipped mutant module {line}", file=sys.stderr)
 
-    try:
-        controls = run_control(mutants, args.max_examples, args.seed, args.time_budget)
-    except Exception as e:  # noqa: BLE001 - the harness itself failed: say so, exit 2, no traceback
-        why = f"{type(e).__name__}: {e}"
-        print(f"kvspec mutants: the harness failed on the unmutated reference: {why}", file=sys.stderr)
+    controls = _controls(args, mutants)
+    if controls is None:
         return EXIT_COULD_NOT_RUN
-    broken = [c for c in controls if c.verdict is not Verdict.CONFORMS]
-    if not args.json:
-        for c in controls:
-            print(
-                f"control: reference at {c.level} level, caching {'on' if c.enable_caching else 'off'}: "
-                f"{c.verdict} ({c.examples_run} examples, {c.steps_run} steps, {c.seconds:.1f} s)"
-            )
-    if broken:
-        for c in broken:
-            detail = c.failure.message if c.failure is not None else c.verdict.value
-            print(
-                f"kvspec mutants: the unmutated reference does not conform ({detail}); kills would mean nothing",
-                file=sys.stderr,
-            )
-        return EXIT_COULD_NOT_RUN
-
     # One folder for the run's traces, so that every story printed can be replayed.
     trace_dir: Path = args.trace_dir if args.trace_dir is not None else Path(tempfile.mkdtemp(prefix="kvspec-mutants-"))
     levels = {m.name: m.level for m in mutants}
-    impls = {m.name: factory_name(m) for m in mutants}
     if not args.json:
         print(f"\n{'mutant':34} {'level':7} {'verdict':8} {'seconds':>8} {'steps':>5}  what the harness saw")
 
@@ -136,42 +117,75 @@ def run(args: argparse.Namespace) -> int:
     results = run_mutants(mutants, args.max_examples, args.seed, args.time_budget, trace_dir=trace_dir, on_result=show)
     summary = summarize(results)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "mutants": [asdict(r) | {"level": levels[r.name], "impl": impls[r.name]} for r in results],
-                    "summary": asdict(summary),
-                    "control": [
-                        {
-                            "level": c.level,
-                            "enable_caching": c.enable_caching,
-                            "verdict": c.verdict.value,
-                            "seconds": c.seconds,
-                        }
-                        for c in controls
-                    ],
-                    "skipped_modules": found.skipped,
-                    "trace_dir": str(trace_dir),
-                },
-                indent=2,
-            )
-        )
+        _print_json(mutants, results, summary, controls, found.skipped, trace_dir)
     else:
-        print(
-            f"\nkilled {summary.num_killed} of {summary.num_mutants} mutants"
-            + (f"; survivors: {', '.join(summary.survivors)}" if summary.survivors else "")
-        )
-        notes = [f"{len(summary.survivors)} not killed"] if summary.survivors else []
-        if summary.slowest is not None:
-            notes.append(f"slowest kill: {summary.slowest}, {summary.max_seconds_to_kill:.1f} s")
-        print(
-            f"benchmark: every mutant killed within {KILL_TIME_TARGET_S:g} s: "
-            f"{'yes' if summary.all_killed_within_target else 'NO'}" + (f" ({'; '.join(notes)})" if notes else "")
-        )
-        median = "-" if summary.median_shrunk_steps is None else f"{summary.median_shrunk_steps:g}"
-        print(
-            f"benchmark: median shrunk trace {median} steps (target <= {MEDIAN_TRACE_TARGET}): "
-            f"{'yes' if summary.median_within_target else 'NO'}"
-        )
-        print(f"traces: {trace_dir} (kvspec replay TRACE --impl IMPL replays one; `--list` names each IMPL)")
+        _print_summary(summary, trace_dir)
     return EXIT_OK if not summary.survivors else EXIT_DIVERGES
+
+
+def _controls(args: argparse.Namespace, mutants: Sequence[Mutant]) -> list[CheckResult] | None:
+    """The unmutated reference at each level the mutants need, printed; None (and why, on stderr) if it fails."""
+    try:
+        controls = run_control(mutants, args.max_examples, args.seed, args.time_budget)
+    except Exception as e:  # noqa: BLE001 - the harness itself failed: say so, exit 2, no traceback
+        why = f"{type(e).__name__}: {e}"
+        print(f"kvspec mutants: the harness failed on the unmutated reference: {why}", file=sys.stderr)
+        return None
+    if not args.json:
+        for c in controls:
+            print(
+                f"control: reference at {c.level} level, caching {'on' if c.enable_caching else 'off'}: "
+                f"{c.verdict} ({c.examples_run} examples, {c.steps_run} steps, {c.seconds:.1f} s)"
+            )
+    broken = [c for c in controls if c.verdict is not Verdict.CONFORMS]
+    for c in broken:
+        detail = c.failure.message if c.failure is not None else c.verdict.value
+        print(
+            f"kvspec mutants: the unmutated reference does not conform ({detail}); kills would mean nothing",
+            file=sys.stderr,
+        )
+    return None if broken else controls
+
+
+def _print_json(
+    mutants: Sequence[Mutant],
+    results: Sequence[MutantResult],
+    summary: Any,
+    controls: Sequence[CheckResult],
+    skipped: Sequence[str],
+    trace_dir: Path,
+) -> None:
+    levels = {m.name: m.level for m in mutants}
+    impls = {m.name: factory_name(m) for m in mutants}
+    control = [
+        {"level": c.level, "enable_caching": c.enable_caching, "verdict": c.verdict.value, "seconds": c.seconds}
+        for c in controls
+    ]
+    report = {
+        "mutants": [asdict(r) | {"level": levels[r.name], "impl": impls[r.name]} for r in results],
+        "summary": asdict(summary),
+        "control": control,
+        "skipped_modules": list(skipped),
+        "trace_dir": str(trace_dir),
+    }
+    print(json.dumps(report, indent=2))
+
+
+def _print_summary(summary: Any, trace_dir: Path) -> None:
+    print(
+        f"\nkilled {summary.num_killed} of {summary.num_mutants} mutants"
+        + (f"; survivors: {', '.join(summary.survivors)}" if summary.survivors else "")
+    )
+    notes = [f"{len(summary.survivors)} not killed"] if summary.survivors else []
+    if summary.slowest is not None:
+        notes.append(f"slowest kill: {summary.slowest}, {summary.max_seconds_to_kill:.1f} s")
+    print(
+        f"benchmark: every mutant killed within {KILL_TIME_TARGET_S:g} s: "
+        f"{'yes' if summary.all_killed_within_target else 'NO'}" + (f" ({'; '.join(notes)})" if notes else "")
+    )
+    median = "-" if summary.median_shrunk_steps is None else f"{summary.median_shrunk_steps:g}"
+    print(
+        f"benchmark: median shrunk trace {median} steps (target <= {MEDIAN_TRACE_TARGET}): "
+        f"{'yes' if summary.median_within_target else 'NO'}"
+    )
+    print(f"traces: {trace_dir} (kvspec replay TRACE --impl IMPL replays one; `--list` names each IMPL)")

@@ -135,13 +135,7 @@ class VllmManagerAdapter:
         # What get_computed_blocks / allocate_slots return: KVCacheBlocks (0.9+) or a plain list (0.8.x).
         self._kv_cache_blocks_cls: Any = getattr(manager_mod, "KVCacheBlocks", None)
         self.blocks: str = "list" if self._kv_cache_blocks_cls is None else "KVCacheBlocks"
-        # The manager's hash function: the request's (0.10.1+), the manager's caching_hash_algo
-        # ("sha256", or builtin hash() for any other name), or builtin hash() alone (0.8.0 to 0.8.2).
-        self.hash_fn = config.hash_fn if config.hash_fn in release.hash_functions else "sha256"
-        if self.hashes == "manager" and "caching_hash_algo" not in manager_params:
-            self.hash_fn = "builtin"
-        elif self.hashes == "manager" and self.hash_fn != "builtin":
-            self.hash_fn = "sha256" if "sha256" in release.hash_functions else "builtin"
+        self.hash_fn = self._hash_fn(release, config, manager_params)
         # Releases before 0.8.3 allocate block 0 like any other: built one block smaller,
         # vLLM's block k is the spec's block k + 1 (see kvspec.conformance.vllm.adapter).
         self.has_null_block = has_null_block(release, config)
@@ -166,21 +160,36 @@ class VllmManagerAdapter:
             self._mm = mod("vllm.multimodal.inputs")
         # The sizes generation's scheduler, not its manager, holds the len-1 cap (see the module doc).
         self._scheduler_caps_hit = self.constructor == "sizes"
-        self.not_applicable: dict[str, str] = {}
+        self.not_applicable = self._not_applicable(release, manager_params)
+
+    def _hash_fn(self, release: VllmRelease, config: AdapterConfig, manager_params: Any) -> str:
+        """The manager's hash function: the request's (0.10.1+), the manager's caching_hash_algo
+        ("sha256", or builtin hash() for any other name), or builtin hash() alone (0.8.0 to 0.8.2)."""
+        hash_fn = config.hash_fn if config.hash_fn in release.hash_functions else "sha256"
+        if self.hashes == "manager" and "caching_hash_algo" not in manager_params:
+            return "builtin"
+        if self.hashes == "manager" and hash_fn != "builtin":
+            return "sha256" if "sha256" in release.hash_functions else "builtin"
+        return hash_fn
+
+    def _not_applicable(self, release: VllmRelease, manager_params: Any) -> dict[str, str]:
+        """What the harness checks that this release does not have, or leaves to its scheduler, with why."""
+        not_applicable: dict[str, str] = {}
         if "cache_salt" not in self._request_params:
-            self.not_applicable["cache_salt"] = (
+            not_applicable["cache_salt"] = (
                 f"{release.label}'s Request takes no cache_salt (added in 0.9.0): no salted request is sent"
             )
         if "num_preallocate_tokens" in manager_params:
-            self.not_applicable["allocate_slots: pre-allocation"] = (
+            not_applicable["allocate_slots: pre-allocation"] = (
                 f"{release.label}'s KVCacheManager is built with num_preallocate_tokens=0 (its scheduler "
                 "used 64), so allocate_slots takes the blocks asked for; the pre-allocation branch is not run"
             )
         if self._scheduler_caps_hit:
-            self.not_applicable["get_computed_blocks: len-1 cap in the manager"] = (
+            not_applicable["get_computed_blocks: len-1 cap in the manager"] = (
                 f"{release.label}'s manager returns the whole hit and its scheduler drops the last block "
                 "of a hit that covers every token; the adapter does what that scheduler does"
             )
+        return not_applicable
 
     def _build_manager(self, manager_cls: Any, num_blocks: int) -> Any:
         """vLLM's KVCacheManager over ``num_blocks`` blocks, with the arguments its generation takes.
