@@ -176,7 +176,8 @@ def _function_lengths(path: Path) -> list[tuple[int, str]]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = node.end_lineno - node.lineno + 1
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            is_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            if is_docstring and isinstance(first.value.value, str):
                 length -= first.end_lineno - first.lineno + 1
             out.append((length, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"))
     return out
