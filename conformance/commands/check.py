@@ -42,6 +42,7 @@ from kvspec.conformance.runner import (
     load_factory,
     run_check,
 )
+from kvspec.conformance.view import attach_page
 from kvspec.spec.ordering import PROFILES
 
 __all__ = ["register", "render_summary", "run", "write_junit"]
@@ -117,6 +118,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--junit", metavar="PATH", help="also write a JUnit XML report")
     p.add_argument("--trace-dir", default=".", metavar="DIR", help="where failure traces are written (default .)")
+    p.add_argument("--html-dir", metavar="DIR", help="also write a step-through page of each failure trace here")
     p.add_argument(
         "--keep-deepest",
         action="store_true",
@@ -198,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             cover_rounds=args.cover_rounds,
         )
+        attach_page(result, args.html_dir)  # the story, printed below and in JUnit, names the page
         results.append(result)
         print(_row(result), flush=True)
     print(render_summary(results, time.monotonic() - start))
@@ -229,6 +232,8 @@ def _run_auto(
         found = detect_profiles(
             impl, lv, caching, max_examples, time_budget_s=budget, trace_dir=args.trace_dir, seed=args.seed
         )
+        for r in found.values():
+            attach_page(r, args.html_dir)
         where = f"{impl} {lv} caching {'on' if caching else 'off'}"
         conforming = [p for p, r in found.items() if r.verdict == "conforms"]
         ran = [r for r in found.values() if r.verdict not in ("could-not-run",)]
