@@ -207,6 +207,14 @@ def test_the_embedded_data_cannot_close_its_script(tmp_path):
     assert "&lt;/script&gt;&lt;b&gt;x" in page  # the title, escaped
 
 
+def test_without_a_browser_the_reason_names_what_to_install(monkeypatch, tmp_path):
+    from kvspec.tests.conformance.chromium import INSTALL_HINT, find_chromium
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
+    reason = find_chromium()
+    assert reason == f"no chromium and chromedriver on PATH: {INSTALL_HINT}"
+
+
 # --- the commands -------------------------------------------------------------------------
 
 
