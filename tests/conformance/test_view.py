@@ -38,6 +38,7 @@ from kvspec.conformance.view.model import RULES
 from kvspec.conformance.view.serve import make_server
 from kvspec.conformance.walkthrough import load_golden, run_walkthrough
 from kvspec.spec.invariants import INVARIANTS
+from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash
 from kvspec.tests.conformance import adapters
 
@@ -76,6 +77,18 @@ def fifty_step_trace() -> Trace:
             lock.call("free_blocks", held.pop(0)[::-1])
         lock.check()
     return lock.trace("reference")
+
+
+def content_failure_trace(folder: Path) -> Trace:
+    """gpu_impl with a mutant that stores each token one slot along: the second request's hit reads wrong KV."""
+    from kvspec.tests.mutants.gpu_memory import MUTANTS
+
+    mutant = next(m for m in MUTANTS if m.name == "gpu_write_wrong_slot")
+    a, b = Request("a", tuple(range(9))), Request("b", tuple(range(9)))
+    steps = [("get_computed_blocks", (a,)), ("allocate_slots", (a, 9, 0, [], 0)), ("get_computed_blocks", (b,))]
+    trace = _failing_trace(mutant.factory, steps, folder, AdapterConfig("manager", 8, block_size=4))
+    assert trace.failure is not None and trace.failure["invariant"] == "hit_content_intact"
+    return trace
 
 
 # --- the source document ------------------------------------------------------------------
@@ -157,6 +170,13 @@ def test_hashes_get_one_name_and_colour_each_on_both_sides(tmp_path):
     assert view["steps"][2]["call"] == "cache_full_blocks(block_ids=[1, 2], block_hashes=[h1, h2])"
     assert set(view["hash_colours"]) == {"h1", "h2"}
     assert view["hash_colours"]["h1"] != view["hash_colours"]["h2"]
+
+
+def test_a_content_integrity_failure_names_the_block_whose_memory_is_wrong(tmp_path):
+    view = build_view(trace_to_page_data(content_failure_trace(tmp_path)))
+    f = view["failure"]
+    assert (f["rule_name"], f["corrupt_blocks"], f["step"]) == ("hit_content_intact", [1], 3)
+    assert view["steps"][3]["differences"]["fields"] == []  # the bookkeeping is right; the memory is not
 
 
 def test_the_walkthrough_keeps_the_golden_numbers_states_and_branch():

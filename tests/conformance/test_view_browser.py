@@ -33,9 +33,8 @@ from kvspec.conformance.runner import replay, run_check
 from kvspec.conformance.trace import Trace, TraceStep, read_trace
 from kvspec.conformance.view import trace_to_page_data, write_page, write_trace_page
 from kvspec.conformance.walkthrough import load_golden
-from kvspec.spec.manager import Request
 from kvspec.tests.conformance.chromium import Browser, chromium_session
-from kvspec.tests.conformance.test_view import fifty_step_trace
+from kvspec.tests.conformance.test_view import content_failure_trace, fifty_step_trace
 from kvspec.tests.mutants import all_mutants
 
 FILE = ("file://",)
@@ -259,17 +258,10 @@ def test_a_mutant_failure_opens_at_the_first_divergence_the_story_names(
 @pytest.fixture(scope="module")
 def content_failure(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The page of gpu_impl with a mutant that writes each token one slot along: the hit reads wrong KV."""
-    from kvspec.tests.mutants.gpu_memory import MUTANTS
-
-    mutant = next(m for m in MUTANTS if m.name == "gpu_write_wrong_slot")
-    a, b = Request("a", tuple(range(9))), Request("b", tuple(range(9)))
-    steps = [("get_computed_blocks", (a,)), ("allocate_slots", (a, 9, 0, [], 0)), ("get_computed_blocks", (b,))]
-    trace = Trace(AdapterConfig("manager", 8, block_size=4),
-                  tuple(TraceStep(i + 1, op, args) for i, (op, args) in enumerate(steps)))
     folder = tmp_path_factory.mktemp("content")
-    result = replay(trace, mutant.factory, impl=mutant.name, trace_dir=folder, isolate=False)
-    assert result.failure is not None and result.failure.invariant == "hit_content_intact", result.verdict
-    return write_trace_page(result.failure.trace_path, folder).as_uri()
+    content_failure_trace(folder)
+    (trace,) = folder.glob("failure-manager-*.trace.jsonl")
+    return write_trace_page(trace, folder).as_uri()
 
 
 def test_a_content_integrity_failure_marks_the_block_whose_memory_is_wrong(browser: Browser, content_failure: str):
