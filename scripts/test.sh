@@ -3,9 +3,18 @@
 #   1. the default suite (no vLLM needed; slow campaigns are opt-in with KVSPEC_SLOW=1);
 #   2. the real-vLLM tests (scripts/test-vllm.sh): every release's BlockPool in light
 #      mode and the newest release's KVCacheManager; KVSPEC_VLLM=0 leaves them out.
+# The default suite opens the step-through pages in a headless Chromium: Debian's
+# chromium and chromium-driver, installed here when missing (as root, with apt-get);
+# without them those tests skip and say why.
 # Arguments go to the default suite's pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } \
+  && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "scripts/test.sh: installing Debian's chromium and chromium-driver for the browser tests"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+    >/dev/null 2>&1 || echo "scripts/test.sh: could not install chromium and chromium-driver; the browser tests will skip"
+fi
 VENV="${KVSPEC_VENV:-.venv}"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # torch is pinned to the CPU build first, so nothing later pulls a CUDA build.

@@ -37,6 +37,7 @@ from kvspec.conformance.lockstep import NOT_EXERCISED_WHY
 from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, FactoryError, load_factory
 from kvspec.conformance.results import CheckResult, Verdict
 from kvspec.conformance.runner import run_check
+from kvspec.conformance.view import attach_page
 from kvspec.spec.ordering import PROFILES
 
 __all__ = ["register", "render_summary", "run", "write_junit"]
@@ -118,6 +119,7 @@ def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--junit", metavar="PATH", help="also write a JUnit XML report")
     p.add_argument("--trace-dir", default=".", metavar="DIR", help="where failure traces are written (default .)")
+    p.add_argument("--html-dir", metavar="DIR", help="also write a step-through page of each failure trace here")
     p.add_argument(
         "--keep-deepest",
         action="store_true",
@@ -216,6 +218,7 @@ def _run_configs(
             device=args.device,
             cover_rounds=args.cover_rounds,
         )
+        attach_page(result, args.html_dir)  # the story, printed below and in JUnit, names the page
         results.append(result)
         print(_row(result), flush=True)
     return results
@@ -243,6 +246,8 @@ def _run_auto(
         found = detect_profiles(
             impl, lv, caching, max_examples, time_budget_s=budget, trace_dir=args.trace_dir, seed=args.seed
         )
+        for r in found.values():
+            attach_page(r, args.html_dir)
         where = f"{impl} {lv} caching {'on' if caching else 'off'}"
         conforming = [p for p, r in found.items() if r.verdict is Verdict.CONFORMS]
         ran = [r for r in found.values() if r.verdict is not Verdict.COULD_NOT_RUN]

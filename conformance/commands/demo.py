@@ -13,6 +13,7 @@ def register(subparsers: Any) -> None:
     """Add the `demo` subcommand."""
     p = subparsers.add_parser("demo", help="play seed 000's six-block walkthrough step by step")
     p.add_argument("--impl", choices=("reference", "spec"), default="reference", help="which model plays it")
+    p.add_argument("--html", metavar="PATH", help="also write the walkthrough as a step-through browser page")
     p.set_defaults(run=run)
 
 
@@ -34,4 +35,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  matches the seed: {'yes' if matches else 'NO'}\n")
         ok = ok and matches
         previous = step
+    if getattr(args, "html", None):
+        from kvspec.conformance.view import walkthrough_to_page_data, write_page
+
+        print(f"page: {write_page(args.html, walkthrough_to_page_data(steps, args.impl))}")
     return 0 if ok else 1

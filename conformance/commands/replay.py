@@ -19,6 +19,7 @@ from kvspec.conformance.report import render_story
 from kvspec.conformance.results import Verdict
 from kvspec.conformance.runner import replay
 from kvspec.conformance.trace import MalformedTrace, read_trace
+from kvspec.conformance.view import attach_page
 
 __all__ = ["register", "run"]
 
@@ -46,6 +47,7 @@ def register(subparsers: Any) -> None:
         help="the most one implementation call may take (default 10)",
     )
     p.add_argument("--trace-dir", default=None, metavar="DIR", help="where the replay's own trace is written")
+    p.add_argument("--html-dir", metavar="DIR", help="also write a step-through page of the replay's failure here")
     p.add_argument(
         "--device",
         default=None,
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     result = replay(
         trace, impl, impl=impl, step_timeout_s=args.step_timeout, trace_dir=args.trace_dir, device=args.device
     )
+    attach_page(result, args.html_dir)  # the story printed below names the page
     if result.failure is not None:
         print(result.failure.story)
     elif result.verdict is Verdict.CONFORMS:
