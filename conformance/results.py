@@ -30,6 +30,7 @@ __all__ = [
     "FailureKind",
     "Outcome",
     "Verdict",
+    "inconclusive_why",
 ]
 
 
@@ -41,6 +42,7 @@ class Verdict(str, Enum):
     CRASHED = "crashed"  # the implementation raised something that is not a spec error, or its process died
     HUNG = "hung"  # an implementation call did not return within the step time limit
     COULD_NOT_RUN = "could-not-run"  # no verdict: the implementation could not be built, or bad arguments
+    INCONCLUSIVE = "inconclusive"  # it ran, but too little to say anything (no step, too few examples)
 
     def __str__(self) -> str:
         return self.value
@@ -51,17 +53,43 @@ class Verdict(str, Enum):
 
     @property
     def exit_code(self) -> int:
-        """0 conforms, 1 diverges, 2 crashed, hung or could not run (the CLI's exit codes)."""
+        """One meaning per code: 0 conforms; 1 the implementation is wrong (it diverged, crashed or hung,
+        with a shrunk trace); 2 kvspec reached no verdict (could not run, or inconclusive)."""
         return _EXIT_CODES[self]
 
 
 _EXIT_CODES = {
     Verdict.CONFORMS: 0,
     Verdict.DIVERGES: 1,
-    Verdict.CRASHED: 2,
-    Verdict.HUNG: 2,
+    Verdict.CRASHED: 1,
+    Verdict.HUNG: 1,
     Verdict.COULD_NOT_RUN: 2,
+    Verdict.INCONCLUSIVE: 2,
 }
+
+# The fewest examples a campaign must run before it may say "conforms" (fewer when fewer
+# were asked for): a time budget that lets two examples run has checked almost nothing.
+EXAMPLE_FLOOR = 10
+
+
+def inconclusive_why(examples: int, steps: int, max_examples: int | None) -> str | None:
+    """Why a run that found nothing wrong still may not say "conforms", or None when it may.
+
+    `max_examples` is what was asked for (None for a replay, which runs one example).
+
+    >>> inconclusive_why(0, 0, 100)
+    'no example ran (0 steps): the time budget is too small, or the adapter could not start an example'
+    >>> inconclusive_why(3, 40, 100), inconclusive_why(3, 40, 3) is None
+    ('3 examples ran, fewer than the floor of 10 (a larger time budget runs more)', True)
+    """
+    if examples == 0:
+        return "no example ran (0 steps): the time budget is too small, or the adapter could not start an example"
+    if steps == 0:
+        return f"{examples} examples ran but no step was checked: every example was rejected, or nothing applies"
+    floor = EXAMPLE_FLOOR if max_examples is None else min(EXAMPLE_FLOOR, max_examples)
+    if max_examples is not None and examples < floor:
+        return f"{examples} examples ran, fewer than the floor of {floor} (a larger time budget runs more)"
+    return None
 
 
 class FailureKind(str, Enum):

@@ -39,7 +39,7 @@ from kvspec.conformance.minimize import shrink_by_replay, trace_from_death
 from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, Factory, FactoryError, load_factory
 from kvspec.conformance.replaying import replay_example
 from kvspec.conformance.report import render_story
-from kvspec.conformance.results import CampaignReport, CheckResult, Failure, Verdict
+from kvspec.conformance.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
 from kvspec.conformance.trace import Trace, dumps_trace, read_trace
 from kvspec.spec.ordering import PROFILES
 
@@ -70,6 +70,7 @@ class _Where:
     trace_dir: str | Path | None = None
     step_timeout_s: float | None = None
     minimize_s: float = 0.0
+    max_examples: int | None = None  # what a campaign was asked for; None for a replay
 
 
 # --- results ------------------------------------------------------------------------------
@@ -103,8 +104,13 @@ def _check_result(report: CampaignReport, where: _Where, failure: Failure | None
     coverage = {b: 0 for b in branches}
     coverage.update(report.coverage)
     expected = reachable_branches(where.level, branches, coverage, report.not_exercised, report.absent_ops)
+    verdict, message = report.verdict, report.message
+    # No verdict without work: a run that checked (almost) nothing says so instead of "conforms".
+    why = inconclusive_why(report.examples, report.steps, where.max_examples) if verdict is Verdict.CONFORMS else None
+    if why is not None:
+        verdict, message = Verdict.INCONCLUSIVE, why + (f" ({message})" if message else "")
     return CheckResult(
-        verdict=report.verdict,
+        verdict=verdict,
         level=where.level,
         enable_caching=where.enable_caching,
         profile=where.profile,
@@ -117,7 +123,7 @@ def _check_result(report: CampaignReport, where: _Where, failure: Failure | None
         states_reached=report.states,
         invariants_checked=report.invariants_checked,
         branches=expected,
-        message=report.message,
+        message=message,
         seed=where.seed,
         not_exercised=report.not_exercised,
         device=where.device,
@@ -245,7 +251,16 @@ def run_check(
     if isinstance(factory, str):
         impl = impl or factory
     where = _Where(
-        level, enable_caching, profile, impl, seed, device, trace_dir, step_timeout_s, minimize_s if shrink else 0.0
+        level,
+        enable_caching,
+        profile,
+        impl,
+        seed,
+        device,
+        trace_dir,
+        step_timeout_s,
+        minimize_s if shrink else 0.0,
+        max_examples if isinstance(max_examples, int) else None,
     )
     if isinstance(factory, str):
         try:

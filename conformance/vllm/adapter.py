@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvspec.conformance.adapter import AdapterConfig, AdapterFactory, BlockManagerAdapter, KVCacheManagerAdapter
-from kvspec.conformance.vllm.releases import facts_for
+from kvspec.conformance.vllm.releases import ReleaseFacts, facts_for
 from kvspec.spec.errors import InvalidBlock, PoolExhausted
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
@@ -160,6 +160,14 @@ def light_release(version: str, *, fresh: bool = False) -> VllmRelease:
 
 # ---------------------------------------------------------------------------
 # API generations, read from the code
+
+
+def _declared_facts(version: str) -> ReleaseFacts | None:
+    """The release's declared facts, or None for a release the table does not cover (then nothing is excused)."""
+    try:
+        return facts_for(version)
+    except KeyError:
+        return None
 
 
 def _hash_key_kind(kv_cache_utils: types.ModuleType) -> HashKeyKind:
@@ -279,14 +287,13 @@ class VllmPoolAdapter:
         self._lookup_by_group = "kv_cache_group_ids" in inspect.signature(self.pool.get_cached_block).parameters
         self._make_key_with_group = getattr(ku, "make_block_hash_with_group_id", None)
         self._any_hash_fn = next(iter(release.hash_functions.values()), hash)
-        # Measured, not assumed: a fresh pool has no block in use, so a usage
-        # above 0 is the release's own formula (before 0.10.2 it counts the null
-        # block). The harness then leaves get_usage out and says why; the
-        # oracle's probe reports it as a finding.
-        fresh_usage = float(self.pool.get_usage())
+        # A declared fact of the release (releases.py: before 0.10.2 get_usage counts
+        # the null block as used), never measured here: a release or a patch that
+        # starts to count it outside that range then diverges instead of being excused.
+        facts = _declared_facts(release.version)
         self.known_deviations: dict[str, str] = (
-            {"get_usage": f"{release.label} reports a usage above 0 for a fresh pool (it counts the null block)"}
-            if fresh_usage != 0.0
+            {"get_usage": f"{release.label} counts the null block as used in get_usage (vLLM before 0.10.2)"}
+            if facts is not None and facts.usage_counts_null
             else {}
         )
 
