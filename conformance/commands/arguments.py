@@ -1,0 +1,152 @@
+"""Argument types every command shares: each value is checked before any work starts, and refused in one line.
+
+An argparse `type=` function raises `argparse.ArgumentTypeError` with what
+was wrong; the CLI's parser (kvspec.conformance.cli) prints that as one line
+on stderr and exits 2. Paths that a command will write are checked up front
+too, so a run is never lost to an output that cannot be written at its end,
+and nothing is created outside the paths the user named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from pathlib import Path
+
+__all__ = [
+    "fraction",
+    "memory_size",
+    "non_negative_float",
+    "non_negative_int",
+    "output_dir",
+    "output_file",
+    "positive_float",
+    "positive_int",
+]
+
+
+def _number(text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (a count of examples, steps, blocks).
+
+    >>> positive_int("3")
+    3
+    """
+    value = int(_number(text, int))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0 (a seed, a number of extra rounds, a port)."""
+    value = int(_number(text, int))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0; got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number above 0 (seconds of a budget or a timeout).
+
+    >>> positive_float("0.5")
+    0.5
+    """
+    value = float(_number(text, float))
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0; got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A number of at least 0 (a memory share, a per-path budget that may be off)."""
+    value = float(_number(text, float))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0; got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A fraction in [0, 1) (a safety margin: 1 would keep everything free).
+
+    >>> fraction("0.2")
+    0.2
+    """
+    value = float(_number(text, float))
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1); got {text}")
+    return value
+
+
+_UNITS = {"": None, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+
+
+def memory_size(text: str) -> int:
+    """A memory size with its unit: 141GiB, 80GB, 512MiB (0 needs none). A bare number is refused: GiB or GB?
+
+    >>> memory_size("2KiB"), memory_size("1.5GB"), memory_size("0")
+    (2048, 1500000000, 0)
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 141GiB, 80GB or 512MiB")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"unknown unit {match.group(2)!r} in {text!r}; use B, KiB, MiB, GiB, KB, MB or GB")
+    scale = _UNITS[unit]
+    if scale is None:
+        if number == 0:
+            return 0
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit: write {match.group(1)}GiB (2^30 bytes, as nvidia-smi reports) or {match.group(1)}GB"
+        )
+    return int(number * scale)
+
+
+def _writable_dir(path: Path) -> bool:
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+def output_file(text: str) -> Path:
+    """A file the command will write: its folder must exist and be writable; an existing file must be a file."""
+    path = Path(text)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
+    if not parent.exists():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {parent} does not exist")
+    if not _writable_dir(parent) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no permission to write there")
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A folder the command will write into: an existing writable folder, or a new one in an existing writable folder.
+
+    It is not created here: only a run that writes something creates it.
+    """
+    path = Path(text)
+    if path.exists():
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+        if not _writable_dir(path):
+            raise argparse.ArgumentTypeError(f"cannot write into {text}: no permission")
+        return path
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise argparse.ArgumentTypeError(f"cannot create {text}: the folder {parent} does not exist")
+    if not _writable_dir(parent):
+        raise argparse.ArgumentTypeError(f"cannot create {text}: no permission to write in {parent}")
+    return path
