@@ -23,7 +23,7 @@ import tomllib
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
-BARE_NAMES = ["spec", "reference", "conformance", "gpu_impl", "tests", "benchmarks"]
+BARE_NAMES = ["spec", "reference", "conformance", "gpu_impl", "mutants", "tests", "benchmarks"]
 
 
 def _source_folder(package: str) -> Path:

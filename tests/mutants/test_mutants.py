@@ -39,8 +39,8 @@ from kvspec.conformance.mutants import (
     summarize,
 )
 from kvspec.conformance.runner import replay, run_check
-from kvspec.tests.mutants import REQUIRED_KINDS, all_mutants
-from kvspec.tests.mutants._base import ListQueuePool, StepwiseManager
+from kvspec.mutants import REQUIRED_KINDS, all_mutants
+from kvspec.mutants._base import ListQueuePool, StepwiseManager
 
 MUTANTS = all_mutants()
 # The default sweep's example budget: a kill usually comes within a few dozen

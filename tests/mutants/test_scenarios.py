@@ -22,13 +22,13 @@ import pytest
 
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.builtin import make_reference, make_spec
+from kvspec.mutants import Mutant, all_mutants
+from kvspec.mutants._base import ListQueuePool, StepwiseManager
 from kvspec.spec.errors import AlreadyCached, BlockManagerError, DoubleFree, InvalidBlock, PoolExhausted
 from kvspec.spec.hashing import MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import failing
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
-from kvspec.tests.mutants import Mutant, all_mutants
-from kvspec.tests.mutants._base import ListQueuePool, StepwiseManager
 
 H1, H2, H3 = BlockHash(b"h1"), BlockHash(b"h2"), BlockHash(b"h3")
 _ANY: Any = object()

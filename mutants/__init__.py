@@ -4,14 +4,14 @@ Each mutant is the reference model with exactly one plausible bug, the kind a
 vLLM contributor could write in a review-sized change: a wrong free end, a
 forgotten `del`, an off-by-one cap. The harness must kill every one
 (`kvspec mutants`, and tests/mutants/test_mutants.py), and each has a named
-scenario (test_scenarios.py) that shows in a few explicit steps that it is
-really wrong, so a kill is never a false alarm.
+scenario (tests/mutants/test_scenarios.py) that shows in a few explicit steps
+that it is really wrong, so a kill is never a false alarm.
 
 Mutants are grouped by theme, one module each, and every module defines
 `MUTANTS: list[Mutant]`. The registry below discovers every module of this
 package, so a new group (a `gpu_*.py` with mutants of the torch pool, say) is
-picked up without editing a shared file. Modules named `test_*` and private
-`_*` modules are skipped.
+picked up without editing a shared file. Private `_*` modules (the unmutated
+bases) are skipped.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def discover() -> Discovery:
     mutants: list[Mutant] = []
     skipped: list[str] = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith(("test_", "_", "conftest")):
+        if info.name.startswith("_"):
             continue
         try:
             module = importlib.import_module(f"{__name__}.{info.name}")

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 from kvspec.conformance.builtin import ReferenceManagerAdapter
 from kvspec.conformance.mutants import Mutant
+from kvspec.mutants._base import StepwiseManager
 from kvspec.reference.kv_cache_manager import _check_request
 from kvspec.spec.hashing import block_extra_keys, hash_block_tokens, none_hash
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
-from kvspec.tests.mutants._base import StepwiseManager
 
 __all__ = ["MUTANTS"]
 
