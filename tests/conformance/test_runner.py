@@ -12,7 +12,7 @@ from kvspec.conformance import runner
 from kvspec.conformance.builtin import make_reference, make_spec
 from kvspec.conformance.runner import FactoryError, load_factory, replay, run_check
 from kvspec.conformance.trace import read_trace
-from kvspec.tests.conformance import adapters
+from tests.conformance import adapters
 
 # Small campaigns: every wrong adapter here is caught within a few dozen examples.
 N = 150
@@ -134,9 +134,9 @@ def test_an_adapter_missing_a_method_could_not_run(tmp_path):
     [
         ("nonsense", "neither a built-in name"),
         ("kvspec.no_such_module:make", "module kvspec.no_such_module does not import"),
-        ("kvspec.tests.conformance.adapters:no_such_factory", "has no attribute 'no_such_factory'"),
-        ("kvspec.tests.conformance.adapters:NOT_CALLABLE", "is a int, not a callable factory"),
-        ("kvspec.tests.conformance.adapters:", "expected module:function"),
+        ("tests.conformance.adapters:no_such_factory", "has no attribute 'no_such_factory'"),
+        ("tests.conformance.adapters:NOT_CALLABLE", "is a int, not a callable factory"),
+        ("tests.conformance.adapters:", "expected module:function"),
     ],
 )
 def test_load_factory_names_what_is_wrong(name, says):

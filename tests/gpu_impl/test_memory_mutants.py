@@ -21,7 +21,7 @@ from kvspec.mutants.gpu_memory import MUTANTS, ReuseWithoutEviction, WriteShared
 from kvspec.spec.errors import BlockManagerError
 from kvspec.spec.invariants import hit_content_intact
 from kvspec.spec.manager import Request
-from kvspec.tests.gpu_impl.test_manager_lockstep import ManagerLockstep
+from tests.gpu_impl.test_manager_lockstep import ManagerLockstep
 
 SEARCH = settings(
     max_examples=300,
