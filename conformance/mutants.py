@@ -1,6 +1,6 @@
 """Mutation testing of the harness: run it against deliberately wrong implementations.
 
-A harness that never fails proves nothing. `tests/mutants/` holds the
+A harness that never fails proves nothing. `mutants/` (kvspec.mutants) holds the
 reference model with one plausible bug each; `run_mutants` runs the ordinary
 conformance check (`kvspec.conformance.runner.run_check`) against every one
 and reports whether it was killed, how long that took, and how short the
@@ -57,7 +57,7 @@ class Mutant:
     description: str  # the bug in one sentence, as a reviewer would describe it
     level: Level  # the adapter level it implements: "pool" or "manager"
     factory: Callable[[AdapterConfig], object]  # builds the adapter from a config, like a user's factory
-    kind: str  # the kind of bug (tests/mutants REQUIRED_KINDS, or a further kind)
+    kind: str  # the kind of bug (kvspec.mutants REQUIRED_KINDS, or a further kind)
     enable_caching: bool = True  # run with prefix caching on (False: a bug only visible without it)
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ requests: A allocates and registers two full blocks, B hits them, both
 finish (tail first), then either C hits the freed blocks again or D's fresh
 tokens take every block and evict the cached ones. `run_walkthrough` drives
 exactly those pool operations and returns the state after each step, in the
-golden file's vocabulary (tests/data/seed_walkthrough.json), so the same
+golden file's vocabulary (conformance/data/seed_walkthrough.json), so the same
 steps check the spec, the reference and any other implementation.
 """
 
@@ -27,8 +27,8 @@ BLOCK_SIZE = 4
 
 
 def load_golden() -> dict[str, Any]:
-    """The golden walkthrough (a copy of the seed's states kept with the tests)."""
-    text = resources.files("kvspec.tests").joinpath("data/seed_walkthrough.json").read_text()
+    """The golden walkthrough (a copy of the seed's states, shipped as this package's data)."""
+    text = resources.files("kvspec.conformance").joinpath("data/seed_walkthrough.json").read_text()
     golden: dict[str, Any] = json.loads(text)
     return golden
 

@@ -7,7 +7,8 @@
 #   3. the CUDA-only tests (CPU and CUDA pools agree; device free memory);
 #   4. the benchmark, gpu_impl against the reference;
 # then print a short table. Exit 0 when every step passes, 1 otherwise, 2 when
-# the device cannot be used.
+# the device cannot be used or the script is not in a source checkout (the tests
+# it runs are not shipped).
 #
 # Environment:
 #   KVSPEC_DEVICE=cuda|cuda:N|cpu   the device (default cuda); cpu runs the same steps on the CPU
@@ -29,8 +30,12 @@ if ! "$PY" -c "from kvspec.gpu_impl.device import pick_device; print(pick_device
 fi
 device="$(tail -n 1 "$logs/device")"
 
-# The tests ship inside the package (kvspec.tests), so this works from a checkout and from an install.
-tests="$("$PY" -c "import kvspec.tests, os; print(os.path.dirname(kvspec.tests.__file__))")/gpu_impl"
+# The wheel ships no tests: they come from the checkout this script sits in.
+tests="$(cd "$here/.." && pwd)/tests/gpu_impl"
+if [ ! -d "$tests" ]; then
+    echo "device_check: no tests at $tests; run the script from a source checkout (the wheel ships none)" >&2
+    exit 2
+fi
 
 rows=()
 status=0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import array
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -98,6 +99,31 @@ def _check_request(request: Request, op: str) -> None:
                 "overlapping another (as vLLM's input processor places them)"
             )
         end = mm.offset + mm.length
+
+
+def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int) -> None:
+    """Every count of a step is a non-negative integer, and the step schedules at least one token."""
+    for name, value in (
+        ("num_new_tokens", num_new_tokens),
+        ("num_new_computed_tokens", num_new_computed_tokens),
+        ("num_external_computed_tokens", num_external_computed_tokens),
+    ):
+        if not _is_count(value):
+            raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
+    if num_new_tokens == 0:
+        raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
+
+
+@dataclass(frozen=True, slots=True)
+class _AllocationStep:
+    """A validated `allocate_slots` call, as the phases after validation read it."""
+
+    request: Request  # the request being scheduled
+    table: list[BlockId]  # its block table before the step (empty on its first step); not changed in place
+    hits: Sequence[BlockId]  # its prefix hit, first step only: registered blocks it starts to share
+    hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
+    write_start: int  # the first token position the step writes: its KV follows the prefix hit
+    num_tokens: int  # tokens resident once the step has run: hit, external and new included
 
 
 class TensorKVCacheManager:
@@ -224,6 +250,11 @@ class TensorKVCacheManager:
     ) -> list[BlockId] | None:
         """Give a request slots for its next tokens, write their KV, register the blocks they fill.
 
+        Phases, one method each: validate, plan, prepare the write, touch the
+        hits, take new blocks, write, register full blocks. Only validation
+        looks at the whole request; the others work on one pool and one block
+        table, so several KV cache groups become a loop over them.
+
         Returns:
             The newly taken blocks, or None (and no change) when too few blocks are free.
 
@@ -237,22 +268,63 @@ class TensorKVCacheManager:
         Cost: O(new blocks + hit blocks + new tokens) in a constant number of kernels, plus
         hashing of new full blocks.
         """
+        step = self._validate_allocation(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
+        )
+        num_to_allocate = self._plan_allocation(step)
+        if num_to_allocate is None:
+            return None
+        values = self._prepare_write(step)
+        self._touch_hits(step)
+        new_blocks, table_ids = self._take_new_blocks(step, num_to_allocate)
+        self._write_step(request.request_id, table_ids, step.write_start, values)
+        self._register_full_blocks(step, table_ids)
+        self.num_computed_tokens[request.request_id] = step.num_tokens
+        return new_blocks
+
+    def _validate_allocation(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Sequence[BlockId],
+        num_external_computed_tokens: int,
+    ) -> _AllocationStep:
+        """Phase 1: refuse a caller's mistake before anything changes, in the spec's order.
+
+        The order is part of the contract: the first mistake found is the one
+        the spec names, and a refused call leaves the manager as it was.
+
+        Raises:
+            InvalidRequest, InvalidBlock: as `allocate_slots`.
+        """
         _check_request(request, "allocate_slots")
-        for name, value in (
-            ("num_new_tokens", num_new_tokens),
-            ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_external_computed_tokens", num_external_computed_tokens),
-        ):
-            if not _is_count(value):
-                raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
-        if num_new_tokens == 0:
-            raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
+        _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)
         rid = request.request_id
         running = rid in self.req_to_blocks
         if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
             raise InvalidRequest(
                 f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step"
             )
+        hashes = self._check_hit_blocks(request, num_new_computed_tokens, new_computed_blocks)
+        table = self.req_to_blocks.get(rid, [])
+        num_computed = self.num_computed_tokens.get(rid, 0)
+        total = num_computed + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
+        if total > len(request.token_ids):
+            raise InvalidRequest(
+                f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
+            )
+        write_start = num_computed + num_new_computed_tokens
+        return _AllocationStep(request, table, new_computed_blocks, hashes, write_start, total)
+
+    def _check_hit_blocks(
+        self, request: Request, num_new_computed_tokens: int, new_computed_blocks: Sequence[BlockId]
+    ) -> tuple[BlockHash, ...]:
+        """The hit covers its tokens in whole blocks, each registered under the request's own chain.
+
+        Returns:
+            The request's hash chain (registration needs it too).
+        """
         if len(new_computed_blocks) * self.block_size != num_new_computed_tokens:
             raise InvalidRequest(
                 f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
@@ -264,49 +336,86 @@ class TensorKVCacheManager:
         hashes = self._block_hashes(request)
         if len(new_computed_blocks) > len(hashes):
             raise InvalidRequest(
-                f"allocate_slots: {len(new_computed_blocks)} hit blocks but request_id={rid!r} "
+                f"allocate_slots: {len(new_computed_blocks)} hit blocks but request_id={request.request_id!r} "
                 f"has only {len(hashes)} full blocks"
             )
         for i, b in enumerate(new_computed_blocks):
             if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.get_block_hash(b) != hashes[i]:
                 raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
-        table = self.req_to_blocks.get(rid, [])
-        num_computed = self.num_computed_tokens.get(rid, 0)
-        total = num_computed + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
-        if total > len(request.token_ids):
-            raise InvalidRequest(
-                f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
-            )
-        num_required = -(-total // self.block_size)
-        num_to_allocate = max(num_required - len(table) - len(new_computed_blocks), 0)
-        hit_ids = self._table(new_computed_blocks)
+        return hashes
+
+    def _plan_allocation(self, step: _AllocationStep) -> int | None:
+        """Phase 2: how many new blocks the step needs, or None when they do not fit.
+
+        Planned before anything changes, so a step that cannot be served is
+        refused whole rather than failing halfway with its hits touched.
+        """
+        num_required = -(-step.num_tokens // self.block_size)
+        num_to_allocate = max(num_required - len(step.table) - len(step.hits), 0)
+        pool = self.block_pool
+        hit_ids = self._table(step.hits)
         # Hit blocks sitting in the free queue leave it when touched: they use up free blocks too.
-        num_evictable_hits = int((pool.ref_cnt[hit_ids] == 0).sum()) if new_computed_blocks else 0
+        num_evictable_hits = int((pool.ref_cnt[hit_ids] == 0).sum()) if step.hits else 0
         if num_to_allocate + num_evictable_hits > pool.get_num_free_blocks():
             return None
-        # Everything that can refuse runs before anything changes: the values to
-        # write, and whether the blocks already held can take them.
-        start = num_computed + num_new_computed_tokens
-        values = self._kv_values(request, start, total)
-        self._check_held_blocks_writable(table, start, total)
-        if new_computed_blocks:
-            pool.touch(list(new_computed_blocks))
-        new_ids = pool.get_new_blocks_tensor(num_to_allocate)
+        return num_to_allocate
+
+    def _prepare_write(self, step: _AllocationStep) -> torch.Tensor:
+        """Phase 3: the KV values the step writes, once they and the blocks already held to take them are checked.
+
+        Everything that can refuse runs before anything changes: the touch,
+        the new blocks and the write come after it.
+
+        Raises:
+            InvalidRequest: as `_kv_values`.
+            NotWritable: as `_check_held_blocks_writable`.
+        """
+        values = self._kv_values(step.request, step.write_start, step.num_tokens)
+        self._check_held_blocks_writable(step.table, step.write_start, step.num_tokens)
+        return values
+
+    def _touch_hits(self, step: _AllocationStep) -> None:
+        """Phase 4: take a reference on each hit block, so none is evicted while the request runs.
+
+        Before new blocks are taken: a hit block still in the free queue could
+        otherwise be the one they take.
+        """
+        if step.hits:
+            self.block_pool.touch(list(step.hits))
+
+    def _take_new_blocks(self, step: _AllocationStep, num_to_allocate: int) -> tuple[list[BlockId], torch.Tensor]:
+        """Phase 5: take the planned blocks and append them, after the hits, to the block table.
+
+        The table only grows while the request runs (append-only, as vLLM's),
+        so tokens already scheduled keep their slots.
+
+        Returns:
+            The new blocks, and the request's whole block table as a device tensor (what the write reads).
+        """
+        new_ids = self.block_pool.get_new_blocks_tensor(num_to_allocate)
         new_blocks = cast("list[BlockId]", new_ids.tolist())
-        table = table + list(new_computed_blocks) + new_blocks
-        self.req_to_blocks[rid] = table
+        table = step.table + list(step.hits) + new_blocks
+        self.req_to_blocks[step.request.request_id] = table
         table_ids = torch.cat((self._table(table[: len(table) - len(new_blocks)]), new_ids))
-        self._write_step(rid, table_ids, start, values)
-        num_cached = self.num_cached_block.get(rid, 0) + len(new_computed_blocks)
+        return new_blocks, table_ids
+
+    def _register_full_blocks(self, step: _AllocationStep, table_ids: torch.Tensor) -> None:
+        """Phase 7: register (cache_full_blocks) and seal every block the step fills, so later requests can hit it.
+
+        Registered after the write (phase 6), so the checksum a block is sealed
+        with is of the content it holds.
+        """
+        rid = step.request.request_id
+        # The hit blocks are registered already (that is why they hit).
+        num_cached = self.num_cached_block.get(rid, 0) + len(step.hits)
         if self.enable_caching:
-            num_full = min(total, len(request.token_ids)) // self.block_size
+            # Only a full block is registered: a partial one's tokens are still to come.
+            num_full = min(step.num_tokens, len(step.request.token_ids)) // self.block_size
             if num_full > num_cached:
-                pool.cache_full_blocks(table_ids[num_cached:num_full], hashes[num_cached:num_full])
+                self.block_pool.cache_full_blocks(table_ids[num_cached:num_full], step.hashes[num_cached:num_full])
                 self.kv_cache.seal(table_ids[num_cached:num_full])
                 num_cached = num_full
         self.num_cached_block[rid] = num_cached
-        self.num_computed_tokens[rid] = total
-        return new_blocks
 
     def _kv_values(self, request: Request, start: int, end: int) -> torch.Tensor:
         """The source's values for positions [start, end), checked, as an int64 device tensor.
@@ -349,7 +458,7 @@ class TensorKVCacheManager:
             self.kv_cache.check_writable(self._table(table[first : last + 1]))
 
     def _write_step(self, request_id: str, block_table: torch.Tensor, start: int, values: torch.Tensor) -> None:
-        """Write a step's KV into its slots through the request's block table (checked for writability)."""
+        """Phase 6: write a step's KV into its slots through the request's block table (checked for writability)."""
         if values.numel():
             self.kv_cache.write_tokens(block_table, start, values)
 

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 root="build/typecheck"
 rm -rf "$root" && mkdir -p "$root/kvspec"
 for f in kvspec/*.py; do ln -s "$PWD/$f" "$root/kvspec/$(basename "$f")"; done
-for pkg in spec reference conformance gpu_impl benchmarks tests; do ln -s "$PWD/$pkg" "$root/kvspec/$pkg"; done
+for pkg in spec reference conformance gpu_impl mutants benchmarks; do ln -s "$PWD/$pkg" "$root/kvspec/$pkg"; done
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"
 MYPYPATH="$root" "$PY" -m mypy --config-file pyproject.toml -p kvspec.spec -p kvspec.conformance
 "$PY" -m ruff check .

@@ -232,6 +232,12 @@ def allocate_slots(
     `get_computed_blocks`) and `num_external_computed_tokens` what an external
     KV cache loads after it; both count as computed.
 
+    Five phases, one function each: validate, plan, touch the hits, take new
+    blocks, register full blocks. Only validation looks at the whole request;
+    the other four work on one pool and one block table, so several KV cache
+    groups become a loop over them (plan every group, then touch, take and
+    register in each).
+
     Returns:
         The new state and the newly taken blocks, or (state unchanged, None) when
         too few blocks are free: nothing is touched and nothing taken.
@@ -244,7 +250,68 @@ def allocate_slots(
 
     raises: InvalidRequest, InvalidBlock  # the errors above, as CrossHair reads them
     """
+    step = _validate_allocation(
+        state, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
+    )
+    block_size = state.config.block_size
+    num_to_allocate = _plan_allocation(state.pool, step, block_size)
+    if num_to_allocate is None:
+        return Step(state, None)
+    pool = _touch_hits(state.pool, step.hits)
+    pool, new_blocks, block_ids = _take_new_blocks(pool, step, num_to_allocate)
+    pool, num_cached = _register_full_blocks(pool, step, block_ids, block_size)
+    new_entry = RequestBlocks(block_ids, num_cached, step.num_tokens)
+    return Step(_with_request(replace(state, pool=pool), request.request_id, new_entry), new_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class _AllocationStep:
+    """A validated `allocate_slots` call, as the phases after validation read it."""
+
+    request: Request  # the request being scheduled
+    entry: RequestBlocks  # its record before the step (empty on its first step)
+    hits: tuple[BlockId, ...]  # its prefix hit, first step only: registered blocks it starts to share
+    hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
+    num_tokens: int  # tokens computed once the step has run: hit, external and new included
+
+
+def _validate_allocation(
+    state: ManagerState,
+    request: Request,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    new_computed_blocks: Sequence[BlockId],
+    num_external_computed_tokens: int,
+) -> _AllocationStep:
+    """Phase 1: refuse a caller's mistake before anything changes, in one fixed order.
+
+    The order is part of the contract: every implementation names the same
+    mistake first, and a refused call leaves the state as it was.
+
+    Raises:
+        InvalidRequest, InvalidBlock: as `allocate_slots`.
+    """
     _check_request(request, "allocate_slots")
+    _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)
+    entry = state.request(request.request_id)
+    if entry is not None and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
+        raise InvalidRequest(
+            f"allocate_slots: request_id={request.request_id!r} is running; prefix hits are only for its first step"
+        )
+    if entry is None:
+        entry = RequestBlocks((), 0, 0)
+    hashes = _check_hit_blocks(state, request, num_new_computed_tokens, new_computed_blocks)
+    total = entry.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
+    if total > len(request.token_ids):
+        raise InvalidRequest(
+            f"allocate_slots: {total} tokens would be computed but request_id={request.request_id!r} "
+            f"has {len(request.token_ids)}"
+        )
+    return _AllocationStep(request, entry, tuple(new_computed_blocks), hashes, total)
+
+
+def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int) -> None:
+    """Every count is a non-negative integer, and the step schedules at least one token."""
     for name, value in (
         ("num_new_tokens", num_new_tokens),
         ("num_new_computed_tokens", num_new_computed_tokens),
@@ -254,14 +321,17 @@ def allocate_slots(
             raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
     if num_new_tokens == 0:
         raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
+
+
+def _check_hit_blocks(
+    state: ManagerState, request: Request, num_new_computed_tokens: int, new_computed_blocks: Sequence[BlockId]
+) -> tuple[BlockHash, ...]:
+    """The hit covers its tokens in whole blocks, each registered under the request's own chain.
+
+    Returns:
+        The request's hash chain (the registration phase needs it too).
+    """
     cfg, pool = state.config, state.pool
-    entry = state.request(request.request_id)
-    if entry is not None and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
-        raise InvalidRequest(
-            f"allocate_slots: request_id={request.request_id!r} is running; prefix hits are only for its first step"
-        )
-    if entry is None:
-        entry = RequestBlocks((), 0, 0)
     if len(new_computed_blocks) * cfg.block_size != num_new_computed_tokens:
         raise InvalidRequest(
             f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
@@ -279,32 +349,71 @@ def allocate_slots(
         in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
         if not in_range or pool.block_hash[b] != hashes[i]:
             raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
-    total = entry.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
-    if total > len(request.token_ids):
-        raise InvalidRequest(
-            f"allocate_slots: {total} tokens would be computed but request_id={request.request_id!r} "
-            f"has {len(request.token_ids)}"
-        )
-    num_required = -(-total // cfg.block_size)
-    num_to_allocate = max(num_required - len(entry.block_ids) - len(new_computed_blocks), 0)
+    return hashes
+
+
+def _plan_allocation(pool: PoolState, step: _AllocationStep, block_size: int) -> int | None:
+    """Phase 2: how many new blocks the step needs, or None when they do not fit.
+
+    Planned before anything changes, so a step that cannot be served is
+    refused whole (the scheduler then waits or preempts) rather than failing
+    halfway with its hits touched.
+    """
+    num_required = -(-step.num_tokens // block_size)
+    num_to_allocate = max(num_required - len(step.entry.block_ids) - len(step.hits), 0)
     # Hit blocks sitting in the free queue leave it when touched: they count
     # against the free blocks just like new ones.
-    num_evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_cnt[b] == 0)
+    num_evictable_hits = sum(1 for b in step.hits if pool.ref_cnt[b] == 0)
     if num_to_allocate + num_evictable_hits > len(pool.free_queue):
-        return Step(state, None)
-    if new_computed_blocks:
-        pool = ops.touch(pool, new_computed_blocks).state
+        return None
+    return num_to_allocate
+
+
+def _touch_hits(pool: PoolState, hits: tuple[BlockId, ...]) -> PoolState:
+    """Phase 3: the request takes a reference on each hit block, so none is evicted while it runs.
+
+    A hit block nobody held leaves the free queue here (the plan counted it).
+    Touched before new blocks are taken, so taking them cannot evict a hit.
+    """
+    return ops.touch(pool, hits).state if hits else pool
+
+
+def _take_new_blocks(
+    pool: PoolState, step: _AllocationStep, num_to_allocate: int
+) -> tuple[PoolState, tuple[BlockId, ...], tuple[BlockId, ...]]:
+    """Phase 4: take the planned blocks and append them to the block table, after the hits.
+
+    The table only grows while the request runs (vLLM's block tables are
+    append-only), so tokens already scheduled keep their slots.
+
+    Returns:
+        The pool, the new blocks, and the request's whole block table.
+    """
     taken = ops.get_new_blocks(pool, num_to_allocate)
-    pool, new_blocks = taken.state, taken.result
-    block_ids = entry.block_ids + tuple(new_computed_blocks) + new_blocks
-    num_cached = entry.num_cached_blocks + len(new_computed_blocks)
-    if pool.config.enable_caching:
-        num_full = min(total, len(request.token_ids)) // cfg.block_size
-        if num_full > num_cached:
-            pool = ops.cache_full_blocks(pool, block_ids[num_cached:num_full], hashes[num_cached:num_full]).state
-            num_cached = num_full
-    new_entry = RequestBlocks(block_ids, num_cached, total)
-    return Step(_with_request(replace(state, pool=pool), request.request_id, new_entry), new_blocks)
+    return taken.state, taken.result, step.entry.block_ids + step.hits + taken.result
+
+
+def _register_full_blocks(
+    pool: PoolState, step: _AllocationStep, block_ids: tuple[BlockId, ...], block_size: int
+) -> tuple[PoolState, int]:
+    """Phase 5: register (cache_full_blocks) every block the step fills, so later requests can hit it.
+
+    Only full blocks: a partial block's tokens are still to come. The hit
+    blocks are registered already (that is why they hit), so the count starts
+    after them. Registered when scheduled, not after the step ran (the
+    module's design note).
+
+    Returns:
+        The pool and how many leading blocks of the table are now registered.
+    """
+    num_cached = step.entry.num_cached_blocks + len(step.hits)
+    if not pool.config.enable_caching:
+        return pool, num_cached
+    num_full = min(step.num_tokens, len(step.request.token_ids)) // block_size
+    if num_full <= num_cached:
+        return pool, num_cached
+    pool = ops.cache_full_blocks(pool, block_ids[num_cached:num_full], step.hashes[num_cached:num_full]).state
+    return pool, num_full
 
 
 @icontract.require(lambda state: _holds(state))

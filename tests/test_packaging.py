@@ -1,10 +1,11 @@
-"""The distribution: one `kvspec` namespace, every package and data file shipped, the console script.
+"""The distribution: one `kvspec` namespace, every package and data file shipped, no tests, the console script.
 
 A wheel is built from a copy of the source tree (so the checkout gains no
 build/ folder) and inspected as a zip file, then installed into a private
 folder and imported from a clean process. The installed editable copy is
 checked too: from outside the checkout, no bare `spec` or `reference` module
-can be imported.
+can be imported. The tests are not shipped: what the product reads (the golden
+walkthrough, the mutant set) lives in its own packages.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from kvspec.mutants import all_mutants
+
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
-BARE_NAMES = ["spec", "reference", "conformance", "gpu_impl", "tests", "benchmarks"]
+BARE_NAMES = ["spec", "reference", "conformance", "gpu_impl", "mutants", "tests", "benchmarks"]
 
 
 def _source_folder(package: str) -> Path:
@@ -102,8 +105,14 @@ def test_the_wheel_ships_every_module_and_data_file(wheel: Path) -> None:
         for f in folder.iterdir():
             if f.is_file() and f.suffix in (".py", ".json", ".jsonl"):
                 assert f"{package_path}/{f.name}" in names, f"{f.relative_to(ROOT)} is not in the wheel"
-    assert "kvspec/tests/data/seed_walkthrough.json" in names  # `kvspec demo` reads it
+    assert "kvspec/conformance/data/seed_walkthrough.json" in names  # `kvspec demo` reads it
     assert "kvspec/conformance/commands/demo.py" in names  # the CLI finds its commands here
+    assert "kvspec/mutants/__init__.py" in names and "kvspec/mutants/manager.py" in names  # `kvspec mutants`
+
+
+def test_the_wheel_ships_no_tests(wheel: Path) -> None:
+    shipped_tests = [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("kvspec/tests/")]
+    assert shipped_tests == [], "the tests run from a checkout; the product reads nothing from them"
 
 
 def test_the_console_script_is_declared(wheel: Path) -> None:
@@ -116,13 +125,16 @@ def test_the_console_script_is_declared(wheel: Path) -> None:
 
 _IMPORT_CHECK = """
 import argparse, importlib.util, json, sys
-import kvspec.spec, kvspec.reference
+import kvspec.spec, kvspec.reference, kvspec.mutants
 from kvspec.reference import BlockPool, KVCacheManager
 from kvspec.conformance.commands import demo
 with open(sys.argv[1], "w") as out:
     json.dump({
         "spec": kvspec.spec.__file__,
         "reference": kvspec.reference.__file__,
+        "mutants": kvspec.mutants.__file__,
+        "num_mutants": len(kvspec.mutants.all_mutants()),
+        "tests": getattr(importlib.util.find_spec("kvspec.tests"), "origin", None),
         "bare": {n: getattr(importlib.util.find_spec(n), "origin", None) for n in sys.argv[2:]},
         "demo": demo.run(argparse.Namespace(impl="spec")),
     }, out)
@@ -149,6 +161,8 @@ def test_the_installed_wheel_imports_under_kvspec_only(wheel: Path, tmp_path: Pa
     run_dir.mkdir()
     found = _import_check(run_dir, str(target))
     assert str(found["spec"]).startswith(str(target)) and str(found["reference"]).startswith(str(target))
+    assert str(found["mutants"]).startswith(str(target)) and found["num_mutants"] == len(all_mutants())
+    assert found["tests"] is None  # the tests are not shipped
     bare = found["bare"]
     assert isinstance(bare, dict)
     for name, origin in bare.items():
@@ -159,4 +173,5 @@ def test_the_installed_wheel_imports_under_kvspec_only(wheel: Path, tmp_path: Pa
 def test_the_editable_install_has_no_bare_modules(tmp_path: Path) -> None:
     found = _import_check(tmp_path, None)
     assert found["bare"] == {name: None for name in BARE_NAMES}
+    assert found["tests"] is None  # from outside the checkout the tests are not importable
     assert found["demo"] == 0

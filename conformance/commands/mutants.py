@@ -78,8 +78,8 @@ def _row(result: MutantResult, level: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the selected mutants and print the table and the benchmark lines."""
-    # Imported here: the mutant set ships with the tests package, which `kvspec --help` need not load.
-    from kvspec.tests.mutants import discover
+    # Imported here: the mutant set (kvspec.mutants) is a package `kvspec --help` need not load.
+    from kvspec.mutants import discover
 
     if args.max_examples < 1 or args.time_budget <= 0:
         print(

@@ -1,11 +1,12 @@
 """Adapters that misbehave in one way each, to test the harness's own reporting.
 
-These are not the mutant set (tests/mutants/, which measures the harness's
+These are not the mutant set (mutants/, which measures the harness's
 strength); they are the cases the harness must *report* in a particular way:
 a divergence, a named invariant, a state changed by a rejected call, a hash
 that is renamed between steps, a Python exception, a segfault, a hang, a
 factory that cannot build, an adapter with a missing method. Each factory is
-importable as `kvspec.tests.conformance.adapters:<name>`, as a user's would be.
+importable as `tests.conformance.adapters:<name>` (pytest imports the checkout's
+tests/ package), as a user's would be.
 """
 
 from __future__ import annotations

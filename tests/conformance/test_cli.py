@@ -9,7 +9,7 @@ from kvspec.conformance.cli import main
 from kvspec.conformance.commands.check import _default_impls
 from kvspec.conformance.trace import read_trace
 
-ADAPTERS = "kvspec.tests.conformance.adapters"
+ADAPTERS = "tests.conformance.adapters"
 
 
 def test_check_on_the_reference_prints_one_screen_and_exits_0(tmp_path, capsys):
@@ -180,7 +180,7 @@ def v1_whatever_asked(config):
 
 def test_check_profile_auto_reports_each_profile_and_exits_0_when_one_conforms(tmp_path, capsys):
     code = main(
-        ["check", "--impl", "kvspec.tests.conformance.test_cli:v1_whatever_asked", "--level", "pool",
+        ["check", "--impl", "tests.conformance.test_cli:v1_whatever_asked", "--level", "pool",
          "--caching", "on", "--profile", "auto", "--max-examples", "100", "--trace-dir", str(tmp_path)]
     )  # fmt: skip
     out = capsys.readouterr().out
@@ -190,7 +190,7 @@ def test_check_profile_auto_reports_each_profile_and_exits_0_when_one_conforms(t
     tail = next(line for line in out.splitlines() if line.split()[:1] == ["vllm-v1-tail"])
     assert "diverges: shortest trace 2 steps" in tail
     trace = read_trace(next(tmp_path.glob("failure-pool-*.trace.jsonl")))
-    assert trace.impl == "kvspec.tests.conformance.test_cli:v1_whatever_asked"
+    assert trace.impl == "tests.conformance.test_cli:v1_whatever_asked"
     assert trace.config.profile == "vllm-v1-tail"
 
 

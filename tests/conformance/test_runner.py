@@ -12,7 +12,7 @@ from kvspec.conformance import runner
 from kvspec.conformance.builtin import make_reference, make_spec
 from kvspec.conformance.runner import FactoryError, load_factory, replay, run_check
 from kvspec.conformance.trace import read_trace
-from kvspec.tests.conformance import adapters
+from tests.conformance import adapters
 
 # Small campaigns: every wrong adapter here is caught within a few dozen examples.
 N = 150
@@ -134,9 +134,9 @@ def test_an_adapter_missing_a_method_could_not_run(tmp_path):
     [
         ("nonsense", "neither a built-in name"),
         ("kvspec.no_such_module:make", "module kvspec.no_such_module does not import"),
-        ("kvspec.tests.conformance.adapters:no_such_factory", "has no attribute 'no_such_factory'"),
-        ("kvspec.tests.conformance.adapters:NOT_CALLABLE", "is a int, not a callable factory"),
-        ("kvspec.tests.conformance.adapters:", "expected module:function"),
+        ("tests.conformance.adapters:no_such_factory", "has no attribute 'no_such_factory'"),
+        ("tests.conformance.adapters:NOT_CALLABLE", "is a int, not a callable factory"),
+        ("tests.conformance.adapters:", "expected module:function"),
     ],
 )
 def test_load_factory_names_what_is_wrong(name, says):
@@ -288,7 +288,7 @@ def test_the_prefix_kv_source_names_each_prefix_once():
 
 
 def test_a_kv_write_into_the_wrong_slot_is_caught_by_reading_the_hit_back(tmp_path):
-    from kvspec.tests.mutants.gpu_memory import MUTANTS as GPU_MUTANTS
+    from kvspec.mutants.gpu_memory import MUTANTS as GPU_MUTANTS
 
     mutant = next(m for m in GPU_MUTANTS if m.name == "gpu_write_wrong_slot")
     r = check(mutant.factory, tmp_path, level="manager", max_examples=100)
@@ -308,7 +308,7 @@ def test_gpu_impl_conforms_with_its_content_checked_on_the_device_asked_for(tmp_
 
 
 def test_an_adapter_on_kvspecs_chain_has_its_hash_values_compared_exactly(tmp_path):
-    from kvspec.tests.mutants.hashing import MUTANTS as HASH_MUTANTS
+    from kvspec.mutants.hashing import MUTANTS as HASH_MUTANTS
 
     salted = next(m for m in HASH_MUTANTS if m.name == "cache_salt_on_every_block")
     r = check(salted.factory, tmp_path, level="manager", max_examples=100)
@@ -322,7 +322,7 @@ def test_an_adapter_on_kvspecs_chain_has_its_hash_values_compared_exactly(tmp_pa
 
 
 def test_isolation_bugs_are_reached_by_resending_a_prompt_under_other_keys(tmp_path):
-    from kvspec.tests.mutants.hashing import MUTANTS as HASH_MUTANTS
+    from kvspec.mutants.hashing import MUTANTS as HASH_MUTANTS
 
     for name in ("cache_salt_ignored", "lora_ignored", "multimodal_ignored"):
         mutant = next(m for m in HASH_MUTANTS if m.name == name)
@@ -363,7 +363,7 @@ def test_without_shrinking_the_first_failing_example_is_reported(tmp_path):
 
 
 def test_a_request_level_failure_trace_with_decode_steps_reads_back_and_replays(tmp_path):
-    from kvspec.tests.mutants.gpu_memory import MUTANTS as GPU_MUTANTS
+    from kvspec.mutants.gpu_memory import MUTANTS as GPU_MUTANTS
 
     mutant = next(m for m in GPU_MUTANTS if m.name == "gpu_write_shared_block")
     for seed in (0, 1):

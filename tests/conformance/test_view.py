@@ -40,9 +40,9 @@ from kvspec.conformance.walkthrough import load_golden, run_walkthrough
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash
-from kvspec.tests.conformance import adapters
+from tests.conformance import adapters
 
-ADAPTERS = "kvspec.tests.conformance.adapters"
+ADAPTERS = "tests.conformance.adapters"
 POOL8 = AdapterConfig("pool", 8)
 
 
@@ -81,7 +81,7 @@ def fifty_step_trace() -> Trace:
 
 def content_failure_trace(folder: Path) -> Trace:
     """gpu_impl with a mutant that stores each token one slot along: the second request's hit reads wrong KV."""
-    from kvspec.tests.mutants.gpu_memory import MUTANTS
+    from kvspec.mutants.gpu_memory import MUTANTS
 
     mutant = next(m for m in MUTANTS if m.name == "gpu_write_wrong_slot")
     a, b = Request("a", tuple(range(9))), Request("b", tuple(range(9)))
@@ -228,7 +228,7 @@ def test_the_embedded_data_cannot_close_its_script(tmp_path):
 
 
 def test_without_a_browser_the_reason_names_what_to_install(monkeypatch, tmp_path):
-    from kvspec.tests.conformance.chromium import INSTALL_HINT, find_chromium
+    from tests.conformance.chromium import INSTALL_HINT, find_chromium
 
     monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
     reason = find_chromium()

@@ -6,7 +6,7 @@ must have asked for nothing but itself and logged no error. A screenshot of
 each page is saved (in $KVSPEC_SCREENSHOTS, or a temporary folder) to be looked at.
 
 - The walkthrough (`kvspec demo --html`): "next" steps through the seed's
-  states as tests/data/seed_walkthrough.json numbers them (after B frees the
+  states as conformance/data/seed_walkthrough.json numbers them (after B frees the
   free queue reads 4 3 5 6 2 1; after D the hash table is empty); captions,
   arrow keys, Home/End and `#step=N` go where they should; autoplay advances.
 - A mutant's shrunk failure opens at the step its text story names as the
@@ -33,9 +33,9 @@ from kvspec.conformance.runner import replay, run_check
 from kvspec.conformance.trace import Trace, TraceStep, read_trace
 from kvspec.conformance.view import trace_to_page_data, write_page, write_trace_page
 from kvspec.conformance.walkthrough import load_golden
-from kvspec.tests.conformance.chromium import Browser, chromium_session
-from kvspec.tests.conformance.test_view import content_failure_trace, fifty_step_trace
-from kvspec.tests.mutants import all_mutants
+from kvspec.mutants import all_mutants
+from tests.conformance.chromium import Browser, chromium_session
+from tests.conformance.test_view import content_failure_trace, fifty_step_trace
 
 FILE = ("file://",)
 
@@ -296,7 +296,7 @@ def test_the_served_page_is_the_same_page_and_asks_only_for_itself(browser: Brow
     source = tmp_path / "traces"
     steps = [("get_new_blocks", (2,)), ("free_blocks", ([2, 1],))]
     trace = Trace(AdapterConfig("pool", 8), tuple(TraceStep(i + 1, op, a) for i, (op, a) in enumerate(steps)))
-    from kvspec.tests.conformance.adapters import make_free_head_first
+    from tests.conformance.adapters import make_free_head_first
 
     result = replay(trace, make_free_head_first, trace_dir=source, isolate=False)
     assert result.failure is not None and result.failure.trace_path is not None

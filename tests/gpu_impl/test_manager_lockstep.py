@@ -33,7 +33,7 @@ from kvspec.reference import KVCacheManager
 from kvspec.spec.invariants import hit_content_intact
 from kvspec.spec.manager import Request
 from kvspec.spec.ordering import PROFILES
-from kvspec.tests.gpu_impl._lockstep import same_call
+from tests.gpu_impl._lockstep import same_call
 
 TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=14)
 

@@ -17,11 +17,11 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.gpu_impl.kv_cache_manager import prefix_kv_source
+from kvspec.mutants.gpu_memory import MUTANTS, ReuseWithoutEviction, WriteSharedBlock, WriteWrongSlot
 from kvspec.spec.errors import BlockManagerError
 from kvspec.spec.invariants import hit_content_intact
 from kvspec.spec.manager import Request
-from kvspec.tests.gpu_impl.test_manager_lockstep import ManagerLockstep
-from kvspec.tests.mutants.gpu_memory import MUTANTS, ReuseWithoutEviction, WriteSharedBlock, WriteWrongSlot
+from tests.gpu_impl.test_manager_lockstep import ManagerLockstep
 
 SEARCH = settings(
     max_examples=300,

@@ -28,7 +28,7 @@ from kvspec.gpu_impl.device import pick_device
 from kvspec.reference import BlockPool
 from kvspec.spec.ordering import PROFILES
 from kvspec.spec.state import BlockHash
-from kvspec.tests.gpu_impl._lockstep import same_call
+from tests.gpu_impl._lockstep import same_call
 
 HASHES = [BlockHash(bytes([i]) * 4) for i in range(6)]  # few, so duplicates and re-hits are common
 

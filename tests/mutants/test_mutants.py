@@ -39,8 +39,8 @@ from kvspec.conformance.mutants import (
     summarize,
 )
 from kvspec.conformance.runner import replay, run_check
-from kvspec.tests.mutants import REQUIRED_KINDS, all_mutants
-from kvspec.tests.mutants._base import ListQueuePool, StepwiseManager
+from kvspec.mutants import REQUIRED_KINDS, all_mutants
+from kvspec.mutants._base import ListQueuePool
 
 MUTANTS = all_mutants()
 # The default sweep's example budget: a kill usually comes within a few dozen
@@ -100,8 +100,8 @@ def test_mutant_rejects_a_malformed_declaration():
 
 @pytest.mark.parametrize(
     ("factory", "level", "enable_caching"),
-    [(ListQueuePool, "pool", True), (ListQueuePool, "pool", False), (StepwiseManager, "manager", True)],
-    ids=["list-queue-pool", "list-queue-pool-no-caching", "stepwise-manager"],
+    [(ListQueuePool, "pool", True), (ListQueuePool, "pool", False)],
+    ids=["list-queue-pool", "list-queue-pool-no-caching"],
 )
 def test_unmutated_bases_conform(factory, level, enable_caching):
     assert _first_failure(factory, level, enable_caching, max_examples=60) is None

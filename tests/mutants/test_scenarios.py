@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 
 from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import make_reference, make_spec
+from kvspec.conformance.builtin import ReferenceManagerAdapter, make_reference, make_spec
+from kvspec.mutants import Mutant, all_mutants
+from kvspec.mutants._base import ListQueuePool
 from kvspec.spec.errors import AlreadyCached, BlockManagerError, DoubleFree, InvalidBlock, PoolExhausted
 from kvspec.spec.hashing import MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import failing
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
-from kvspec.tests.mutants import Mutant, all_mutants
-from kvspec.tests.mutants._base import ListQueuePool, StepwiseManager
 
 H1, H2, H3 = BlockHash(b"h1"), BlockHash(b"h2"), BlockHash(b"h3")
 _ANY: Any = object()
@@ -534,8 +534,9 @@ SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
 
 # Mutant modules of other packages' implementations (gpu_*) bring their own scenarios.
 OWN_MUTANTS: list[Mutant] = [m for m in all_mutants() if not m.factory.__module__.rsplit(".", 1)[-1].startswith("gpu_")]
-# The unmutated bases some mutants are built on: they must pass every scenario of their level.
-BASES: dict[str, list[Factory]] = {"pool": [ListQueuePool], "manager": [StepwiseManager]}
+# The unmutated bases some mutants are built on: they must pass every scenario of their level. The
+# request-level mutants override one phase of the reference's allocate_slots: the reference is their base.
+BASES: dict[str, list[Factory]] = {"pool": [ListQueuePool], "manager": [ReferenceManagerAdapter]}
 
 
 def test_every_mutant_has_a_scenario():

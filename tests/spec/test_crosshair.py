@@ -16,7 +16,7 @@ import pytest
 from kvspec.conformance import contracts
 from kvspec.conformance.cli import main
 from kvspec.spec import ops
-from kvspec.tests.spec.crosshair_bugs import BUGS, Bug
+from tests.spec.crosshair_bugs import BUGS, Bug
 
 pytestmark = [
     pytest.mark.crosshair,

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.builtin import ReferencePoolAdapter
 from kvspec.conformance.mutants import Mutant
+from kvspec.mutants._base import ListQueuePool, is_count
 from kvspec.reference.free_queue import KVCacheBlock
 from kvspec.spec.errors import InvalidBlock
 from kvspec.spec.state import BlockId
-from kvspec.tests.mutants._base import ListQueuePool, is_count
 
 __all__ = ["MUTANTS"]
 

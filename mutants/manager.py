@@ -11,11 +11,10 @@ from collections.abc import Sequence
 
 from kvspec.conformance.builtin import ReferenceManagerAdapter
 from kvspec.conformance.mutants import Mutant
-from kvspec.reference.kv_cache_manager import _check_request
+from kvspec.reference.kv_cache_manager import _AllocationStep, _check_request
 from kvspec.spec.hashing import block_extra_keys, hash_block_tokens, none_hash
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
-from kvspec.tests.mutants._base import StepwiseManager
 
 __all__ = ["MUTANTS"]
 
@@ -41,7 +40,7 @@ class HitCapOffByOne(ReferenceManagerAdapter):
         return hits, len(hits) * self.block_size
 
 
-class PartialBlockHashed(StepwiseManager):
+class PartialBlockHashed(ReferenceManagerAdapter):
     """Full blocks are counted with ceiling division (`cdiv`) where floor division was meant.
 
     The block holding the last scheduled token is registered though it is
@@ -50,9 +49,17 @@ class PartialBlockHashed(StepwiseManager):
     block's hash, so a later request can hit KV that was never written.
     """
 
-    def _num_full_blocks(self, request: Request, num_computed_tokens: int) -> int:
-        num_tokens = min(num_computed_tokens, len(request.token_ids))
-        return -(-num_tokens // self.block_size)  # MUTANT: cdiv
+    def _register_full_blocks(self, step: _AllocationStep) -> None:
+        rid = step.request.request_id
+        num_cached = self.num_cached_block.get(rid, 0) + len(step.hits)
+        if self.enable_caching:
+            num_tokens = min(step.num_tokens, len(step.request.token_ids))
+            num_full = -(-num_tokens // self.block_size)  # MUTANT: cdiv
+            if num_full > num_cached:
+                table = self.req_to_blocks[rid]
+                self.block_pool.cache_full_blocks(table[num_cached:num_full], step.hashes[num_cached:num_full])
+                num_cached = num_full
+        self.num_cached_block[rid] = num_cached
 
     def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
         full = super()._block_hashes(request)
@@ -90,7 +97,7 @@ class FailedAllocationLeavesTouched(ReferenceManagerAdapter):
         return result
 
 
-class CapacityIgnoresEvictableHits(StepwiseManager):
+class CapacityIgnoresEvictableHits(ReferenceManagerAdapter):
     """The capacity check counts only the new blocks, not the hit blocks that still sit in the free queue.
 
     Touching those hits takes them out of the queue, so `get_new_blocks`
@@ -98,19 +105,31 @@ class CapacityIgnoresEvictableHits(StepwiseManager):
     step, after the touch, instead of the step being refused cleanly.
     """
 
-    def _num_evictable_hits(self, new_computed_blocks: Sequence[BlockId]) -> int:
-        return 0  # MUTANT: `sum(1 for b in hits if ref_cnt == 0)`
+    def _plan_allocation(self, step: _AllocationStep) -> int | None:
+        num_required = -(-step.num_tokens // self.block_size)
+        num_to_allocate = max(num_required - len(step.table) - len(step.hits), 0)
+        if num_to_allocate > self.block_pool.get_num_free_blocks():  # MUTANT: `+ num_evictable_hits` is missing
+            return None
+        return num_to_allocate
 
 
-class HitBlocksReregistered(StepwiseManager):
+class HitBlocksReregistered(ReferenceManagerAdapter):
     """A request's registered-block count starts at 0 instead of at its hit blocks.
 
     The step then registers the hit blocks again, which the pool refuses
     (AlreadyCached) after the hits were touched and new blocks taken.
     """
 
-    def _num_cached_blocks(self, request_id: str, new_computed_blocks: Sequence[BlockId]) -> int:
-        return self.num_cached_block.get(request_id, 0)  # MUTANT: `+ len(new_computed_blocks)` is missing
+    def _register_full_blocks(self, step: _AllocationStep) -> None:
+        rid = step.request.request_id
+        num_cached = self.num_cached_block.get(rid, 0)  # MUTANT: `+ len(step.hits)` is missing
+        if self.enable_caching:
+            num_full = min(step.num_tokens, len(step.request.token_ids)) // self.block_size
+            if num_full > num_cached:
+                table = self.req_to_blocks[rid]
+                self.block_pool.cache_full_blocks(table[num_cached:num_full], step.hashes[num_cached:num_full])
+                num_cached = num_full
+        self.num_cached_block[rid] = num_cached
 
 
 class PreemptionDropsSharedBlock(ReferenceManagerAdapter):

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.conformance.mutants import Mutant
+from kvspec.mutants._base import is_count
 from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 from kvspec.spec.state import BlockId
-from kvspec.tests.mutants._base import is_count
 
 __all__ = ["MUTANTS"]
 
