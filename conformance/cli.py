@@ -34,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvspec {kvspec.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):  # shared helpers of the commands, not commands
+            continue
         module = importlib.import_module(f"{commands.__name__}.{info.name}")
         module.register(subparsers)
     return parser

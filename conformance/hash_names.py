@@ -80,6 +80,13 @@ class HashNames:
             return self._names[bytes(impl_hash)]
         return self._others.setdefault(bytes(impl_hash), f"x{len(self._others) + 1}")
 
+    def given(self) -> tuple[dict[str, str], dict[str, str]]:
+        """The names given so far, by hex value: (spec hash -> name, implementation hash -> name)."""
+        spec = {h.hex(): n for h, n in self._names.items()}
+        impl = {bytes(hi).hex(): self.name(hs) for hi, hs in self._i2s.items()}
+        impl.update({h.hex(): n for h, n in self._others.items()})
+        return spec, impl
+
     def local_pairs(self, spec: Snapshot, impl: Snapshot) -> dict[BlockHash, BlockHash] | None:
         """The spec-to-implementation pairs one step's snapshots imply, or None where they are not one to one.
 

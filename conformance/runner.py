@@ -250,18 +250,9 @@ def run_check(
     started = time.monotonic()
     if isinstance(factory, str):
         impl = impl or factory
-    where = _Where(
-        level,
-        enable_caching,
-        profile,
-        impl,
-        seed,
-        device,
-        trace_dir,
-        step_timeout_s,
-        minimize_s if shrink else 0.0,
-        max_examples if isinstance(max_examples, int) else None,
-    )
+    shrink_s = minimize_s if shrink else 0.0
+    asked = max_examples if isinstance(max_examples, int) else None
+    where = _Where(level, enable_caching, profile, impl, seed, device, trace_dir, step_timeout_s, shrink_s, asked)
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)

@@ -50,9 +50,7 @@ class WalkthroughStep:
         out: dict[str, Any] = {
             "ref_cnt": {str(b): s.ref_cnt[b] for b in range(1, s.num_gpu_blocks)},
             "free_queue": list(s.free_queue),
-            "hash_table": {
-                self.hash_names.get(h, h.hex()[:8]): blocks[0] for h, blocks in s.hash_to_blocks
-            },
+            "hash_table": {self.hash_names.get(h, h.hex()[:8]): blocks[0] for h, blocks in s.hash_to_blocks},
             "block_tables": self.block_tables,
         }
         if self.num_computed_tokens:
@@ -62,68 +60,78 @@ class WalkthroughStep:
 
 def run_walkthrough(factory: Callable[[AdapterConfig], object]) -> list[WalkthroughStep]:
     """Play the seed's walkthrough on a fresh pool from `factory`; one state per golden step."""
-    golden = load_golden()
-    cfg = golden["config"]
-    config = AdapterConfig("pool", cfg["num_gpu_blocks"], cfg["enable_caching"])
-    tokens = {name: tuple(t) for name, t in golden["requests"].items()}
-    chain = {name: hash_request_blocks(t, BLOCK_SIZE) for name, t in tokens.items()}
-    names = {h: f"h{i + 1}" for i, h in enumerate(chain["A"])}
-    steps: list[WalkthroughStep] = []
+    walk = _Walk(factory)
+    p, tables = walk.until_step5()
+    c_hit = walk.hit(p, "C")
+    p.touch(c_hit)
+    tables["C"] = list(c_hit)
+    walk.record(p, 6, tables, {"C": len(c_hit) * BLOCK_SIZE})
+    # Step 7 branches from the state after step 5: replay it on a fresh pool.
+    p, tables = walk.until_step5()
+    tables["D"] = list(p.get_new_blocks(6))
+    walk.record(p, 7, tables, {})
+    return walk.steps
 
-    def pool() -> BlockManagerAdapter:
-        adapter = factory(config)
-        assert isinstance(adapter, BlockManagerAdapter), f"{factory} did not build a pool adapter"
+
+class _Walk:
+    """The golden walkthrough's requests and chains, and the states recorded so far."""
+
+    def __init__(self, factory: Callable[[AdapterConfig], object]) -> None:
+        self.factory = factory
+        self.golden = load_golden()
+        cfg = self.golden["config"]
+        self.config = AdapterConfig("pool", cfg["num_gpu_blocks"], cfg["enable_caching"])
+        self.tokens = {name: tuple(t) for name, t in self.golden["requests"].items()}
+        self.chain = {name: hash_request_blocks(t, BLOCK_SIZE) for name, t in self.tokens.items()}
+        self.names = {h: f"h{i + 1}" for i, h in enumerate(self.chain["A"])}
+        self.steps: list[WalkthroughStep] = []
+
+    def pool(self) -> BlockManagerAdapter:
+        adapter = self.factory(self.config)
+        assert isinstance(adapter, BlockManagerAdapter), f"{self.factory} did not build a pool adapter"
         return adapter
 
-    def record(p: BlockManagerAdapter, step: int, tables: dict[str, list[BlockId]], computed: dict[str, int]) -> None:
-        action = golden["steps"][step]["action"]
+    def record(
+        self, p: BlockManagerAdapter, step: int, tables: dict[str, list[BlockId]], computed: dict[str, int]
+    ) -> None:
+        action = self.golden["steps"][step]["action"]
         tables_now = {k: list(v) for k, v in tables.items()}
-        steps.append(WalkthroughStep(step, action, p.snapshot(), tables_now, dict(computed), names))
+        self.steps.append(WalkthroughStep(step, action, p.snapshot(), tables_now, dict(computed), self.names))
 
-    def hit(p: BlockManagerAdapter, name: str) -> list[BlockId]:
-        max_blocks = (len(tokens[name]) - 1) // BLOCK_SIZE  # the len - 1 cap
+    def hit(self, p: BlockManagerAdapter, name: str) -> list[BlockId]:
+        max_blocks = (len(self.tokens[name]) - 1) // BLOCK_SIZE  # the len - 1 cap
         blocks: list[BlockId] = []
-        for h in chain[name][:max_blocks]:
+        for h in self.chain[name][:max_blocks]:
             b = p.get_cached_block(h)
             if b is None:
                 break
             blocks.append(b)
         return blocks
 
-    def until_step5() -> tuple[BlockManagerAdapter, dict[str, list[BlockId]]]:
-        p = pool()
+    def until_step5(self) -> tuple[BlockManagerAdapter, dict[str, list[BlockId]]]:
+        """Steps 0 to 5 on a fresh pool, each recorded the first time round (step 7 replays them)."""
+        p, chain, steps = self.pool(), self.chain, self.steps
         tables: dict[str, list[BlockId]] = {}
         if not steps:
-            record(p, 0, tables, {})
+            self.record(p, 0, tables, {})
         tables["A"] = list(p.get_new_blocks(3))
         if len(steps) == 1:
-            record(p, 1, tables, {})
+            self.record(p, 1, tables, {})
         p.cache_full_blocks(tables["A"][:2], chain["A"][:2])
         if len(steps) == 2:
-            record(p, 2, tables, {})
-        b_hit = hit(p, "B")
+            self.record(p, 2, tables, {})
+        b_hit = self.hit(p, "B")
         p.touch(b_hit)
         tables["B"] = b_hit + list(p.get_new_blocks(1))
         if len(steps) == 3:
-            record(p, 3, tables, {"B": len(b_hit) * BLOCK_SIZE})
+            self.record(p, 3, tables, {"B": len(b_hit) * BLOCK_SIZE})
         p.free_blocks(tables.pop("A")[::-1])
         if len(steps) == 4:
-            record(p, 4, tables, {})
+            self.record(p, 4, tables, {})
         p.free_blocks(tables.pop("B")[::-1])
         if len(steps) == 5:
-            record(p, 5, tables, {})
+            self.record(p, 5, tables, {})
         return p, tables
-
-    p, tables = until_step5()
-    c_hit = hit(p, "C")
-    p.touch(c_hit)
-    tables["C"] = list(c_hit)
-    record(p, 6, tables, {"C": len(c_hit) * BLOCK_SIZE})
-    # Step 7 branches from the state after step 5: replay it on a fresh pool.
-    p, tables = until_step5()
-    tables["D"] = list(p.get_new_blocks(6))
-    record(p, 7, tables, {})
-    return steps
 
 
 def render_step(step: WalkthroughStep, previous: WalkthroughStep | None) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvspec.conformance.operations import OPERATIONS
+from kvspec.conformance.results import FailureKind, Verdict
 from kvspec.spec.invariants import HIT_RULES, INVARIANTS, STEP_RULES
 
 __all__ = ["PAGE_FORMAT", "RULES", "build_view"]
@@ -68,10 +69,10 @@ _MAX_TOKENS_SHOWN = 48
 class _HashNames:
     """Hash value (hex) -> short name, for the spec's side and the implementation's."""
 
-    def __init__(self, given: Mapping[str, str]) -> None:
+    def __init__(self, given: Mapping[str, str], given_impl: Mapping[str, str] | None = None) -> None:
         self.spec: dict[str, str] = dict(given)  # spec hash -> "h1", ...
-        self.impl: dict[str, str] = {}  # implementation hash -> the spec name it stands for, or "x1", ...
-        self._taken = set(self.spec.values())
+        self.impl: dict[str, str] = dict(given_impl or {})  # implementation hash -> its spec name, or "x1", ...
+        self._taken = set(self.spec.values()) | set(self.impl.values())
 
     def _fresh(self, prefix: str) -> str:
         i = 1
@@ -87,7 +88,9 @@ class _HashNames:
         return self.spec[h]
 
     def of_impl(self, h: str) -> str:
-        """An implementation hash's name: the same value's spec name, else the one it was paired with, else its own."""
+        """An implementation hash's name: the one it was paired with, else the same value's spec name, else its own."""
+        if h in self.impl:
+            return self.impl[h]
         if h in self.spec:
             return self.spec[h]
         if h not in self.impl:
@@ -125,7 +128,8 @@ def _hashes_in(value: Any) -> list[str]:
 
 
 def _name_hashes(doc: Mapping[str, Any]) -> _HashNames:
-    names = _HashNames(doc.get("hash_names") or {})
+    # A trace's document carries the names HashNames gave (the story's); these only fill gaps.
+    names = _HashNames(doc.get("hash_names") or {}, doc.get("impl_hash_names"))
     for step in doc["steps"]:
         for h in _hashes_in(step["args"]):
             names.of_spec(h)
@@ -358,16 +362,13 @@ def _result_words(op: str | None, o: Mapping[str, Any] | None) -> str:
 
 def _failed_rule(failure: Mapping[str, Any], step: Mapping[str, Any] | None) -> tuple[str, str, str]:
     """(name, label, plain words) of the rule the failure broke."""
-    kind = failure.get("kind")
+    kind = FailureKind(failure["kind"]) if failure.get("kind") else None
     inv = failure.get("invariant")
     if inv and inv in _NAMED_RULES:
         return str(inv), str(inv), _NAMED_RULES[str(inv)]
-    if kind == "crashed":
-        key = "no_crash"
-    elif kind == "hung":
-        key = "no_hang"
-    elif kind == "spec":
-        key = "spec_holds"
+    by_kind = {FailureKind.CRASHED: "no_crash", FailureKind.HUNG: "no_hang", FailureKind.SPEC: "spec_holds"}
+    if kind in by_kind:
+        key = by_kind[kind]
     elif step is not None and not _same_outcome(step["op"], step["spec_outcome"], step["impl_outcome"]):
         key = "same_result"
     elif step is not None and step["spec_outcome"] is not None and "error" in step["spec_outcome"]:
@@ -413,97 +414,111 @@ def build_view(doc: Mapping[str, Any]) -> dict[str, Any]:
     failure_in: Mapping[str, Any] | None = doc.get("failure")
     bad = int(failure_in.get("step", -1)) if failure_in else -1
     states = [(_state(s["spec"], names.of_spec), _state(s["impl"], names.of_impl)) for s in steps_in]
-    steps: list[dict[str, Any]] = []
-    for i, s in enumerate(steps_in):
-        base = s["base"] if s["base"] is not None else (i - 1 if i > 0 else None)
-        spec_state, impl_state = states[i]
-        before = states[base] if base is not None else (None, None)
-        op = s["op"]
-        both = has_impl and spec_state is not None and impl_state is not None
-        differences = _differences(spec_state if both else None, impl_state)
-        impl_outcome = s["impl_outcome"]
-        if op is not None and impl_outcome is not None and not _same_outcome(op, s["spec_outcome"], impl_outcome):
-            differences["fields"].insert(0, "result")
-        if op is None:
-            call, words = None, None
-            caption = s["caption"] or (
-                "initial state: every block but the null block is free, in id order" if i == 0 else f"step {i}"
-            )
-        else:
-            call = _call(op, s["args"], names, bs)
-            words = _op_words(op, s["args"], names)
-            caption = s["caption"] or call
-        steps.append(
-            {
-                "index": i,
-                "op": op,
-                "caption": caption,
-                "call": call,
-                "words": words,
-                "base": base,
-                "spec": spec_state,
-                "impl": impl_state,
-                "spec_result": None if op is None else _result_words(op, s["spec_outcome"]),
-                "impl_result": None if op is None or impl_outcome is None else _result_words(op, impl_outcome),
-                "spec_recomputed": bool(s.get("spec_recomputed")),
-                "changed": {"spec": _changed(before[0], spec_state), "impl": _changed(before[1], impl_state)},
-                "differences": differences,
-                "evicted": {
-                    side: sorted(
-                        {e[0] for e in (before[k] or {}).get("hash_table", [])}
-                        - {e[0] for e in (states[i][k] or {}).get("hash_table", [])},
-                        key=_natural,
-                    )
-                    for k, side in ((0, "spec"), (1, "impl"))
-                },
-                "computed_tokens": dict(s.get("computed_tokens") or {}),
-                "is_failure": i == bad,
-            }
-        )
-    failure: dict[str, Any] | None = None
-    if failure_in:
-        at = steps_in[bad] if 0 <= bad < len(steps_in) else None
-        rule_name, label, words = _failed_rule(failure_in, at)
-        message = str(failure_in.get("message", ""))
-        corrupt = [int(b) for b in _CORRUPT_BLOCK.findall(message)] if rule_name == "hit_content_intact" else []
-        failure = {
-            "step": bad,
-            "kind": failure_in.get("kind"),
-            "op": failure_in.get("op"),
-            "message": message,
-            "rule_name": rule_name,
-            "rule_label": label,
-            "rule": words,
-            "corrupt_blocks": corrupt,
-        }
+    steps = [_view_step(i, s, states, names, bs, has_impl, bad) for i, s in enumerate(steps_in)]
+    failure = _view_failure(failure_in, steps_in, bad) if failure_in else None
     colours = {}
     for i, n in enumerate(names.all_names()):
         fill, edge = _colour(i)
         colours[n] = {"fill": fill, "edge": edge}
-    verdict = doc.get("verdict") or ("diverges" if failure else None)
-    if doc["kind"] == "walkthrough":
-        title = f"Seed 000's walkthrough: {doc['config']['num_gpu_blocks'] - 1} blocks of {bs} tokens"
-        sides = [{"key": "spec", "label": f"the {doc.get('impl') or 'reference'} model"}]
-    else:
-        title = f"kvspec trace of {doc['impl']}" if doc.get("impl") else "kvspec trace"
-        sides = [{"key": "spec", "label": "spec"}]
-        if has_impl:
-            sides.append({"key": "impl", "label": f"implementation{': ' + doc['impl'] if doc.get('impl') else ''}"})
-    start = bad if failure is not None and 0 <= bad < len(steps) else 0
+    title, sides = _title_and_sides(doc, has_impl, bs)
     return {
         "kvspec_page": PAGE_FORMAT,
         "kind": doc["kind"],
         "title": title,
         "config_line": _config_line(doc),
         "level": doc["config"]["level"],
-        "verdict": verdict,
+        "verdict": doc.get("verdict") or (Verdict.DIVERGES.value if failure else None),
         "sides": sides,
         "hash_colours": colours,
         "failure": failure,
-        "start_step": start,
+        "start_step": bad if failure is not None and 0 <= bad < len(steps) else 0,
         "requests": [
             [name, "|".join(" ".join(str(t) for t in tokens[i : i + bs]) for i in range(0, len(tokens), bs))]
             for name, tokens in (doc.get("requests") or {}).items()
         ],
         "steps": steps,
     }
+
+
+def _view_step(
+    i: int,
+    s: Mapping[str, Any],
+    states: Sequence[tuple[Any, Any]],
+    names: _HashNames,
+    bs: int,
+    has_impl: bool,
+    bad: int,
+) -> dict[str, Any]:
+    """One step of the page: both states, what changed, what differs, the call and results in words."""
+    base = s["base"] if s["base"] is not None else (i - 1 if i > 0 else None)
+    spec_state, impl_state = states[i]
+    before = states[base] if base is not None else (None, None)
+    op = s["op"]
+    both = has_impl and spec_state is not None and impl_state is not None
+    differences = _differences(spec_state if both else None, impl_state)
+    impl_outcome = s["impl_outcome"]
+    if op is not None and impl_outcome is not None and not _same_outcome(op, s["spec_outcome"], impl_outcome):
+        differences["fields"].insert(0, "result")
+    if op is None:
+        call, words = None, None
+        caption = s["caption"] or (
+            "initial state: every block but the null block is free, in id order" if i == 0 else f"step {i}"
+        )
+    else:
+        call = _call(op, s["args"], names, bs)
+        words = _op_words(op, s["args"], names)
+        caption = s["caption"] or call
+    return {
+        "index": i,
+        "op": op,
+        "caption": caption,
+        "call": call,
+        "words": words,
+        "base": base,
+        "spec": spec_state,
+        "impl": impl_state,
+        "spec_result": None if op is None else _result_words(op, s["spec_outcome"]),
+        "impl_result": None if op is None or impl_outcome is None else _result_words(op, impl_outcome),
+        "spec_recomputed": bool(s.get("spec_recomputed")),
+        "changed": {"spec": _changed(before[0], spec_state), "impl": _changed(before[1], impl_state)},
+        "differences": differences,
+        "evicted": {
+            side: sorted(
+                {e[0] for e in (before[k] or {}).get("hash_table", [])}
+                - {e[0] for e in (states[i][k] or {}).get("hash_table", [])},
+                key=_natural,
+            )
+            for k, side in ((0, "spec"), (1, "impl"))
+        },
+        "computed_tokens": dict(s.get("computed_tokens") or {}),
+        "is_failure": i == bad,
+    }
+
+
+def _view_failure(failure_in: Mapping[str, Any], steps_in: Sequence[Mapping[str, Any]], bad: int) -> dict[str, Any]:
+    """The failure as the page states it: the rule in words, and the blocks whose memory is wrong."""
+    at = steps_in[bad] if 0 <= bad < len(steps_in) else None
+    rule_name, label, words = _failed_rule(failure_in, at)
+    message = str(failure_in.get("message", ""))
+    corrupt = [int(b) for b in _CORRUPT_BLOCK.findall(message)] if rule_name == "hit_content_intact" else []
+    return {
+        "step": bad,
+        "kind": failure_in.get("kind"),
+        "op": failure_in.get("op"),
+        "message": message,
+        "rule_name": rule_name,
+        "rule_label": label,
+        "rule": words,
+        "corrupt_blocks": corrupt,
+    }
+
+
+def _title_and_sides(doc: Mapping[str, Any], has_impl: bool, bs: int) -> tuple[str, list[dict[str, str]]]:
+    if doc["kind"] == "walkthrough":
+        title = f"Seed 000's walkthrough: {doc['config']['num_gpu_blocks'] - 1} blocks of {bs} tokens"
+        return title, [{"key": "spec", "label": f"the {doc.get('impl') or 'reference'} model"}]
+    title = f"kvspec trace of {doc['impl']}" if doc.get("impl") else "kvspec trace"
+    sides = [{"key": "spec", "label": "spec"}]
+    if has_impl:
+        sides.append({"key": "impl", "label": f"implementation{': ' + doc['impl'] if doc.get('impl') else ''}"})
+    return title, sides

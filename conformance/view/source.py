@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.hash_names import HashNames
 from kvspec.conformance.lockstep import run_spec, spec_initial_state
 from kvspec.conformance.trace import Trace, encode_value, snapshot_to_json
 from kvspec.conformance.walkthrough import WalkthroughStep, load_golden
@@ -49,6 +50,8 @@ def trace_to_page_data(trace: Trace) -> dict[str, Any]:
         step 0 being the state before the first operation.
     """
     c = trace.config
+    # The story's names (HashNames, as the lock-step core gives them), so page and story agree.
+    spec_names, impl_names = HashNames.from_trace(trace.steps).given()
     needs_spec = any(s.spec is None or s.spec_snapshot is None for s in trace.steps)
     replayed = run_spec(c, [(s.op, s.args) for s in trace.steps]) if needs_spec else []
     failure = trace.failure.to_json() if trace.failure is not None else None
@@ -94,7 +97,8 @@ def trace_to_page_data(trace: Trace) -> dict[str, Any]:
         "impl": trace.impl,
         "verdict": None if trace.verdict is None else trace.verdict.value,
         "failure": failure,
-        "hash_names": {},
+        "hash_names": spec_names,
+        "impl_hash_names": impl_names,
         "steps": steps,
     }
 

@@ -104,7 +104,8 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 141GiB, 80GB or 512MiB")
     number, unit = float(match.group(1)), match.group(2).lower()
     if unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"unknown unit {match.group(2)!r} in {text!r}; use B, KiB, MiB, GiB, KB, MB or GB")
+        units = "B, KiB, MiB, GiB, KB, MB or GB"
+        raise argparse.ArgumentTypeError(f"unknown unit {match.group(2)!r} in {text!r}; use {units}")
     scale = _UNITS[unit]
     if scale is None:
         if number == 0:
