@@ -3,8 +3,9 @@
 Each subcommand lives in its own module under `kvspec.conformance.commands`
 and exposes `register(subparsers)`; this module only discovers them, so a new
 command never edits a shared file. Exit codes are the harness's: 0 conforms /
-proved, 1 diverges / refuted, 2 could not run (bad arguments, an adapter that
-cannot be built, a malformed trace).
+proved, 1 the implementation is wrong (diverged, crashed, hung) / refuted, 2 no
+verdict (bad arguments, an adapter that cannot be built, a malformed trace, an
+inconclusive run).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import kvspec
 import kvspec.conformance.commands as commands
@@ -25,14 +27,30 @@ EXIT_DIVERGES = 1
 EXIT_COULD_NOT_RUN = 2
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose refusal is one line on stderr (`kvspec check: --steps: must be at least 1; got 0`).
+
+    argparse's own prints the whole usage first; a user's mistake should read
+    as one sentence, with `--help` for the rest.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_COULD_NOT_RUN, f"{self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(message: str) -> str:
+    # "argument --steps: must be at least 1" reads better as "--steps: must be at least 1".
+    return " ".join(message.removeprefix("argument ").split())
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every discovered subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="kvspec",
         description="A formally checked model of vLLM's prefix-caching block manager, and a conformance harness.",
     )
     parser.add_argument("--version", action="version", version=f"kvspec {kvspec.__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):  # shared helpers of the commands, not commands
             continue

@@ -13,16 +13,15 @@ a unittest class. The work itself runs in parts, each in its module:
 - kvspec.conformance.minimize: cutting down what a dead or hung child left;
 - this module: checking arguments, and turning a campaign's report into a result.
 
-Exit codes (the CLI's): 0 conforms, 1 diverges, 2 could not complete: the
-implementation crashed or hung (with its trace), or could not be built or
-loaded, or the arguments were wrong.
+Exit codes (the CLI's, `Verdict.exit_code`): 0 conforms; 1 the implementation
+is wrong (diverged, crashed or hung, with its trace); 2 no verdict (it could
+not be built or loaded, the arguments were wrong, or the run was inconclusive).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import tempfile
 import time
 import unittest
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from kvspec.spec.ordering import PROFILES
 __all__ = [
     "BUILTIN_IMPLS",
     "DEFAULT_IMPLS",
+    "DEFAULT_TRACE_DIR",
     "CheckResult",
     "Failure",
     "FactoryError",
@@ -55,6 +55,11 @@ __all__ = [
     "replay",
     "run_check",
 ]
+
+
+# Where failure traces go unless the caller says: a folder in the current one, created only
+# when a trace is written (never the temporary directory, where no one looks for them).
+DEFAULT_TRACE_DIR = Path("kvspec-traces")
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ class _Where:
 
 def _save(text: str, trace_dir: str | Path | None, stem: str) -> str:
     digest = hashlib.sha256(text.encode()).hexdigest()[:6]
-    directory = Path(trace_dir) if trace_dir is not None else Path(tempfile.mkdtemp(prefix="kvspec-traces-"))
+    directory = Path(trace_dir) if trace_dir is not None else DEFAULT_TRACE_DIR
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{stem}-{digest}.trace.jsonl"
     path.write_text(text, encoding="utf-8")
@@ -231,7 +236,7 @@ def run_check(
             that has imported other modules of its own (a test suite) may draw a different campaign.
         time_budget_s: stop starting new examples after this long (a failure is still shrunk).
         step_timeout_s: the most one implementation call may take; None: no limit.
-        trace_dir: where failure traces go (default: a new temporary directory).
+        trace_dir: where failure traces go (default ./kvspec-traces, created when a trace is written).
         impl: the implementation's name, for reports and trace headers.
         steps_per_example: Hypothesis's stateful_step_count.
         keep_deepest: also save the example that reached the most events (it replays to conforms).
@@ -331,7 +336,9 @@ def make_conformance_test(
 
     One test per level and caching mode (`test_pool_caching_on`, ...). Each runs
     `run_check` in a child process; a failure fails the test with the short
-    story, and the trace is saved (in `trace_dir`, or a temporary directory).
+    story, and the trace is saved (in `trace_dir`, default ./kvspec-traces).
+    A level the adapter does not provide is a skipped test; a run that checked
+    too little to conclude fails with the reason.
 
     Args:
         factory: builds an adapter from an `AdapterConfig`.

@@ -15,16 +15,23 @@ import os
 import re
 from pathlib import Path
 
+from kvspec.conformance import runner
+
 __all__ = [
+    "DEFAULT_TRACE_DIR",
     "fraction",
+    "json_output",
     "memory_size",
     "non_negative_float",
     "non_negative_int",
     "output_dir",
     "output_file",
     "positive_float",
+    "port",
     "positive_int",
 ]
+
+DEFAULT_TRACE_DIR = str(runner.DEFAULT_TRACE_DIR)
 
 
 def _number(text: str, kind: type[int] | type[float]) -> int | float:
@@ -151,3 +158,16 @@ def output_dir(text: str) -> Path:
     if not _writable_dir(parent):
         raise argparse.ArgumentTypeError(f"cannot create {text}: no permission to write in {parent}")
     return path
+
+
+def json_output(text: str) -> str | Path:
+    """Where a command writes its JSON: `-` for stdout, else a file path checked as `output_file`."""
+    return text if text == "-" else output_file(text)
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 for any free one."""
+    value = int(_number(text, int))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535; got {value}")
+    return value

@@ -33,6 +33,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.commands._arguments import (
+    DEFAULT_TRACE_DIR,
+    json_output,
+    non_negative_int,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+)
 from kvspec.conformance.lockstep import NOT_EXERCISED_WHY
 from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, FactoryError, load_factory
 from kvspec.conformance.results import CheckResult, Verdict
@@ -54,7 +63,7 @@ def register(subparsers: Any) -> None:
     """Add the `check` subcommand."""
     p = subparsers.add_parser(
         "check",
-        help="check implementations against the spec (exit 0 conforms, 1 diverges, 2 could not run)",
+        help="check implementations against the spec (exit 0 conforms, 1 wrong, 2 no verdict)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -88,45 +97,59 @@ def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
     """How much to run, how long to wait, and where the outputs go."""
     p.add_argument(
         "--max-examples",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help=f"examples per configuration (default {DEFAULT_MAX_EXAMPLES}; unbounded with --time-budget)",
     )
-    p.add_argument("--steps", type=int, default=50, metavar="N", help="rules per example (default 50)")
+    p.add_argument("--steps", type=positive_int, default=50, metavar="N", help="rules per example (default 50)")
     p.add_argument(
         "--cover-rounds",
-        type=int,
+        type=non_negative_int,
         default=DEFAULT_COVER_ROUNDS,
         metavar="N",
         help="while a branch is unreached after the examples, up to N more rounds of as many examples on the "
         f"next seeds (default {DEFAULT_COVER_ROUNDS}; 0: none)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0); same seed, same campaign")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0); same seed, same campaign")
     p.add_argument(
         "--time-budget",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="wall-clock budget for the whole run, shared among configurations",
     )
     p.add_argument(
         "--step-timeout",
-        type=float,
+        type=positive_float,
         default=10.0,
         metavar="SECONDS",
         help="the most one implementation call may take (default 10)",
     )
-    p.add_argument("--junit", metavar="PATH", help="also write a JUnit XML report")
-    p.add_argument("--trace-dir", default=".", metavar="DIR", help="where failure traces are written (default .)")
-    p.add_argument("--html-dir", metavar="DIR", help="also write a step-through page of each failure trace here")
+    p.add_argument("--junit", type=output_file, metavar="PATH", help="also write a JUnit XML report")
+    p.add_argument(
+        "--json", type=json_output, metavar="PATH", help="also write the whole summary as JSON (- for stdout)"
+    )
+    p.add_argument(
+        "--trace-dir",
+        type=output_dir,
+        default=DEFAULT_TRACE_DIR,
+        metavar="DIR",
+        help=f"where failure traces are written (default ./{DEFAULT_TRACE_DIR}, created when one is written)",
+    )
+    p.add_argument(
+        "--html-dir", type=output_dir, metavar="DIR", help="also write a step-through page of each failure trace here"
+    )
     p.add_argument(
         "--keep-deepest",
         action="store_true",
         help="also save each configuration's deepest example (it replays to conforms)",
     )
     p.add_argument(
-        "--database", metavar="DIR", help="a Hypothesis example database directory, shared by campaigns and machines"
+        "--database",
+        type=output_dir,
+        metavar="DIR",
+        help="a Hypothesis example database directory, shared by campaigns and machines",
     )
 
 

@@ -17,6 +17,8 @@ import json
 import textwrap
 from typing import TYPE_CHECKING, Any
 
+from kvspec.conformance.commands._arguments import positive_float
+
 if TYPE_CHECKING:
     from kvspec.conformance.contracts import ContractsReport
 
@@ -32,13 +34,17 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--per-condition-timeout",
-        type=float,
+        type=positive_float,
         default=3.0,
         metavar="S",
         help="CrossHair's budget per postcondition, in CPU seconds (default 3)",
     )
     p.add_argument(
-        "--per-path-timeout", type=float, default=1.0, metavar="S", help="CrossHair's budget per path (default 1)"
+        "--per-path-timeout",
+        type=positive_float,
+        default=1.0,
+        metavar="S",
+        help="CrossHair's budget per path (default 1)",
     )
     p.add_argument(
         "--function",

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from kvspec.conformance.builtin import make_reference, make_spec
+from kvspec.conformance.commands._arguments import output_file
 from kvspec.conformance.walkthrough import load_golden, render_step, run_walkthrough
 
 
@@ -13,7 +14,9 @@ def register(subparsers: Any) -> None:
     """Add the `demo` subcommand."""
     p = subparsers.add_parser("demo", help="play seed 000's six-block walkthrough step by step")
     p.add_argument("--impl", choices=("reference", "spec"), default="reference", help="which model plays it")
-    p.add_argument("--html", metavar="PATH", help="also write the walkthrough as a step-through browser page")
+    p.add_argument(
+        "--html", type=output_file, metavar="PATH", help="also write the walkthrough as a step-through browser page"
+    )
     p.set_defaults(run=run)
 
 

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from kvspec.conformance.cli import EXIT_COULD_NOT_RUN, EXIT_OK
+from kvspec.conformance.commands._arguments import fraction, memory_size, positive_int
 from kvspec.gpu_impl.sizing import DEFAULT_MARGIN, DTYPE_SIZES, KVLayout, parse_size, plan_capacity
 from kvspec.spec.errors import BlockManagerError
 
@@ -27,17 +28,23 @@ def register(subparsers: Any) -> None:
         help="how many KV blocks fit in GPU memory: (mem - weights - overhead) x (1 - margin) / block bytes",
         description=(__doc__ or "").splitlines()[0],
     )
-    p.add_argument("--gpu-mem", help="memory budget, e.g. 141GiB or 80GB (default: free memory of the CUDA device)")
-    p.add_argument("--layers", type=int, required=True, help="attention layers with a KV cache")
-    p.add_argument("--kv-heads", type=int, required=True, help="KV heads per layer")
-    p.add_argument("--head-dim", type=int, required=True, help="elements per head")
+    p.add_argument(
+        "--gpu-mem",
+        type=memory_size,
+        help="memory budget, e.g. 141GiB or 80GB (default: free memory of the CUDA device)",
+    )
+    p.add_argument("--layers", type=positive_int, required=True, help="attention layers with a KV cache")
+    p.add_argument("--kv-heads", type=positive_int, required=True, help="KV heads per layer")
+    p.add_argument("--head-dim", type=positive_int, required=True, help="elements per head")
     p.add_argument(
         "--dtype", default="bf16", help=f"KV cache dtype (default bf16; one of {', '.join(sorted(DTYPE_SIZES))})"
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    p.add_argument("--weights", default="0", help="memory taken by the model weights (default 0)")
-    p.add_argument("--overhead", default="0", help="runtime overhead: activations, CUDA graphs (default 0)")
-    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN, help="fraction kept free (default 0.2)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--weights", type=memory_size, default=0, help="memory taken by the model weights (default 0)")
+    p.add_argument(
+        "--overhead", type=memory_size, default=0, help="runtime overhead: activations, CUDA graphs (default 0)"
+    )
+    p.add_argument("--margin", type=fraction, default=DEFAULT_MARGIN, help="fraction kept free (default 0.2)")
     p.add_argument("--device", default=None, help="the CUDA device whose free memory is read (no --gpu-mem)")
     p.set_defaults(run=run)
 

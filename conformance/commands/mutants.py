@@ -13,13 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.cli import EXIT_COULD_NOT_RUN, EXIT_DIVERGES, EXIT_OK
+from kvspec.conformance.commands._arguments import (
+    DEFAULT_TRACE_DIR,
+    non_negative_int,
+    output_dir,
+    positive_float,
+    positive_int,
+)
 from kvspec.conformance.mutants import (
     KILL_TIME_TARGET_S,
     MEDIAN_TRACE_TARGET,
@@ -40,17 +46,22 @@ def register(subparsers: Any) -> None:
         help="run the harness against every deliberately wrong implementation; exit 0 iff all are killed",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
-    p.add_argument("--max-examples", type=int, default=200, help="example budget per mutant (default 200)")
-    p.add_argument("--seed", type=int, default=0, help="harness seed (default 0)")
+    p.add_argument("--max-examples", type=positive_int, default=200, help="example budget per mutant (default 200)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="harness seed (default 0)")
     p.add_argument(
         "--time-budget",
-        type=float,
+        type=positive_float,
         default=KILL_TIME_TARGET_S,
         help=f"wall-clock seconds per mutant (default {KILL_TIME_TARGET_S:g})",
     )
     p.add_argument("--only", action="append", metavar="NAME", default=None, help="run only this mutant (repeatable)")
     p.add_argument("--list", action="store_true", help="list the mutants and exit")
-    p.add_argument("--trace-dir", type=Path, default=None, help="write each mutant's failing trace under this folder")
+    p.add_argument(
+        "--trace-dir",
+        type=output_dir,
+        default=Path(DEFAULT_TRACE_DIR) / "mutants",
+        help=f"where each mutant's failing trace is written (default ./{DEFAULT_TRACE_DIR}/mutants)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)
 
@@ -105,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if controls is None:
         return EXIT_COULD_NOT_RUN
     # One folder for the run's traces, so that every story printed can be replayed.
-    trace_dir: Path = args.trace_dir if args.trace_dir is not None else Path(tempfile.mkdtemp(prefix="kvspec-mutants-"))
+    trace_dir: Path = args.trace_dir
     levels = {m.name: m.level for m in mutants}
     if not args.json:
         print(f"\n{'mutant':34} {'level':7} {'verdict':8} {'seconds':>8} {'steps':>5}  what the harness saw")

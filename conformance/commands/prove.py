@@ -16,6 +16,7 @@ import json
 import textwrap
 from typing import TYPE_CHECKING, Any
 
+from kvspec.conformance.commands._arguments import positive_float
 from kvspec.spec.ordering import PROFILES
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def register(subparsers: Any) -> None:
         help="check only this lemma (a name like lemma_hit_cap_within_prompt, or its number; repeatable)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--timeout", type=float, default=20.0, metavar="S", help="seconds per z3 call (default 20)")
+    p.add_argument("--timeout", type=positive_float, default=20.0, metavar="S", help="seconds per z3 call (default 20)")
     p.set_defaults(run=run)
 
 

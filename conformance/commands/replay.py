@@ -14,6 +14,7 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
+from kvspec.conformance.commands._arguments import DEFAULT_TRACE_DIR, json_output, output_dir, positive_float
 from kvspec.conformance.registry import BUILTIN_IMPLS
 from kvspec.conformance.report import render_story
 from kvspec.conformance.results import Verdict
@@ -41,13 +42,22 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--step-timeout",
-        type=float,
+        type=positive_float,
         default=10.0,
         metavar="SECONDS",
         help="the most one implementation call may take (default 10)",
     )
-    p.add_argument("--trace-dir", default=None, metavar="DIR", help="where the replay's own trace is written")
-    p.add_argument("--html-dir", metavar="DIR", help="also write a step-through page of the replay's failure here")
+    p.add_argument(
+        "--trace-dir",
+        type=output_dir,
+        default=DEFAULT_TRACE_DIR,
+        metavar="DIR",
+        help=f"where the replay's own failure trace is written (default ./{DEFAULT_TRACE_DIR})",
+    )
+    p.add_argument("--json", type=json_output, metavar="PATH", help="also write the result as JSON (- for stdout)")
+    p.add_argument(
+        "--html-dir", type=output_dir, metavar="DIR", help="also write a step-through page of the replay's failure here"
+    )
     p.add_argument(
         "--device",
         default=None,

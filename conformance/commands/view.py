@@ -15,6 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.commands._arguments import output_file, port
 from kvspec.conformance.trace import MalformedTrace, read_trace
 from kvspec.conformance.view import page_path_for, render_page, serve_page, trace_to_page_data, write_page
 
@@ -30,12 +31,12 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("trace", metavar="TRACE", help="a .trace.jsonl file (kvspec check, kvspec replay)")
-    p.add_argument("-o", "--output", metavar="PATH", help="where the page is written (default: beside the trace)")
-    p.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 until Ctrl-C instead")
-    p.add_argument("--port", type=int, default=0, metavar="N", help="the port for --serve (default: a free one)")
     p.add_argument(
-        "--no-open", dest="open_browser", action="store_false", help="with --serve, do not open a browser"
+        "-o", "--output", type=output_file, metavar="PATH", help="where the page is written (default: beside the trace)"
     )
+    p.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 until Ctrl-C instead")
+    p.add_argument("--port", type=port, default=0, metavar="N", help="the port for --serve (default: a free one)")
+    p.add_argument("--no-open", dest="open_browser", action="store_false", help="with --serve, do not open a browser")
     p.set_defaults(run=run)
 
 

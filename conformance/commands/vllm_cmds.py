@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from kvspec.conformance.commands._arguments import output_dir, positive_float, positive_int
+
 EXIT_OK, EXIT_DIVERGES, EXIT_COULD_NOT_RUN = 0, 1, 2
 
 
@@ -23,9 +25,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--all", action="store_true", help="every release from 0.8.0 to the newest")
     p.add_argument("--level", choices=("pool", "manager", "both"), default="pool")
     p.add_argument("--caching", choices=("on", "off", "both"), default="both")
-    p.add_argument("--max-examples", type=int, default=100, help="harness examples per profile and caching setting")
-    p.add_argument("--time-budget", type=float, default=120.0, help="harness seconds per release and level")
-    p.add_argument("--trace-dir", default="kvspec-oracle-traces", help="where divergence traces are written")
+    p.add_argument(
+        "--max-examples", type=positive_int, default=100, help="harness examples per profile and caching setting"
+    )
+    p.add_argument("--time-budget", type=positive_float, default=120.0, help="harness seconds per release and level")
+    p.add_argument(
+        "--trace-dir", type=output_dir, default="kvspec-oracle-traces", help="where divergence traces are written"
+    )
     p.add_argument("--json", action="store_true", help="print the matrix as JSON")
     p.add_argument("--bench", action="store_true", help="instead: benchmark the reference against vLLM's BlockPool")
     p.add_argument("--bench-version", default=None, help="the release to benchmark (default: the newest)")
