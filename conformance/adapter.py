@@ -25,6 +25,11 @@ the default):
   checks that the implementation does not have, each with why (e.g.
   "cache_salt": its requests carry no salt). The machine does not exercise
   it (for "cache_salt": it sends no salted request) and the summary lists it.
+- `levels: tuple[str, ...]` (on the factory or the adapter; default: what
+  the built adapter has): the levels the implementation provides. A level it
+  does not provide is reported "n/a", never "could not run"; a factory may
+  also raise `LevelNotProvided` for it. A factory that builds a pool adapter
+  whatever level it is asked for is taken to provide the pool level only.
 - `uses_kvspec_hash_chain: bool` (default False): the adapter hashes blocks
   with kvspec's own chain (kvspec.spec.hashing) for the config's hash_fn and
   seed, so the machine compares block hash values exactly. Otherwise hash
@@ -54,6 +59,7 @@ __all__ = [
     "KVCacheManagerAdapter",
     "KVContentAdapter",
     "KVSource",
+    "LevelNotProvided",
     "capabilities",
 ]
 
@@ -62,6 +68,10 @@ Level = Literal["pool", "manager"]
 # Pool operations an adapter may lack (the operations table marks them); the
 # machine skips a rule whose op is missing.
 OPTIONAL_POOL_OPS: tuple[str, ...] = optional_operations("pool")
+
+
+class LevelNotProvided(ValueError):
+    """Raised by a factory asked for a level its implementation does not have (the harness reports it n/a)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +180,7 @@ class KVContentAdapter(Protocol):
 class AdapterFactory(Protocol):
     """Builds an adapter for a configuration.
 
-    A factory that cannot build a level raises `ValueError` naming what it supports.
+    A factory that cannot build a level raises `LevelNotProvided` naming what it supports.
     """
 
     def __call__(self, config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:

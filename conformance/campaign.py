@@ -22,7 +22,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.adapter import AdapterConfig, LevelNotProvided
 from kvspec.conformance.coverage import expected_branches, reachable_branches
 from kvspec.conformance.lockstep import ConformanceFailure, Factory, LockStep, Observer, SpecFailure, StepTimeout
 from kvspec.conformance.machine import conformance_machine
@@ -53,16 +53,34 @@ class CampaignPlan:
     cover_rounds: int = 0
 
 
-def _probe(factory: Factory, config: AdapterConfig) -> str | None:
-    """Why no campaign can run on this factory at this level, or None."""
+def _probe(factory: Factory, config: AdapterConfig) -> tuple[Verdict, str] | None:
+    """Why no campaign runs on this factory at this level (n/a: a level it does not provide), or None."""
+    level, declared = config.level, getattr(factory, "levels", None)
+    if declared is not None and level not in declared:
+        return Verdict.NOT_APPLICABLE, f"the factory declares levels={tuple(declared)}"
     try:
         adapter = factory(config)
+    except LevelNotProvided as e:
+        return Verdict.NOT_APPLICABLE, str(e)
     except Exception as e:
-        return f"building the adapter failed for {config}: {type(e).__name__}: {e}"
-    missing = [m for m in required_methods(config.level) if not callable(getattr(adapter, m, None))]
-    if missing:
-        return f"the {config.level}-level adapter {type(adapter).__name__} lacks {', '.join(m + '()' for m in missing)}"
-    return None
+        return Verdict.COULD_NOT_RUN, f"building the adapter failed for {config}: {type(e).__name__}: {e}"
+    declared = getattr(adapter, "levels", None)
+    if declared is not None and level not in declared:
+        return Verdict.NOT_APPLICABLE, f"{type(adapter).__name__} declares levels={tuple(declared)}"
+    missing = [m for m in required_methods(level) if not callable(getattr(adapter, m, None))]
+    if not missing:
+        return None
+    other = "pool" if level == "manager" else "manager"
+    if set(missing) >= set(required_methods(level)) - {"snapshot"} and all(
+        callable(getattr(adapter, m, None)) for m in required_methods(other)
+    ):
+        return Verdict.NOT_APPLICABLE, (
+            f"the factory builds a {other}-level adapter ({type(adapter).__name__}) when asked for the {level} "
+            f"level: it provides the {other} level only"
+        )
+    return Verdict.COULD_NOT_RUN, f"the {level}-level adapter {type(adapter).__name__} lacks " + ", ".join(
+        m + "()" for m in missing
+    )
 
 
 def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, heartbeat: Any) -> CampaignReport:
@@ -79,7 +97,7 @@ def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, he
         finally:
             watch.impl_finished()
         if why is not None:
-            return CampaignReport(Verdict.COULD_NOT_RUN, why, seconds=time.monotonic() - start)
+            return CampaignReport(why[0], why[1], seconds=time.monotonic() - start)
         found, message, extra_rounds = _chunks(factory, plan, observer, watch, start)
     finally:
         undo()

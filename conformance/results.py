@@ -43,6 +43,7 @@ class Verdict(str, Enum):
     HUNG = "hung"  # an implementation call did not return within the step time limit
     COULD_NOT_RUN = "could-not-run"  # no verdict: the implementation could not be built, or bad arguments
     INCONCLUSIVE = "inconclusive"  # it ran, but too little to say anything (no step, too few examples)
+    NOT_APPLICABLE = "n/a"  # the implementation does not provide this level (declared, or plainly built so)
 
     def __str__(self) -> str:
         return self.value
@@ -65,6 +66,7 @@ _EXIT_CODES = {
     Verdict.HUNG: 1,
     Verdict.COULD_NOT_RUN: 2,
     Verdict.INCONCLUSIVE: 2,
+    Verdict.NOT_APPLICABLE: 0,  # nothing wrong; a run where everything is n/a checked nothing, and exits 2
 }
 
 # The fewest examples a campaign must run before it may say "conforms" (fewer when fewer
@@ -247,10 +249,12 @@ class CheckResult:
     not_exercised: tuple[str, ...] = ()  # caller mistakes ("<op>: <mistake>") the adapter declares it does not reject
     device: str | None = None  # AdapterConfig.device the adapters were built with
     extra_rounds: int = 0  # rounds run after max_examples because a branch was unreached (see cover_rounds)
+    spec_branches: tuple[str, ...] = ()  # every branch the spec has at this configuration, provided or not
+    absent_ops: tuple[str, ...] = ()  # optional operations the implementation does not provide (or excuses)
 
     @property
     def exit_code(self) -> int:
-        """0 conforms, 1 diverges, 2 crashed / hung / could not run."""
+        """0 conforms (or n/a), 1 the implementation is wrong, 2 no verdict (`Verdict.exit_code`)."""
         return self.verdict.exit_code
 
     @property

@@ -133,6 +133,8 @@ def _check_result(report: CampaignReport, where: _Where, failure: Failure | None
         not_exercised=report.not_exercised,
         device=where.device,
         extra_rounds=report.extra_rounds,
+        spec_branches=branches,
+        absent_ops=report.absent_ops,
     )
 
 
@@ -371,6 +373,8 @@ def make_conformance_test(
                 step_timeout_s=step_timeout_s,
                 trace_dir=trace_dir,
             )
+            if result.verdict is Verdict.NOT_APPLICABLE:
+                self.skipTest(f"{lv} level not provided: {result.message}")
             if result.verdict is not Verdict.CONFORMS:
                 self.fail(result.failure.story if result.failure is not None else f"{result.verdict}: {result.message}")
 

@@ -106,6 +106,8 @@ def memory_size(text: str) -> int:
     >>> memory_size("2KiB"), memory_size("1.5GB"), memory_size("0")
     (2048, 1500000000, 0)
     """
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; a memory size is at least 0")
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
     if match is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 141GiB, 80GB or 512MiB")
@@ -124,7 +126,18 @@ def memory_size(text: str) -> int:
 
 
 def _writable_dir(path: Path) -> bool:
-    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+    """Whether a file can be created in `path`, found by creating one (permission bits say nothing to root,
+    or on a read-only or virtual file system such as /proc)."""
+    if not path.is_dir():
+        return False
+    probe = path / f".kvspec-write-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink()
+    return True
 
 
 def output_file(text: str) -> Path:
@@ -135,8 +148,14 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
     if not parent.exists():
         raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {parent} does not exist")
-    if not _writable_dir(parent) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text}: no permission to write there")
+    if path.exists():
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror}") from None
+    elif not _writable_dir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: files cannot be created in {parent}")
     return path
 
 
@@ -150,13 +169,13 @@ def output_dir(text: str) -> Path:
         if not path.is_dir():
             raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
         if not _writable_dir(path):
-            raise argparse.ArgumentTypeError(f"cannot write into {text}: no permission")
+            raise argparse.ArgumentTypeError(f"cannot write into {text}: files cannot be created there")
         return path
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.exists():
         raise argparse.ArgumentTypeError(f"cannot create {text}: the folder {parent} does not exist")
     if not _writable_dir(parent):
-        raise argparse.ArgumentTypeError(f"cannot create {text}: no permission to write in {parent}")
+        raise argparse.ArgumentTypeError(f"cannot create {text}: files cannot be created in {parent}")
     return path
 
 

@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import time
-import xml.etree.ElementTree as ET
-from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.commands._arguments import (
@@ -42,7 +40,15 @@ from kvspec.conformance.commands._arguments import (
     positive_float,
     positive_int,
 )
-from kvspec.conformance.lockstep import NOT_EXERCISED_WHY
+from kvspec.conformance.commands._check_output import (
+    exit_code,
+    header,
+    render_summary,
+    row,
+    summary_json,
+    write_json,
+    write_junit,
+)
 from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, FactoryError, load_factory
 from kvspec.conformance.results import CheckResult, Verdict
 from kvspec.conformance.runner import run_check
@@ -165,27 +171,32 @@ def _default_impls() -> tuple[list[str], list[str]]:
     return chosen, skipped
 
 
-def _argument_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the arguments, in one line, or None."""
-    if args.profile != AUTO and args.profile not in PROFILES:
-        known = ", ".join(sorted(PROFILES))
-        return f"unknown profile {args.profile!r}; known profiles: {known}, or {AUTO}"
-    for name in ("max_examples", "steps"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            return f"--{name.replace('_', '-')} must be at least 1; got {value}"
-    if args.cover_rounds < 0:
-        return f"--cover-rounds must be at least 0; got {args.cover_rounds}"
-    return None
+def _named_impls(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The implementations that load, and one line for each that does not (said once, not per configuration)."""
+    chosen, problems = [], []
+    for name in names:
+        try:
+            load_factory(name)
+        except FactoryError as e:
+            problems.append(str(e))
+            continue
+        chosen.append(name)
+    return chosen, problems
 
 
 def run(args: argparse.Namespace) -> int:
     """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
-    problem = _argument_problem(args)
-    if problem is not None:
-        print(f"kvspec check: {problem}")
+    if args.profile != AUTO and args.profile not in PROFILES:
+        known = ", ".join(sorted(PROFILES))
+        print(f"kvspec check: unknown profile {args.profile!r}; known profiles: {known}, or {AUTO}", file=sys.stderr)
         return 2
-    impls, notes = (args.impl, []) if args.impl else _default_impls()
+    impls, notes = _default_impls() if not args.impl else (args.impl, [])
+    if args.impl:
+        impls, problems = _named_impls(args.impl)
+        for problem in problems:
+            print(f"kvspec check: {problem}", file=sys.stderr)
+        if problems:
+            return 2
     if any(name == "vllm" or name.startswith("vllm@") for name in impls):
         # vLLM logs a warning for every refused reset; the verdicts and the summary say it all.
         logging.disable(logging.WARNING)
@@ -204,14 +215,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {note}")
     if args.profile == AUTO:
         return _run_auto(args, configs, max_examples, database)
-    print(_HEADER)
+    print(header(impls))
     start = time.monotonic()
     results = _run_configs(args, configs, max_examples, database, start)
-    print(render_summary(results, time.monotonic() - start))
+    seconds = time.monotonic() - start
+    print(render_summary(results, seconds))
     if args.junit:
         write_junit(results, args.junit)
         print(f"JUnit report: {args.junit}")
-    return max((r.exit_code for r in results), default=2)
+    if args.json is not None:
+        write_json(summary_json(results, seconds), args.json)
+        if str(args.json) != "-":
+            print(f"JSON report: {args.json}")
+    return exit_code(results)
 
 
 def _run_configs(
@@ -243,7 +259,7 @@ def _run_configs(
         )
         attach_page(result, args.html_dir)  # the story, printed below and in JUnit, names the page
         results.append(result)
-        print(_row(result), flush=True)
+        print(row(result, [i for i, _, _ in configs]), flush=True)
     return results
 
 
@@ -273,9 +289,12 @@ def _run_auto(
             attach_page(r, args.html_dir)
         where = f"{impl} {lv} caching {'on' if caching else 'off'}"
         conforming = [p for p, r in found.items() if r.verdict is Verdict.CONFORMS]
-        ran = [r for r in found.values() if r.verdict is not Verdict.COULD_NOT_RUN]
-        code = 0 if conforming else (1 if ran else 2)
-        codes.append(code)
+        everything += found.values()
+        if all(r.verdict is Verdict.NOT_APPLICABLE for r in found.values()):
+            print(f"\n{where}: n/a ({next(iter(found.values())).message})")
+            continue
+        wrong = [r for r in found.values() if r.exit_code == 1]
+        codes.append(0 if conforming else (1 if wrong else 2))
         print(f"\n{where}: " + (f"conforms to {', '.join(conforming)}" if conforming else "conforms to no profile"))
         for profile, r in found.items():
             if r.verdict is Verdict.CONFORMS:
@@ -289,139 +308,8 @@ def _run_auto(
                 print(f"  {'':<14} trace: {f.trace_path}")
             else:
                 print(f"  {profile:<14} {r.verdict}: {r.message[:300]}")
-        everything += found.values()
-    print(render_summary(everything, time.monotonic() - start))
+    print(render_summary(everything, time.monotonic() - start, per_profile=True))
     worst = max(codes, default=2)
-    print(f"profile auto: exit {worst} (0: some profile conforms everywhere; 1: none in some configuration)")
+    meaning = {0: "some profile conforms in every configuration", 1: "in some configuration no profile conforms"}
+    print(f"result of profile auto: {meaning.get(worst, 'some configuration could not be checked')} (exit {worst})")
     return worst
-
-
-_HEADER = (
-    f"{'implementation':<16}{'level':<9}{'caching':<9}{'verdict':<15}{'examples':>9}{'steps':>8}"
-    f"{'steps/s':>9}{'states':>8}{'invariants':>12}{'branches':>10}"
-)
-
-
-def _row(r: CheckResult) -> str:
-    reached = len(r.branches) - len(r.unreached)
-    return (
-        f"{r.impl[:15]:<16}{r.level:<9}{'on' if r.enable_caching else 'off':<9}{r.verdict.value:<15}{r.examples_run:>9}"
-        f"{r.steps_run:>8}{r.steps_per_second:>9.0f}{r.states_reached:>8}{r.invariants_checked:>12}"
-        f"{f'{reached}/{len(r.branches)}':>10}"
-    )
-
-
-# Workload events worth a number on the summary line: (label, coverage keys summed).
-_HEADLINE = (
-    ("cached blocks evicted", ("get_new_blocks: evicted a cached block", "allocate_slots: evicted a cached block")),
-    ("prefix hits", ("get_cached_block: hit", "get_computed_blocks: hit")),
-    ("hits capped at len-1", ("get_computed_blocks: hit capped at len - 1",)),
-    ("failed allocations", ("get_new_blocks: PoolExhausted", "allocate_slots: too few free blocks")),
-    ("resets accepted", ("reset_prefix_cache: accepted",)),
-    ("resets refused", ("reset_prefix_cache: refused, blocks held",)),
-    ("double frees", ("free_blocks: DoubleFree",)),
-    ("preemptions", ("free: request preempted",)),
-    ("decode steps", ("allocate_slots: decode",)),
-    ("bad inputs rejected", ()),
-)
-
-
-def render_summary(results: Sequence[CheckResult], seconds: float) -> str:
-    """Totals, coverage of the whole run, unreached branches, then every failure's story."""
-    total: Counter[str] = Counter()
-    for r in results:
-        total.update(r.coverage)
-    steps = sum(r.steps_run for r in results)
-    lines = [
-        "",
-        f"total: {len(results)} configurations, {steps} steps in {seconds:.1f} s "
-        f"({steps / seconds if seconds > 0 else 0:.0f} steps/s), "
-        f"{sum(r.states_reached for r in results)} distinct states, "
-        f"{sum(r.invariants_checked for r in results)} invariant checks",
-    ]
-    bad_inputs = sum(n for k, n in total.items() if ": " in k and k.split(": ", 1)[1] in _ERROR_NAMES)
-    parts = []
-    for label, keys in _HEADLINE:
-        n = bad_inputs if not keys else sum(total.get(k, 0) for k in keys)
-        parts.append(f"{label} {n}")
-    lines.append("reached: " + ", ".join(parts))
-    more = [
-        f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'} +{r.extra_rounds}"
-        for r in results
-        if r.extra_rounds
-    ]
-    if more:
-        lines.append(f"more rounds to reach every branch: {', '.join(more)}")
-    for r in results:
-        if r.unreached and r.verdict is Verdict.CONFORMS:
-            where = f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}"
-            lines.append(f"not reached ({where}): {'; '.join(r.unreached)}")
-    not_exercised: dict[str, set[str]] = {}
-    for r in results:
-        if r.not_exercised:
-            where = f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}"
-            not_exercised.setdefault(where, set()).update(r.not_exercised)
-    for where, mistakes in not_exercised.items():
-        lines.append(f"not exercised ({where}): {'; '.join(sorted(mistakes))}")
-    if any(r.not_exercised for r in results):
-        lines.append(f"  (why: {NOT_EXERCISED_WHY})")
-    for r in results:
-        if r.message:
-            lines.append(f"note ({r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}): {r.message}")
-    for r in results:
-        if r.failure is not None:
-            lines += ["", "-" * 100, r.failure.story]
-    verdicts = Counter(r.verdict for r in results)
-    worst = max((r.exit_code for r in results), default=2)
-    lines.append("")
-    lines.append("result: " + ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items())) + f" (exit {worst})")
-    return "\n".join(lines)
-
-
-_ERROR_NAMES = frozenset(
-    {"InvalidRequest", "InvalidBlock", "DoubleFree", "AlreadyCached", "PoolExhausted", "NotWritable"}
-)
-
-
-def write_junit(results: Sequence[CheckResult], path: str | Path) -> None:
-    """A JUnit XML report: one test case per configuration, grouped by implementation."""
-    root = ET.Element("testsuites", name="kvspec check")
-    by_impl: dict[str, list[CheckResult]] = {}
-    for r in results:
-        by_impl.setdefault(r.impl or "impl", []).append(r)
-    totals = Counter[str]()
-    for impl, rs in by_impl.items():
-        suite = ET.SubElement(root, "testsuite", name=f"kvspec.{impl}")
-        counts = Counter[str]()
-        for r in rs:
-            case = ET.SubElement(
-                suite,
-                "testcase",
-                classname=f"kvspec.{impl}",
-                name=f"{r.level}-caching-{'on' if r.enable_caching else 'off'}-{r.profile}",
-                time=f"{r.seconds:.3f}",
-            )
-            counts["tests"] += 1
-            if r.verdict is Verdict.COULD_NOT_RUN:
-                ET.SubElement(case, "error", message=r.message[:500], type=Verdict.COULD_NOT_RUN.value).text = r.message
-                counts["errors"] += 1
-            elif r.verdict is not Verdict.CONFORMS:
-                f = r.failure
-                message = f"{r.verdict} at step {f.step} ({f.op}): {f.message}" if f else r.verdict.value
-                element = ET.SubElement(case, "failure", message=message[:500], type=r.verdict.value)
-                element.text = f.story if f else r.message
-                counts["failures"] += 1
-            out = ET.SubElement(case, "system-out")
-            out.text = (
-                f"examples={r.examples_run} steps={r.steps_run} steps_per_second={r.steps_per_second:.0f} "
-                f"states={r.states_reached} invariants_checked={r.invariants_checked} "
-                f"branches={len(r.branches) - len(r.unreached)}/{len(r.branches)} extra_rounds={r.extra_rounds}"
-            )
-        for key in ("tests", "failures", "errors"):
-            suite.set(key, str(counts[key]))
-        suite.set("time", f"{sum(r.seconds for r in rs):.3f}")
-        totals.update(counts)
-    for key in ("tests", "failures", "errors"):
-        root.set(key, str(totals[key]))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from kvspec.conformance.commands._arguments import output_dir, positive_float, positive_int
+from kvspec.conformance.results import Verdict
 
 EXIT_OK, EXIT_DIVERGES, EXIT_COULD_NOT_RUN = 0, 1, 2
 
@@ -49,7 +50,8 @@ def register(subparsers: Any) -> None:
 
 
 def run_oracle_cmd(args: argparse.Namespace) -> int:
-    """Run the oracle; exit 0 when every cell ran, 2 when one could not (divergences are findings, not errors)."""
+    """Run the oracle. Exit 0 when every cell conforms to some profile; 1 when a cell conforms to none (each
+    profile diverges, with its trace); 2 when a cell or a profile reached no verdict (not run, inconclusive)."""
     from kvspec.conformance.vllm import oracle
     from kvspec.conformance.vllm.releases import RELEASES
 
@@ -60,6 +62,11 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
     versions = list(RELEASES) if args.all else list(args.vllm)
     if not versions:
         print("kvspec oracle: name releases with --vllm X [Y ...] or use --all", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
+    unknown = [v for v in versions if v not in RELEASES]
+    if unknown:
+        known = f"{RELEASES[0]} to {RELEASES[-1]}"
+        print(f"kvspec oracle: unknown vLLM release {', '.join(unknown)}; the oracle covers {known}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     levels = ["pool", "manager"] if args.level == "both" else [args.level]
     cachings = ["on", "off"] if args.caching == "both" else [args.caching]
@@ -80,8 +87,15 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
         print(json.dumps(oracle.rows_to_json(rows), indent=1))
     else:
         print(oracle.format_matrix(rows, levels, cachings))
-    ran = all(c.status == "ran" for row in rows for c in row.cells.values())
-    return EXIT_OK if ran else EXIT_COULD_NOT_RUN
+    return _oracle_exit(rows)
+
+
+def _oracle_exit(rows: Any) -> int:
+    cells = [c for row in rows for c in row.cells.values() if c.status != "n/a"]
+    verdicts = [Verdict(r["verdict"]) for c in cells for r in c.profiles.values()]
+    if not cells or any(c.status != "ran" for c in cells) or any(v.exit_code == 2 for v in verdicts):
+        return EXIT_COULD_NOT_RUN
+    return EXIT_OK if all(c.conforms_to() for c in cells) else EXIT_DIVERGES
 
 
 def run_hashes_cmd(args: argparse.Namespace) -> int:

@@ -500,7 +500,8 @@ def make_release_adapter(release: VllmRelease, config: AdapterConfig) -> BlockMa
     """The adapter for ``config.level`` over one vLLM.
 
     Raises:
-        ValueError: the level cannot be built for this vLLM (the message says what can).
+        LevelNotProvided: the request level of a release loaded in light mode (its pool only).
+        ValueError: the pool cannot be built for this vLLM (the message says why).
     """
     if config.level == "pool":
         return make_pool_adapter(release, config)

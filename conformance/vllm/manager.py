@@ -71,7 +71,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from kvspec.conformance.adapter import AdapterConfig, KVCacheManagerAdapter
+from kvspec.conformance.adapter import AdapterConfig, KVCacheManagerAdapter, LevelNotProvided
 from kvspec.conformance.vllm.adapter import VllmRelease, has_null_block, pool_snapshot
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.manager import Request
@@ -111,7 +111,7 @@ class VllmManagerAdapter:
 
     def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
         if release.source != "installed":
-            raise ValueError(
+            raise LevelNotProvided(
                 f"{release.label}: the request level needs vLLM installed (its Request and config "
                 "classes); light mode loads the pool only. Use level='pool', or an environment with vLLM"
             )
