@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import kvspec
@@ -59,8 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _keep_hypothesis_files_out_of_the_current_folder() -> None:
+    """Hypothesis caches what it scrapes from the loaded modules in `.hypothesis/` of the current folder; a
+    command leaves nothing but what the user named there, so that cache goes to ~/.cache/kvspec/hypothesis
+    (HYPOTHESIS_STORAGE_DIRECTORY, when set, wins). The example database is never kept unless --database says.
+    """
+    if "HYPOTHESIS_STORAGE_DIRECTORY" in os.environ:
+        return
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvspec" / "hypothesis"
+    set_hypothesis_home_dir(str(cache))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns the process exit code."""
+    _keep_hypothesis_files_out_of_the_current_folder()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -34,8 +34,9 @@ from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.operations import OPERATIONS
 from kvspec.conformance.results import Failure, Outcome, Verdict
 from kvspec.spec import errors as spec_errors
-from kvspec.spec.hashing import MultiModalInput
+from kvspec.spec.hashing import HASH_FUNCTIONS, MultiModalInput
 from kvspec.spec.manager import Request
+from kvspec.spec.ordering import PROFILES
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
 __all__ = [
@@ -345,6 +346,13 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
     for name in ("profile", "hash_fn", "seed"):
         if not isinstance(cfg[name], str):
             raise ValueError(f"header config {name} must be a string")
+    for name in ("num_gpu_blocks", "block_size"):
+        if cfg[name] < 1:
+            raise ValueError(f"header config {name} must be at least 1; got {name}={cfg[name]}")
+    if cfg["hash_fn"] not in HASH_FUNCTIONS:
+        raise ValueError(f"header config hash_fn={cfg['hash_fn']!r} is not one of {', '.join(sorted(HASH_FUNCTIONS))}")
+    if cfg["profile"] not in PROFILES:
+        raise ValueError(f"header config profile={cfg['profile']!r} is not a profile ({', '.join(PROFILES)})")
     impl = obj.get("impl")
     config = AdapterConfig(
         level=level,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
@@ -115,9 +116,12 @@ def _as_json(report: ContractsReport) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     """Run CrossHair over the spec; exit 0 iff no counterexample was found."""
     try:
+        import crosshair  # noqa: F401 - an optional dependency (the `proofs` extra): say so before any work
+
         from kvspec.conformance.contracts import DEFAULT_MODULES, check_modules, contract_functions
-    except ImportError as e:  # crosshair is an optional dependency (the `proofs` extra)
-        print(f"kvspec contracts: CrossHair is not installed ({e}); install kvspec[proofs]")
+    except ImportError as e:
+        print(f"kvspec contracts: CrossHair does not import ({e}); install it with pip install 'kvspec[proofs]'",
+              file=sys.stderr)  # fmt: skip
         return 2
     only = tuple(args.function or ())
     if only:
@@ -128,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         if missing:
             print(
                 f"kvspec contracts: no function with contracts named {missing[0]!r}; known: "
-                + ", ".join(sorted(n for n in known if "." not in n))
+                + ", ".join(sorted(n for n in known if "." not in n)),
+                file=sys.stderr,
             )
             return 2
     report = check_modules(DEFAULT_MODULES, args.per_condition_timeout, args.per_path_timeout, only)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
@@ -118,13 +119,14 @@ def run(args: argparse.Namespace) -> int:
     """Check every lemma under the chosen profiles; exit 0 iff every answer is the expected one."""
     unknown = [p for p in args.profile or () if p not in PROFILES]
     if unknown:
-        print(f"kvspec prove: unknown profile={unknown[0]!r}; known profiles: {', '.join(sorted(PROFILES))}")
+        known = ", ".join(sorted(PROFILES))
+        print(f"kvspec prove: unknown profile={unknown[0]!r}; known profiles: {known}", file=sys.stderr)
         return 2
     try:
         from kvspec.spec.lemmas import LEMMAS
         from kvspec.spec.lemmas.report import prove
     except ImportError as e:  # z3 is an optional dependency (the `proofs` extra)
-        print(f"kvspec prove: z3 is not installed ({e}); install kvspec[proofs]")
+        print(f"kvspec prove: z3 does not import ({e}); install it with pip install 'kvspec[proofs]'", file=sys.stderr)
         return 2
     chosen = list(LEMMAS)
     if args.lemma:

@@ -11,10 +11,12 @@ with the line that is wrong.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from typing import Any
 
 from kvspec.conformance.commands._arguments import DEFAULT_TRACE_DIR, json_output, output_dir, positive_float
+from kvspec.conformance.commands._check_output import summary_json, write_json
 from kvspec.conformance.registry import BUILTIN_IMPLS
 from kvspec.conformance.report import render_story
 from kvspec.conformance.results import Verdict
@@ -72,11 +74,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         trace = read_trace(args.trace)
     except MalformedTrace as e:
-        print(f"kvspec replay: cannot read the trace: {e}")
+        print(f"kvspec replay: cannot read the trace: {e}", file=sys.stderr)
         return 2
     impl = args.impl or trace.impl
     if not impl:
-        print("kvspec replay: the trace names no implementation; give one with --impl NAME or module:function")
+        print(
+            "kvspec replay: the trace names no implementation; give one with --impl NAME or module:function",
+            file=sys.stderr,
+        )
         return 2
     recorded = trace.verdict or "not recorded"
     print(f"replaying {args.trace} ({len(trace.steps)} steps, recorded verdict: {recorded}) on {impl}\n")
@@ -84,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
         trace, impl, impl=impl, step_timeout_s=args.step_timeout, trace_dir=args.trace_dir, device=args.device
     )
     attach_page(result, args.html_dir)  # the story printed below names the page
+    if args.json is not None:
+        write_json(summary_json([result], result.seconds) | {"kvspec": "replay", "trace": str(args.trace)}, args.json)
+    if result.verdict is Verdict.COULD_NOT_RUN:
+        print(f"kvspec replay: {result.message}", file=sys.stderr)
+        return result.exit_code
     if result.failure is not None:
         print(result.failure.story)
     elif result.verdict is Verdict.CONFORMS:

@@ -12,6 +12,7 @@ Ctrl-C. Exit 0, or 2 when the trace cannot be read or the page not written.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -45,22 +46,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         doc = trace_to_page_data(read_trace(args.trace))
     except MalformedTrace as e:
-        print(f"kvspec view: cannot read the trace: {e}")
+        print(f"kvspec view: cannot read the trace: {e}", file=sys.stderr)
         return 2
     if args.serve:
         if not 0 <= args.port <= 65535:
-            print(f"kvspec view: --port must be 0 to 65535; got {args.port}")
+            print(f"kvspec view: --port must be 0 to 65535; got {args.port}", file=sys.stderr)
             return 2
         try:
             return serve_page(render_page(doc), args.port, args.open_browser, announce=lambda s: print(s, flush=True))
         except OSError as e:
-            print(f"kvspec view: cannot serve on 127.0.0.1:{args.port} ({e})")
+            print(f"kvspec view: cannot serve on 127.0.0.1:{args.port} ({e})", file=sys.stderr)
             return 2
     out = Path(args.output) if args.output else page_path_for(args.trace, Path(args.trace).parent)
     try:
         path = write_page(out, doc)
     except OSError as e:
-        print(f"kvspec view: cannot write the page {out} ({e})")
+        print(f"kvspec view: cannot write the page {out} ({e})", file=sys.stderr)
         return 2
     print(f"page: {path} ({path.stat().st_size / 1024:.0f} KiB, {len(doc['steps']) - 1} steps)")
     return 0

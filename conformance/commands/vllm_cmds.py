@@ -107,7 +107,10 @@ def run_hashes_cmd(args: argparse.Namespace) -> int:
 
     try:
         report = compare_release(args.version)
-    except (ImportError, RuntimeError) as e:
+    except ImportError as e:
+        print(f"kvspec hashes: {e}; vLLM's modules need the vllm extra: pip install 'kvspec[vllm]'", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
+    except RuntimeError as e:
         print(f"kvspec hashes: cannot load vLLM: {e}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     if args.json:

@@ -223,3 +223,29 @@ def make_no_free_blocks(config: AdapterConfig) -> object:
 
 
 NOT_CALLABLE = 42  # for load_factory's "not callable" error
+
+
+def make_pool_only(config: AdapterConfig) -> object:
+    """A pool implementation's factory that ignores the level it is asked for (it has no request level)."""
+    return ReferencePoolAdapter(config)
+
+
+class AssertsOnOverallocation(ReferencePoolAdapter):
+    """Refuses a too-large allocation with an AssertionError where the spec raises PoolExhausted."""
+
+    def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
+        assert num_blocks <= self.get_num_free_blocks(), "not enough free blocks"
+        return super().get_new_blocks(num_blocks)
+
+
+def make_asserts_on_overallocation(config: AdapterConfig) -> object:
+    return AssertsOnOverallocation(config) if config.level == "pool" else ReferenceManagerAdapter(config)
+
+
+class NoEvictBlocks(ReferencePoolAdapter):
+    """The reference pool without the optional evict_blocks (as vLLM before 0.13.0)."""
+
+    evict_blocks = None  # type: ignore[assignment]
+
+
+make_no_evict_blocks = pool_only(NoEvictBlocks)

@@ -134,7 +134,7 @@ def test_a_missing_trace_file_is_a_malformed_trace(tmp_path):
 def test_kvspec_replay_on_a_malformed_trace_exits_2_without_a_traceback(tmp_path, capsys):
     path = _write(tmp_path, [HEADER, "{not json"])
     assert main(["replay", str(path), "--impl", "reference"]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.startswith(f"kvspec replay: cannot read the trace: {path}:2: not JSON")
     assert "Traceback" not in out
 
