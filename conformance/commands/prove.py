@@ -132,12 +132,13 @@ def run(args: argparse.Namespace) -> int:
     if args.lemma:
         wanted = set(args.lemma)
         chosen = [lem for lem in LEMMAS if lem.name in wanted or str(lem.number) in wanted]
-        known = {lem.name for lem in chosen} | {str(lem.number) for lem in chosen}
-        missing = sorted(wanted - known)
+        found = {lem.name for lem in chosen} | {str(lem.number) for lem in chosen}
+        missing = sorted(wanted - found)
         if missing:
             names = ", ".join(lem.name for lem in LEMMAS)
             print(
-                f"kvspec prove: unknown lemma={missing[0]!r}; known lemmas: {names} (or their numbers 1-{len(LEMMAS)})"
+                f"kvspec prove: unknown lemma={missing[0]!r}; known lemmas: {names} (or their numbers 1-{len(LEMMAS)})",
+                file=sys.stderr,
             )
             return 2
     report = prove(args.profile, chosen, timeout_s=args.timeout)

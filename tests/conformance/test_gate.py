@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import unittest
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -156,9 +157,8 @@ def test_a_pool_only_factory_conforms_and_its_request_level_is_n_a(tmp_path):
 
 def test_make_conformance_test_skips_a_level_the_factory_does_not_provide():
     case = make_conformance_test(adapters.make_pool_only, level="manager", enable_caching=True, max_examples=5)
-    outcome = __import__("unittest").TextTestRunner(stream=open(os.devnull, "w")).run(
-        __import__("unittest").defaultTestLoader.loadTestsFromTestCase(case)
-    )
+    with open(os.devnull, "w") as quiet:
+        outcome = unittest.TextTestRunner(stream=quiet).run(unittest.defaultTestLoader.loadTestsFromTestCase(case))
     assert len(outcome.skipped) == 1 and "manager level not provided" in outcome.skipped[0][1]
 
 
