@@ -27,11 +27,16 @@ from typing import Any
 
 from kvspec.conformance.results import CampaignReport, Verdict
 
-__all__ = ["Death", "Work", "run_isolated"]
+__all__ = ["Death", "Progress", "Work", "run_isolated"]
 
 # The work a child runs: (stream_fd, heartbeat) -> its report. stream_fd and
 # heartbeat are None when it runs in this process.
 Work = Callable[[int | None, Any], CampaignReport]
+
+# Told, every few seconds while a child runs, how many examples it has started and steps it has checked.
+Progress = Callable[[int, int], None]
+
+PROGRESS_EVERY_S = 2.0
 
 # How long past the step limit the parent waits before it kills the child: the
 # child's own alarm usually reports first, with a cleaner trace.
@@ -47,18 +52,23 @@ class Death:
     stream: list[str] = field(default_factory=list)  # the steps it had started, as written
 
 
-def run_isolated(work: Work, step_timeout_s: float | None, isolate: bool) -> CampaignReport | Death:
-    """Run `work` in a forked child when `isolate` and fork can be used; in this process otherwise."""
+def run_isolated(
+    work: Work, step_timeout_s: float | None, isolate: bool, progress: Progress | None = None
+) -> CampaignReport | Death:
+    """Run `work` in a forked child when `isolate` and fork can be used; in this process otherwise.
+
+    `progress` is called every `PROGRESS_EVERY_S` seconds while the child runs (not in this process).
+    """
     # NOTE: CUDA cannot be started again in a child forked from a process that
     # started it. The harness never touches CUDA itself (gpu_impl picks and
     # starts its device inside the child); if the calling process did, the
     # campaign runs here instead, without the child's crash protection.
     if isolate and "fork" in multiprocessing.get_all_start_methods() and not _cuda_started_here():
-        return _in_child(work, step_timeout_s)
+        return _in_child(work, step_timeout_s, progress)
     return work(None, None)
 
 
-def _in_child(work: Work, step_timeout_s: float | None) -> CampaignReport | Death:
+def _in_child(work: Work, step_timeout_s: float | None, progress: Progress | None) -> CampaignReport | Death:
     """Run `work(stream_fd, heartbeat)` in a forked child; its report, or how it died.
 
     The child turns off the traceback dump on a fatal signal that test runners
@@ -67,14 +77,14 @@ def _in_child(work: Work, step_timeout_s: float | None) -> CampaignReport | Deat
     """
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    heartbeat = ctx.RawValue("d", 0.0)
+    heartbeat = ctx.RawArray("d", 3)  # call started, examples, steps (watch.StepWatch writes them)
     fd, stream_path = tempfile.mkstemp(prefix="kvspec-steps-", suffix=".jsonl")
     os.close(fd)
     proc = ctx.Process(target=_child_main, args=(work, send, heartbeat, stream_path), daemon=True)
     try:
         proc.start()
         send.close()
-        report, hung = _wait(proc, recv, heartbeat, step_timeout_s)
+        report, hung = _wait(proc, recv, heartbeat, step_timeout_s, progress)
         proc.join(10)
         if proc.is_alive():
             proc.kill()
@@ -88,14 +98,20 @@ def _in_child(work: Work, step_timeout_s: float | None) -> CampaignReport | Deat
         Path(stream_path).unlink(missing_ok=True)
 
 
-def _wait(proc: Any, recv: Any, heartbeat: Any, step_timeout_s: float | None) -> tuple[CampaignReport | None, bool]:
+def _wait(
+    proc: Any, recv: Any, heartbeat: Any, step_timeout_s: float | None, progress: Progress | None
+) -> tuple[CampaignReport | None, bool]:
     """Wait for the child's report, its death, or a call that outlived the step limit (then kill it)."""
+    told = time.monotonic()
     while True:
+        if progress is not None and time.monotonic() - told >= PROGRESS_EVERY_S:
+            progress(int(heartbeat[1]), int(heartbeat[2]))
+            told = time.monotonic()
         if recv.poll(0.05):
             return _receive(recv), False
         if not proc.is_alive():
             return (_receive(recv) if recv.poll(0.2) else None), False
-        started = heartbeat.value
+        started = heartbeat[0]
         if step_timeout_s is not None and started and time.monotonic() - started > step_timeout_s + _KILL_GRACE_S:
             proc.kill()
             return None, True

@@ -538,6 +538,7 @@ class LockStep:
         self._tags = []
         self.reached.update(reached)
         obs.coverage.update(reached)
+        self.watch.progress(obs.examples, obs.steps)
 
     def _cap_branch(self, p: _Pending) -> list[str]:
         request: Request = p.args[0]

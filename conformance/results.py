@@ -251,6 +251,7 @@ class CheckResult:
     extra_rounds: int = 0  # rounds run after max_examples because a branch was unreached (see cover_rounds)
     spec_branches: tuple[str, ...] = ()  # every branch the spec has at this configuration, provided or not
     absent_ops: tuple[str, ...] = ()  # optional operations the implementation does not provide (or excuses)
+    examples_asked: int | None = None  # max_examples as asked for; None for a replay
 
     @property
     def exit_code(self) -> int:

@@ -33,7 +33,7 @@ from hypothesis import settings
 
 from kvspec.conformance.campaign import CampaignPlan, run_campaign
 from kvspec.conformance.coverage import expected_branches, reachable_branches
-from kvspec.conformance.isolation import Death, run_isolated
+from kvspec.conformance.isolation import Death, Progress, run_isolated
 from kvspec.conformance.minimize import shrink_by_replay, trace_from_death
 from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, Factory, FactoryError, load_factory
 from kvspec.conformance.replaying import replay_example
@@ -135,6 +135,7 @@ def _check_result(report: CampaignReport, where: _Where, failure: Failure | None
         extra_rounds=report.extra_rounds,
         spec_branches=branches,
         absent_ops=report.absent_ops,
+        examples_asked=where.max_examples,
     )
 
 
@@ -224,6 +225,7 @@ def run_check(
     device: str | None = None,
     shrink: bool = True,
     cover_rounds: int = 0,
+    progress: Progress | None = None,
 ) -> CheckResult:
     """Check one implementation at one level against the spec.
 
@@ -250,6 +252,8 @@ def run_check(
         shrink: shrink a failure found by Hypothesis (False: report the first failing example as found).
         cover_rounds: while an expected branch is unreached after `max_examples`, up to this many
             more rounds of `max_examples` each, on the next seeds (within the time budget).
+        progress: called every few seconds with (examples started, steps checked) while the campaign
+            runs in its child process.
 
     Returns:
         The verdict, what ran and was reached, and the failure with its saved trace and story.
@@ -285,7 +289,7 @@ def run_check(
         shrink,
         cover_rounds,
     )
-    raw = run_isolated(lambda fd, hb: run_campaign(chosen, plan, fd, hb), step_timeout_s, isolate)
+    raw = run_isolated(lambda fd, hb: run_campaign(chosen, plan, fd, hb), step_timeout_s, isolate, progress)
     return _result(raw, chosen, where, started)
 
 

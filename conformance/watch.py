@@ -51,7 +51,9 @@ class StepWatch:
     ) -> None:
         self.step_timeout_s = step_timeout_s  # per implementation call; None: no limit
         self.stream_fd = stream_fd  # where each step is written before it runs (a crash leaves it)
-        self.heartbeat = heartbeat  # a shared double: when the running call started, 0 when none
+        # Shared doubles the parent reads: [0] when the running call started (0 when none), [1] examples
+        # started, [2] steps checked (the parent's progress line).
+        self.heartbeat = heartbeat
         self.impl_name = impl_name  # written into the stream's trace header
         self.current: Any = None  # the LockStep of the example running now
         self.failed: Any = None  # the LockStep of the latest example that failed (the shrunk one, last)
@@ -96,11 +98,17 @@ class StepWatch:
         if self._alarm_ready and self.step_timeout_s is not None:
             signal.setitimer(signal.ITIMER_REAL, self.step_timeout_s)
         if self.heartbeat is not None:
-            self.heartbeat.value = time.monotonic()
+            self.heartbeat[0] = time.monotonic()
 
     def impl_finished(self) -> None:
         """The implementation call returned (or raised): stop its clock."""
         if self._alarm_ready:
             signal.setitimer(signal.ITIMER_REAL, 0)
         if self.heartbeat is not None:
-            self.heartbeat.value = 0.0
+            self.heartbeat[0] = 0.0
+
+    def progress(self, examples: int, steps: int) -> None:
+        """How far the campaign has got, for the parent's progress line."""
+        if self.heartbeat is not None:
+            self.heartbeat[1] = examples
+            self.heartbeat[2] = steps

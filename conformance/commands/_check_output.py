@@ -107,7 +107,24 @@ def _notes(results: Sequence[CheckResult]) -> list[str]:
     if not_exercised:
         lines.append(f"  (why: {NOT_EXERCISED_WHY})")
     lines += [f"note ({_where(r)}): {r.message}" for r in results if r.message]
+    lines += [f"examples ({_where(r)}): {why}" for r in results if (why := _more_examples_why(r))]
     return lines
+
+
+def _more_examples_why(r: CheckResult) -> str | None:
+    """Why a configuration ran more examples than asked for, or None when it did not."""
+    if r.examples_asked is None or r.examples_run <= r.examples_asked:
+        return None
+    rounds = r.examples_asked * (1 + r.extra_rounds)
+    parts = [f"{r.examples_run} run for --max-examples {r.examples_asked}"]
+    if r.extra_rounds:
+        parts.append(f"{r.extra_rounds} more round(s) of {r.examples_asked} to reach every branch (--cover-rounds)")
+    if r.examples_run > rounds:
+        parts.append(
+            f"{r.examples_run - rounds} that Hypothesis does not count toward max_examples "
+            "(discarded as invalid or overrun, and replaced)"
+        )
+    return "; ".join(parts)
 
 
 def exit_code(results: Sequence[CheckResult]) -> int:

@@ -49,6 +49,7 @@ from kvspec.conformance.commands._check_output import (
     write_json,
     write_junit,
 )
+from kvspec.conformance.isolation import Progress
 from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, FactoryError, load_factory
 from kvspec.conformance.results import CheckResult, Verdict
 from kvspec.conformance.runner import run_check
@@ -256,11 +257,46 @@ def _run_configs(
             database=database,
             device=args.device,
             cover_rounds=args.cover_rounds,
+            progress=_progress_line(f"{impl} {lv} caching {'on' if caching else 'off'}", budget),
         )
+        _clear_progress_line()
         attach_page(result, args.html_dir)  # the story, printed below and in JUnit, names the page
         results.append(result)
         print(row(result, [i for i, _, _ in configs]), flush=True)
     return results
+
+
+# A line every this many seconds while a configuration runs, where stderr is not a terminal (a CI log).
+_LOG_PROGRESS_EVERY_S = 10.0
+
+
+def _progress_line(where: str, budget: float | None) -> Progress:
+    """What a long configuration prints while it runs, on stderr: a live line on a terminal, else a line now
+    and then (examples, steps, elapsed, budget left)."""
+    start, last = time.monotonic(), [0.0]
+    live = sys.stderr.isatty()
+
+    def show(examples: int, steps: int) -> None:
+        elapsed = time.monotonic() - start
+        left = f", {max(budget - elapsed, 0.0):.0f} s of its budget left" if budget is not None else ""
+        line = f"  running {where}: {examples} examples, {steps} steps, {elapsed:.0f} s{left}"
+        if live:
+            sys.stderr.write("\r" + line.ljust(_LIVE_WIDTH)[:_LIVE_WIDTH])
+            sys.stderr.flush()
+        elif elapsed - last[0] >= _LOG_PROGRESS_EVERY_S:
+            print(line, file=sys.stderr, flush=True)
+            last[0] = elapsed
+
+    return show
+
+
+_LIVE_WIDTH = 110
+
+
+def _clear_progress_line() -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + " " * _LIVE_WIDTH + "\r")
+        sys.stderr.flush()
 
 
 AUTO = "auto"
