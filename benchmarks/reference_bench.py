@@ -26,8 +26,9 @@ This is a benchmark, not a test: run it with `kvspec bench reference`.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import gc
+import json
 import platform
 import random
 import statistics
@@ -35,7 +36,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from kvspec.conformance.commands._arguments import OneLineParser, json_output
 from kvspec.reference import BlockPool, KVCacheManager
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
@@ -201,11 +204,14 @@ def render(results: Sequence[Measurement]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table; returns the exit code (0, or 2 on bad arguments)."""
-    parser = argparse.ArgumentParser(prog="kvspec bench reference", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="kvspec bench reference", description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
                         help="pool sizes in blocks (default: 1e3 1e4 1e5 1e6)")
     parser.add_argument("--repeat", type=int, default=2000, help="calls timed per operation and size")
     parser.add_argument("--seed", type=int, default=0, help="seeds the block and token choices")
+    parser.add_argument(
+        "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
@@ -218,8 +224,21 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"request cycle = {PROMPT_BLOCKS} full blocks of {BLOCK_SIZE} tokens plus one token, "
           f"{SHARED_BLOCKS} blocks a shared prefix")
     print(f"python {platform.python_version()} on {platform.machine()}; every pool full of cached free blocks\n")
-    print(render(measure(args.sizes, args.repeat, args.seed)))
+    results = measure(args.sizes, args.repeat, args.seed)
+    print(render(results))
     print("\n(ratio = time / time at the smallest pool; flat ~1x means the cost does not grow with the pool)")
+    if args.json:
+        document = {"kvspec": "bench reference", "repeat": args.repeat, "batch": BATCH,
+                    "measurements": [dataclasses.asdict(m) for m in results]}  # fmt: skip
+        text = json.dumps(document, indent=2) + "\n"
+        if str(args.json) == "-":
+            sys.stdout.write(text)
+        else:
+            try:
+                Path(args.json).write_text(text, encoding="utf-8")
+            except OSError as e:
+                print(f"kvspec bench reference: cannot write {args.json} ({e.strerror})", file=sys.stderr)
+                return 2
     return 0
 
 

@@ -17,10 +17,10 @@ import pkgutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
 import kvspec
 import kvspec.conformance.commands as commands
+from kvspec.conformance.commands._arguments import OneLineParser
 
 __all__ = ["EXIT_COULD_NOT_RUN", "EXIT_DIVERGES", "EXIT_OK", "build_parser", "main"]
 
@@ -29,30 +29,14 @@ EXIT_DIVERGES = 1
 EXIT_COULD_NOT_RUN = 2
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose refusal is one line on stderr (`kvspec check: --steps: must be at least 1; got 0`).
-
-    argparse's own prints the whole usage first; a user's mistake should read
-    as one sentence, with `--help` for the rest.
-    """
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_COULD_NOT_RUN, f"{self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
-
-
-def _one_line(message: str) -> str:
-    # "argument --steps: must be at least 1" reads better as "--steps: must be at least 1".
-    return " ".join(message.removeprefix("argument ").split())
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The parser with every discovered subcommand registered."""
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog="kvspec",
         description="A formally checked model of vLLM's prefix-caching block manager, and a conformance harness.",
     )
     parser.add_argument("--version", action="version", version=f"kvspec {kvspec.__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_OneLineParser)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):  # shared helpers of the commands, not commands
             continue

@@ -14,11 +14,13 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import NoReturn
 
 from kvspec.conformance import runner
 
 __all__ = [
     "DEFAULT_TRACE_DIR",
+    "OneLineParser",
     "fraction",
     "json_output",
     "memory_size",
@@ -32,6 +34,23 @@ __all__ = [
 ]
 
 DEFAULT_TRACE_DIR = str(runner.DEFAULT_TRACE_DIR)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose refusal is one line on stderr (`kvspec check: --steps: must be at least 1; got 0`).
+
+    argparse's own prints the whole usage first; a user's mistake should read
+    as one sentence, with `--help` for the rest.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(message: str) -> str:
+    # "argument --steps: must be at least 1" reads better as "--steps: must be at least 1".
+    return " ".join(message.removeprefix("argument ").split())
+
 
 
 def _number(text: str, kind: type[int] | type[float]) -> int | float:

@@ -12,11 +12,13 @@ Nothing here imports torch unless the free memory must be read from a device.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
 from kvspec.conformance.cli import EXIT_COULD_NOT_RUN, EXIT_OK
-from kvspec.conformance.commands._arguments import fraction, memory_size, positive_int
+from kvspec.conformance.commands._arguments import fraction, json_output, memory_size, positive_int
+from kvspec.conformance.commands._check_output import write_json
 from kvspec.gpu_impl.sizing import DEFAULT_MARGIN, DTYPE_SIZES, KVLayout, parse_size, plan_capacity
 from kvspec.spec.errors import BlockManagerError
 
@@ -46,6 +48,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--margin", type=fraction, default=DEFAULT_MARGIN, help="fraction kept free (default 0.2)")
     p.add_argument("--device", default=None, help="the CUDA device whose free memory is read (no --gpu-mem)")
+    p.add_argument("--json", type=json_output, metavar="PATH", help="also write the sizing as JSON (- for stdout)")
     p.set_defaults(run=run)
 
 
@@ -66,4 +69,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvspec capacity: {e}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     print("\n".join(plan.describe()))
+    if args.json is not None:
+        write_json({"kvspec": "capacity", **dataclasses.asdict(plan)}, args.json)
     return EXIT_OK

@@ -196,3 +196,26 @@ def test_the_implementation_column_never_truncates_a_name(tmp_path):
     name = f"{ADAPTERS}:make_pool_only"
     result = kvspec("check", "--impl", name, "--level", "pool", "--caching", "on", "--max-examples", "10", cwd=tmp_path)
     assert any(line.startswith(name + " ") for line in result.stdout.splitlines()), result.stdout
+
+
+def test_capacity_bench_and_replay_write_json_for_tools(tmp_path):
+    plan = tmp_path / "plan.json"
+    args = ("capacity", "--gpu-mem", "80GB", "--layers", "32", "--kv-heads", "8", "--head-dim", "128")
+    assert kvspec(*args, "--json", str(plan), cwd=tmp_path).returncode == 0
+    assert json.loads(plan.read_text())["num_gpu_blocks"] == 30517
+    bench = kvspec("bench", "reference", "--sizes", "2000", "4000", "--repeat", "3", "--json", "-", cwd=tmp_path)
+    assert bench.returncode == 0, bench.stderr
+    document = json.loads(bench.stdout[bench.stdout.index("{") :])
+    assert {m["num_gpu_blocks"] for m in document["measurements"]} == {2000, 4000}
+    assert_refused(kvspec("bench", "reference", "--json", "/nonexistent/b.json", cwd=tmp_path), "does not exist")
+    failing = kvspec(
+        "check", "--impl", f"{ADAPTERS}:make_free_head_first", "--level", "pool", "--caching", "on",
+        "--trace-dir", str(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    (trace,) = tmp_path.glob("failure-pool-*.trace.jsonl")
+    assert failing.returncode == 1
+    report = tmp_path / "replay.json"
+    again = kvspec("replay", str(trace), "--json", str(report), cwd=tmp_path)
+    assert again.returncode == 1
+    (result,) = json.loads(report.read_text())["results"]
+    assert result["verdict"] == Verdict.DIVERGES and result["failure"]["op"] == "free_blocks"
