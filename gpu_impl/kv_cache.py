@@ -122,11 +122,18 @@ class PagedKVCache:
         Raises:
             NotWritable: naming the first block that is null, free, shared or hashed.
         """
-        writable = self.block_pool.writable_mask(block_ids)
-        if bool(writable.all()):
-            return
-        b = int(block_ids[int(torch.nonzero(~writable)[0])])
         pool = self.block_pool
+        if block_ids.numel() <= pool.host_path_max:
+            # A step's few blocks: checked in Python on the pool's host face, not by the mask's kernels.
+            unwritable = [b for b in block_ids.tolist() if not pool.is_block_writable(b)]
+            if not unwritable:
+                return
+            b = unwritable[0]
+        else:
+            writable = pool.writable_mask(block_ids)
+            if bool(writable.all()):
+                return
+            b = int(block_ids[int(torch.nonzero(~writable)[0])])
         raise NotWritable(
             f"cannot write KV into block_id={b}: ref_cnt={int(pool.ref_cnt[b])} "
             f"has_hash={bool(pool.has_hash[b])}; only a block held by one request and not yet "
