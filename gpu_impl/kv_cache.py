@@ -34,6 +34,7 @@ __all__ = ["PagedKVCache"]
 
 _WEIGHT_MULTIPLIER = 2654435761  # Knuth's multiplicative hash constant: spreads positions over the weights
 _WEIGHT_MODULUS = 1 << 24  # weights stay below 2**24, so byte sums of blocks < 2 GiB fit in int64
+_CHECKSUM_CHUNK_BYTES = 1 << 28  # the int64 working copy of one checksum pass over many blocks
 
 
 # sizing.DTYPE_SIZES names -> torch attribute names, where they differ.
@@ -187,7 +188,19 @@ class PagedKVCache:
     # --- checksums ----------------------------------------------------------------------------------
 
     def block_checksums(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """The checksum of each block's current content, int64 on the device (one gather and one reduction)."""
+        """The checksum of each block's current content, int64 on the device.
+
+        One gather and one reduction per chunk of blocks; a chunk's int64
+        working copy stays under _CHECKSUM_CHUNK_BYTES, so a hit of 1e5 blocks
+        of real-sized KV needs no more memory than a few blocks do.
+        """
+        per_chunk = max(1, _CHECKSUM_CHUNK_BYTES // (8 * self._weights.numel()))
+        if block_ids.numel() <= per_chunk:
+            return self._checksums(block_ids)
+        n = block_ids.numel()
+        return torch.cat([self._checksums(block_ids[i : i + per_chunk]) for i in range(0, n, per_chunk)])
+
+    def _checksums(self, block_ids: torch.Tensor) -> torch.Tensor:
         pages = self.kv[block_ids].reshape(block_ids.numel(), -1)
         as_bytes = pages.view(torch.uint8).to(torch.int64)
         return (as_bytes * self._weights).sum(dim=1)
