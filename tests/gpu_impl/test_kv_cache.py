@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvspec.gpu_impl import kv_cache as kv_cache_module
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.kv_cache import PagedKVCache
@@ -90,7 +89,7 @@ def test_checksums_of_many_blocks_are_taken_in_chunks_and_agree_block_by_block(m
     blocks = pool.get_new_blocks_tensor(39)
     kv.write_tokens(blocks, 0, torch.arange(39 * 4, dtype=torch.int64, device=pool.device) * 7919)
     one_by_one = torch.stack([kv.block_checksums(b.reshape(1))[0] for b in blocks])
-    monkeypatch.setattr(kv_cache_module, "_CHECKSUM_CHUNK_BYTES", 8 * 32 * 5)  # 5 blocks of 32 bytes a chunk
+    monkeypatch.setattr(kv, "_checksum_chunk", 5)
     assert torch.equal(kv.block_checksums(blocks), one_by_one)
     assert torch.unique(one_by_one).numel() == 39
 
