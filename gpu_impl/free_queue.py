@@ -62,7 +62,7 @@ import torch
 from kvspec.gpu_impl.mirror import MirroredState
 from kvspec.spec.ordering import initial_free_key, initial_key_counters, left_batch_key, right_batch_key
 
-__all__ = ["EMPTY", "KeyedFreeQueue", "default_key_capacity", "state_length"]
+__all__ = ["EMPTY", "KeyedFreeQueue", "default_key_capacity"]
 
 EMPTY = -1  # key_to_block value of a key no free block holds
 
@@ -81,13 +81,6 @@ def default_key_capacity(num_gpu_blocks: int) -> int:
     return 4 * num_gpu_blocks + 64
 
 
-def state_length(num_gpu_blocks: int, key_capacity: int) -> int:
-    """How many state entries a queue takes: a key per block, then the index.
-
-    >>> state_length(10, 104)
-    114
-    """
-    return num_gpu_blocks + key_capacity
 
 
 def _min_key_capacity(num_gpu_blocks: int) -> int:
@@ -111,7 +104,8 @@ class KeyedFreeQueue:
         device: torch.device,
         key_capacity: int | None = None,
         state: MirroredState | None = None,
-        offset: int = 0,
+        free_key_at: tuple[int, int] = (0, 1),
+        key_index_at: int | None = None,
     ) -> None:
         """Queue blocks 1..num_gpu_blocks-1 in id order (block 0 is the null block and never queued).
 
@@ -121,9 +115,11 @@ class KeyedFreeQueue:
             key_capacity: the length of the key index; None for the default. A
                 smaller one (at least 2 x num_gpu_blocks) relabels more often,
                 which is what tests want.
-            state: the pool's mirrored state, whose entries offset .. offset +
-                state_length(...) the queue takes; None for a state of its own.
-            offset: where the queue's entries start in `state`.
+            state: the pool's mirrored state, which holds the keys; None for a
+                state of the queue's own (then the two places below are its own too).
+            free_key_at: (start, step): block b's key is state entry start + step * b
+                (the pool interleaves it with the block's other fields).
+            key_index_at: where the key index's key_capacity entries start in the state.
 
         Raises:
             ValueError: key_capacity is below the minimum.
@@ -135,25 +131,29 @@ class KeyedFreeQueue:
             raise ValueError(
                 f"key_capacity={cap} is below the minimum 2 * num_gpu_blocks={_min_key_capacity(num_gpu_blocks)}"
             )
-        if state is None:
-            state, offset = MirroredState(state_length(num_gpu_blocks, cap), device), 0
         n = num_gpu_blocks
+        owns_state = state is None
+        if state is None:
+            state, free_key_at, key_index_at = MirroredState(n + cap, device), (0, 1), n
+        assert key_index_at is not None, "a shared state needs key_index_at"
+        fk_start, fk_step = free_key_at
+        fk_end, k2b_end = fk_start + fk_step * n, key_index_at + cap
         self.device = device  # fixed
         self.key_capacity = cap  # fixed: keys are 0..cap-1
         self._state = state  # fixed: where the keys live (shared with the pool)
         self._track = not state.is_shared  # fixed: mark writes, so the two faces can be made equal
-        self._fk_base = offset  # fixed: free_key[b] is state entry _fk_base + b
-        self._k2b_base = offset + n  # fixed: key_to_block[k] is state entry _k2b_base + k
+        self._fk_start, self._fk_step = fk_start, fk_step  # fixed: free_key[b] is state entry start + step * b
+        self._k2b_base = key_index_at  # fixed: key_to_block[k] is state entry _k2b_base + k
         # free_key[b]: block b's key while b is free; stale otherwise (a block is
         # free iff key_to_block[free_key[b]] == b, so nothing resets it on take).
-        self.free_key = state.tensor[offset : offset + n]  # device face
+        self.free_key = state.tensor[fk_start:fk_end:fk_step]  # device face
         # key_to_block[k]: the free block whose key is k, or EMPTY. Every
         # occupied key lies in [lo, hi].
-        self.key_to_block = state.tensor[offset + n : offset + n + cap]  # device face
-        self._free_key_host = state.host_tensor[offset : offset + n]  # host face, for tensor operations
-        self._key_to_block_host = state.host_tensor[offset + n : offset + n + cap]
-        self._fk = state.host[offset : offset + n]  # host face, for Python
-        self._k2b = state.host[offset + n : offset + n + cap]
+        self.key_to_block = state.tensor[key_index_at:k2b_end]  # device face
+        self._free_key_host = state.host_tensor[fk_start:fk_end:fk_step]  # host face, for tensor operations
+        self._key_to_block_host = state.host_tensor[key_index_at:k2b_end]
+        self._fk = state.host[fk_start:fk_end:fk_step]  # host face, for Python
+        self._k2b = state.host[key_index_at:k2b_end]
         self._keys = torch.arange(cap, dtype=torch.int64, device=device)  # every key: a batch's keys are a slice
         num_free = n - 1
         # The spec's initial keys (block b gets initial_free_key(b) = b, lo = 1,
@@ -171,7 +171,8 @@ class KeyedFreeQueue:
             blocks = torch.arange(1, n, dtype=torch.int64)
             self._key_to_block_host[self.lo : self.hi + 1] = blocks
             self._free_key_host[1:] = blocks + shift
-        state.upload(offset, offset + state_length(n, cap))
+        if owns_state:
+            state.upload(0, n + cap)  # else the owner uploads its whole state once
         self.num_relabels = 0  # how many times the keys were renumbered (for benchmarks and tests)
 
     # --- taking -------------------------------------------------------------------------------
@@ -350,9 +351,9 @@ class KeyedFreeQueue:
             for key, b in enumerate(block_ids, first):
                 fk[b] = key
         if self._track:
-            base = self._fk_base
+            start, step = self._fk_start, self._fk_step
             self._state.wrote_host_range(self._k2b_base + first, self._k2b_base + first + k)
-            self._state.wrote_host([base + b for b in block_ids])
+            self._state.wrote_host([start + step * b for b in block_ids])
         self.num_free_blocks += k
 
     def prepend_n(self, block_ids: torch.Tensor) -> None:
@@ -389,7 +390,7 @@ class KeyedFreeQueue:
         self.free_key.index_copy_(0, block_ids, self._keys[first : first + k])
         if self._track:
             self._state.wrote_device_range(self._k2b_base + first, self._k2b_base + first + k)
-            self._state.wrote_device(block_ids + self._fk_base)
+            self._state.wrote_device(block_ids * self._fk_step + self._fk_start)
         self.num_free_blocks += k
 
     # --- reading ------------------------------------------------------------------------------
@@ -463,10 +464,10 @@ class KeyedFreeQueue:
             if on_host:
                 self._state.wrote_host_range(base + old_lo, base + old_end)
                 self._state.wrote_host_range(base + first, base + first + m)
-                self._state.wrote_host_tensor(blocks + self._fk_base)
+                self._state.wrote_host_tensor(blocks * self._fk_step + self._fk_start)
             else:
                 self._state.wrote_device_range(base + old_lo, base + old_end)
                 self._state.wrote_device_range(base + first, base + first + m)
-                self._state.wrote_device(blocks + self._fk_base)
+                self._state.wrote_device(blocks * self._fk_step + self._fk_start)
         self.lo, self.hi, self.num_gaps = first, first + m - 1, 0
         self.num_relabels += 1
