@@ -211,6 +211,7 @@ class TensorBlockPool:
         self.quarantined: dict[int, None] = {}  # blocks found corrupt, in the order they were retired
         self._num_corrupt_held = 0  # blocks with is_corrupt set (all held)
         self._scratch = torch.empty(n, dtype=torch.int64, device=dev)  # duplicate detection for long batches
+        self._positions = torch.arange(n, dtype=torch.int64, device=dev)  # what each id of a batch writes there
         self._ones = torch.ones(n, dtype=torch.int64, device=dev)  # increments for ref_cnt.index_add_
         self._no_blocks = torch.empty(0, dtype=torch.int64, device=dev)
         self.capacity_plan: CapacityPlan | None = None  # set when the pool was sized from memory
@@ -304,9 +305,9 @@ class TensorBlockPool:
         if not bad:
             # Each id writes its position; a repeated id keeps one of its
             # positions, so some other position reads back a different one.
-            positions = torch.arange(ids.numel(), dtype=torch.int64, device=self.device)
-            self._scratch[ids] = positions
-            bad = not bool(torch.equal(self._scratch[ids], positions))
+            positions = self._positions[: ids.numel()]
+            self._scratch.index_copy_(0, ids, positions)
+            bad = not bool(torch.equal(self._scratch.index_select(0, ids), positions))
         if bad:
             self._check_ids(as_list(), op)
             raise AssertionError(f"{op}: block_ids={list(as_list())} flagged on the device but every check passes")
@@ -600,13 +601,14 @@ class TensorBlockPool:
         if not self._unhashed_to_left:
             queue.append_n(newly_free)
             return
-        hashed = self.has_hash.index_select(0, newly_free) != 0
-        num_hashed = int(torch.count_nonzero(hashed))
+        flags = self.has_hash.index_select(0, newly_free)
+        num_hashed = int(torch.count_nonzero(flags))
         if num_hashed == 0:
             queue.prepend_n(newly_free)
         elif num_hashed == newly_free.numel():
             queue.append_n(newly_free)
         else:
+            hashed = flags != 0
             queue.prepend_n(newly_free[~hashed])
             queue.append_n(newly_free[hashed])
 
