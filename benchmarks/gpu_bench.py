@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import sys
@@ -75,6 +76,7 @@ __all__ = [
     "ContentTiming",
     "HashMapTiming",
     "Measurement",
+    "content_layers_that_fit",
     "main",
     "measure",
     "measure_content",
@@ -448,6 +450,22 @@ def measure_content(
     )
 
 
+def content_layers_that_fit(num_blocks: int, device: str | None = None, fraction: float = 0.4) -> int:
+    """As many layers of KV per block (1 to 16) as fit num_blocks blocks in `fraction` of the free memory.
+
+    The free memory is the CUDA device's, or on the CPU the free physical memory (without the page cache).
+    """
+    from kvspec.gpu_impl.sizing import device_free_memory
+
+    dev = pick_device(device)
+    if dev.type == "cuda":
+        free, _ = device_free_memory(str(dev))
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    per_layer = num_blocks * KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=16).block_bytes
+    return max(1, min(16, int(free * fraction) // per_layer))
+
+
 def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.1f} us" if seconds < 0.1 else f"{seconds * 1e3:,.1f} ms"
 
@@ -568,8 +586,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"blocks in the content check (default {DEFAULT_CONTENT_BLOCKS:,}; {FULL_CONTENT_BLOCKS:,} with --full)",
     )
     parser.add_argument(
-        "--content-layers", type=int, default=1,
-        help="layers of KV per block in the content check (8 KV heads x head dim 128 x 16 tokens each; default 1)",
+        "--content-layers", default="1",
+        help="layers of KV per block in the content check (8 KV heads x head dim 128 x 16 tokens each; default 1), "
+        "or auto: as many (up to 16) as fit in 40%% of the free memory",
     )
     parser.add_argument(
         "--host-path-max", type=int, default=None,
@@ -587,12 +606,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     pools = args.pools or (QUICK_POOLS if args.quick else FULL_POOLS if args.full else DEFAULT_POOLS)
     batches = args.batches or (QUICK_BATCHES if args.quick else FULL_BATCHES if args.full else DEFAULT_BATCHES)
     content_blocks = args.content_blocks or (FULL_CONTENT_BLOCKS if args.full else DEFAULT_CONTENT_BLOCKS)
+    if args.content_layers == "auto":
+        try:
+            content_layers = content_layers_that_fit(content_blocks, args.device)
+        except BlockManagerError as e:
+            print(f"kvspec bench gpu: {e}", file=sys.stderr)
+            return 2
+    else:
+        content_layers = int(args.content_layers) if args.content_layers.lstrip("-").isdigit() else 0
     if min(pools) < 2 or min(batches) < 1 or args.seconds <= 0:
         print(f"kvspec bench gpu: pools must be >= 2, batches >= 1, seconds > 0; got pools={list(pools)} "
               f"batches={list(batches)} seconds={args.seconds}", file=sys.stderr)
         return 2
-    if args.threads < 1 or content_blocks < 1 or args.content_layers < 1:
-        print(f"kvspec bench gpu: threads, content blocks and content layers must be >= 1; got "
+    if args.threads < 1 or content_blocks < 1 or content_layers < 1:
+        print(f"kvspec bench gpu: threads, content blocks and content layers must be >= 1 (layers: or auto); got "
               f"threads={args.threads} content_blocks={content_blocks} content_layers={args.content_layers}",
               file=sys.stderr)
         return 2
@@ -606,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hash_map = None if args.no_hash_map else measure_hash_map(
             num_entries=max(pools), chain_length=min(1_000, max(pools)), device=device, seed=args.seed
         )
-        layout = KVLayout(num_layers=args.content_layers, num_kv_heads=8, head_dim=128, block_size=16)
+        layout = KVLayout(num_layers=content_layers, num_kv_heads=8, head_dim=128, block_size=16)
         content = None if args.no_content else measure_content(content_blocks, layout, device, seed=args.seed)
     except BlockManagerError as e:
         print(f"kvspec bench gpu: {e}", file=sys.stderr)

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvspec.benchmarks.gpu_bench import OPERATIONS, main, measure, measure_content, measure_hash_map, render
+from kvspec.benchmarks.gpu_bench import (
+    OPERATIONS,
+    content_layers_that_fit,
+    main,
+    measure,
+    measure_content,
+    measure_hash_map,
+    render,
+)
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.kv_cache import PagedKVCache
 from kvspec.gpu_impl.sizing import KVLayout
@@ -81,3 +89,8 @@ def test_main_prints_the_tables_and_refuses_bad_arguments(capsys):
     assert main(["--quick", "--full"]) == 2  # one grid or the other
     assert main(["--content-layers", "0"]) == 2
     assert "content layers must be >= 1" in capsys.readouterr().err
+    assert main(["--content-layers", "many"]) == 2
+
+
+def test_auto_content_layers_fit_the_free_memory():
+    assert 1 <= content_layers_that_fit(1000) <= 16
