@@ -1,8 +1,11 @@
 """gpu_impl: the block pool and its paged KV memory in torch tensors, on CUDA when present.
 
 `TensorBlockPool` keeps ref counts, hash flags and the free order (integer
-keys, lemma 6) on the device; `TensorKVCacheManager` adds request block
-tables and the KV memory (`PagedKVCache`) that a prefix hit reads back;
+keys, lemma 6) in one array with two faces (`gpu_impl.mirror`): on the host,
+where a request's few blocks are handled in Python, and on the device, where
+long batches run as kernels; on the CPU the two are one memory.
+`TensorKVCacheManager` adds request block tables and the KV memory
+(`PagedKVCache`) that a prefix hit reads back;
 `gpu_impl.sizing` computes a pool's size from device memory. The adapter the
 conformance harness builds (`kvspec.gpu_impl.adapter:make_adapter`) is kept
 apart: nothing here knows it is being tested.

@@ -1,36 +1,66 @@
-"""The torch BlockPool: ref counts, hash flags and the free order as device tensors.
+"""The torch BlockPool: ref counts, hash flags and the free order in a host array mirrored by a device tensor.
 
 Same observable behaviour as vLLM's BlockPool under the `vllm-v1` and
 `vllm-v1-tail` profiles (the same block ids in the same order, the same error
-type for the same bad input, state unchanged after an error), with every
-per-block update of a request done as one batched tensor operation:
-`get_new_blocks(n)` is one selection of the n smallest free keys
-(gpu_impl.free_queue; lemma 6, the key encoding, is why that is vLLM's order),
+type for the same bad input, state unchanged after an error).
+`get_new_blocks(n)` is a selection of the n smallest free keys
+(gpu_impl.free_queue; lemma 6, the key encoding, is why that is vLLM's order);
 `free_blocks` and `touch` of a whole request are a gather, a scatter and a
 queue batch each.
 
-Design choice, the hash-to-blocks map: a host dict beside the tensors, and a
-flag per block, `has_hash`, on the device. Block hashes are bytes made on the
-host (sha256 over the tokens), every lookup's answer is needed on the host (it
-becomes the request's block table), and `get_cached_block` is asked one hash
-at a time. The rejected alternative, a device table (64-bit fingerprints in a
-sorted tensor, looked up with `searchsorted`), pays a copy to the device and a
-read back per lookup. Measured with `kvspec bench gpu` (its second table) on
-one CPU core, torch 2.13, 1e6 registered hashes: one lookup takes 0.13 us in
-the dict and 17 us in the device table; a 1e3-hash chain looked up as one
-batch costs 0.38 ms in the device table against 0.32 ms for 1e3 dict lookups.
-Even batched the device table only breaks even, before it pays for
-registering blocks (a re-sort, or a probing kernel) and for checking the full
-hash behind a fingerprint match; on CUDA each lookup also waits for the
-device.
+Design choice, two paths over one state: every per-block field lives in one
+int64 array with a host face and a device face (gpu_impl.mirror; on the CPU
+they are one memory). A batch of at most `host_path_max` blocks, which is
+what a single request sends, runs as a Python loop over the host face; a
+longer one runs as batched kernels over the device face. Both paths make the
+same checks in the same order and the same writes, and the lock-step tests
+run each of them alone against the reference. The rejected alternative, one
+path of device kernels for every batch (the previous design), paid 8-12
+torch operator calls of about 2 us each on the CPU for any call, however few
+blocks it named: 15-35 us for one block, 7-13x the reference's time.
 
-The map is kept lazily, so that eviction stays a batched device operation:
-taking (or evicting) a block clears its flag and nothing else; its entry in
-the dict goes stale. The flags are mirrored on the host in a bytearray (on the
-CPU, the flag tensor is that bytearray), so a lookup skips a stale entry in
-O(1) and drops it; re-registering the block drops its stale entry too. An
-eager map would delete two dict entries per evicted block: measured, 2.7 us
-per block in a 1e6-block pool (cache misses), which made a 1e5-block
+What a call costs in torch calls (tests/gpu_impl/test_operator_calls.py
+counts them; a call is about 2 us on the CPU, 5-10 us of launch on CUDA):
+
+| short call | CPU | CUDA |
+|---|---|---|
+| `get_new_blocks`, `touch`, `free_blocks`, `cache_full_blocks`, `evict_blocks`, ids in a list | none | 4: the sync |
+| the same, ids in a tensor | 1: `tolist` | 5: `tolist` (waits for the device) and the sync |
+| `get_new_blocks_tensor` | 1: `frombuffer` over the ids | 6: the sync and the ids' copy (`tensor`, `to`) |
+| `get_cached_block`, `is_block_writable`, `get_num_free_blocks`, `get_usage` | none | none |
+
+On the CPU a short call is Python only: about 1 us, plus 0.1-0.3 us a
+block. On CUDA the sync is the host face's writes going to the device face:
+`tensor` (the entries written and their values, staged in pinned memory),
+`to` (an asynchronous copy), `unbind` (a view: indices, values) and
+`index_copy_` (the scatter); none of them waits for the device. A long batch
+costs 6-22 calls whatever its length (6 for a take without gaps; a free,
+with its ids checked on the device, about 20), and on CUDA five or six more
+to bring the host face up to date: the indices written, a gather of their
+values, one copy back (a wait, which the long path pays anyway for its
+result) and `index_copy_` on the host.
+
+Design choice, the hash-to-blocks map: a host dict beside the arrays, and a
+flag per block, `has_hash`, in the mirrored state. Block hashes are bytes
+made on the host (sha256 over the tokens), every lookup's answer is needed on
+the host (it becomes the request's block table), and `get_cached_block` is
+asked one hash at a time. The rejected alternative, a device table (64-bit
+fingerprints in a sorted tensor, looked up with `searchsorted`), pays a copy
+to the device and a read back per lookup. Measured with `kvspec bench gpu`
+(its second table) on one CPU core, torch 2.13, 1e6 registered hashes: one
+lookup takes 0.13 us in the dict and 17 us in the device table; a 1e3-hash
+chain looked up as one batch costs 0.38 ms in the device table against
+0.32 ms for 1e3 dict lookups. Even batched the device table only breaks
+even, before it pays for registering blocks (a re-sort, or a probing kernel)
+and for checking the full hash behind a fingerprint match; on CUDA each
+lookup also waits for the device.
+
+The map is kept lazily, so that eviction stays a batched operation: taking
+(or evicting) a block clears its flag and nothing else; its entry in the
+dict goes stale. A lookup reads the flag on the host face in O(1), skips a
+stale entry and drops it; re-registering the block drops its stale entry
+too. An eager map would delete two dict entries per evicted block: measured,
+2.7 us per block in a 1e6-block pool (cache misses), which made a 1e5-block
 `get_new_blocks` as slow as the reference however fast the device is.
 
 Corrupt blocks (seed 002): `quarantine_blocks` takes a block whose KV content
@@ -40,23 +70,24 @@ holder frees it. A quarantined block is never free, hashed, held or reused,
 and the snapshot lists it (`Snapshot.quarantined`, checked by
 inv_quarantine_isolated and inv_conservation).
 
-Bad input: every argument is checked before anything changes. The fast checks
-only detect that something is wrong (types, range, duplicates: on the host for
-a short list, on the device for a long one); the diagnosis then walks the ids
-in order exactly as the spec does, so the error type and the block named are
-the spec's.
+Bad input: every argument is checked before anything changes. A short batch
+is checked by the loop that reads its blocks, a long one on the device
+(types, range, duplicates) before its kernels run; either way the first sign
+of trouble hands the ids to a diagnosis that walks them in order exactly as
+the spec does, so the error type and the block named are the spec's.
 """
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import cast
 
 import torch
 
 from kvspec.gpu_impl.device import pick_device
-from kvspec.gpu_impl.free_queue import KeyedFreeQueue
+from kvspec.gpu_impl.free_queue import KeyedFreeQueue, default_key_capacity
+from kvspec.gpu_impl.mirror import MirroredState
 from kvspec.gpu_impl.sizing import DEFAULT_MARGIN, CapacityPlan, KVLayout, device_free_memory, plan_capacity
 from kvspec.spec.errors import (
     AlreadyCached,
@@ -69,17 +100,27 @@ from kvspec.spec.invariants import check_all
 from kvspec.spec.ordering import profile_rule
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
-__all__ = ["BlockIds", "TensorBlockPool"]
+__all__ = ["HOST_PATH_MAX", "BlockIds", "TensorBlockPool"]
 
 # A batch of block ids: a Python sequence (what vLLM's callers pass), or a 1-D
 # integer tensor (a caller that already holds the ids on the device).
 BlockIds = Sequence[BlockId] | torch.Tensor
 
-# Up to this many ids, checks and small reads run on the host (Python over a
-# short list beats the ~2 us a torch operator costs); beyond it, on the device
-# (a constant number of kernels, no per-id Python work). Measured crossover on
-# the CPU: a few hundred ids.
-_HOST_CHECK_MAX = 256
+# The longest batch that runs on the host face, per device type. On the CPU a
+# Python step costs 0.1-0.3 us a block against a 15-35 us floor for the
+# kernels, which then cost 0.05-0.3 us a block: measured crossover 200-300
+# blocks in a 1e4-block pool, 130-250 in a 1e6-block pool (torch 2.13, one
+# thread). TODO(#16): measure the CUDA crossover (`kvspec bench gpu
+# --host-path-max 0` against the default), where the kernels' floor is
+# higher and their cost per block lower.
+HOST_PATH_MAX = {"cpu": 256, "cuda": 1024}
+
+# The mirrored state holds four fields per block, side by side, then the free
+# queue's key index. Side by side: a short call touches one or two cache lines
+# a block instead of four (measured: free_blocks of 16 blocks of a 1e6-block
+# pool, 8 us in four arrays, 3 us interleaved).
+_NUM_FIELDS = 4
+_REF, _HASH, _CORRUPT, _FREE_KEY = range(_NUM_FIELDS)  # block b's field f is state entry 4 * b + f
 
 
 def _is_int(value: object) -> bool:
@@ -87,7 +128,7 @@ def _is_int(value: object) -> bool:
 
 
 class TensorBlockPool:
-    """A pool of `num_gpu_blocks` KV blocks with prefix caching, its state in device tensors."""
+    """A pool of `num_gpu_blocks` KV blocks with prefix caching, its state in a host array and a device tensor."""
 
     def __init__(
         self,
@@ -96,6 +137,8 @@ class TensorBlockPool:
         profile: str = "vllm-v1",
         device: str | torch.device | None = None,
         key_capacity: int | None = None,
+        host_path_max: int | None = None,
+        share_host_memory: bool | None = None,
     ) -> None:
         """Build the pool on a device; block 0 becomes the null block.
 
@@ -103,13 +146,18 @@ class TensorBlockPool:
             num_gpu_blocks: blocks in the pool, the null block included.
             enable_caching: prefix caching on or off.
             profile: the ordering rule (kvspec.spec.ordering.PROFILES).
-            device: where the tensors live; None picks (gpu_impl.device.pick_device).
+            device: where the device face lives; None picks (gpu_impl.device.pick_device).
             key_capacity: the free queue's key index length (None: the default; tests
                 pass a small one to force relabels).
+            host_path_max: the longest batch run on the host face (None: HOST_PATH_MAX for
+                the device; tests pass 0 to run every batch on the device face).
+            share_host_memory: one memory for both faces (None: on the CPU only; tests pass
+                False on the CPU to run the synchronisation CUDA needs).
 
         Raises:
             InvalidRequest: num_gpu_blocks is not an integer >= 1, the profile is unknown,
-                or the device cannot be used.
+                the device cannot be used, host_path_max is not an integer >= 0, or
+                share_host_memory is asked for a device with its own memory.
 
         Cost: O(num_gpu_blocks).
         """
@@ -122,24 +170,38 @@ class TensorBlockPool:
             rule = profile_rule(profile)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        if host_path_max is not None and (not _is_int(host_path_max) or host_path_max < 0):
+            raise InvalidRequest(f"host_path_max must be an integer >= 0; got host_path_max={host_path_max!r}")
         self.device = pick_device(device)  # fixed
         self.num_gpu_blocks = num_gpu_blocks  # fixed
         self.enable_caching = bool(enable_caching)  # fixed
         self.profile = profile  # fixed: the ordering rule it claims
         self._unhashed_to_left = rule.unhashed_to_left  # fixed, read on every free
-        self._on_host = self.device.type == "cpu"  # fixed: no copies between host and device
+        # fixed: the longest batch run in Python over the host face
+        self.host_path_max = HOST_PATH_MAX.get(self.device.type, 0) if host_path_max is None else host_path_max
         n, dev = num_gpu_blocks, self.device
+        cap = default_key_capacity(n) if key_capacity is None else key_capacity
+        try:
+            state = MirroredState(_NUM_FIELDS * n + max(cap, 0), dev, share_host_memory)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        self._state = state  # every per-block field below, both faces
+        self._track = not state.is_shared  # fixed: writes are marked and synchronised
+        end, step = _NUM_FIELDS * n, _NUM_FIELDS
         # NOTE: the null block's ref_cnt stays 0 and it is never queued: it is a
         # placeholder for slots that need no memory, never handed out or freed.
-        self.ref_cnt = torch.zeros(n, dtype=torch.int32, device=dev)  # requests holding each block
-        # Whether each block is registered in the hash table: the truth the map
-        # below is read through. _hash_flags is its host mirror (one byte per
-        # block, read by Python in O(1)); on the CPU the two share memory.
-        self._hash_flags = bytearray(n)
-        self._host_has_hash = torch.frombuffer(self._hash_flags, dtype=torch.bool)
-        self.has_hash = self._host_has_hash if self._on_host else torch.zeros(n, dtype=torch.bool, device=dev)
-        self.is_corrupt = torch.zeros(n, dtype=torch.bool, device=dev)  # held, found corrupt: quarantine on free
-        self.free_block_queue = KeyedFreeQueue(n, dev, key_capacity)  # the eviction order
+        self.ref_cnt = state.tensor[_REF:end:step]  # requests holding each block (device face)
+        # Whether each block is registered in the hash table (1) or not (0): the
+        # truth the dict below is read through.
+        self.has_hash = state.tensor[_HASH:end:step]
+        self.is_corrupt = state.tensor[_CORRUPT:end:step]  # held, found corrupt: quarantine on free (1)
+        self._ref = state.host[_REF:end:step]  # the host faces of the three, for Python
+        self._hash_flags = state.host[_HASH:end:step]
+        self._corrupt = state.host[_CORRUPT:end:step]
+        self._has_hash_host = state.host_tensor[_HASH:end:step]  # the host face of has_hash, as a tensor
+        # The eviction order: each block's key in its fourth field, the key index after the fields.
+        self.free_block_queue = KeyedFreeQueue(n, dev, key_capacity, state, (_FREE_KEY, step), end)
+        state.upload(0, end + self.free_block_queue.key_capacity)
         # The hash map (host, see the module docstring): hash -> the blocks
         # registered under it, in registration order (a dict used as an ordered
         # set: the first live one is what a hit returns). Entries of blocks whose
@@ -149,7 +211,8 @@ class TensorBlockPool:
         self.quarantined: dict[int, None] = {}  # blocks found corrupt, in the order they were retired
         self._num_corrupt_held = 0  # blocks with is_corrupt set (all held)
         self._scratch = torch.empty(n, dtype=torch.int64, device=dev)  # duplicate detection for long batches
-        self._ones = torch.ones(n, dtype=torch.int32, device=dev)  # increments for ref_cnt.index_add_
+        self._positions = torch.arange(n, dtype=torch.int64, device=dev)  # what each id of a batch writes there
+        self._ones = torch.ones(n, dtype=torch.int64, device=dev)  # increments for ref_cnt.index_add_
         self._no_blocks = torch.empty(0, dtype=torch.int64, device=dev)
         self.capacity_plan: CapacityPlan | None = None  # set when the pool was sized from memory
 
@@ -195,60 +258,62 @@ class TensorBlockPool:
 
     # --- argument checks ------------------------------------------------------------------
 
-    def _index(self, block_ids: BlockIds, op: str) -> torch.Tensor:
-        """The ids as an int64 device tensor, after checking them (ints, in range, not null, distinct).
+    def _short(self, block_ids: BlockIds, op: str) -> Sequence[object] | None:
+        """The ids as a host sequence when the batch is short enough for the host face, else None.
 
         Raises:
-            InvalidBlock, InvalidRequest: as `_diagnose_ids`.
+            InvalidRequest: a tensor that is not a 1-D integer tensor.
         """
         if isinstance(block_ids, torch.Tensor):
-            if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
-                raise InvalidRequest(
-                    f"{op}: block_ids must be a 1-D integer tensor; got dtype={block_ids.dtype} "
-                    f"shape={tuple(block_ids.shape)}"
-                )
-            ids = block_ids.to(device=self.device, dtype=torch.int64)
-            if 0 < ids.numel() <= _HOST_CHECK_MAX:
-                host_ids = cast("list[int]", ids.tolist())
-                if min(host_ids) < 1 or max(host_ids) >= self.num_gpu_blocks or len(set(host_ids)) != len(host_ids):
-                    self._diagnose_ids(host_ids, op)
-            elif ids.numel():
-                self._check_on_device(ids, op, ids.tolist)
-            return ids
-        n = len(block_ids)
-        if n == 0:
-            return self._no_blocks
-        if set(map(type, block_ids)) != {int}:
-            self._diagnose_ids(block_ids, op)
-        if n <= _HOST_CHECK_MAX:
-            if min(block_ids) < 1 or max(block_ids) >= self.num_gpu_blocks or len(set(block_ids)) != n:
-                self._diagnose_ids(block_ids, op)
-            return self._to_device(block_ids)
-        ids = self._to_device(block_ids)
-        self._check_on_device(ids, op, lambda: block_ids)
-        return ids
+            self._check_tensor(block_ids, op)
+            return cast("list[int]", block_ids.tolist()) if block_ids.numel() <= self.host_path_max else None
+        return block_ids if len(block_ids) <= self.host_path_max else None
 
-    def _to_device(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Checked int ids as an int64 tensor on the device (one buffer copy, no per-id Python objects)."""
-        host = torch.frombuffer(array.array("q", block_ids), dtype=torch.int64)
-        return host if self._on_host else host.to(self.device)
+    @staticmethod
+    def _check_tensor(block_ids: torch.Tensor, op: str) -> None:
+        if block_ids.dim() != 1 or block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+            raise InvalidRequest(
+                f"{op}: block_ids must be a 1-D integer tensor; got dtype={block_ids.dtype} "
+                f"shape={tuple(block_ids.shape)}"
+            )
+
+    def _index(self, block_ids: BlockIds, op: str) -> torch.Tensor:
+        """A long batch as an int64 device tensor, checked on the device (ints, in range, not null, distinct).
+
+        Raises:
+            InvalidBlock, InvalidRequest: as `_check_ids`.
+        """
+        if isinstance(block_ids, torch.Tensor):
+            ids = block_ids.to(device=self.device, dtype=torch.int64)
+            self._check_on_device(ids, op, ids.tolist)
+            return ids
+        host_ids: Sequence[int] = block_ids
+        if set(map(type, block_ids)) != {int}:
+            host_ids = self._plain_ids(block_ids, op)  # raises, unless the ids are only int subclasses
+        try:
+            ids = self._state.to_device(host_ids)
+        except OverflowError:
+            self._check_ids(host_ids, op)  # raises: an id beyond int64 is not a block
+            raise
+        self._check_on_device(ids, op, lambda: host_ids)
+        return ids
 
     def _check_on_device(self, ids: torch.Tensor, op: str, as_list: Callable[[], Sequence[object]]) -> None:
         """Range and distinctness of a long batch in a constant number of kernels; diagnose on failure."""
-        lo_hi = torch.aminmax(ids)
-        lo, hi = int(lo_hi.min), int(lo_hi.max)
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()
         bad = lo < 1 or hi >= self.num_gpu_blocks
         if not bad:
             # Each id writes its position; a repeated id keeps one of its
             # positions, so some other position reads back a different one.
-            positions = torch.arange(ids.numel(), dtype=torch.int64, device=self.device)
-            self._scratch[ids] = positions
-            bad = not bool(torch.equal(self._scratch[ids], positions))
+            positions = self._positions[: ids.numel()]
+            self._scratch.index_copy_(0, ids, positions)
+            bad = not bool(torch.equal(self._scratch.index_select(0, ids), positions))
         if bad:
-            self._diagnose_ids(as_list(), op)
+            self._check_ids(as_list(), op)
+            raise AssertionError(f"{op}: block_ids={list(as_list())} flagged on the device but every check passes")
 
-    def _diagnose_ids(self, block_ids: Sequence[object], op: str) -> None:
-        """Raise the spec's error for the first bad id, walking the ids in order.
+    def _check_ids(self, block_ids: Sequence[object], op: str) -> None:
+        """Raise the spec's error for the first bad id, walking the ids in order; return if none is bad.
 
         Raises:
             InvalidBlock: an id is not an int in range, or is the null block.
@@ -263,26 +328,25 @@ class TensorBlockPool:
                 raise InvalidBlock(f"{op}: block_id=0 is the null block, whose ref_cnt is never maintained")
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequest(f"{op}: block_ids={list(block_ids)} names a block twice")
-        raise AssertionError(f"{op}: block_ids={list(block_ids)} flagged as bad but every check passes")
 
-    @staticmethod
-    def _small(values: torch.Tensor) -> list[int] | None:
-        """A short vector's values on the host (a read back beats a reduction kernel); None for a long one."""
-        return cast("list[int]", values.tolist()) if values.numel() <= _HOST_CHECK_MAX else None
+    def _plain_ids(self, block_ids: Sequence[object], op: str) -> list[int]:
+        """Checked ids as plain ints (an int subclass passes the spec's checks but not the fast loops)."""
+        self._check_ids(block_ids, op)
+        return [int(cast(int, b)) for b in block_ids]
 
-    # --- hash flags -------------------------------------------------------------------------
+    # --- marking writes (only when the two faces are two memories) ------------------------
 
-    def _set_hash_flags(self, block_ids: torch.Tensor, value: bool) -> None:
-        """Set or clear `has_hash` for a batch, on the device and in the host mirror."""
-        self.has_hash.index_fill_(0, block_ids, value)
-        if not self._on_host:
-            self._host_has_hash.index_fill_(0, block_ids.cpu(), value)
+    def _wrote_host(self, field: int, block_ids: list[int]) -> None:
+        self._state.wrote_host([_NUM_FIELDS * b + field for b in block_ids])
+
+    def _wrote_device(self, field: int, block_ids: torch.Tensor) -> None:
+        self._state.wrote_device(block_ids * _NUM_FIELDS + field)
+
+    # --- operations -----------------------------------------------------------------------
 
     def get_block_hash(self, block_id: int) -> BlockHash | None:
         """The hash `block_id` is registered under, or None (host only). Cost: O(1)."""
         return self._registered_hash.get(block_id) if self._hash_flags[block_id] else None
-
-    # --- operations -----------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
         """How many blocks `get_new_blocks` could take now. Cost: O(1)."""
@@ -305,10 +369,13 @@ class TensorBlockPool:
             InvalidRequest: num_blocks is not a non-negative integer.
             PoolExhausted: fewer than num_blocks blocks are free.
 
-        Cost: O(num_blocks) in a constant number of kernels; no per-block host work but the list returned.
+        Cost: O(num_blocks): Python over the host face for a short batch, a constant number
+        of kernels and the list returned for a long one.
         """
-        taken = self.get_new_blocks_tensor(num_blocks)
-        return cast("list[BlockId]", taken.tolist())
+        self._check_take(num_blocks)
+        if num_blocks <= self.host_path_max:
+            return cast("list[BlockId]", self._take_short(num_blocks))
+        return cast("list[BlockId]", self._take_long(num_blocks).tolist())
 
     def get_new_blocks_tensor(self, num_blocks: int) -> torch.Tensor:
         """`get_new_blocks`, returning the ids as an int64 device tensor (no list of the ids on the host).
@@ -316,6 +383,13 @@ class TensorBlockPool:
         Raises:
             InvalidRequest, PoolExhausted: as `get_new_blocks`.
         """
+        self._check_take(num_blocks)
+        if num_blocks <= self.host_path_max:
+            taken = self._take_short(num_blocks)
+            return self._state.to_device(taken) if taken else self._no_blocks
+        return self._take_long(num_blocks)
+
+    def _check_take(self, num_blocks: int) -> None:
         if not _is_int(num_blocks) or num_blocks < 0:
             raise InvalidRequest(
                 f"get_new_blocks: num_blocks must be a non-negative integer; got num_blocks={num_blocks!r}"
@@ -327,11 +401,29 @@ class TensorBlockPool:
                 f"num_gpu_blocks={self.num_gpu_blocks}, one is the null block"
                 + (f" and {len(self.quarantined)} quarantined" if self.quarantined else "")
             )
+
+    def _take_short(self, num_blocks: int) -> list[int]:
+        taken = self.free_block_queue.popleft_list(num_blocks)
+        ref, flags = self._ref, self._hash_flags
+        for b in taken:
+            ref[b] = 1
+            # Taking a block is what evicts it: a freed block stays hittable until
+            # its memory is actually needed. Its dict entry goes stale (see above).
+            flags[b] = 0
+        if self._track:
+            self._wrote_host(_REF, taken)
+            self._wrote_host(_HASH, taken)
+            self._state.sync()
+        return taken
+
+    def _take_long(self, num_blocks: int) -> torch.Tensor:
         taken = self.free_block_queue.popleft_n(num_blocks)
         self.ref_cnt.index_fill_(0, taken, 1)
-        # Taking a block is what evicts it: a freed block stays hittable until
-        # its memory is actually needed. Its dict entry goes stale (see above).
-        self._set_hash_flags(taken, False)
+        self.has_hash.index_fill_(0, taken, 0)  # evicted, as above
+        if self._track:
+            self._wrote_device(_REF, taken)
+            self._wrote_device(_HASH, taken)
+            self._state.sync()
         return taken
 
     def touch(self, block_ids: BlockIds) -> None:
@@ -341,27 +433,61 @@ class TensorBlockPool:
             InvalidBlock: an id is out of range, the null block, or has no hash.
             InvalidRequest: an id is named twice.
 
-        Cost: O(len(block_ids)) in a constant number of kernels.
+        Cost: O(len(block_ids)): Python over the host face for a short batch, a constant
+        number of kernels for a long one.
         """
-        ids = self._index(block_ids, "touch")
-        if ids.numel() == 0:
-            return
-        if isinstance(block_ids, torch.Tensor) or len(block_ids) > _HOST_CHECK_MAX:
-            all_hashed = bool(self.has_hash.index_select(0, ids).all())
-        else:
-            flags = self._hash_flags
-            all_hashed = all(flags[b] for b in block_ids)
-        if not all_hashed:
-            b = int(ids[int(torch.nonzero(~self.has_hash.index_select(0, ids))[0])])
+        ids = self._short(block_ids, "touch")
+        if ids is None:
+            return self._touch_long(self._index(block_ids, "touch"))
+        n, flags = self.num_gpu_blocks, self._hash_flags
+        for b in ids:
+            if type(b) is not int or not 0 < b < n or not flags[b]:
+                ids = self._refuse_touch(ids)
+                break
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            self._check_ids(ids, "touch")
+        ref = self._ref
+        was_free: list[int] = []
+        for b in cast("list[int]", ids):
+            r = ref[b]
+            if r == 0:
+                was_free.append(b)
+            ref[b] = r + 1
+        self.free_block_queue.remove_list(was_free)
+        if self._track:
+            self._wrote_host(_REF, cast("list[int]", ids))
+            self._state.sync()
+        return None
+
+    def _refuse_touch(self, block_ids: Sequence[object]) -> list[int]:
+        """Raise the spec's error for a touch its loop did not accept (ids, duplicates, then hashes), in order.
+
+        Returns:
+            The ids as plain ints, when nothing was wrong but their type.
+        """
+        ids = self._plain_ids(block_ids, "touch")
+        for b in ids:
+            if not self._hash_flags[b]:
+                raise InvalidBlock(
+                    f"touch: block_id={b} has no hash (ref_cnt={self._ref[b]}), "
+                    "so no request can have hit it; stale block table?"
+                )
+        return ids
+
+    def _touch_long(self, ids: torch.Tensor) -> None:
+        hashed = self.has_hash.index_select(0, ids)
+        if not bool(hashed.all()):
+            b = int(ids[int(torch.nonzero(hashed == 0)[0])])
             raise InvalidBlock(
                 f"touch: block_id={b} has no hash (ref_cnt={int(self.ref_cnt[b])}), "
                 "so no request can have hit it; stale block table?"
             )
         was_free = self.ref_cnt.index_select(0, ids) == 0
-        small = self._small(was_free)
-        if small is None or any(small):
-            self.free_block_queue.remove(ids if small is not None and all(small) else ids[was_free])
+        self.free_block_queue.remove(ids[was_free])
         self.ref_cnt.index_add_(0, ids, self._ones[: ids.numel()])
+        if self._track:
+            self._wrote_device(_REF, ids)
+            self._state.sync()
 
     def free_blocks(self, ordered_block_ids: BlockIds) -> None:
         """Drop one reference per block, in eviction-priority order (a request's blocks tail first).
@@ -377,51 +503,127 @@ class TensorBlockPool:
             InvalidRequest: an id is named twice.
             DoubleFree: a block has ref_cnt 0.
 
-        Cost: O(len(ordered_block_ids)) in a constant number of kernels.
+        Cost: O(len(ordered_block_ids)): Python over the host face for a short batch, a
+        constant number of kernels for a long one.
         """
-        ids = self._index(ordered_block_ids, "free_blocks")
-        if ids.numel() == 0:
-            return
+        ids = ordered_block_ids
+        if isinstance(ids, torch.Tensor) or len(ids) > self.host_path_max:
+            short = self._short(ids, "free_blocks")
+            if short is None:
+                return self._free_long(self._index(ids, "free_blocks"))
+            ids = cast("list[BlockId]", short)
+        # Every finished request lands here, so one pass checks an id and drops
+        # its reference at once; the queue changes only after every id passed.
+        # Anything the pass does not accept hands back the references it
+        # dropped and goes to the spec's diagnosis.
+        n, ref, flags, corrupt = self.num_gpu_blocks, self._ref, self._hash_flags, self._corrupt
+        to_left = self._unhashed_to_left
+        left: list[int] = []  # newly free without a hash: reused first
+        right: list[int] = []  # newly free with a hash: kept longest (LRU)
+        retired: list[int] = []  # newly free but corrupt: quarantined
+        dropped = 0
+        for b in ids:
+            if type(b) is not int or not 0 < b < n or (r := ref[b]) == 0:
+                self._undrop(ids, dropped)
+                return self.free_blocks(cast("list[BlockId]", self._refuse_free(ids)))
+            ref[b] = r - 1
+            dropped += 1
+            if r == 1:
+                if corrupt[b]:
+                    retired.append(b)
+                elif to_left and not flags[b]:
+                    left.append(b)
+                else:
+                    right.append(b)
+        if dropped > 1 and len(set(ids)) != dropped:
+            self._undrop(ids, dropped)
+            self._check_ids(ids, "free_blocks")
+        if retired:
+            self._retire(retired)
+        queue = self.free_block_queue
+        if left:
+            queue.prepend_list(left)
+        if right:
+            queue.append_list(right)
+        if self._track:
+            self._wrote_host(_REF, cast("list[int]", ids))
+            self._state.sync()
+        return None
+
+    def _undrop(self, block_ids: Sequence[object], dropped: int) -> None:
+        """Hand back the references a refused free dropped: one for each of the first `dropped` ids."""
+        ref = self._ref
+        for b in islice(block_ids, dropped):
+            ref[cast(int, b)] += 1
+
+    def _refuse_free(self, block_ids: Sequence[object]) -> list[int]:
+        """Raise the spec's error for a free its loop did not accept (ids, duplicates, then double free), in order.
+
+        Returns:
+            The ids as plain ints, when nothing was wrong but their type.
+        """
+        ids = self._plain_ids(block_ids, "free_blocks")
+        for b in ids:
+            if self._ref[b] == 0:
+                raise DoubleFree(f"free_blocks: block_id={b} has ref_cnt=0, no request holds it (double free?)")
+        return ids
+
+    def _retire(self, retired: list[int]) -> None:
+        """Quarantine corrupt blocks whose last holder just freed them (host face)."""
+        corrupt = self._corrupt
+        for b in retired:
+            corrupt[b] = 0
+            self.quarantined[b] = None
+        self._num_corrupt_held -= len(retired)
+        if self._track:
+            self._wrote_host(_CORRUPT, retired)
+
+    def _free_long(self, ids: torch.Tensor) -> None:
         ref_cnt = self.ref_cnt.index_select(0, ids)
-        small = self._small(ref_cnt)
-        if small is not None:
-            min_ref, max_ref = min(small), max(small)
-        else:
-            extremes = torch.aminmax(ref_cnt)
-            min_ref, max_ref = int(extremes.min), int(extremes.max)
+        min_ref, max_ref = torch.stack(torch.aminmax(ref_cnt)).tolist()
         if min_ref == 0:
             b = int(ids[int(torch.nonzero(ref_cnt == 0)[0])])
             raise DoubleFree(f"free_blocks: block_id={b} has ref_cnt=0, no request holds it (double free?)")
         self.ref_cnt.index_add_(0, ids, self._ones[: ids.numel()], alpha=-1)
-        if min_ref > 1:
-            return
-        newly_free = ids if max_ref == 1 else ids[ref_cnt == 1]
-        if self._num_corrupt_held:
-            newly_free = self._retire_corrupt(newly_free)
-        if not self._unhashed_to_left:
-            self.free_block_queue.append_n(newly_free)
-            return
-        hashed = self.has_hash.index_select(0, newly_free)
-        small = self._small(hashed)
-        num_hashed = sum(small) if small is not None else int(torch.count_nonzero(hashed))
-        if num_hashed == 0:
-            self.free_block_queue.prepend_n(newly_free)
-        elif num_hashed == newly_free.numel():
-            self.free_block_queue.append_n(newly_free)
-        else:
-            self.free_block_queue.prepend_n(newly_free[~hashed])
-            self.free_block_queue.append_n(newly_free[hashed])
+        if self._track:
+            self._wrote_device(_REF, ids)
+        if min_ref == 1:  # some block is free now
+            newly_free = ids if max_ref == 1 else ids[ref_cnt == 1]
+            if self._num_corrupt_held:
+                newly_free = self._retire_long(newly_free)
+            self._queue_long(newly_free)
+        if self._track:
+            self._state.sync()
 
-    def _retire_corrupt(self, newly_free: torch.Tensor) -> torch.Tensor:
+    def _queue_long(self, newly_free: torch.Tensor) -> None:
+        """Send blocks whose ref_cnt reached 0 to their ends of the queue (device face)."""
+        queue = self.free_block_queue
+        if not self._unhashed_to_left:
+            queue.append_n(newly_free)
+            return
+        flags = self.has_hash.index_select(0, newly_free)
+        num_hashed = int(torch.count_nonzero(flags))
+        if num_hashed == 0:
+            queue.prepend_n(newly_free)
+        elif num_hashed == newly_free.numel():
+            queue.append_n(newly_free)
+        else:
+            hashed = flags != 0
+            queue.prepend_n(newly_free[~hashed])
+            queue.append_n(newly_free[hashed])
+
+    def _retire_long(self, newly_free: torch.Tensor) -> torch.Tensor:
         """Quarantine the corrupt blocks among those whose ref_cnt just reached 0; return the others."""
-        corrupt = self.is_corrupt.index_select(0, newly_free)
+        corrupt = self.is_corrupt.index_select(0, newly_free) != 0
         if not bool(corrupt.any()):
             return newly_free
         retired = newly_free[corrupt]
-        self.is_corrupt.index_fill_(0, retired, False)
+        self.is_corrupt.index_fill_(0, retired, 0)
+        if self._track:
+            self._wrote_device(_CORRUPT, retired)
         for b in retired.tolist():
             self.quarantined[b] = None
-            self._num_corrupt_held -= 1
+        self._num_corrupt_held -= retired.numel()
         return newly_free[~corrupt]
 
     def cache_full_blocks(self, block_ids: BlockIds, block_hashes: Sequence[BlockHash]) -> None:
@@ -436,7 +638,8 @@ class TensorBlockPool:
             InvalidBlock: an id is out of range, the null block, not held, or found corrupt.
             AlreadyCached: a block already has a hash.
 
-        Cost: O(len(block_ids)): one gather on the device, one host map insert per block.
+        Cost: O(len(block_ids)): one host map insert per block, plus a constant number of
+        kernels for a long batch.
         """
         if not self.enable_caching:
             raise InvalidRequest("cache_full_blocks: prefix caching is off (enable_caching=False), nothing is hashed")
@@ -445,17 +648,42 @@ class TensorBlockPool:
                 f"cache_full_blocks: {len(block_ids)} block_ids but {len(block_hashes)} block_hashes; "
                 "one hash per block"
             )
-        ids = self._index(block_ids, "cache_full_blocks")
-        if ids.numel() == 0:
-            return
-        bad = (self.ref_cnt.index_select(0, ids) == 0) | self.has_hash.index_select(0, ids)
+        ids = self._short(block_ids, "cache_full_blocks")
+        if ids is None:
+            return self._cache_long(self._index(block_ids, "cache_full_blocks"), block_hashes)
+        n, ref, flags, corrupt = self.num_gpu_blocks, self._ref, self._hash_flags, self._corrupt
+        for b, h in zip(ids, block_hashes):
+            if type(b) is not int or not 0 < b < n or ref[b] == 0 or flags[b] or corrupt[b] or type(h) is not bytes:
+                ids = self._plain_ids(ids, "cache_full_blocks")
+                self._diagnose_cache(ids, block_hashes)  # raises, unless only the types were unusual
+                break
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            self._check_ids(ids, "cache_full_blocks")
+        for b in cast("list[int]", ids):
+            flags[b] = 1
+        if self._track:
+            self._wrote_host(_HASH, cast("list[int]", ids))
+            self._state.sync()
+        self._register(cast("list[int]", ids), block_hashes)
+        return None
+
+    def _cache_long(self, ids: torch.Tensor, block_hashes: Sequence[BlockHash]) -> None:
+        bad = (self.ref_cnt.index_select(0, ids) == 0) | (self.has_hash.index_select(0, ids) != 0)
         if self._num_corrupt_held:
-            bad |= self.is_corrupt.index_select(0, ids)
+            bad |= self.is_corrupt.index_select(0, ids) != 0
+        host_ids = cast("list[int]", ids.tolist())
         if bool(bad.any()) or set(map(type, block_hashes)) != {bytes}:
-            self._diagnose_cache(ids.tolist(), block_hashes)
-        self._set_hash_flags(ids, True)
+            self._diagnose_cache(host_ids, block_hashes)
+        self.has_hash.index_fill_(0, ids, 1)
+        if self._track:
+            self._wrote_device(_HASH, ids)
+            self._state.sync()
+        self._register(host_ids, block_hashes)
+
+    def _register(self, block_ids: list[int], block_hashes: Sequence[BlockHash]) -> None:
+        """Enter flagged blocks in the host map. Cost: O(len(block_ids)) dict operations."""
         registered, table = self._registered_hash, self.cached_block_hash_to_block
-        for b, h in zip(block_ids if isinstance(block_ids, list) else ids.tolist(), block_hashes):
+        for b, h in zip(block_ids, block_hashes):
             stale = registered.get(b)
             if stale is not None:
                 # The entry an earlier (lazy) eviction left behind goes now.
@@ -476,11 +704,11 @@ class TensorBlockPool:
                 del self.cached_block_hash_to_block[block_hash]
 
     def _diagnose_cache(self, block_ids: list[int], block_hashes: Sequence[object]) -> None:
-        """Raise the spec's error for the first block that cannot be registered, in order."""
+        """Raise the spec's error for the first block that cannot be registered, in order; return if none."""
         for b, h in zip(block_ids, block_hashes):
             if not isinstance(h, bytes):
                 raise InvalidRequest(f"cache_full_blocks: block_hash={h!r} for block_id={b} is not bytes")
-            if int(self.ref_cnt[b]) == 0:
+            if self._ref[b] == 0:
                 raise InvalidBlock(
                     f"cache_full_blocks: block_id={b} has ref_cnt=0; only a held, computed block is cached"
                 )
@@ -488,12 +716,11 @@ class TensorBlockPool:
                 raise AlreadyCached(
                     f"cache_full_blocks: block_id={b} is already registered; a block is cached once"
                 )
-            if bool(self.is_corrupt[b]):
+            if self._corrupt[b]:
                 raise InvalidBlock(
                     f"cache_full_blocks: block_id={b} failed its checksum and awaits quarantine; "
                     "its content cannot be served"
                 )
-        raise AssertionError(f"cache_full_blocks: block_ids={block_ids} flagged as bad but every check passes")
 
     def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
         """The first block registered under `block_hash`, or None.
@@ -532,11 +759,29 @@ class TensorBlockPool:
             InvalidBlock: an id is out of range or the null block.
             InvalidRequest: an id is named twice.
 
-        Cost: O(len(block_ids)) in one kernel (the dict entries go stale).
+        Cost: O(len(block_ids)) (the dict entries go stale).
         """
-        ids = self._index(block_ids, "evict_blocks")
-        if ids.numel():
-            self._set_hash_flags(ids, False)
+        ids = self._short(block_ids, "evict_blocks")
+        if ids is None:
+            long_ids = self._index(block_ids, "evict_blocks")
+            self.has_hash.index_fill_(0, long_ids, 0)
+            if self._track:
+                self._wrote_device(_HASH, long_ids)
+                self._state.sync()
+            return
+        n = self.num_gpu_blocks
+        for b in ids:
+            if type(b) is not int or not 0 < b < n:
+                ids = self._plain_ids(ids, "evict_blocks")
+                break
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            self._check_ids(ids, "evict_blocks")
+        flags = self._hash_flags
+        for b in cast("list[int]", ids):
+            flags[b] = 0
+        if self._track:
+            self._wrote_host(_HASH, cast("list[int]", ids))
+            self._state.sync()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash if no block is held; refuse (False, nothing changes) otherwise.
@@ -549,7 +794,8 @@ class TensorBlockPool:
         self.cached_block_hash_to_block = {}
         self._registered_hash = {}
         self.has_hash.zero_()
-        self._host_has_hash.zero_()
+        if self._track:
+            self._has_hash_host.zero_()
         return True
 
     def is_block_writable(self, block_id: BlockId) -> bool:
@@ -558,14 +804,14 @@ class TensorBlockPool:
         Raises:
             InvalidBlock: block_id is not a block of this pool.
 
-        Cost: O(1).
+        Cost: O(1), host only.
         """
         if not _is_int(block_id) or not 0 <= block_id < self.num_gpu_blocks:
             raise InvalidBlock(
                 f"is_block_writable: block_id={block_id!r} is not a block of this pool "
                 f"(ids 0..{self.num_gpu_blocks - 1})"
             )
-        return block_id != NULL_BLOCK_ID and not self._hash_flags[block_id] and int(self.ref_cnt[block_id]) == 1
+        return block_id != NULL_BLOCK_ID and not self._hash_flags[block_id] and self._ref[block_id] == 1
 
     def writable_mask(self, block_ids: torch.Tensor) -> torch.Tensor:
         """`is_block_writable` for a batch of in-range ids, as a device bool tensor (no host sync).
@@ -573,7 +819,7 @@ class TensorBlockPool:
         The rule is kvspec.spec.invariants.is_block_writable's, evaluated on the
         device; tests check the two agree on every reachable state.
         """
-        return (block_ids != NULL_BLOCK_ID) & (self.ref_cnt[block_ids] == 1) & ~self.has_hash[block_ids]
+        return (block_ids != NULL_BLOCK_ID) & (self.ref_cnt[block_ids] == 1) & (self.has_hash[block_ids] == 0)
 
     # --- corrupt blocks -------------------------------------------------------------------
 
@@ -590,27 +836,39 @@ class TensorBlockPool:
             InvalidBlock: an id is out of range or the null block.
             InvalidRequest: an id is named twice.
 
-        Cost: O(len(block_ids)).
+        Cost: O(len(block_ids)) Python steps over the host face, at any length (a rare call).
         """
-        ids = self._index(block_ids, "quarantine_blocks")
-        if ids.numel() == 0:
-            return
-        self._set_hash_flags(ids, False)
-        held = self.ref_cnt.index_select(0, ids) > 0
-        free = self.free_block_queue.contains(ids)
-        newly_corrupt = ids[held & ~self.is_corrupt.index_select(0, ids)]
-        self.is_corrupt.index_fill_(0, newly_corrupt, True)
-        self._num_corrupt_held += newly_corrupt.numel()
-        retired = ids[free]
-        self.free_block_queue.remove(retired)
-        for b in retired.tolist():
+        if isinstance(block_ids, torch.Tensor):
+            self._check_tensor(block_ids, "quarantine_blocks")
+            block_ids = cast("list[BlockId]", block_ids.tolist())
+        ids = self._plain_ids(block_ids, "quarantine_blocks")
+        ref, flags, corrupt = self._ref, self._hash_flags, self._corrupt
+        queue = self.free_block_queue
+        retired: list[int] = []
+        for b in ids:
+            flags[b] = 0
+            if ref[b] > 0:
+                if not corrupt[b]:
+                    corrupt[b] = 1
+                    self._num_corrupt_held += 1
+            elif queue.is_free(b):
+                retired.append(b)
+        queue.remove_list(retired)
+        for b in retired:
             self.quarantined[b] = None
+        if self._track:
+            self._wrote_host(_HASH, ids)
+            self._wrote_host(_CORRUPT, ids)
+            self._state.sync()
 
     # --- observation ----------------------------------------------------------------------
 
     def snapshot(self, block_tables: tuple[tuple[str, tuple[BlockId, ...]], ...] | None = None) -> Snapshot:
-        """The state in the spec's normal form (stale map entries left out). Cost: O(num_gpu_blocks)."""
-        flags = self._hash_flags
+        """The state in the spec's normal form, read from the device face (stale map entries left out).
+
+        Cost: O(num_gpu_blocks).
+        """
+        flags = self.has_hash.tolist()
         block_hash: list[BlockHash | None] = [None] * self.num_gpu_blocks
         for b, h in self._registered_hash.items():
             if flags[b]:
@@ -629,14 +887,15 @@ class TensorBlockPool:
         )
 
     def check_invariants(self) -> None:
-        """Check every state invariant via the spec's predicates, then that the tensors agree with the host.
+        """Check every state invariant via the spec's predicates, then the representation.
 
         Raises:
             InvariantViolation: naming the first spec invariant that fails.
-            AssertionError: the device flags, their host mirror, the hash map or the key index disagree.
+            AssertionError: the two faces, the hash map or the key index disagree.
         """
         check_all(self.snapshot())
-        assert torch.equal(self.has_hash.cpu(), self._host_has_hash), "has_hash and its host mirror differ"
+        problems = self._state.representation_errors()
+        assert not problems, "mirrored state: " + "; ".join(problems)
         flags = self._hash_flags
         for h, entry in self.cached_block_hash_to_block.items():
             assert entry, f"the hash map keeps an empty entry for {h!r}"
@@ -644,12 +903,14 @@ class TensorBlockPool:
                 assert self._registered_hash.get(b) == h, (
                     f"block {b} is in the entry of {h!r} but was last registered under {self._registered_hash.get(b)!r}"
                 )
-        for b in torch.nonzero(self._host_has_hash).squeeze(1).tolist():
+        for b in torch.nonzero(self._has_hash_host).squeeze(1).tolist():
             registered = self._registered_hash.get(b)
             assert registered is not None and b in self.cached_block_hash_to_block.get(registered, {}), (
                 f"block {b} is flagged as hashed but not in the hash map"
             )
         assert not flags[NULL_BLOCK_ID], "the null block is flagged as hashed"
+        flag_values = torch.cat((self.has_hash, self.is_corrupt))
+        assert bool(((flag_values == 0) | (flag_values == 1)).all()), "a hash or corrupt flag is neither 0 nor 1"
         corrupt = torch.nonzero(self.is_corrupt).squeeze(1)
         assert corrupt.numel() == self._num_corrupt_held, (
             f"{corrupt.numel()} blocks flagged corrupt but the count is {self._num_corrupt_held}"

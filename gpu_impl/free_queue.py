@@ -41,17 +41,35 @@ and a strictly increasing map of the keys, so the queue order, which is all
 that lemma 6 speaks about, is unchanged). The index is 4 x num_gpu_blocks + 64
 keys long, so after a relabel each end has room for at least num_gpu_blocks
 more keys and relabels cost O(1) per freed block, amortized.
+
+Two faces, one queue: the keys and the index live in the pool's
+`MirroredState` (gpu_impl.mirror), so every operation comes twice. The list
+methods (`popleft_list`, `remove_list`, `prepend_list`, `append_list`) are
+Python over the host face, for a request's few blocks: no torch operator at
+all unless a take meets more gaps than it is worth scanning one by one
+(`_HOST_SCAN_MAX`), or a batch forces a relabel; those run as tensor
+operations over the host face. The tensor methods (`popleft_n`, `remove`,
+`prepend_n`, `append_n`) are kernels over the device face, for long batches.
+Each marks what it wrote; the pool synchronises the faces once per operation.
 """
 
 from __future__ import annotations
 
+import array
+
 import torch
 
+from kvspec.gpu_impl.mirror import MirroredState
 from kvspec.spec.ordering import initial_free_key, initial_key_counters, left_batch_key, right_batch_key
 
 __all__ = ["EMPTY", "KeyedFreeQueue", "default_key_capacity"]
 
 EMPTY = -1  # key_to_block value of a key no free block holds
+
+# A take on the host steps over at most this many gaps one by one; past that,
+# one `nonzero` over the host face is cheaper than the Python loop.
+_HOST_SCAN_MAX = 256
+_EMPTY_ROW = memoryview(array.array("q", [EMPTY]) * 1024)  # copied over the keys a short take vacates
 
 
 def default_key_capacity(num_gpu_blocks: int) -> int:
@@ -63,6 +81,8 @@ def default_key_capacity(num_gpu_blocks: int) -> int:
     return 4 * num_gpu_blocks + 64
 
 
+
+
 def _min_key_capacity(num_gpu_blocks: int) -> int:
     # A relabel centres the m free blocks; a batch of k more must then fit on
     # either side: (cap - m) // 2 >= k with m + k <= num_gpu_blocks - 1.
@@ -70,22 +90,36 @@ def _min_key_capacity(num_gpu_blocks: int) -> int:
 
 
 class KeyedFreeQueue:
-    """The free blocks of one pool, in eviction order, as keys on a device.
+    """The free blocks of one pool, in eviction order, as keys with a host and a device face.
 
     The pool owns this queue and calls it only with blocks in the right state:
-    `prepend_n`/`append_n` with blocks that are not free, `remove` with blocks
-    that are. It never sees ref counts or hashes.
+    `prepend_*`/`append_*` with blocks that are not free, `remove*` with blocks
+    that are. It never sees ref counts or hashes. After a call that changed
+    it, the pool calls `sync` on the shared state.
     """
 
-    def __init__(self, num_gpu_blocks: int, device: torch.device, key_capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        device: torch.device,
+        key_capacity: int | None = None,
+        state: MirroredState | None = None,
+        free_key_at: tuple[int, int] = (0, 1),
+        key_index_at: int | None = None,
+    ) -> None:
         """Queue blocks 1..num_gpu_blocks-1 in id order (block 0 is the null block and never queued).
 
         Args:
             num_gpu_blocks: the pool size, the null block included.
-            device: where the keys live.
+            device: where the keys' device face lives.
             key_capacity: the length of the key index; None for the default. A
                 smaller one (at least 2 x num_gpu_blocks) relabels more often,
                 which is what tests want.
+            state: the pool's mirrored state, which holds the keys; None for a
+                state of the queue's own (then the two places below are its own too).
+            free_key_at: (start, step): block b's key is state entry start + step * b
+                (the pool interleaves it with the block's other fields).
+            key_index_at: where the key index's key_capacity entries start in the state.
 
         Raises:
             ValueError: key_capacity is below the minimum.
@@ -97,16 +131,31 @@ class KeyedFreeQueue:
             raise ValueError(
                 f"key_capacity={cap} is below the minimum 2 * num_gpu_blocks={_min_key_capacity(num_gpu_blocks)}"
             )
+        n = num_gpu_blocks
+        owns_state = state is None
+        if state is None:
+            state, free_key_at, key_index_at = MirroredState(n + cap, device), (0, 1), n
+        assert key_index_at is not None, "a shared state needs key_index_at"
+        fk_start, fk_step = free_key_at
+        fk_end, k2b_end = fk_start + fk_step * n, key_index_at + cap
         self.device = device  # fixed
         self.key_capacity = cap  # fixed: keys are 0..cap-1
+        self._state = state  # fixed: where the keys live (shared with the pool)
+        self._track = not state.is_shared  # fixed: mark writes, so the two faces can be made equal
+        self._fk_start, self._fk_step = fk_start, fk_step  # fixed: free_key[b] is state entry start + step * b
+        self._k2b_base = key_index_at  # fixed: key_to_block[k] is state entry _k2b_base + k
         # free_key[b]: block b's key while b is free; stale otherwise (a block is
         # free iff key_to_block[free_key[b]] == b, so nothing resets it on take).
-        self.free_key = torch.full((num_gpu_blocks,), EMPTY, dtype=torch.int64, device=device)
+        self.free_key = state.tensor[fk_start:fk_end:fk_step]  # device face
         # key_to_block[k]: the free block whose key is k, or EMPTY. Every
         # occupied key lies in [lo, hi].
-        self.key_to_block = torch.full((cap,), EMPTY, dtype=torch.int64, device=device)
+        self.key_to_block = state.tensor[key_index_at:k2b_end]  # device face
+        self._free_key_host = state.host_tensor[fk_start:fk_end:fk_step]  # host face, for tensor operations
+        self._key_to_block_host = state.host_tensor[key_index_at:k2b_end]
+        self._fk = state.host[fk_start:fk_end:fk_step]  # host face, for Python
+        self._k2b = state.host[key_index_at:k2b_end]
         self._keys = torch.arange(cap, dtype=torch.int64, device=device)  # every key: a batch's keys are a slice
-        num_free = num_gpu_blocks - 1
+        num_free = n - 1
         # The spec's initial keys (block b gets initial_free_key(b) = b, lo = 1,
         # hi = n - 1), shifted by a constant to the middle of the index so that
         # both ends have room: the same order.
@@ -116,16 +165,58 @@ class KeyedFreeQueue:
         self.hi = hi + shift  # >= every free key; changed by right batches, relabels
         self.num_free_blocks = num_free  # kept in step with key_to_block
         self.num_gaps = 0  # EMPTY keys inside [lo, hi]: hi - lo + 1 == num_free_blocks + num_gaps
+        self._free_key_host.fill_(EMPTY)
+        self._key_to_block_host.fill_(EMPTY)
         if num_free:
-            blocks = torch.arange(1, num_gpu_blocks, dtype=torch.int64, device=device)
-            self.key_to_block[self.lo : self.hi + 1] = blocks
-            self.free_key[1:] = blocks + shift
+            blocks = torch.arange(1, n, dtype=torch.int64)
+            self._key_to_block_host[self.lo : self.hi + 1] = blocks
+            self._free_key_host[1:] = blocks + shift
+        if owns_state:
+            state.upload(0, n + cap)  # else the owner uploads its whole state once
         self.num_relabels = 0  # how many times the keys were renumbered (for benchmarks and tests)
 
     # --- taking -------------------------------------------------------------------------------
 
+    def popleft_list(self, n: int) -> list[int]:
+        """Remove and return the n free blocks with the smallest keys, smallest first (host face).
+
+        Args:
+            n: how many; at most num_free_blocks (the pool checks).
+
+        Cost: O(n + gaps skipped) Python steps; past _HOST_SCAN_MAX gaps, a few tensor operations.
+        """
+        assert 0 <= n <= self.num_free_blocks, f"popleft_list(n={n}) with {self.num_free_blocks} free"
+        if n == 0:
+            return []
+        lo, k2b = self.lo, self._k2b
+        if self.num_gaps == 0:
+            end = lo + n
+            taken: list[int] = k2b[lo:end].tolist()
+        else:
+            taken = []
+            end = lo
+            for k in range(lo, min(self.hi + 1, lo + n + _HOST_SCAN_MAX)):
+                b = k2b[k]
+                if b >= 0:
+                    taken.append(b)
+                    if len(taken) == n:
+                        end = k + 1
+                        break
+            else:
+                selected, end = self._select(self._key_to_block_host, lo, n)
+                taken = selected.tolist()
+            self.num_gaps -= (end - lo) - n
+        if end - lo <= len(_EMPTY_ROW):
+            k2b[lo:end] = _EMPTY_ROW[: end - lo]
+        else:
+            self._key_to_block_host[lo:end] = EMPTY
+        if self._track:
+            self._state.wrote_host_range(self._k2b_base + lo, self._k2b_base + end)
+        self._taken_up_to(end, n)
+        return taken
+
     def popleft_n(self, n: int) -> torch.Tensor:
-        """Remove and return the n free blocks with the smallest keys, smallest first.
+        """Remove and return the n free blocks with the smallest keys, smallest first (device face).
 
         Args:
             n: how many; at most num_free_blocks (the pool checks).
@@ -143,40 +234,72 @@ class KeyedFreeQueue:
             end = lo + n
             taken = self.key_to_block[lo:end].clone()
         else:
-            span = self.hi - lo + 1
-            width = min(span, n + min(self.num_gaps, max(n, 1024)))
-            while True:
-                window = self.key_to_block[lo : lo + width]
-                positions = torch.nonzero(window >= 0).squeeze(1)
-                if positions.numel() >= n:
-                    break
-                # Every gap in this window lies before the n-th block, so the
-                # take below consumes it: the doubling is paid for by gaps.
-                assert width < span, f"free queue holds {positions.numel()} blocks in [lo, hi], expected {n}+"
-                width = min(span, 2 * width)
-            positions = positions[:n]
-            taken = window[positions]
-            end = lo + int(positions[-1]) + 1
+            taken, end = self._select(self.key_to_block, lo, n)
             self.num_gaps -= (end - lo) - n
         self.key_to_block[lo:end] = EMPTY
+        if self._track:
+            self._state.wrote_device_range(self._k2b_base + lo, self._k2b_base + end)
+        self._taken_up_to(end, n)
+        return taken
+
+    def _select(self, key_to_block: torch.Tensor, lo: int, n: int) -> tuple[torch.Tensor, int]:
+        """The n blocks with the smallest keys from `lo` on, gaps skipped, and the key after the last.
+
+        A window doubled until it holds n blocks. Every gap in it lies before
+        the n-th block, so the take consumes it: the doubling is paid for by gaps.
+        """
+        span = self.hi - lo + 1
+        width = min(span, n + min(self.num_gaps, max(n, 1024)))
+        while True:
+            window = key_to_block[lo : lo + width]
+            positions = torch.nonzero(window >= 0).squeeze(1)
+            if positions.numel() >= n:
+                break
+            assert width < span, f"free queue holds {positions.numel()} blocks in [lo, hi], expected {n}+"
+            width = min(span, 2 * width)
+        positions = positions[:n]
+        return window[positions], lo + int(positions[-1]) + 1
+
+    def _taken_up_to(self, end: int, n: int) -> None:
         self.lo = end
         self.num_free_blocks -= n
         if self.num_free_blocks == 0:
             self._recentre_empty()
-        return taken
 
-    def remove(self, block_ids: torch.Tensor) -> None:
-        """Take free blocks out of the middle of the queue (a cache hit on them); their keys become gaps.
+    def remove_list(self, block_ids: list[int]) -> None:
+        """Take free blocks out of the middle of the queue (a cache hit on them); their keys become gaps (host face).
 
         Args:
             block_ids: distinct blocks, each free.
 
-        Cost: O(len(block_ids)).
+        Cost: O(len(block_ids)) Python steps.
+        """
+        k = len(block_ids)
+        if k == 0:
+            return
+        fk, k2b = self._fk, self._k2b
+        if self._track:
+            base = self._k2b_base
+            self._state.wrote_host([base + fk[b] for b in block_ids])
+        for b in block_ids:
+            k2b[fk[b]] = EMPTY
+        self._removed(k)
+
+    def remove(self, block_ids: torch.Tensor) -> None:
+        """`remove_list` for a device tensor of blocks (device face).
+
+        Cost: O(len(block_ids)) in two kernels.
         """
         k = block_ids.numel()
         if k == 0:
             return
-        self.key_to_block.index_fill_(0, self.free_key.index_select(0, block_ids), EMPTY)
+        keys = self.free_key.index_select(0, block_ids)
+        self.key_to_block.index_fill_(0, keys, EMPTY)
+        if self._track:
+            self._state.wrote_device(keys + self._k2b_base)
+        self._removed(k)
+
+    def _removed(self, k: int) -> None:
         self.num_free_blocks -= k
         self.num_gaps += k
         if self.num_free_blocks == 0:
@@ -184,60 +307,108 @@ class KeyedFreeQueue:
 
     # --- putting back -------------------------------------------------------------------------
 
-    def prepend_n(self, block_ids: torch.Tensor) -> None:
-        """Put blocks at the left end in the given order (the first is taken first).
+    def prepend_list(self, block_ids: list[int]) -> None:
+        """Put blocks at the left end in the given order, the first taken first (host face).
 
         Args:
             block_ids: distinct blocks, none of them free.
 
-        Cost: O(len(block_ids)), plus an occasional relabel.
+        Cost: O(len(block_ids)) Python steps, plus an occasional relabel.
+        """
+        k = len(block_ids)
+        if k == 0:
+            return
+        if self.lo - k < 0:
+            self._relabel(on_host=True)
+        first = left_batch_key(self.lo, k, 0)  # keys lo - k + i, i = 0..k-1
+        self._put_list(block_ids, first)
+        self.lo = first
+
+    def append_list(self, block_ids: list[int]) -> None:
+        """Put blocks at the right end in the given order, the last taken last (host face).
+
+        Args:
+            block_ids: distinct blocks, none of them free.
+
+        Cost: O(len(block_ids)) Python steps, plus an occasional relabel.
+        """
+        k = len(block_ids)
+        if k == 0:
+            return
+        if self.hi + k >= self.key_capacity:
+            self._relabel(on_host=True)
+        first = right_batch_key(self.hi, 0)  # keys hi + 1 + i, i = 0..k-1
+        self._put_list(block_ids, first)
+        self.hi = first + k - 1
+
+    def _put_list(self, block_ids: list[int], first: int) -> None:
+        fk, k = self._fk, len(block_ids)
+        if k == 1:
+            self._k2b[first] = block_ids[0]
+            fk[block_ids[0]] = first
+        else:
+            self._k2b[first : first + k] = array.array("q", block_ids)
+            for key, b in enumerate(block_ids, first):
+                fk[b] = key
+        if self._track:
+            start, step = self._fk_start, self._fk_step
+            self._state.wrote_host_range(self._k2b_base + first, self._k2b_base + first + k)
+            self._state.wrote_host([start + step * b for b in block_ids])
+        self.num_free_blocks += k
+
+    def prepend_n(self, block_ids: torch.Tensor) -> None:
+        """`prepend_list` for a device tensor of blocks (device face).
+
+        Cost: O(len(block_ids)) in two kernels, plus an occasional relabel.
         """
         k = block_ids.numel()
         if k == 0:
             return
         if self.lo - k < 0:
-            self._relabel()
-        first = left_batch_key(self.lo, k, 0)  # keys lo - k + i, i = 0..k-1
-        self.key_to_block[first : first + k] = block_ids
-        self.free_key.index_copy_(0, block_ids, self._keys[first : first + k])
+            self._relabel(on_host=False)
+        first = left_batch_key(self.lo, k, 0)
+        self._put(block_ids, first)
         self.lo = first
-        self.num_free_blocks += k
 
     def append_n(self, block_ids: torch.Tensor) -> None:
-        """Put blocks at the right end in the given order (the last is taken last).
+        """`append_list` for a device tensor of blocks (device face).
 
-        Args:
-            block_ids: distinct blocks, none of them free.
-
-        Cost: O(len(block_ids)), plus an occasional relabel.
+        Cost: O(len(block_ids)) in two kernels, plus an occasional relabel.
         """
         k = block_ids.numel()
         if k == 0:
             return
         if self.hi + k >= self.key_capacity:
-            self._relabel()
-        first = right_batch_key(self.hi, 0)  # keys hi + 1 + i, i = 0..k-1
+            self._relabel(on_host=False)
+        first = right_batch_key(self.hi, 0)
+        self._put(block_ids, first)
+        self.hi = first + k - 1
+
+    def _put(self, block_ids: torch.Tensor, first: int) -> None:
+        k = block_ids.numel()
         self.key_to_block[first : first + k] = block_ids
         self.free_key.index_copy_(0, block_ids, self._keys[first : first + k])
-        self.hi = first + k - 1
+        if self._track:
+            self._state.wrote_device_range(self._k2b_base + first, self._k2b_base + first + k)
+            self._state.wrote_device(block_ids * self._fk_step + self._fk_start)
         self.num_free_blocks += k
 
     # --- reading ------------------------------------------------------------------------------
 
     def ordered(self) -> torch.Tensor:
-        """Every free block, left end first. Cost: O(hi - lo)."""
+        """Every free block, left end first, read from the device face. Cost: O(hi - lo)."""
         span = self.key_to_block[self.lo : self.hi + 1]
         return span[span >= 0]
 
-    def contains(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """Whether each block is free: its key is a valid key that maps back to it. Cost: O(len)."""
-        keys = self.free_key[block_ids]
-        valid = (keys >= 0) & (keys < self.key_capacity)
-        return valid & (self.key_to_block[keys.clamp(0, self.key_capacity - 1)] == block_ids)
+    def is_free(self, block_id: int) -> bool:
+        """Whether a block is free: its key is a valid key that maps back to it (host face). Cost: O(1)."""
+        key = self._fk[block_id]
+        return 0 <= key < self.key_capacity and self._k2b[key] == block_id
 
     def representation_errors(self) -> list[str]:
         """What is wrong with the counters and the two index tensors, if anything (for check_invariants).
 
+        Reads the device face; the pool checks that the host face equals it.
         Cost: O(key_capacity).
         """
         errors: list[str] = []
@@ -271,17 +442,32 @@ class KeyedFreeQueue:
         self.hi = self.lo - 1
         self.num_gaps = 0
 
-    def _relabel(self) -> None:
+    def _relabel(self, on_host: bool) -> None:
         """Give the free blocks consecutive keys, in order, centred in the index.
 
         A strictly increasing renumbering: the queue order does not change.
+        Tensor operations over the face the calling operation writes.
         Cost: O(hi - lo).
         """
-        blocks = self.ordered()
+        k2b = self._key_to_block_host if on_host else self.key_to_block
+        fk = self._free_key_host if on_host else self.free_key
+        old_lo, old_end = self.lo, self.hi + 1
+        span = k2b[old_lo:old_end]
+        blocks = span[span >= 0]
         m = blocks.numel()
-        self.key_to_block[self.lo : self.hi + 1] = EMPTY
+        span.fill_(EMPTY)
         first = (self.key_capacity - m) // 2
-        self.key_to_block[first : first + m] = blocks
-        self.free_key.index_copy_(0, blocks, self._keys[first : first + m])
+        k2b[first : first + m] = blocks
+        fk.index_copy_(0, blocks, torch.arange(first, first + m, dtype=torch.int64, device=k2b.device))
+        if self._track:
+            base = self._k2b_base
+            if on_host:
+                self._state.wrote_host_range(base + old_lo, base + old_end)
+                self._state.wrote_host_range(base + first, base + first + m)
+                self._state.wrote_host_tensor(blocks * self._fk_step + self._fk_start)
+            else:
+                self._state.wrote_device_range(base + old_lo, base + old_end)
+                self._state.wrote_device_range(base + first, base + first + m)
+                self._state.wrote_device(blocks * self._fk_step + self._fk_start)
         self.lo, self.hi, self.num_gaps = first, first + m - 1, 0
         self.num_relabels += 1

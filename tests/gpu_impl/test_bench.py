@@ -2,14 +2,30 @@
 
 The ratios are measured, never asserted: timing belongs to the benchmark run,
 not to the suite. What is asserted is that every cell is measured for both
-implementations, that the two pools end in the same state, and that the
-verdict lines name the targets.
+implementations, that the two pools end in the same state, that the verdict
+lines name the targets, and that the content check reads every hit back
+(and fails the run when a block reads back other KV).
 """
 
 from __future__ import annotations
 
-from kvspec.benchmarks.gpu_bench import OPERATIONS, main, measure, measure_hash_map, render
+import pytest
+
+from kvspec.benchmarks.gpu_bench import (
+    OPERATIONS,
+    content_layers_that_fit,
+    main,
+    measure,
+    measure_content,
+    measure_hash_map,
+    render,
+)
 from kvspec.gpu_impl.device import pick_device
+from kvspec.gpu_impl.kv_cache import PagedKVCache
+from kvspec.gpu_impl.sizing import KVLayout
+from kvspec.spec.errors import InvalidRequest
+
+TINY = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2)  # 32 bytes a block
 
 
 def test_a_small_grid_measures_every_cell_for_both_implementations():
@@ -23,16 +39,58 @@ def test_a_small_grid_measures_every_cell_for_both_implementations():
     assert ("CUDA target" in table) if pick_device().type == "cuda" else ("CPU target, batch     1" in table)
 
 
+def test_both_paths_of_gpu_impl_are_measured_against_the_same_reference():
+    for host_path_max in (0, 1000):  # every batch as kernels; every batch on the host face
+        results = measure(pools=(300,), batches=(16, 100), seconds_per_cell=0.001, max_rounds=3,
+                          host_path_max=host_path_max)
+        assert {m.batch for m in results} == {16, 100}
+
+
 def test_the_hash_map_comparison_agrees_on_the_answers():
     timing = measure_hash_map(num_entries=1000, chain_length=50)
     assert timing.dict_lookup > 0 and timing.table_lookup > 0 and timing.chain_length == 50
 
 
-def test_main_prints_the_table_and_refuses_bad_arguments(capsys):
-    assert main(["--pools", "40", "--batches", "1", "8", "--seconds", "0.001", "--no-hash-map"]) == 0
+def test_the_content_check_reads_every_hit_block_back():
+    timing = measure_content(num_blocks=30, layout=TINY, request_blocks=7)
+    assert timing.is_intact and timing.num_requests == 5
+    assert min(timing.write, timing.touch, timing.verify, timing.read_back) > 0
+    table = render([], timing.device, content=timing)
+    assert "KV content check" in table and "every hit block read back: intact" in table
+
+
+def test_a_block_that_reads_back_other_kv_fails_the_run(monkeypatch, capsys):
+    sealed = PagedKVCache.seal
+
+    def seal_then_flip(self: PagedKVCache, block_ids):  # type: ignore[no-untyped-def]
+        sealed(self, block_ids)
+        self.inject_bit_flip(int(block_ids[-1]), byte_offset=3, bit=1)  # after the seal: corrupt on the next hit
+
+    monkeypatch.setattr(PagedKVCache, "seal", seal_then_flip)
+    timing = measure_content(num_blocks=6, layout=TINY, request_blocks=3)
+    assert not timing.is_intact
+    args = ["--pools", "40", "--batches", "1", "--seconds", "0.001", "--no-hash-map", "--content-blocks", "4"]
+    assert main(args) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+    with pytest.raises(InvalidRequest, match=r"not a whole number of 8-byte words"):
+        measure_content(num_blocks=2, layout=KVLayout(1, 1, 1, 1))
+
+
+def test_main_prints_the_tables_and_refuses_bad_arguments(capsys):
+    args = ["--pools", "40", "--batches", "1", "8", "--seconds", "0.001", "--no-hash-map", "--content-blocks", "8"]
+    assert main([*args, "--host-path-max", "0"]) == 0
     out = capsys.readouterr().out
     assert "get_new_blocks" in out and "free_blocks" in out and "touch" in out
+    assert "ratio" in out and "KV content check" in out and "intact" in out
     assert main(["--pools", "1"]) == 2
     assert "pools must be >= 2" in capsys.readouterr().err
     assert main(["--device", "tpu"]) == 2
     assert "is not a device name torch knows" in capsys.readouterr().err
+    assert main(["--quick", "--full"]) == 2  # one grid or the other
+    assert main(["--content-layers", "0"]) == 2
+    assert "content layers must be >= 1" in capsys.readouterr().err
+    assert main(["--content-layers", "many"]) == 2
+
+
+def test_auto_content_layers_fit_the_free_memory():
+    assert 1 <= content_layers_that_fit(1000) <= 16

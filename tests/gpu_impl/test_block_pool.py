@@ -280,9 +280,8 @@ def test_a_block_re_registered_under_the_same_hash_moves_to_the_end_of_its_entry
 def test_check_invariants_notices_a_flag_without_a_map_entry():
     p = pool(4)
     p.get_new_blocks(1)
-    p.has_hash[1] = True
-    if not p._on_host:
-        p._host_has_hash[1] = True
+    p.has_hash[1] = 1  # both faces (on the CPU they are one memory)
+    p._has_hash_host[1] = 1
     with pytest.raises((InvariantViolation, AssertionError)):
         p.check_invariants()
 

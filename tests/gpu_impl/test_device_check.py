@@ -1,4 +1,4 @@
-"""gpu_impl/device_check.sh runs on the CPU with KVSPEC_DEVICE=cpu and prints its table."""
+"""gpu_impl/device_check.sh runs on the CPU with KVSPEC_DEVICE=cpu and prints its table; it says why it cannot run."""
 
 from __future__ import annotations
 
@@ -14,21 +14,27 @@ import kvspec.gpu_impl
 SCRIPT = Path(kvspec.gpu_impl.__file__).parent / "device_check.sh"
 
 
-def run(env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def run(env_extra: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHON": sys.executable, **env_extra}
-    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def test_quick_cpu_mode_passes_every_step_and_prints_the_table():
-    done = run({"KVSPEC_DEVICE": "cpu", "KVSPEC_DEVICE_CHECK_QUICK": "1"})
+def row(lines: list[str], step: str) -> list[str]:
+    return next(line for line in lines if line.startswith(step)).split()
+
+
+def test_quick_cpu_mode_passes_every_step_and_prints_the_table(tmp_path):
+    done = run({"KVSPEC_DEVICE": "cpu", "KVSPEC_DEVICE_CHECK_QUICK": "1", "KVSPEC_DEVICE_CHECK_LOGS": str(tmp_path)})
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert "gpu_impl device check on cpu (quick)" in lines
-    for step in ("conformance", "corruption", "benchmark"):
-        row = next(line for line in lines if line.startswith(step))
-        assert row.split()[1] == "pass", row
+    assert any(line.startswith("gpu_impl device check on cpu (") and line.endswith(", quick") for line in lines)
+    for step in ("conformance", "kvspec check, cpu", "same verdict, cpu and cpu", "corruption", "benchmark", "all"):
+        assert "pass" in row(lines, step), step
+    assert "4 rows equal" in " ".join(row(lines, "same verdict"))  # the same seed gave the same campaign
     assert any("get_new_blocks" in line for line in lines)
     assert any(line.startswith("CPU target") for line in lines)
+    assert any("every hit block read back: intact" in line for line in lines)
+    assert {"check-cpu.log", "check-device.log", "benchmark.log"} <= {p.name for p in tmp_path.iterdir()}
 
 
 def test_an_unusable_device_exits_2_with_the_reason():
@@ -37,9 +43,24 @@ def test_an_unusable_device_exits_2_with_the_reason():
     assert "cannot use KVSPEC_DEVICE=tpu" in done.stderr
 
 
+def test_an_interpreter_without_kvspec_exits_2_saying_what_to_install(tmp_path):
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no site-packages: no kvspec, torch or pytest
+    bare.chmod(0o755)
+    done = run({"PYTHON": str(bare), "KVSPEC_DEVICE": "cpu"})
+    assert done.returncode == 2
+    assert "lacks kvspec torch pytest hypothesis" in done.stderr and "pip install" in done.stderr
+
+
+def test_a_spent_budget_skips_the_steps_left_and_fails():
+    done = run({"KVSPEC_DEVICE": "cpu", "KVSPEC_DEVICE_CHECK_QUICK": "1", "KVSPEC_DEVICE_CHECK_BUDGET": "4"})
+    assert done.returncode == 1
+    assert "SKIPPED" in row(done.stdout.splitlines(), "benchmark")
+
+
 @pytest.mark.slow
 def test_full_cpu_mode_passes_every_step():
     """The whole device check (state machines, the harness, the full benchmark grid) on the CPU."""
-    done = run({"KVSPEC_DEVICE": "cpu"})
+    done = run({"KVSPEC_DEVICE": "cpu"}, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "kvspec check --impl gpu" in done.stdout
+    assert "kvspec check, cpu" in done.stdout and " 100,000  " in done.stdout

@@ -84,6 +84,16 @@ def test_a_model_shaped_cache_detects_a_flip_in_bf16_memory():
     assert not bool(kv.intact(block))
 
 
+def test_checksums_of_many_blocks_are_taken_in_chunks_and_agree_block_by_block(monkeypatch):
+    pool, kv = kv_pool(n=40, block_size=4)
+    blocks = pool.get_new_blocks_tensor(39)
+    kv.write_tokens(blocks, 0, torch.arange(39 * 4, dtype=torch.int64, device=pool.device) * 7919)
+    one_by_one = torch.stack([kv.block_checksums(b.reshape(1))[0] for b in blocks])
+    monkeypatch.setattr(kv, "_checksum_chunk", 5)
+    assert torch.equal(kv.block_checksums(blocks), one_by_one)
+    assert torch.unique(one_by_one).numel() == 39
+
+
 # --- the manager's step writes ----------------------------------------------------------------------
 
 

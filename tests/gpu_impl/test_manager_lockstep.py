@@ -47,6 +47,7 @@ class ManagerLockstep(RuleBasedStateMachine):
 
     factory: Callable[[AdapterConfig], Any] = staticmethod(make_adapter)  # the memory mutants' tests swap it
     check_resident_tokens = True  # False: check memory only where the harness does, on prefix hits
+    host_path_max: int | None = None  # the pool's longest host-face batch (None: its default)
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,6 +65,8 @@ class ManagerLockstep(RuleBasedStateMachine):
         self.block_size = block_size
         self.ref = KVCacheManager(num_gpu_blocks, block_size, enable_caching, profile)
         self.gpu = self.factory(AdapterConfig("manager", num_gpu_blocks, enable_caching, profile, block_size))
+        if self.host_path_max is not None:
+            self.gpu.block_pool.host_path_max = self.host_path_max
         self.gpu.set_kv_source(prefix_kv_source)
 
     # --- rules --------------------------------------------------------------------------------
@@ -184,6 +187,16 @@ class ManagerLockstep(RuleBasedStateMachine):
 
 ManagerLockstep.TestCase.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 test_manager_lockstep = ManagerLockstep.TestCase
+
+
+class ManagerLockstepOnTheDeviceFace(ManagerLockstep):
+    """The same machine with every pool batch and writability check run as kernels (host_path_max=0)."""
+
+    host_path_max = 0
+
+
+ManagerLockstepOnTheDeviceFace.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_manager_lockstep_on_the_device_face = ManagerLockstepOnTheDeviceFace.TestCase
 
 
 @pytest.mark.slow

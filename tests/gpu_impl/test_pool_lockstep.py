@@ -4,7 +4,11 @@ Every step runs one operation on both and requires the same result or the
 same error type, then the same snapshot (block ids, free-queue order, hash
 table), every spec invariant, and gpu_impl's own representation checks.
 Pools are small so that every corner is reached; the key index is sometimes
-at its minimum length so that relabels happen all the time.
+at its minimum length so that relabels happen all the time. Each pool runs
+its batches on the host face, on the device face, or on both by length
+(`host_path_max`), with the two faces in one memory or in two kept equal
+(`share_host_memory=False`: what CUDA does), so each path and the
+synchronisation are checked alone.
 """
 
 from __future__ import annotations
@@ -46,12 +50,25 @@ class PoolLockstep(RuleBasedStateMachine):
         enable_caching=st.booleans(),
         profile=st.sampled_from(sorted(PROFILES)),
         tight_keys=st.booleans(),
+        host_path_max=st.sampled_from([None, 0, 3]),
+        two_faces=st.booleans(),
     )
-    def build(self, num_gpu_blocks: int, enable_caching: bool, profile: str, tight_keys: bool) -> None:
+    def build(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        profile: str,
+        tight_keys: bool,
+        host_path_max: int | None,
+        two_faces: bool,
+    ) -> None:
         self.n = num_gpu_blocks
         self.ref = BlockPool(num_gpu_blocks, enable_caching, profile)
         capacity = 2 * num_gpu_blocks if tight_keys else None
-        self.gpu = TensorBlockPool(num_gpu_blocks, enable_caching, profile, pick_device(), key_capacity=capacity)
+        self.gpu = TensorBlockPool(
+            num_gpu_blocks, enable_caching, profile, pick_device(), key_capacity=capacity,
+            host_path_max=host_path_max, share_host_memory=False if two_faces else None,
+        )
 
     # --- helpers drawing from the current state ---------------------------------------------
 
@@ -146,12 +163,20 @@ test_pool_lockstep = PoolLockstep.TestCase
 
 
 @pytest.mark.parametrize("profile", sorted(PROFILES))
-def test_large_pool_random_batches_match_reference(profile: str) -> None:
+@pytest.mark.parametrize(
+    ("host_path_max", "two_faces"),
+    [(None, False), (0, False), (40, True)],
+    ids=["default", "device-face-only", "both-paths-two-faces"],
+)
+def test_large_pool_random_batches_match_reference(profile: str, host_path_max: int | None, two_faces: bool) -> None:
     """Whole-request batches of hundreds of blocks (the device-side checks and gap scans), seeded."""
     rng = random.Random(6)
     n = 600
     ref = BlockPool(n, True, profile)
-    gpu = TensorBlockPool(n, True, profile, pick_device(), key_capacity=2 * n)
+    gpu = TensorBlockPool(
+        n, True, profile, pick_device(), key_capacity=2 * n,
+        host_path_max=host_path_max, share_host_memory=False if two_faces else None,
+    )
     requests: list[list[int]] = []
     for step in range(300):
         action = rng.random()
