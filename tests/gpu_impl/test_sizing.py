@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
-from kvspec.conformance.commands import gpu as gpu_command
+from kvspec.conformance.cli import main
 from kvspec.gpu_impl.device import cuda_available
 from kvspec.gpu_impl.sizing import KVLayout, device_free_memory, format_size, parse_size, plan_capacity
 from kvspec.spec.errors import InvalidRequest
@@ -85,11 +83,8 @@ def test_free_memory_is_read_from_cuda_only():
 
 
 def capacity(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="kvspec")
-    gpu_command.register(parser.add_subparsers())
-    args = parser.parse_args(["capacity", *argv])
-    code: int = args.run(args)
-    return code
+    """`kvspec capacity ARGV` through the real command line (its argument checks included)."""
+    return main(["capacity", *argv])
 
 
 def test_capacity_prints_the_computation(capsys):
@@ -105,8 +100,9 @@ def test_capacity_prints_the_computation(capsys):
     ("argv", "message"),
     [
         (["--gpu-mem", "10GiB", "--weights", "16GiB"], "no memory left for the KV cache"),
-        (["--gpu-mem", "lots"], "cannot read gpu_mem='lots'"),
-        (["--gpu-mem", "1GiB", "--margin", "1.5"], "margin must be a fraction in [0, 1)"),
+        (["--gpu-mem", "lots"], "--gpu-mem: 'lots' is not a size such as 141GiB"),
+        (["--gpu-mem", "141"], "--gpu-mem: '141' has no unit: write 141GiB"),
+        (["--gpu-mem", "1GiB", "--margin", "1.5"], "--margin: must be in [0, 1); got 1.5"),
         (["--gpu-mem", "1GiB", "--dtype", "bf17"], "unknown KV cache dtype='bf17'"),
     ],
 )
