@@ -91,7 +91,8 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
 
 
 def _oracle_exit(rows: Any) -> int:
-    cells = [c for row in rows for c in row.cells.values() if c.status != "n/a"]
+    # A cell the release has no level for says "n/a", as a level's verdict does.
+    cells = [c for row in rows for c in row.cells.values() if c.status != Verdict.NOT_APPLICABLE.value]
     verdicts = [Verdict(r["verdict"]) for c in cells for r in c.profiles.values()]
     if not cells or any(c.status != "ran" for c in cells) or any(v.exit_code == 2 for v in verdicts):
         return EXIT_COULD_NOT_RUN

@@ -250,6 +250,10 @@ def failure_trace(tmp_path) -> Path:
 
 def test_view_writes_the_page_where_asked_or_beside_the_trace(failure_trace, tmp_path, capsys):
     out = tmp_path / "pages" / "failure.html"
+    # The folder of an output must exist: a typo in it is refused, not created.
+    assert main(["view", str(failure_trace), "-o", str(out)]) == 2
+    assert "the folder" in capsys.readouterr().err and not out.parent.exists()
+    out.parent.mkdir()
     assert main(["view", str(failure_trace), "-o", str(out)]) == 0
     assert out.read_text().startswith("<!doctype html>")
     assert capsys.readouterr().out.startswith(f"page: {out} (")
@@ -262,7 +266,7 @@ def test_view_of_a_malformed_trace_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.trace.jsonl"
     bad.write_text("not json\n")
     assert main(["view", str(bad)]) == 2
-    assert capsys.readouterr().out.startswith(f"kvspec view: cannot read the trace: {bad}:1: not JSON")
+    assert capsys.readouterr().err.startswith(f"kvspec view: cannot read the trace: {bad}:1: not JSON")
 
 
 def test_demo_html_writes_the_walkthrough_page(tmp_path, capsys):

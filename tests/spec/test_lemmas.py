@@ -115,9 +115,9 @@ def test_prove_cli_profile_and_lemma_by_number(capsys):
 
 def test_prove_cli_rejects_unknown_profile_and_lemma(capsys):
     assert main(["prove", "--profile", "lru-someday"]) == 2
-    assert "unknown profile='lru-someday'" in capsys.readouterr().out
+    assert "unknown profile='lru-someday'" in capsys.readouterr().err
     assert main(["prove", "--lemma", "lemma_nope"]) == 2
-    assert "unknown lemma='lemma_nope'" in capsys.readouterr().out
+    assert "unknown lemma='lemma_nope'" in capsys.readouterr().err
 
 
 # --- the prover never passes what is not a proof ---------------------------------------------------
