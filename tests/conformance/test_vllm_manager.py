@@ -85,7 +85,8 @@ def scenario(profile, caching, salt):
         out["queue"] = list(lock.impl_snapshot.free_queue)
         out["verdict"] = "conforms"
     except ConformanceFailure as f:
-        out.update(verdict=f.kind, step=f.step, op=f.op, message=f.message)
+        e = f.failure
+        out.update(verdict=e.kind.value, step=e.step, op=e.op, message=e.message)
     return out
 
 
