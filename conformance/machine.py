@@ -543,17 +543,17 @@ class ManagerMachine(_LockStepMachine):
             request = replace(prompt, request_id=self._new_id())
         self._call("get_computed_blocks", request)
 
-    def _admit(self, request: Request, data: st.DataObject) -> Any:
-        """The scheduler's admission: look up the prefix hit, then allocate the first chunk."""
+    def _admit(self, request: Request, data: st.DataObject, whole: bool = False) -> Any:
+        """The scheduler's admission: look up the prefix hit, then allocate the first chunk (`whole`: all of it)."""
         hit = self._call("get_computed_blocks", request)
         self._lock.check()
         if hit.error is not None:
             return multiple()
         blocks, num_hit = hit.result
         remaining = len(request.token_ids) - num_hit
-        ext = data.draw(strat.external_tokens(remaining - 1), label="num_external_computed_tokens")
+        ext = 0 if whole else data.draw(strat.external_tokens(remaining - 1), label="num_external_computed_tokens")
         left = remaining - ext
-        chunk = data.draw(_chunk(left), label="num_new_tokens")
+        chunk = left if whole else data.draw(_chunk(left), label="num_new_tokens")
         out = self._call("allocate_slots", request, chunk, num_hit, blocks, ext)
         if out.error is not None or out.result is None:
             return multiple()
@@ -578,6 +578,32 @@ class ManagerMachine(_LockStepMachine):
             return self._admit(request, data)
         self._allocate_slots_mistake(kind, request, data)
         return multiple()
+
+    @precondition(lambda self: self.enable_caching and self.lock is not None)
+    @rule(target=running, prompt=prompts, data=st.data())
+    def allocate_slots_admit_on_a_full_pool(self, prompt: Request, data: st.DataObject) -> Any:
+        """Admit a prompt whose prefix is cached in free blocks after a filler took the pool to the edge.
+
+        The edge is where the prompt's new blocks fit but not together with
+        the hit blocks that leave the free queue when touched: the capacity
+        check must count those hits (vLLM's `num_evictable_computed_blocks`),
+        and a random workload reaches that edge rarely.
+        """
+        request = replace(prompt, request_id=self._new_id())
+        state = self._state
+        hits, _ = spec_manager.get_computed_blocks(state, request).result
+        num_evictable = sum(1 for b in hits if state.pool.ref_cnt[b] == 0)
+        need = -(-len(request.token_ids) // self.block_size) - len(hits)
+        num_filler = len(state.pool.free_queue) - (need + num_evictable - 1)
+        if num_evictable == 0 or num_filler < 1:
+            return multiple()
+        # Tokens nothing cached shares (outside the workload's vocabulary): the filler takes new blocks only.
+        filler = Request(self._new_id(), tuple(1000 + i for i in range(num_filler * self.block_size)))
+        if not isinstance(self._admit(filler, data, whole=True), str):
+            return multiple()
+        self._lock.check()
+        admitted = self._admit(request, data)
+        return multiple(filler.request_id, *([admitted] if isinstance(admitted, str) else []))
 
     def _allocate_slots_mistake(self, kind: str, fresh: Request, data: st.DataObject) -> None:
         bs, n = self.block_size, self._lock.config.num_gpu_blocks
