@@ -132,7 +132,7 @@ class Invariant:
     """A named state invariant."""
 
     name: str  # the predicate's name, inv_<subject>_<property>
-    design_id: str  # its id in DESIGN.md's table ("" when it only guards the others)
+    design_id: str  # its id in docs/design.md's invariant table ("" when it only guards the others)
     check: Callable[[Snapshot], bool]  # the predicate
 
     @property

@@ -4,12 +4,17 @@ Design choice: the free queue is the eviction order (vLLM v1). There are no
 timestamps; a block's position says when it will be reused. A block whose
 ref_cnt drops to 0 goes to the *left* end when it has no hash (nobody can hit
 it, so reuse it first) and to the *right* end when it has one (keep it as long
-as possible: LRU). The rejected alternative is seed 002's timestamp LRU (vLLM
-v0's evictor), which needs a scan or a heap at eviction time; it survives here
-only as a profile name.
+as possible: LRU). The rejected alternative is the timestamp LRU of seed 002
+(the description of vLLM v0's block manager; its evictor evicts the oldest
+last access first), which needs a scan or a heap at eviction time; no profile
+implements it.
 
-Profiles name rule sets. `vllm-v1` is seed 000's rule; `vllm-v1-tail` sends
-every freed block to the right end, as earlier vLLM v1 releases did.
+Profiles name rule sets. `vllm-v1` is seed 000's rule (the walkthrough of
+vLLM v1's BlockPool); `vllm-v1-tail` sends every freed block to the right end,
+as earlier vLLM v1 releases did. No other profile exists yet.
+TODO(#13): seed 002's policies (`lru-timestamp`, `block-age`, `lfu`,
+`lru-lfu`, first-fit allocation) as profiles keyed per block, as
+docs/design.md's profile table plans them.
 
 The predicates take a logic backend so that one body runs concretely (`PY`) and
 symbolically (`Z3`, built in `spec.lemmas`): inside them there is no Python

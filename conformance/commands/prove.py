@@ -1,4 +1,4 @@
-"""`kvspec prove`: every lemma of DESIGN.md proved, bounded or refuted by z3, with timings.
+"""`kvspec prove`: every lemma of docs/design.md proved, bounded or refuted by z3, with timings.
 
 A lemma is "proved" only when the negation of every obligation is unsat for
 every pool size; "bounded (n <= N)" when it was only checked up to a size;
@@ -61,7 +61,7 @@ def render_text(report: ProofReport) -> str:
     import z3  # the prover's dependency; imported here so `kvspec --help` never needs it
 
     lines = [
-        f"kvspec prove: the lemmas of DESIGN.md, checked with z3 {z3.get_version_string()} "
+        f"kvspec prove: the lemmas of docs/design.md, checked with z3 {z3.get_version_string()} "
         f"(profiles: {', '.join(report.profiles)})",
         "  proved: the negation is unsat for every pool size; bounded (n <= N): only for sizes up to N;",
         "  refuted: z3 found a counterexample (shown); unknown or vacuous: a failure.",

@@ -1,4 +1,4 @@
-"""The lemmas of DESIGN.md, proved with z3: every claim, in one place.
+"""The lemmas of docs/design.md, proved with z3: every claim, in one place.
 
 Each lemma lives in its own module, as a list of obligations z3 must prove
 (the negation of each is unsat) and a deliberately false twin z3 must refute
@@ -74,9 +74,9 @@ def _every_profile(rule: ProfileRule) -> bool:
 
 @dataclass(frozen=True)
 class Lemma:
-    """One lemma of DESIGN.md: what it claims, where it holds, and how z3 checks it."""
+    """One lemma of docs/design.md: what it claims, where it holds, and how z3 checks it."""
 
-    number: int  # its number in DESIGN.md's list
+    number: int  # its number in docs/design.md's list
     name: str  # lemma_<subject>_<property>
     claim: str  # the claim in plain words
     holds_for: Callable[[ProfileRule], bool]  # which profiles it holds for
@@ -85,7 +85,7 @@ class Lemma:
     obligations: Callable[[ProfileRule], Sequence[Obligation]]  # what z3 must prove
     twin: str  # the deliberately false twin, in plain words
     twin_obligations: Callable[[ProfileRule], Sequence[Obligation]]  # what z3 must refute
-    invariants: tuple[str, ...] = ()  # invariants it proves inductive (spec.invariants names / DESIGN ids)
+    invariants: tuple[str, ...] = ()  # invariants it proves inductive (spec.invariants names / design ids)
     cites: tuple[str, ...] = ()  # lemmas whose obligations it relies on
     twin_profile_sensitive: bool = True  # False: the twin is one fixed claim, checked once
 

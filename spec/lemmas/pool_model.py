@@ -233,7 +233,7 @@ def writable_is_private(u: Universe, s: PoolVars) -> z3.BoolRef:
 
 Encoder = Callable[[Universe, PoolVars], z3.BoolRef]
 
-# spec.invariants name (or the DESIGN id, for the writable rule) -> its encoding.
+# spec.invariants name (or the design id of docs/design.md, for the writable rule) -> its encoding.
 ENCODED_INVARIANTS: Mapping[str, Encoder] = {
     "inv_ref_cnt_nonnegative": ref_cnt_nonnegative,
     "inv_null_block_isolated": null_block_isolated,

@@ -36,7 +36,7 @@ from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, canon
 
 H1, H2, H3, H4 = (BlockHash(b"h1"), BlockHash(b"h2"), BlockHash(b"h3"), BlockHash(b"h4"))
 
-# The ids DESIGN.md's invariant table uses; an Invariant's design_id is one of them or "".
+# The ids docs/design.md's invariant table uses; an Invariant's design_id is one of them or "".
 DESIGN_IDS = {
     "free-has-zero-ref", "writable", "hash-table-consistent", "only-eviction-removes", "hit-cap",
     "prefix-closed", "conservation", "null-block", "no-shared-write", "salt-isolation", "content-integrity",
