@@ -2,7 +2,7 @@
 # Set up a virtual environment with every test dependency and run the whole test suite:
 #   1. the default suite (no vLLM needed; slow campaigns are opt-in with KVSPEC_SLOW=1);
 #   2. the real-vLLM tests (scripts/test-vllm.sh): every release's BlockPool in light
-#      mode and the newest release's KVCacheManager; KVSPEC_VLLM=0 leaves them out.
+#      mode and the KVCacheManager of six releases, one per API generation; KVSPEC_VLLM=0 leaves them out.
 # The default suite opens the step-through pages in a headless Chromium: Debian's
 # chromium and chromium-driver, installed here when missing (as root, with apt-get);
 # without them those tests skip and say why.

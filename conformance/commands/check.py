@@ -7,8 +7,10 @@ steps per second, distinct states, invariant checks, spec branches reached),
 what the whole run reached, then the story of each failure. A configuration
 that leaves a spec branch unreached runs up to `--cover-rounds` more rounds of
 examples on the next seeds; a branch still unreached is listed. Exit 0 when
-everything conforms, 1 when something diverges, 2 when something could not
-be checked (it crashed, hung, could not be loaded or built, bad arguments).
+everything conforms (a level an implementation does not provide is n/a); 1
+when an implementation is wrong (it diverged, crashed or hung, with its
+trace); 2 when no verdict was reached (bad arguments, an implementation that
+cannot be loaded or built, an inconclusive run, or nothing checked at all).
 
 `--profile auto` asks which ordering profile an implementation follows (the
 vLLM regression oracle's question): every configuration is checked once per
