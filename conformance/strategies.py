@@ -6,7 +6,8 @@ enough that every allocation evicts something, tenants separated by a
 cache_salt, LoRA adapters, images in the prompt. Uniformly random token lists
 almost never share a full block, so they would leave the whole prefix-cache
 path untested. Hence: a vocabulary of a few tokens, a handful of system
-prompts per example, chats built on earlier prompts, pools of 1 to 16 blocks at the pool level and 2 to 24 at the request level.
+prompts per example, chats built on earlier prompts, pools of 1 to 16 blocks
+at the pool level and 2 to 24 at the request level.
 
 Every strategy shrinks toward the simplest case (the smallest pool, block
 size 1, no LoRA, no salt, no multimodal input), so a shrunk failure names
