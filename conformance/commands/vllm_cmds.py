@@ -128,7 +128,8 @@ def run_plugins_cmd(args: argparse.Namespace) -> int:
     )
     text = json.dumps(matrix.rows_to_json(rows_found), indent=1) if args.json else None
     print(text or matrix.format_plugin_matrix(rows_found))
-    verdicts = [Verdict(c["verdict"]) for r in rows_found for c in r.cells.values() if c["verdict"] != "n/a"]
+    verdicts = [Verdict(c["verdict"]) for r in rows_found for c in r.cells.values()]
+    verdicts = [v for v in verdicts if v is not Verdict.NOT_APPLICABLE]
     if any(r.error for r in rows_found) or not verdicts or any(v.exit_code == 2 for v in verdicts):
         return EXIT_COULD_NOT_RUN
     return EXIT_DIVERGES if any(v.exit_code == 1 for v in verdicts) else EXIT_OK

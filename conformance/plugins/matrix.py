@@ -76,7 +76,7 @@ def _cell(target: Target, impl: str, level: str, caching: bool, args: argparse.N
     from kvspec.conformance.runner import run_check
 
     if level not in target.levels:
-        return {"verdict": "n/a"}
+        return {"verdict": Verdict.NOT_APPLICABLE.value}
     r = run_check(impl, level=level, enable_caching=caching, profile=target.profile, max_examples=args.max_examples,
                   time_budget_s=args.time_budget, trace_dir=args.trace_dir, impl=impl)  # fmt: skip
     out: dict[str, Any] = {"verdict": r.verdict.value, "examples": r.examples_run, "steps": r.steps_run}
@@ -110,7 +110,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         result = run_probe(factory, probe, target.profile, args.trace_dir, impl)
         if result is not None:
             row.probes.append({**asdict(result), "level": probe.level, "caching": probe.caching,
-                               **_finding_json(target, result if result.verdict != "conforms" else None,
+                               **_finding_json(target, None if Verdict(result.verdict) is Verdict.CONFORMS else result,
                                                probe.caching)})  # fmt: skip
     row.not_compared = sorted(_declared_absences(factory))
     return asdict(row)
@@ -200,9 +200,9 @@ def rows_to_json(rows: Sequence[PluginRow]) -> list[dict[str, Any]]:
 def _cell_text(cell: dict[str, Any] | None, notes: list[str], where: str) -> str:
     if cell is None:
         return "-"
-    verdict = cell["verdict"]
-    if verdict in ("conforms", "n/a"):
-        return "ok" if verdict == "conforms" else "n/a"
+    verdict = Verdict(cell["verdict"])
+    if verdict in (Verdict.CONFORMS, Verdict.NOT_APPLICABLE):
+        return "ok" if verdict is Verdict.CONFORMS else "n/a"
     if cell.get("step") is None:
         notes.append(f"{where}: {verdict}: {cell.get('message', '')[:300]}")
     else:
@@ -255,7 +255,7 @@ def _probe_lines(rows: Sequence[PluginRow]) -> list[str]:
         lines.append(f"  {row.impl}:")
         for p in row.probes:
             where = f"{'request' if p['level'] == 'manager' else 'pool'}/{'on' if p['caching'] else 'off'}"
-            if p["verdict"] == Verdict.CONFORMS:
+            if Verdict(p["verdict"]) is Verdict.CONFORMS:
                 lines.append(f"    {p['name']} ({where}): conforms")
             else:
                 lines.append(f"    {p['name']} ({where}): {p['verdict']} at {_failure_text(p)}")

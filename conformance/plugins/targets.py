@@ -205,13 +205,13 @@ def overlay_factory(name: str) -> Factory:
     release, _, version = base.partition("@")
     module_name, colon, attr = target.partition(":")
     if release != "vllm" or not version or not plus or not colon or not module_name or not attr:
-        raise ValueError(f"{name!r} is not overlay:vllm@<release>+<module>:<function>")
+        raise ValueError("expected overlay:vllm@<release>+<module>:<function>")
     try:
         apply: Any = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"{name!r}: cannot find {target} ({type(e).__name__}: {e})") from None
+        raise ValueError(f"cannot find {target} ({type(e).__name__}: {e})") from None
     if not callable(apply):
-        raise ValueError(f"{name!r}: {target} is not callable")
+        raise ValueError(f"{target} is not callable")
 
     def build() -> Overlay:
         overlay = load_overlay(version, {}, label=f"{target} on vllm=={version}")
@@ -235,9 +235,9 @@ def factory_for(name: str) -> Factory:
     target_name, at, base = name.partition("@")
     target = TARGETS.get(target_name)
     if target is None or (at and not base):
-        raise ValueError(f"{name!r} is not a plugin target ({', '.join(TARGETS)}, each optionally @<vllm release>)")
+        raise ValueError(f"not a plugin target ({', '.join(TARGETS)}, each optionally @<vllm release>)")
     if at and target.base is None:
-        raise ValueError(f"{name!r}: {target_name} has its own pool and runs on no vLLM release")
+        raise ValueError(f"{target_name} has its own pool and runs on no vLLM release")
     factory = target.factory(base or None)
     # the name given (a trace records it, and kvspec replay reads it back)
     factory.__name__ = factory.__qualname__ = name

@@ -114,7 +114,7 @@ def test_probes_fail_at_their_recorded_check(target: str, base: str | None, tmp_
     for probe in t.probes:
         result = run_probe(factory, probe, t.profile, str(tmp_path), t.impl_name(base))
         assert result is not None, f"{probe.name}: the adapter lacks one of its operations"
-        if result.verdict == Verdict.CONFORMS:
+        if Verdict(result.verdict) is Verdict.CONFORMS:
             seen[probe.name] = None
             continue
         found = match_finding(t.findings, result, probe.caching)
