@@ -51,6 +51,9 @@ class PluginDist:
     version: str  # e.g. "0.1.6"
     files: tuple[str, ...]  # paths inside the distribution to keep; a path ending in "/" keeps a whole folder
     kind: Literal["wheel", "sdist"] = "wheel"  # what the registry offers for it
+    # more pip download arguments: a wheel built for one Python and platform only is still
+    # just files to read (e.g. "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64")
+    pip_args: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:
@@ -72,7 +75,8 @@ def _pip_download(dist: PluginDist, work: Path) -> subprocess.CompletedProcess[s
     binary = "--only-binary=:all:" if dist.kind == "wheel" else "--no-binary=:all:"
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", binary, "--no-clean",
-        "--disable-pip-version-check", "-q", f"{dist.name}=={dist.version}", "-d", str(work / "download"),
+        "--disable-pip-version-check", "-q", *dist.pip_args,
+        f"{dist.name}=={dist.version}", "-d", str(work / "download"),
     ]  # fmt: skip
     # pip's temporary folders go under `work`, so --no-clean leaves the unpacked sdist there
     env = {**os.environ, "TMPDIR": str(work / "tmp")}

@@ -6,7 +6,8 @@ replaces, on vLLM's own classes, ``BlockPool.free_blocks`` and
 ``FreeKVCacheBlockQueue.prepend_n`` / ``append_n`` (plus layout helpers of
 ``kv_cache_utils`` the pool does not use). The overlay imports the same
 module, unmodified, from the 0.23.0 wheel (0.23.0.post1 ships no cp311
-wheel) on a fresh light-mode copy of vLLM 0.23.0, so the patches land on
+wheel; the 0.23.0 wheel is fetched as CPython 3.11's whatever Python runs
+kvspec) on a fresh light-mode copy of vLLM 0.23.0, so the patches land on
 that copy's classes as they land on vLLM's in production.
 
 One placeholder: ``vllm_ascend.utils`` imports torch_npu (the Ascend
@@ -41,7 +42,10 @@ DIST = PluginDist(
     "vllm-ascend",
     "0.23.0",
     ("vllm_ascend/patch/platform/patch_kv_cache_utils.py", "vllm_ascend/utils.py"),
-)
+    # its only wheel is built for CPython 3.11 on manylinux_2_34; the files read are Python, so any Python fetches it
+    pip_args=("--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+              "--platform", "manylinux_2_34_x86_64"),
+)  # fmt: skip
 SUPPORTED_VLLM = "0.23.0"
 PATCH_MODULE = "vllm_ascend.patch.platform.patch_kv_cache_utils"
 # Caller mistakes the patch drops with a warning, the good part of the call applying
