@@ -110,7 +110,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         result = run_probe(factory, probe, target.profile, args.trace_dir, impl)
         if result is not None:
             row.probes.append({**asdict(result), "level": probe.level, "caching": probe.caching,
-                               **_finding_json(target, None if Verdict(result.verdict) is Verdict.CONFORMS else result,
+                               **_finding_json(target, None if result.verdict == Verdict.CONFORMS.value else result,
                                                probe.caching)})  # fmt: skip
     row.not_compared = sorted(_declared_absences(factory))
     return asdict(row)
@@ -255,7 +255,7 @@ def _probe_lines(rows: Sequence[PluginRow]) -> list[str]:
         lines.append(f"  {row.impl}:")
         for p in row.probes:
             where = f"{'request' if p['level'] == 'manager' else 'pool'}/{'on' if p['caching'] else 'off'}"
-            if Verdict(p["verdict"]) is Verdict.CONFORMS:
+            if p["verdict"] == Verdict.CONFORMS.value:  # a probe's verdict is "conforms" or the failure's kind
                 lines.append(f"    {p['name']} ({where}): conforms")
             else:
                 lines.append(f"    {p['name']} ({where}): {p['verdict']} at {_failure_text(p)}")

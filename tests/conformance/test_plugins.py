@@ -267,7 +267,7 @@ def test_a_probe_of_an_ignored_mistake_checks_that_only_the_good_part_applied() 
     factory = factory_for(OVERLAY)
     found = run_probe(factory, probe, "vllm-v1-tail", None, OVERLAY)
     # the miniature takes both references (ref_cnt -1): that is not ignoring the mistake
-    assert found is not None and Verdict(found.verdict) is Verdict.DIVERGES
+    assert found is not None and found.verdict == FailureKind.DIVERGES.value
     assert found.message.endswith("declared ignored, but the state is not what ['get_new_blocks', 'free_blocks'] "
                                   "alone gives")  # fmt: skip
 
