@@ -17,6 +17,7 @@ from kvspec.conformance.adapter import AdapterConfig
 __all__ = [
     "BUILTIN_IMPLS",
     "DEFAULT_IMPLS",
+    "PLUGIN_IMPLS",
     "VLLM_RELEASE_PREFIX",
     "Factory",
     "FactoryError",
@@ -65,6 +66,26 @@ def _vllm_release_factory(name: str) -> Factory:
     return factory
 
 
+# Plugins of vLLM's block manager, loaded from their own distributions
+# (kvspec.conformance.plugins.targets): each also as "<name>@<vLLM release>",
+# and "overlay:vllm@<release>+module:function" for any plugin that patches vLLM's pool.
+PLUGIN_IMPLS: tuple[str, ...] = ("vllm-mlx", "kvcached", "tpu-inference", "vllm-ascend")
+
+
+def _plugin_factory(name: str) -> Factory:
+    """The factory for a plugin target or an overlay; the plugin is fetched and loaded when an adapter is built."""
+    try:
+        from kvspec.conformance.plugins.targets import factory_for
+    except Exception as e:  # an import can fail any way the module's top level can
+        why = f"{type(e).__name__}: {e}"
+        raise FactoryError(f"implementation {name!r}: the plugin targets do not import ({why})") from None
+    try:
+        factory: Factory = factory_for(name)
+    except ValueError as e:
+        raise FactoryError(f"implementation {name!r}: {e}") from None
+    return factory
+
+
 def load_factory(name: str) -> Factory:
     """The factory a name stands for: a built-in name ("reference", ...), "vllm@<release>" or "module:function".
 
@@ -74,6 +95,8 @@ def load_factory(name: str) -> Factory:
     """
     if name.startswith(VLLM_RELEASE_PREFIX):
         return _vllm_release_factory(name)
+    if name.startswith("overlay:") or name.partition("@")[0] in PLUGIN_IMPLS:
+        return _plugin_factory(name)
     target = BUILTIN_IMPLS.get(name, name)
     for old, new in MOVED_MODULES.items():
         # Traces saved before a module moved name it by its old path; they still replay.

@@ -21,6 +21,9 @@ configuration, 1 when in some configuration none does, 2 when one could not run.
 `--impl vllm` is the installed vLLM (or, with KVSPEC_VLLM_VERSION=X.Y.Z set,
 that release in light mode); `--impl vllm@X.Y.Z` is release X.Y.Z's own pool
 modules, loaded from its wheel (fetched once, then cached), pool level only.
+`--impl vllm-mlx`, `kvcached[@X]`, `tpu-inference[@X]`, `vllm-ascend[@X]` and
+`overlay:vllm@X+module:function` are plugins of vLLM's block manager, loaded
+from their own distributions as they load in production (kvspec.conformance.plugins).
 `--device cpu|cuda:0` is passed to device-backed implementations (gpu).
 """
 
@@ -52,7 +55,7 @@ from kvspec.conformance.commands._check_output import (
     write_junit,
 )
 from kvspec.conformance.isolation import Progress
-from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, FactoryError, load_factory
+from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, PLUGIN_IMPLS, FactoryError, load_factory
 from kvspec.conformance.results import CheckResult, Verdict
 from kvspec.conformance.runner import run_check
 from kvspec.conformance.view import attach_page
@@ -76,7 +79,7 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    names = ", ".join(sorted(BUILTIN_IMPLS)) + ", vllm@X.Y.Z"
+    names = ", ".join(sorted(BUILTIN_IMPLS)) + ", vllm@X.Y.Z, " + ", ".join(PLUGIN_IMPLS) + ", overlay:vllm@X+mod:fn"
     p.add_argument(
         "--impl",
         action="append",
@@ -200,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvspec check: {problem}", file=sys.stderr)
         if problems:
             return 2
-    if any(name == "vllm" or name.startswith("vllm@") for name in impls):
+    if any(name == "vllm" or name.startswith(("vllm@", "overlay:", *PLUGIN_IMPLS)) for name in impls):
         # vLLM logs a warning for every refused reset; the verdicts and the summary say it all.
         logging.disable(logging.WARNING)
     levels = ("pool", "manager") if args.level == "both" else (args.level,)

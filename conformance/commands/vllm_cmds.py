@@ -24,7 +24,17 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--vllm", nargs="*", default=[], metavar="VERSION", help="releases, e.g. 0.10.2 0.11.2 0.33.0")
     p.add_argument("--all", action="store_true", help="every release from 0.8.0 to the newest")
-    p.add_argument("--level", choices=("pool", "manager", "both"), default="pool")
+    p.add_argument(
+        "--plugins",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="instead of vLLM releases: the plugin targets (vllm-mlx, kvcached[@X], tpu-inference[@X], "
+        "vllm-ascend[@X]; none named: every target, as the README's table), one matrix",
+    )
+    p.add_argument(
+        "--level", choices=("pool", "manager", "both"), default=None, help="default: pool (both with --plugins)"
+    )
     p.add_argument("--caching", choices=("on", "off", "both"), default="both")
     p.add_argument(
         "--max-examples", type=positive_int, default=100, help="harness examples per profile and caching setting"
@@ -59,6 +69,9 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
         from kvspec.benchmarks.vllm_bench import main as bench_main
 
         return bench_main(args.bench_version or RELEASES[-1])
+    if args.plugins is not None:
+        return run_plugins_cmd(args)
+    args.level = args.level or "pool"
     versions = list(RELEASES) if args.all else list(args.vllm)
     if not versions:
         print("kvspec oracle: name releases with --vllm X [Y ...] or use --all", file=sys.stderr)
@@ -88,6 +101,38 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
     else:
         print(oracle.format_matrix(rows, levels, cachings))
     return _oracle_exit(rows)
+
+
+def run_plugins_cmd(args: argparse.Namespace) -> int:
+    """`kvspec oracle --plugins`: exit 0 when every cell conforms, 1 when one diverges (with its trace), 2 when
+    one reached no verdict (could not run, inconclusive). Probes are findings and do not change the exit code."""
+    from kvspec.conformance.plugins import matrix
+    from kvspec.conformance.plugins.targets import TARGETS
+
+    rows: list[tuple[str, str | None]] = []
+    for name in args.plugins:
+        target, _, base = name.partition("@")
+        if target not in TARGETS or (TARGETS[target].base is None and base):
+            print(f"kvspec oracle: unknown plugin target {name!r}; known: {', '.join(TARGETS)}", file=sys.stderr)
+            return EXIT_COULD_NOT_RUN
+        rows.append((target, base or None))
+    level = args.level or "both"
+    rows_found = matrix.run_plugin_matrix(
+        rows or matrix.default_rows(),
+        levels=["pool", "manager"] if level == "both" else [level],
+        cachings=["on", "off"] if args.caching == "both" else [args.caching],
+        max_examples=args.max_examples,
+        time_budget=args.time_budget,
+        trace_dir=args.trace_dir,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    text = json.dumps(matrix.rows_to_json(rows_found), indent=1) if args.json else None
+    print(text or matrix.format_plugin_matrix(rows_found))
+    verdicts = [Verdict(c["verdict"]) for r in rows_found for c in r.cells.values()]
+    verdicts = [v for v in verdicts if v is not Verdict.NOT_APPLICABLE]
+    if any(r.error for r in rows_found) or not verdicts or any(v.exit_code == 2 for v in verdicts):
+        return EXIT_COULD_NOT_RUN
+    return EXIT_DIVERGES if any(v.exit_code == 1 for v in verdicts) else EXIT_OK
 
 
 def _oracle_exit(rows: Any) -> int:
