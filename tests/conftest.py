@@ -31,3 +31,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _traces_out_of_the_checkout(tmp_path_factory: pytest.TempPathFactory):
+    """Failure traces of tests that name no trace folder go to the session's temporary folder, not ./kvspec-traces."""
+    from kvspec.conformance import runner
+
+    saved = runner.DEFAULT_TRACE_DIR
+    runner.DEFAULT_TRACE_DIR = tmp_path_factory.mktemp("kvspec-traces")
+    yield
+    runner.DEFAULT_TRACE_DIR = saved
