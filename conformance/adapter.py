@@ -13,6 +13,11 @@ Two levels:
 A user names a factory as `module:function`; it is called with one
 `AdapterConfig` and returns the adapter for `config.level`.
 
+Which error each caller mistake gets, and in which order an operation checks
+its arguments, is the spec's error contract: `kvspec errors` prints it
+(kvspec.conformance.error_contract computes it from the spec), with the
+mistake names `rejected_mistakes` uses.
+
 Optional declarations, as class attributes the harness reads (absent means
 the default):
 - `validates_bad_input: bool` (default True): the adapter raises the spec's
@@ -93,7 +98,8 @@ class BlockManagerAdapter(Protocol):
     """One BlockPool, driven by the harness with vLLM's operation names.
 
     Every method raises the spec's error type for a caller mistake
-    (kvspec.spec.errors) and then leaves the state as it was.
+    (kvspec.spec.errors), checking in the spec's order, and then leaves the
+    state as it was; `kvspec errors` lists each mistake, its type and the order.
     """
 
     def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
@@ -127,7 +133,11 @@ class BlockManagerAdapter(Protocol):
 
 @runtime_checkable
 class KVCacheManagerAdapter(Protocol):
-    """A KVCacheManager over one pool: the request level."""
+    """A KVCacheManager over one pool: the request level.
+
+    As at the pool level, a caller mistake raises the spec's error type and
+    changes nothing; `kvspec errors` lists them.
+    """
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
         """A new request's cached prefix and the tokens it covers."""

@@ -222,14 +222,13 @@ class PoolMachine(_LockStepMachine):
     def get_new_blocks(self, data: st.DataObject) -> Any:
         """A request's new blocks; then, as vLLM's scheduler does, the ones already full are registered."""
         num_free = len(self._state.free_queue)
-        mistakes = self._mistakes("get_new_blocks", "none", "more than free", "bad count")
+        mistakes = self._mistakes("get_new_blocks", "more than free", "bad count")
         kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         if kind == VALID:
-            # Often more than a tiny pool has, where asking for too many is a mistake the adapter rejects.
+            # Often more than a tiny pool has, where asking for too many is a mistake the adapter rejects;
+            # now and then none at all, a valid call that takes nothing (shrinks toward 1 block).
             most = 4 if "more than free" in mistakes else min(num_free, 4)
-            num_blocks: Any = data.draw(st.integers(1, most), label="num_blocks")
-        elif kind == "none":
-            num_blocks = 0
+            num_blocks: Any = data.draw(_one_of(st.integers(1, most), st.just(0)), label="num_blocks")
         elif kind == "more than free":
             num_blocks = num_free + data.draw(st.integers(1, 3), label="over by")
         else:
@@ -335,7 +334,7 @@ class PoolMachine(_LockStepMachine):
             self._call("cache_full_blocks", ids, [strat.HASH_UNIVERSE[0]] * len(ids))
             return
         unhashed, hashed_held = self._held(hashed=False), self._held(hashed=True)
-        free = [b for b in s.free_queue if s.block_hash[b] is None]
+        free = list(s.free_queue)  # a free block is not held, with a hash or without (the spec checks that first)
         mistakes = ["bad id", "length mismatch"] + (["named twice", "hash not bytes"] if unhashed else [])
         mistakes += (["already cached"] if hashed_held else []) + (["not held"] if free else [])
         allowed = self._mistakes("cache_full_blocks", *mistakes)
@@ -569,9 +568,11 @@ class ManagerMachine(_LockStepMachine):
 
     @rule(target=running, prompt=prompts, data=st.data())
     def allocate_slots_admit(self, prompt: Request, data: st.DataObject) -> Any:
-        mistakes = ["no tokens scheduled", "bad count", "more tokens than the request has", "hit count mismatch"]
+        mistakes = ["no id", "no tokens", "misplaced images", "no tokens scheduled", "bad count"]
+        mistakes += ["more tokens than the request has", "hit count mismatch"]
         mistakes += ["hit on a running request"] if self.requests else []
-        mistakes += ["wrong hit block"] if self.enable_caching else ["hit without caching"]
+        caching = ["wrong hit block", "hit longer than the request"]
+        mistakes += caching if self.enable_caching else ["hit without caching"]
         kind = data.draw(_sampled(_kinds(*self._mistakes("allocate_slots", *mistakes))), label="call")
         request = replace(prompt, request_id=self._new_id())
         if kind == VALID:
@@ -607,7 +608,20 @@ class ManagerMachine(_LockStepMachine):
 
     def _allocate_slots_mistake(self, kind: str, fresh: Request, data: st.DataObject) -> None:
         bs, n = self.block_size, self._lock.config.num_gpu_blocks
-        if kind == "no tokens scheduled":
+        if kind == "no id":
+            self._call("allocate_slots", replace(fresh, request_id=""), 1, 0, [], 0)
+        elif kind == "no tokens":
+            self._call("allocate_slots", replace(fresh, token_ids=(), mm_inputs=()), 1, 0, [], 0)
+        elif kind == "misplaced images":
+            images = data.draw(strat.bad_mm_inputs(len(fresh.token_ids)), label="misplaced images")
+            self._call("allocate_slots", replace(fresh, mm_inputs=images), 1, 0, [], 0)
+        elif kind == "hit longer than the request":
+            # One hit block more than the request has full blocks (any ids: the length is checked first).
+            num_hits = len(fresh.token_ids) // bs + 1
+            blocks = data.draw(st.lists(st.integers(1, max(n - 1, 1)), min_size=num_hits, max_size=num_hits),
+                               label="hit blocks")
+            self._call("allocate_slots", fresh, 1, num_hits * bs, blocks, 0)
+        elif kind == "no tokens scheduled":
             self._call("allocate_slots", fresh, 0, 0, [], 0)
         elif kind == "bad count":
             args: list[Any] = [fresh, 1, 0, [], 0]

@@ -151,7 +151,7 @@ _TABLE: tuple[Operation, ...] = (
         ("PoolExhausted", "InvalidRequest"),
         br.reached_get_new_blocks,
         frozenset({"get_new_blocks: evicted a cached block"}),
-        ("none", "more than free", "bad count"),
+        ("more than free", "bad count"),
     ),
     Operation(
         "touch",
@@ -301,10 +301,14 @@ _TABLE: tuple[Operation, ...] = (
             )
         ),
         (
+            "no tokens",
+            "no id",
+            "misplaced images",
             "no tokens scheduled",
             "bad count",
             "more tokens than the request has",
             "hit count mismatch",
+            "hit longer than the request",
             "hit on a running request",
             "wrong hit block",
             "hit without caching",
