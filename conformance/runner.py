@@ -35,7 +35,14 @@ from kvspec.conformance.campaign import CampaignPlan, run_campaign
 from kvspec.conformance.coverage import expected_branches, reachable_branches
 from kvspec.conformance.isolation import Death, Progress, run_isolated
 from kvspec.conformance.minimize import shrink_by_replay, trace_from_death
-from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, Factory, FactoryError, load_factory
+from kvspec.conformance.registry import (
+    BUILTIN_IMPLS,
+    DEFAULT_IMPLS,
+    Factory,
+    FactoryError,
+    factory_name,
+    load_factory,
+)
 from kvspec.conformance.replaying import replay_example
 from kvspec.conformance.report import render_story
 from kvspec.conformance.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
@@ -344,7 +351,9 @@ def make_conformance_test(
     `run_check` in a child process; a failure fails the test with the short
     story, and the trace is saved (in `trace_dir`, default ./kvspec-traces).
     A level the adapter does not provide is a skipped test; a run that checked
-    too little to conclude fails with the reason.
+    too little to conclude fails with the reason. The story's replay line names
+    the factory (`registry.factory_name`: "file.py:function" for a top-level
+    module's function), so pasted in the folder the tests ran in, it replays.
 
     Args:
         factory: builds an adapter from an `AdapterConfig`.
@@ -363,6 +372,7 @@ def make_conformance_test(
         raise ValueError(f"level must be 'pool', 'manager' or 'both'; got level={level!r}")
     levels = ("pool", "manager") if level == "both" else (level,)
     modes = (True, False) if enable_caching is None else (enable_caching,)
+    impl = factory_name(factory)
 
     def make_test(lv: str, caching: bool) -> Callable[[unittest.TestCase], None]:
         def test(self: unittest.TestCase) -> None:
@@ -376,6 +386,7 @@ def make_conformance_test(
                 seed=seed,
                 step_timeout_s=step_timeout_s,
                 trace_dir=trace_dir,
+                impl=impl,
             )
             if result.verdict is Verdict.NOT_APPLICABLE:
                 self.skipTest(f"{lv} level not provided: {result.message}")

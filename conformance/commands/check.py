@@ -84,7 +84,8 @@ def register(subparsers: Any) -> None:
         "--impl",
         action="append",
         metavar="NAME|module:function",
-        help=f"an implementation: a built-in name ({names}) or a factory module:function; repeatable "
+        help=f"an implementation: a built-in name ({names}) or a factory module:function or path/file.py:function; "
+        "repeatable "
         "(default: every built-in whose module imports, vllm excepted)",
     )
     p.add_argument("--level", choices=("pool", "manager", "both"), default="both", help="adapter level (default both)")

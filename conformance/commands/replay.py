@@ -39,7 +39,8 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--impl",
         metavar="NAME|module:function",
-        help=f"the implementation ({', '.join(sorted(BUILTIN_IMPLS))}, vllm@X.Y.Z or module:function); "
+        help=f"the implementation ({', '.join(sorted(BUILTIN_IMPLS))}, vllm@X.Y.Z, module:function "
+        "or path/file.py:function); "
         "default: the one named in the trace",
     )
     p.add_argument(
