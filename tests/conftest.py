@@ -3,12 +3,14 @@
 Profiles: `ci` (derandomized, no deadline; the default when CI is set) and
 `dev` (random, 200 examples); HYPOTHESIS_PROFILE overrides.
 
-Tests marked `slow` run only with KVSPEC_SLOW=1, and tests marked `vllm`
-(the real vLLM package) only with KVSPEC_VLLM=1; otherwise they are
+Tests marked `slow` run only with KVSPEC_SLOW=1, tests marked `vllm`
+(the real vLLM package) only with KVSPEC_VLLM=1, and tests marked `fuzz`
+(a HypoFuzz campaign) only with KVSPEC_FUZZ=1; otherwise they are
 deselected, not skipped, so the default run reports only what it ran.
 """
 
 import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -19,7 +21,7 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
-_OPT_IN = {"slow": "KVSPEC_SLOW", "vllm": "KVSPEC_VLLM"}
+_OPT_IN = {"slow": "KVSPEC_SLOW", "vllm": "KVSPEC_VLLM", "fuzz": "KVSPEC_FUZZ"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,12 +35,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
 
 
+def _in_hypofuzz_run() -> bool:
+    """Whether HypoFuzz runs these tests (`hypothesis fuzz`); it is imported by then, so no import here."""
+    detection = sys.modules.get("hypofuzz.detection")
+    return detection is not None and bool(detection.in_hypofuzz_run())
+
+
 @pytest.fixture(autouse=True, scope="session")
-def _traces_out_of_the_checkout(tmp_path_factory: pytest.TempPathFactory):
+def _traces_out_of_the_checkout(request: pytest.FixtureRequest):
     """Failure traces of tests that name no trace folder go to the session's temporary folder, not ./kvspec-traces."""
+    # NOTE: HypoFuzz sets fixtures up on the config of a pytest session that has
+    # ended, which no longer has tmp_path_factory: asking for it there fails every
+    # fuzz target fatally. The fuzz targets name their own trace folder anyway.
+    if _in_hypofuzz_run():
+        yield
+        return
     from kvspec.conformance import runner
 
     saved = runner.DEFAULT_TRACE_DIR
+    tmp_path_factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
     runner.DEFAULT_TRACE_DIR = tmp_path_factory.mktemp("kvspec-traces")
     yield
     runner.DEFAULT_TRACE_DIR = saved
