@@ -47,7 +47,6 @@ asserted.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import random
@@ -55,10 +54,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
+from kvspec.conformance.commands._arguments import OneLineParser, json_output
+from kvspec.conformance.commands._check_output import write_json
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.kv_cache import PagedKVCache
@@ -564,7 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit 0; 1 if a hit block of the content check read back wrong; 2 if it cannot run.
     """
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvspec bench gpu", description=(__doc__ or "").splitlines()[0],
     )
     parser.add_argument("--pools", type=int, nargs="+", default=None, help="pool sizes (default 1e4 1e6)")
@@ -599,6 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="torch threads on the CPU (default 1: the reference runs on one core too)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
@@ -641,7 +645,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         torch.set_num_threads(previous_threads)
     print(render(results, device, hash_map, content))
+    if args.json is not None:
+        write_json(_document(results, device, hash_map, content, args.threads), args.json)
     return 1 if content is not None and not content.is_intact else 0
+
+
+def _document(
+    results: Sequence[Measurement],
+    device: str,
+    hash_map: HashMapTiming | None,
+    content: ContentTiming | None,
+    threads: int,
+) -> dict[str, object]:
+    """The measurements as JSON: seconds per call, with the ratios the table prints."""
+    return {
+        "kvspec": "bench gpu",
+        "device": device,
+        "threads": threads,
+        "measurements": [{**asdict(m), "ratio": m.ratio, "tensor_ratio": m.tensor_ratio} for m in results],
+        "hash_map": None if hash_map is None else asdict(hash_map),
+        "content": None if content is None else {**asdict(content), "per_hit_block": content.per_hit_block},
+    }
 
 
 if __name__ == "__main__":

@@ -16,16 +16,26 @@ A user names a factory as `module:function`; it is called with one
 Which error each caller mistake gets, and in which order an operation checks
 its arguments, is the spec's error contract: `kvspec errors` prints it
 (kvspec.conformance.error_contract computes it from the spec), with the
-mistake names `rejected_mistakes` uses.
+mistake names the declarations below use.
 
 Optional declarations, as class attributes the harness reads (absent means
 the default):
 - `validates_bad_input: bool` (default True): the adapter raises the spec's
-  error type for every caller mistake. An implementation that trusts its
-  caller (vLLM) sets it False and lists in `rejected_mistakes` the mistakes
-  it does reject, as "<op>: <mistake>" (e.g. "get_new_blocks: more than
-  free"); the machine then makes only those mistakes against it and the
+  error type for every caller mistake it declares no other reaction for.
+  An implementation that trusts its caller sets it False (the quick start):
+  then only the mistakes it declares a reaction for are sent, and the
   summary names the ones it left out.
+- `mistake_reactions: Mapping[str, Reaction]` (default empty): what the
+  implementation does with a caller mistake ("<op>: <mistake>", as `kvspec
+  errors` names it) instead of raising the spec's error: raises its own
+  type, ignores it, accepts it, or cannot express it
+  (kvspec.conformance.reactions). Every declared mistake is sent and the
+  declared reaction checked. `rejected_mistakes` (a set of mistake names)
+  is the short form of declaring the spec's error for a few of them.
+- An adapter translates and never checks arguments on the implementation's
+  behalf; a value the implementation's API cannot take at all (an id that
+  names no block, for an API of block objects) it refuses by raising
+  `NotExpressible`, and nothing is called.
 - `not_applicable: Mapping[str, str]` (default empty): what the harness
   checks that the implementation does not have, each with why (e.g.
   "cache_salt": its requests carry no salt). The machine does not exercise

@@ -41,6 +41,14 @@ from kvspec.conformance.coverage import step_branches
 from kvspec.conformance.hash_names import HashNames
 from kvspec.conformance.kv_source import PrefixKVSource
 from kvspec.conformance.operations import OPERATIONS, BadResult, Operation, optional_operations
+from kvspec.conformance.reactions import (
+    NotExpressible,
+    Reaction,
+    ReactionDeclarationError,
+    declared_reactions,
+    observed_reaction,
+    reaction_problem,
+)
 from kvspec.conformance.results import Failure, FailureKind, Outcome
 from kvspec.conformance.trace import Trace, TraceStep
 from kvspec.conformance.watch import StepTimeout, StepWatch
@@ -106,6 +114,11 @@ def _spec_error_name(e: BaseException) -> str | None:
     return None
 
 
+def _type_names(e: BaseException) -> tuple[str, ...]:
+    """The names of `e`'s class and its bases, most specific first (what a declared `raises` may name)."""
+    return tuple(c.__name__ for c in type(e).__mro__ if c not in (object, BaseException, Exception))
+
+
 def _crash_message(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     where = f" (at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
@@ -142,6 +155,12 @@ class Observer:
     steps: int = 0
     invariants_checked: int = 0
     deepest: tuple[tuple[int, int], LockStep] | None = None  # ((branches, steps), example)
+    mistakes_sent: Counter[str] = field(default_factory=Counter)  # mistake -> times its declared reaction was checked
+    not_expressed: Counter[str] = field(default_factory=Counter)  # mistake -> calls its API cannot take
+    reactions: dict[str, str] = field(default_factory=dict)  # mistake -> declared reaction, where not the spec's error
+    # Set (to an empty dict) to survey instead of check: every mistake goes to a
+    # replica and what the implementation did is counted, mistake -> reaction -> times.
+    survey: dict[str, Counter[str]] | None = None
 
     def end_example(self, lock: LockStep) -> None:
         """An example finished (passed or failed): keep it if it is the deepest so far."""
@@ -153,8 +172,8 @@ class Observer:
 
 # Why a caller mistake is not exercised against an adapter (the summary prints it).
 NOT_EXERCISED_WHY = (
-    "the adapter declares validates_bad_input = False and does not list these in rejected_mistakes, "
-    "so it is not expected to raise the spec's error for them; operations 'not compared' are its "
+    "the adapter declares validates_bad_input = False and declares no reaction for these "
+    "(mistake_reactions), or declares them not expressible in its API; operations 'not compared' are its "
     "declared known_deviations, features 'not applicable' its declared not_applicable"
 )
 
@@ -172,6 +191,11 @@ class _Pending:
     spec_before: Snapshot
     hit_hashes: tuple[BlockHash, ...] | None = None  # the request's spec chain, for get_computed_blocks
     hit_content: list[Any] | None = None  # what read_kv returned for the implementation's hit blocks
+    mistake: str | None = None  # the caller mistake the call makes ("<op>: <mistake>")
+    without: tuple[Any, ...] | None = None  # the mistaken call's good part
+    reaction: Reaction | None = None  # the declared reaction to check, on a step that made a caller mistake
+    # A replica's state before and after, and whether its free count or usage changed, when the mistake went there.
+    replica: tuple[Snapshot, Snapshot, bool] | None = None
 
 
 # check_hit evaluates hit_within_cap and hit_prefix_closed; hit_content_intact is
@@ -207,19 +231,27 @@ class LockStep:
         self.spec_snapshot = self.spec_state.snapshot()
         self.observer.examples += 1
         self.watch.start_example(self, config)
-        self.adapter: Any = None
-        # The implementation call running now (index, op, args, spec outcome): what a hang reports.
-        self._inflight: tuple[int, str, tuple[Any, ...], Outcome] | None = (0, "init", (), Outcome())
-        impl = self._impl_run(lambda: setattr(self, "adapter", factory(config)), "building the adapter failed: ")
-        self._inflight = None
-        self._read_declarations()
+        self._factory = factory
+        self._sent: list[tuple[Operation, tuple[Any, ...]]] = []  # the calls the adapter got, for a replica
         self.kv_source: PrefixKVSource | None = None
-        if impl is None and config.level == "manager" and isinstance(self.adapter, KVContentAdapter):
-            self.kv_source = source = PrefixKVSource(config.block_size)
-            self._inflight = (0, "init", (), Outcome())
-            impl = self._impl_run(lambda: self.adapter.set_kv_source(source), "set_kv_source() failed: ")
-            self._inflight = None
+        # The implementation call running now (index, op, args, spec outcome): what a hang reports.
+        self._inflight: tuple[int, str, tuple[Any, ...], Outcome, str | None] | None = (0, "init", (), Outcome(), None)
+        self.adapter, impl = self._build_adapter()
+        self._inflight = None
+        impl = self._read_declarations() or impl
         self._pending: _Pending | None = _Pending(0, "init", (), Outcome(), impl or Outcome(), self.spec_snapshot)
+
+    def _build_adapter(self) -> tuple[Any, Outcome | None]:
+        """A new adapter from the factory (with its KV source, for KV memory); and the crash, if it crashed."""
+        built: list[Any] = [None]
+        impl = self._impl_run(lambda: built.__setitem__(0, self._factory(self.config)), "building the adapter failed: ")
+        adapter = built[0]
+        if impl is None and self.config.level == "manager" and isinstance(adapter, KVContentAdapter):
+            if self.kv_source is None:
+                self.kv_source = PrefixKVSource(self.config.block_size)
+            source = self.kv_source
+            impl = self._impl_run(lambda: adapter.set_kv_source(source), "set_kv_source() failed: ")
+        return adapter, impl
 
     def _impl_run(self, fn: Callable[[], object], what: str) -> Outcome | None:
         """Run one implementation call under the watch; None, or the crash it ended in."""
@@ -232,8 +264,11 @@ class LockStep:
         finally:
             self.watch.impl_finished()
 
-    def _read_declarations(self) -> None:
-        """What the adapter declares about itself (adapter.py), and what the summary must say it left out."""
+    def _read_declarations(self) -> Outcome | None:
+        """What the adapter declares about itself (adapter.py), and what the summary must say it left out.
+
+        Returns a crash outcome when a declaration is malformed (the adapter is wrong, not the implementation).
+        """
         adapter, obs = self.adapter, self.observer
         # An adapter may name operations whose results knowingly differ from the
         # spec's (a vLLM release's documented formula): they are not called, and
@@ -248,23 +283,33 @@ class LockStep:
         self.not_applicable: dict[str, str] = dict(getattr(adapter, "not_applicable", None) or {})
         for feature, why in self.not_applicable.items():
             obs.not_exercised.add(f"{feature}: not applicable, {why}")
-        # Which caller mistakes it rejects, and whether its hashes are kvspec's own chain.
-        self.validates_bad_input = bool(getattr(adapter, "validates_bad_input", True))
-        self.rejected_mistakes = frozenset(getattr(adapter, "rejected_mistakes", None) or ())
+        # Whether its hashes are kvspec's own chain, and what it does with each caller mistake.
         self.uses_kvspec_hash_chain = bool(getattr(adapter, "uses_kvspec_hash_chain", False))
+        self.reactions: dict[str, Reaction] = {}
+        if adapter is None:
+            return None
+        try:
+            self.reactions = declared_reactions(adapter)
+            self.observer.reactions.update(
+                (m, r.describe()) for m, r in self.reactions.items() if r.kind not in ("spec error", "not expressible")
+            )
+        except ReactionDeclarationError as e:
+            return Outcome(crashed=True, message=f"the adapter's declarations are wrong: {e}")
+        return None
 
     def exercises(self, mistake: str) -> bool:
         """Whether the machine may make this caller mistake ("<op>: <mistake>") against the adapter.
 
-        Every mistake, unless the adapter declares `validates_bad_input = False`;
-        then only those it lists in `rejected_mistakes`. A mistake left out is
-        recorded for the summary.
+        Every mistake the adapter declares a reaction for (kvspec.conformance.
+        reactions), but not one its API cannot express; when surveying, every
+        mistake. A mistake left out is recorded for the summary.
         """
         op, _, name = mistake.partition(": ")
         assert name in OPERATIONS[op].mistakes, f"{mistake!r} is not a mistake the operations table lists for {op}"
-        if self.validates_bad_input or mistake in self.rejected_mistakes:
+        reaction = self.reactions.get(mistake)
+        if self.observer.survey is not None or (reaction is not None and reaction.kind != "not expressible"):
             return True
-        self.observer.not_exercised.add(mistake)
+        self.observer.not_exercised.add(mistake if reaction is None else f"{mistake}: {reaction.describe()}")
         return False
 
     # --- driving ---------------------------------------------------------------------------
@@ -273,9 +318,16 @@ class LockStep:
         """Count a workload event (chunked prefill, preemption, ...) for the current step."""
         self._tags.append(event)
 
-    def call(self, op: str, *args: Any) -> Outcome:
+    def call(
+        self, op: str, *args: Any, mistake: str | None = None, without: Sequence[Any] | None = None
+    ) -> Outcome:
         """Run `op` on the spec and on the implementation; returns the spec's outcome.
 
+        `mistake`: the caller mistake the call makes (a name the operations
+        table lists for `op`), checked against the adapter's declared reaction;
+        `without`: the same call's arguments with the mistake taken out (its
+        good part), which an implementation that ignores the mistake applies
+        (None: the call has no good part).
         The check is left pending; `check()` runs it (the machine's invariant
         does, after each rule, and rules that call twice check in between).
 
@@ -297,20 +349,138 @@ class LockStep:
             self.records.append(TraceStep(index, op, tuple(args), Outcome(crashed=True, message=str(e))))
             self.watch.failed = self
             raise self.failure from e
+        good_state: PoolState | ManagerState | None = None
+        if mistake is not None:
+            mistake = self._spec_rejected(index, op, args, spec, mistake)
+            ignored = self._reaction(mistake)
+            if ignored is not None and ignored.kind == "ignores":
+                good_state = self._good_part(operation, without)
         hit_hashes = None
         if op == "get_computed_blocks" and isinstance(self.spec_state, ManagerState) and spec.error is None:
             hit_hashes = spec_manager.request_block_hashes(self.spec_state, args[0])
         self.watch.stream_step(index, op, args)
-        self._inflight = (index, op, tuple(args), spec)
-        impl = self._impl_call(operation, args)
+        self._inflight = (index, op, tuple(args), spec, mistake)
+        reaction = self._reaction(mistake)
+        replica = None
+        if mistake is not None and reaction is None:
+            impl = Outcome(not_sent="the adapter declares no reaction to this mistake")
+        elif reaction is not None and (reaction.changes_state or self.observer.survey is not None):
+            impl, replica = self._replica_call(operation, args, without)
+        else:
+            impl = self._impl_call(operation, args, mistake is None)
+        if good_state is not None and impl.not_sent is None:
+            new_state = good_state  # the implementation ignores the mistake: its good part applies
         hit_content = None
         if hit_hashes is not None and self.kv_source is not None:
             impl, hit_content = self._read_hit(impl)
         self._inflight = None
         self.spec_state = new_state
         self.spec_snapshot = new_state.snapshot()
-        self._pending = _Pending(index, op, tuple(args), spec, impl, before, hit_hashes, hit_content)
+        self._pending = _Pending(
+            index, op, tuple(args), spec, impl, before, hit_hashes, hit_content, mistake,
+            None if without is None else tuple(without), reaction, replica,
+        )  # fmt: skip
         return spec
+
+    def _good_part(self, operation: Operation, without: Sequence[Any] | None) -> PoolState | ManagerState:
+        """The spec's state after a mistaken call's good part alone (what ignoring the mistake leaves)."""
+        if without is None:
+            return self.spec_state
+        state, outcome = _spec_step(operation, self.spec_state, without)
+        assert outcome.error is None, f"the good part of a mistaken {operation.name} call is itself rejected"
+        return state  # type: ignore[no-any-return]
+
+    def _reaction(self, mistake: str | None) -> Reaction | None:
+        """The reaction to check for `mistake` (when surveying: a placeholder, nothing is checked)."""
+        if mistake is None:
+            return None
+        if self.observer.survey is not None:
+            return Reaction("accepts", then="surveyed")
+        reaction = self.reactions.get(mistake)
+        return None if reaction is None or reaction.kind == "not expressible" else reaction
+
+    def _spec_rejected(self, index: int, op: str, args: Sequence[Any], spec: Outcome, mistake: str) -> str:
+        """The mistake's full name ("<op>: <mistake>"); the spec must have rejected it (else kvspec is wrong)."""
+        if spec.error is None:
+            self.failure = SpecFailure(
+                f"step {index} ({op}) makes the mistake {mistake!r}, but the spec accepted it "
+                f"(returned {spec.describe()}): the machine or the operations table is wrong",
+                index,
+            )
+            self.watch.failed = self
+            raise self.failure
+        return mistake if mistake.startswith(f"{op}: ") else f"{op}: {mistake}"
+
+    def _replica_call(
+        self, operation: Operation, args: Sequence[Any], without: Sequence[Any] | None
+    ) -> tuple[Outcome, tuple[Snapshot, Snapshot, bool] | None]:
+        """Send a state-changing mistake to a replica: a new adapter given this example's calls so far.
+
+        The example then goes on from the state before the mistake. A replica
+        that does not reach the implementation's state shows that the
+        implementation is not deterministic; that is reported as a crash.
+        Returns the outcome and (the state to compare with, the state after,
+        whether the counts differ): when surveying a call with a good part that
+        returned normally, the state to compare with is a second replica's after
+        the good part alone, so that a mistake whose bad part changes nothing
+        shows as ignored.
+        """
+        outcome, states = self._replica_run(operation, args)
+        if states is None:
+            return outcome, None
+        before, after, counts_before, counts_after = states
+        returned = outcome.error is None and not outcome.crashed and outcome.not_sent is None
+        if returned and without is not None and self.observer.survey is not None:
+            _, good = self._replica_run(operation, without)
+            if good is not None:
+                before, counts_before = good[1], good[3]
+        return outcome, (before, after, counts_before != counts_after)
+
+    def _replica_run(
+        self, operation: Operation, args: Sequence[Any]
+    ) -> tuple[Outcome, tuple[Snapshot, Snapshot, tuple[Any, ...], tuple[Any, ...]] | None]:
+        """One call on a new replica: its outcome, and its state and counts before and after."""
+        replica, built = self._build_adapter()
+        if built is not None:
+            return replace(built, message="building a replica " + built.message), None
+        for op, sent in self._sent:
+            self._impl_call(op, sent, False, replica)
+        before = self._replica_snapshot(replica)
+        if isinstance(before, Outcome):
+            return before, None
+        if self.impl_snapshot is not None and before != self.impl_snapshot:
+            differs = _diff(before, self.impl_snapshot, "replica", "implementation")
+            return Outcome(crashed=True, message=(
+                f"a replica given this example's calls again is not in the implementation's state ({differs}); "
+                "the implementation is not deterministic, so a mistake that changes its state cannot be checked"
+            )), None  # fmt: skip
+        counters = self._counters(replica)
+        impl = replace(self._impl_call(operation, args, False, replica), replica=True)
+        after = self._replica_snapshot(replica)
+        if isinstance(after, Outcome):
+            return after, None
+        return impl, (before, after, counters, self._counters(replica))
+
+    def _counters(self, replica: Any) -> tuple[Any, ...]:
+        """A replica's answers to the state questions it has (a count kept beside the queue can go wrong alone)."""
+        answers: list[Any] = []
+        for op in ("get_num_free_blocks", "get_usage"):
+            if op in self.capabilities:
+                outcome = self._impl_call(OPERATIONS[op], (), False, replica)
+                answers.append(outcome.result if outcome.error is None and not outcome.crashed else outcome.message)
+        return tuple(answers)
+
+    def _replica_snapshot(self, replica: Any) -> Snapshot | Outcome:
+        self.watch.impl_started()
+        try:
+            snap = replica.snapshot()
+        except Exception as e:
+            return Outcome(crashed=True, message=f"a replica's snapshot() failed: {_crash_message(e)}")
+        finally:
+            self.watch.impl_finished()
+        return _normal_snapshot(snap) if isinstance(snap, Snapshot) else Outcome(
+            crashed=True, message=f"a replica's snapshot() returned {type(snap).__name__}, not a kvspec Snapshot"
+        )
 
     def _read_hit(self, impl: Outcome) -> tuple[Outcome, list[Any] | None]:
         """Read the implementation's hit blocks back from its KV memory (content-integrity).
@@ -332,8 +502,15 @@ class LockStep:
         finally:
             self.watch.impl_finished()
 
-    def _impl_call(self, operation: Operation, args: Sequence[Any]) -> Outcome:
-        fn = getattr(self.adapter, operation.name, None)
+    def _impl_call(self, operation: Operation, args: Sequence[Any], valid: bool, adapter: Any = None) -> Outcome:
+        """Call the adapter (or a replica); the outcome in normal form (`valid`: the call makes no caller mistake).
+
+        A call to the adapter itself that reaches the implementation is kept for replicas.
+        """
+        if adapter is None:
+            adapter = self.adapter
+            self._sent.append((operation, tuple(args)))
+        fn = getattr(adapter, operation.name, None)
         if not callable(fn):
             return Outcome(crashed=True, message=f"the adapter has no method {operation.name}()")
         # Each side gets its own lists: an implementation that keeps or mutates its
@@ -348,9 +525,15 @@ class LockStep:
                 return Outcome(
                     crashed=True, message=f"raised {type(e).__name__}, a BlockManagerError of no spec type: {e}"
                 )
-            return Outcome(error=name, message=str(e))
+            return Outcome(error=name, message=str(e), raised_types=_type_names(e))
+        except NotExpressible as e:
+            if adapter is self.adapter:
+                self._sent.pop()
+            if valid:
+                return Outcome(crashed=True, message=f"the adapter says a valid call is not expressible: {e}")
+            return Outcome(not_sent=f"not expressible in the implementation's API: {e}")
         except Exception as e:
-            return Outcome(crashed=True, message=_crash_message(e))
+            return Outcome(crashed=True, message=_crash_message(e), raised_types=_type_names(e))
         finally:
             self.watch.impl_finished()
         if operation.normalize is None:
@@ -373,11 +556,13 @@ class LockStep:
             return
         self._pending = None
         spec_snap = self.spec_snapshot
-        if p.impl.crashed:
+        if p.impl.crashed and not self._crash_is_a_reaction(p):
             self._fail(FailureKind.CRASHED, p, p.impl.message)
         impl_snap = self._take_snapshot(p)
         prev = self.impl_snapshot
-        record = TraceStep(p.index, p.op, p.args, p.spec, p.impl, spec_snap, impl_snap)
+        # A mistake sent to a replica: the story shows the state it left the replica in.
+        shown = p.replica[1] if p.replica is not None else impl_snap
+        record = TraceStep(p.index, p.op, p.args, p.spec, p.impl, spec_snap, shown, p.mistake, p.without)
         failure = self._first_problem(p, spec_snap, impl_snap, prev)
         if p.index > 0:
             self.records.append(record)
@@ -387,7 +572,7 @@ class LockStep:
         self._count(p, spec_snap)
 
     def _take_snapshot(self, p: _Pending) -> Snapshot:
-        self._inflight = (p.index, p.op, p.args, p.spec)
+        self._inflight = (p.index, p.op, p.args, p.spec, p.mistake)
         self.watch.impl_started()
         try:
             snap = self.adapter.snapshot()
@@ -405,10 +590,39 @@ class LockStep:
     ) -> tuple[FailureKind, str, str | None] | None:
         """The first check of the step that fails, as (kind, message, rule name), or None."""
         return (
-            self._result_problem(p)
+            (self._mistake_problem(p, impl_snap, prev) if p.mistake is not None else self._result_problem(p))
             or _state_problem(p, impl_snap, prev)
             or self._snapshot_problem(spec_snap, impl_snap)
         )
+
+    def _crash_is_a_reaction(self, p: _Pending) -> bool:
+        """Whether an exception on a mistake step is what is checked (a declared `raises`, or a survey);
+        any other exception is a crash, as on a valid call."""
+        if p.mistake is None or not p.impl.raised_types:
+            return False
+        return self.observer.survey is not None or (p.reaction is not None and p.reaction.kind == "raises")
+
+    def _mistake_problem(
+        self, p: _Pending, impl_snap: Snapshot, prev: Snapshot | None
+    ) -> tuple[FailureKind, str, str | None] | None:
+        """What the implementation did with a caller mistake, against the reaction its adapter declares."""
+        mistake, obs = p.mistake, self.observer
+        assert mistake is not None, "a mistake check on a step that made no mistake"
+        if p.impl.not_sent is not None:
+            obs.not_expressed[mistake] += 1
+            return None
+        before, after, counted = p.replica if p.replica is not None else (prev, impl_snap, False)
+        changed = counted or (before is not None and after != before)
+        if obs.survey is not None:
+            seen = observed_reaction(p.spec, p.impl, changed)
+            obs.survey.setdefault(mistake, Counter())[seen.describe() if seen else p.impl.describe()] += 1
+            return None
+        assert p.reaction is not None, f"{mistake!r} was sent with no reaction to check"
+        obs.mistakes_sent[mistake] += 1
+        if p.reaction.kind == "spec error":
+            return self._result_problem(p)
+        problem = reaction_problem(p.reaction, p.spec, p.impl, changed)
+        return None if problem is None else (FailureKind.DIVERGES, f"the caller mistake {mistake!r}: {problem}", None)
 
     def _result_problem(self, p: _Pending) -> tuple[FailureKind, str, str | None] | None:
         """A malformed result, a broken hit rule, or a different result or error type."""
@@ -557,7 +771,9 @@ class LockStep:
 
     def _fail(self, kind: FailureKind, p: _Pending, message: str) -> Any:
         if p.index > 0:
-            self.records.append(TraceStep(p.index, p.op, p.args, p.spec, p.impl, self.spec_snapshot, None))
+            self.records.append(
+                TraceStep(p.index, p.op, p.args, p.spec, p.impl, self.spec_snapshot, None, p.mistake, p.without)
+            )
         self._raise(Failure(kind, p.index, p.op, message))
 
     def _raise(self, failure: Failure) -> Any:
@@ -578,13 +794,15 @@ class LockStep:
         """Record that the implementation call in flight did not return in time; returns the failure."""
         limit = self.watch.step_timeout_s
         message = f"no answer within the step time limit of {limit:g} s" if limit else "no answer"
-        index, op, args, spec = (
-            self._inflight if self._inflight is not None else (len(self.records) + 1, "?", (), Outcome())
+        index, op, args, spec, mistake = (
+            self._inflight if self._inflight is not None else (len(self.records) + 1, "?", (), Outcome(), None)
         )
         self._pending = self._inflight = None
         if index > 0:
             self.records.append(
-                TraceStep(index, op, args, spec, Outcome(hung=True, message=message), self.spec_snapshot, None)
+                TraceStep(
+                    index, op, args, spec, Outcome(hung=True, message=message), self.spec_snapshot, None, mistake
+                )
             )
         self.failure = ConformanceFailure(Failure(FailureKind.HUNG, index, op, message))
         return self.failure
@@ -594,12 +812,15 @@ def _state_problem(
     p: _Pending, impl_snap: Snapshot, prev: Snapshot | None
 ) -> tuple[FailureKind, str, str | None] | None:
     """A rejected call that changed the state, or a broken invariant or step rule."""
-    if p.spec.error is not None and prev is not None and impl_snap != prev:
+    ignored = p.reaction is not None and p.reaction.kind == "ignores"  # then the good part's state is the spec's
+    if p.spec.error is not None and prev is not None and impl_snap != prev and not ignored:
+        what = f"the caller mistake {p.mistake!r}" if p.mistake else "the call"
+        reaction = f"; its adapter declares it {p.reaction.describe()}" if p.reaction is not None else ""
         return (
             FailureKind.DIVERGES,
             (
-                f"after raising {p.impl.error} the state changed ({_diff(prev, impl_snap, 'before', 'after')}); "
-                "a rejected call must change nothing"
+                f"{what} changed the state ({_diff(prev, impl_snap, 'before', 'after')}) although the "
+                f"implementation {p.impl.describe()}{reaction}; a rejected call must change nothing"
             ),
             None,
         )

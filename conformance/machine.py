@@ -88,8 +88,12 @@ class _LockStepMachine(RuleBasedStateMachine):
         assert self.lock is not None, "a rule ran before the machine was initialized"
         return self.lock
 
-    def _call(self, op: str, *args: Any) -> Outcome:
-        return self._lock.call(op, *args)
+    def _call(self, op: str, *args: Any, mistake: str | None = None, without: Sequence[Any] | None = None) -> Outcome:
+        """One adapter call; `mistake`: the caller mistake it makes (a kind the rule drew), None for a valid call;
+        `without`: its arguments with the mistake taken out (see `LockStep.call`)."""
+        if mistake == VALID:
+            return self._lock.call(op, *args)
+        return self._lock.call(op, *args, mistake=mistake, without=without)
 
     def _has(self, op: str) -> bool:
         return self.lock is not None and op in self.lock.capabilities
@@ -156,6 +160,11 @@ def _is_final_run() -> bool:
         return bool(current_build_context().is_final)
     except InvalidArgument:  # not inside a Hypothesis test
         return False
+
+
+def _good_part(ids: list[Any], ok: list[Any], kind: str) -> list[Any]:
+    """A mistaken list of blocks without its mistake: the first copy of each block for "named twice", else `ok`."""
+    return list(dict.fromkeys(ids)) if kind == "named twice" else ok
 
 
 def _insert(data: st.DataObject, items: list[Any], extra: Any) -> list[Any]:
@@ -233,7 +242,9 @@ class PoolMachine(_LockStepMachine):
             num_blocks = num_free + data.draw(st.integers(1, 3), label="over by")
         else:
             num_blocks = data.draw(strat.bad_counts(), label="num_blocks")
-        out = self._call("get_new_blocks", num_blocks)
+        if kind == VALID and num_blocks > num_free:
+            kind = "more than free"
+        out = self._call("get_new_blocks", num_blocks, mistake=kind)
         if out.error or not out.result:
             return multiple()
         blocks = list(out.result)
@@ -251,7 +262,13 @@ class PoolMachine(_LockStepMachine):
     def free_blocks(self, group: tuple[int, ...], order: str) -> None:
         # vLLM frees a request's blocks tail first; any order is legal for the pool.
         self.live.remove(group)
+        group = self._still_held(group)
         self._call("free_blocks", list(reversed(group)) if order == "tail first" else list(group))
+
+    def _still_held(self, group: tuple[int, ...]) -> tuple[int, ...]:
+        """The blocks of `group` the spec still counts as held: an adapter that ignores a bad
+        free (vllm-ascend) frees the call's good part, which may have released a group's block."""
+        return tuple(b for b in group if self._state.ref_cnt[b] > 0)
 
     @precondition(lambda self: self.lock is not None and bool(self._free_mistakes()))
     @rule(data=st.data())
@@ -274,7 +291,8 @@ class PoolMachine(_LockStepMachine):
             bad = self._bad_id(data)
         else:
             bad = data.draw(_sampled(ok), label="named twice")
-        self._call("free_blocks", _insert(data, ok, bad))
+        ids = _insert(data, ok, bad)
+        self._call("free_blocks", ids, mistake=kind, without=(_good_part(ids, ok, kind),))
 
     def _free_mistakes(self) -> tuple[str, ...]:
         return self._mistakes(
@@ -290,7 +308,7 @@ class PoolMachine(_LockStepMachine):
         mistakes = [*self._mistakes("touch", *mistakes), *self._mistakes("get_cached_block", "hash not bytes")]
         kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         if kind == "hash not bytes":
-            self._call("get_cached_block", data.draw(strat.bad_hashes(), label="block_hash"))
+            self._call("get_cached_block", data.draw(strat.bad_hashes(), label="block_hash"), mistake=kind)
             return multiple()
         if kind == VALID:
             # Mostly hashes that are registered now (a real prefix), sometimes any.
@@ -316,7 +334,8 @@ class PoolMachine(_LockStepMachine):
             bad = self._bad_id(data)
         else:
             bad = data.draw(_sampled(unhashed), label="block without hash")
-        self._call("touch", _insert(data, ok, bad))
+        ids = _insert(data, ok, bad)
+        self._call("touch", ids, mistake=kind, without=(_good_part(ids, ok, kind),))
         return multiple()
 
     @precondition(lambda self: self.lock is not None and (not self.enable_caching or bool(self._held())))
@@ -328,13 +347,17 @@ class PoolMachine(_LockStepMachine):
             # Without prefix caching every call is a mistake, even a well-formed one.
             if not self._mistakes("cache_full_blocks", "caching off"):
                 return
+            # At least one block: an empty call without caching changes nothing in any implementation.
             ids = (
-                data.draw(st.lists(st.integers(1, n - 1), max_size=2, unique=True), label="block_ids") if n > 1 else []
+                data.draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=2, unique=True), label="block_ids")
+                if n > 1
+                else []
             )
-            self._call("cache_full_blocks", ids, [strat.HASH_UNIVERSE[0]] * len(ids))
+            self._call("cache_full_blocks", ids, [strat.HASH_UNIVERSE[0]] * len(ids), mistake="caching off")
             return
         unhashed, hashed_held = self._held(hashed=False), self._held(hashed=True)
-        free = list(s.free_queue)  # a free block is not held, with a hash or without (the spec checks that first)
+        # Free blocks without a hash: one with a hash is also "already cached", two mistakes in one.
+        free = [b for b in s.free_queue if s.block_hash[b] is None]
         mistakes = ["bad id", "length mismatch"] + (["named twice", "hash not bytes"] if unhashed else [])
         mistakes += (["already cached"] if hashed_held else []) + (["not held"] if free else [])
         allowed = self._mistakes("cache_full_blocks", *mistakes)
@@ -354,7 +377,7 @@ class PoolMachine(_LockStepMachine):
             self._call("cache_full_blocks", ok, hashes)
             return
         if kind == "length mismatch":
-            self._call("cache_full_blocks", ok, hashes + [strat.HASH_UNIVERSE[1]])
+            self._call("cache_full_blocks", ok, hashes + [strat.HASH_UNIVERSE[1]], mistake=kind, without=(ok, hashes))
             return
         if kind == "hash not bytes":
             ok = ok or [unhashed[0]]
@@ -362,7 +385,7 @@ class PoolMachine(_LockStepMachine):
             hashes[data.draw(st.integers(0, len(ok) - 1), label="which hash")] = data.draw(
                 strat.bad_hashes(), label="bad hash"
             )
-            self._call("cache_full_blocks", ok, hashes)
+            self._call("cache_full_blocks", ok, hashes, mistake=kind)
             return
         if kind == "bad id":
             bad: Any = self._bad_id(data)
@@ -375,7 +398,12 @@ class PoolMachine(_LockStepMachine):
             if not ok:
                 ok, hashes = [bad], [strat.HASH_UNIVERSE[0]]
         at = data.draw(st.integers(0, len(ok)), label="position of the mistake")
-        self._call("cache_full_blocks", ok[:at] + [bad] + ok[at:], hashes[:at] + [strat.HASH_UNIVERSE[2]] + hashes[at:])
+        ids, with_hashes = ok[:at] + [bad] + ok[at:], hashes[:at] + [strat.HASH_UNIVERSE[2]] + hashes[at:]
+        good = (ok, hashes)
+        if kind == "named twice":  # the first copy of each block, with its hash
+            pairs = dict(reversed(list(zip(ids, with_hashes))))
+            good = (list(dict.fromkeys(ids)), [pairs[b] for b in dict.fromkeys(ids)])
+        self._call("cache_full_blocks", ids, with_hashes, mistake=kind, without=good)
 
     @precondition(lambda self: self._has("evict_blocks"))
     @rule(data=st.data())
@@ -388,14 +416,17 @@ class PoolMachine(_LockStepMachine):
         ids_strategy = _one_of(_sampled(hashed), any_id) if hashed else any_id
         ids = data.draw(st.lists(ids_strategy, max_size=3, unique=True), label="block_ids") if n > 1 else []
         if kind == VALID:
-            self._call("evict_blocks", ids)
+            # Evicting nothing checks nothing, and a no-op step is what the shrinker leaves behind.
+            if ids:
+                self._call("evict_blocks", ids)
             return
         if kind == "named twice":
             ids = ids or [1]
             bad: Any = data.draw(_sampled(ids), label="named twice")
         else:
             bad = self._bad_id(data)
-        self._call("evict_blocks", _insert(data, ids, bad))
+        with_bad = _insert(data, ids, bad)
+        self._call("evict_blocks", with_bad, mistake=kind, without=(_good_part(with_bad, ids, kind),))
 
     # A reset of an empty cache changes nothing whatever the answer; skipping it
     # keeps resets from crowding out the rules that build state. Without caching
@@ -410,7 +441,7 @@ class PoolMachine(_LockStepMachine):
     def reset_prefix_cache_when_idle(self, data: st.DataObject) -> None:
         """Every request finishes, in any order, then the cache is reset (as before a weight update)."""
         for group in data.draw(st.permutations(self.live), label="finishing order"):
-            self._call("free_blocks", list(reversed(group)))
+            self._call("free_blocks", list(reversed(self._still_held(group))))
             self._lock.check()
         self.live.clear()
         self.bundle("groups").clear()  # all freed: nothing in the bundle is held any more
@@ -422,9 +453,9 @@ class PoolMachine(_LockStepMachine):
         n = self._state.num_gpu_blocks
         held = self._held()
         valid = _one_of(_sampled(held), st.integers(0, n - 1)) if held else st.integers(0, n - 1)
+        kind = data.draw(_sampled(_kinds(*self._mistakes("is_block_writable", "bad id"))), label="call")
         bad = _sampled(tuple(b for b in strat.bad_block_id_values(n) if b != 0))
-        either = _one_of(valid, bad) if self._mistakes("is_block_writable", "bad id") else valid
-        self._call("is_block_writable", data.draw(either, label="block_id"))
+        self._call("is_block_writable", data.draw(valid if kind == VALID else bad, label="block_id"), mistake=kind)
 
     @precondition(lambda self: self._has("get_num_free_blocks") or self._has("get_usage"))
     @rule()
@@ -540,7 +571,7 @@ class ManagerMachine(_LockStepMachine):
             request = replace(prompt, request_id=self._new_id(), mm_inputs=images)
         else:
             request = replace(prompt, request_id=self._new_id())
-        self._call("get_computed_blocks", request)
+        self._call("get_computed_blocks", request, mistake=kind)
 
     def _admit(self, request: Request, data: st.DataObject, whole: bool = False) -> Any:
         """The scheduler's admission: look up the prefix hit, then allocate the first chunk (`whole`: all of it)."""
@@ -608,40 +639,44 @@ class ManagerMachine(_LockStepMachine):
 
     def _allocate_slots_mistake(self, kind: str, fresh: Request, data: st.DataObject) -> None:
         bs, n = self.block_size, self._lock.config.num_gpu_blocks
+
+        def call(*args: Any) -> None:
+            self._call("allocate_slots", *args, mistake=kind)
+
         if kind == "no id":
-            self._call("allocate_slots", replace(fresh, request_id=""), 1, 0, [], 0)
+            call(replace(fresh, request_id=""), 1, 0, [], 0)
         elif kind == "no tokens":
-            self._call("allocate_slots", replace(fresh, token_ids=(), mm_inputs=()), 1, 0, [], 0)
+            call(replace(fresh, token_ids=(), mm_inputs=()), 1, 0, [], 0)
         elif kind == "misplaced images":
             images = data.draw(strat.bad_mm_inputs(len(fresh.token_ids)), label="misplaced images")
-            self._call("allocate_slots", replace(fresh, mm_inputs=images), 1, 0, [], 0)
+            call(replace(fresh, mm_inputs=images), 1, 0, [], 0)
         elif kind == "hit longer than the request":
             # One hit block more than the request has full blocks (any ids: the length is checked first).
             num_hits = len(fresh.token_ids) // bs + 1
             blocks = data.draw(st.lists(st.integers(1, max(n - 1, 1)), min_size=num_hits, max_size=num_hits),
                                label="hit blocks")
-            self._call("allocate_slots", fresh, 1, num_hits * bs, blocks, 0)
+            call(fresh, 1, num_hits * bs, blocks, 0)
         elif kind == "no tokens scheduled":
-            self._call("allocate_slots", fresh, 0, 0, [], 0)
+            call(fresh, 0, 0, [], 0)
         elif kind == "bad count":
             args: list[Any] = [fresh, 1, 0, [], 0]
             args[data.draw(_sampled((1, 2, 4)), label="which count")] = data.draw(strat.bad_counts(), label="bad count")
-            self._call("allocate_slots", *args)
+            call(*args)
         elif kind == "more tokens than the request has":
             on_running = data.draw(st.booleans(), label="running request") if self.requests else False
             if on_running:
                 run = self.requests[data.draw(_sampled(sorted(self.requests)), label="running request")]
-                self._call(
-                    "allocate_slots", run.request, len(run.request.token_ids) - run.num_computed_tokens + 1, 0, [], 0
+                call(
+                    run.request, len(run.request.token_ids) - run.num_computed_tokens + 1, 0, [], 0
                 )
             else:
-                self._call("allocate_slots", fresh, len(fresh.token_ids) + 1, 0, [], 0)
+                call(fresh, len(fresh.token_ids) + 1, 0, [], 0)
         elif kind == "hit count mismatch":
-            self._call("allocate_slots", fresh, 1, bs, [], 0)
+            call(fresh, 1, bs, [], 0)
         elif kind == "hit on a running request":
             rid = data.draw(_sampled(sorted(self.requests)), label="running request")
             block = data.draw(st.integers(1, max(n - 1, 1)), label="hit block")
-            self._call("allocate_slots", self.requests[rid].request, 1, bs, [block], 0)
+            call(self.requests[rid].request, 1, bs, [block], 0)
         else:
             # One full block and a token after it, so that only the hit block is wrong.
             request = replace(fresh, token_ids=fresh.token_ids + (0,) * max(bs + 1 - len(fresh.token_ids), 0))
@@ -652,7 +687,7 @@ class ManagerMachine(_LockStepMachine):
                 pool = self._state.pool
                 wrong = [b for b in range(-1, n + 1) if not (0 <= b < n and pool.block_hash[b] == chain[0])]
                 block = data.draw(_sampled(wrong), label="hit block")
-            self._call("allocate_slots", request, 1, bs, [block], 0)
+            call(request, 1, bs, [block], 0)
 
     @rule(request_id=running, data=st.data())
     def allocate_slots_step(self, request_id: str, data: st.DataObject) -> None:
@@ -707,7 +742,7 @@ class ManagerMachine(_LockStepMachine):
     def free_mistake(self, data: st.DataObject) -> None:
         """Freeing a request that is not running (never admitted, or already finished)."""
         ids = ["r0"] + [r for r in self.finished if r not in self.requests][-3:]
-        self._call("free", data.draw(_sampled(ids), label="request_id"))
+        self._call("free", data.draw(_sampled(ids), label="request_id"), mistake="not running")
 
 
 def conformance_machine(

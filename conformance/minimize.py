@@ -45,7 +45,7 @@ def trace_from_death(death: Death, impl: str | None, step_timeout_s: float | Non
     outcome = Outcome(hung=True, message=what) if kind is FailureKind.HUNG else Outcome(crashed=True, message=what)
     if steps:
         s = steps[-1]
-        steps[-1] = TraceStep(s.index, s.op, s.args, s.spec, outcome, s.spec_snapshot, None)
+        steps[-1] = TraceStep(s.index, s.op, s.args, s.spec, outcome, s.spec_snapshot, None, s.mistake, s.without)
     failure = Failure(kind, len(steps), op, what)
     return Trace(config=partial.config, steps=tuple(steps), impl=impl, verdict=kind.verdict, failure=failure)
 
@@ -53,7 +53,10 @@ def trace_from_death(death: Death, impl: str | None, step_timeout_s: float | Non
 def _spec_side(trace: Trace) -> list[TraceStep]:
     """Each step's spec outcome and state (the implementation matched them up to its last step)."""
     outcomes = run_spec(trace.config, [(s.op, s.args) for s in trace.steps])
-    return [TraceStep(s.index, s.op, s.args, o, None, snap, None) for s, (o, snap) in zip(trace.steps, outcomes)]
+    return [
+        TraceStep(s.index, s.op, s.args, o, None, snap, None, s.mistake, s.without)
+        for s, (o, snap) in zip(trace.steps, outcomes)
+    ]
 
 
 def _replay(trace: Trace, factory: Factory, step_timeout_s: float | None) -> CampaignReport | Death:
@@ -98,7 +101,7 @@ def _minimize(
 
 
 def _renumber(steps: Sequence[TraceStep]) -> list[TraceStep]:
-    return [TraceStep(i + 1, s.op, s.args) for i, s in enumerate(steps)]
+    return [TraceStep(i + 1, s.op, s.args, mistake=s.mistake, without=s.without) for i, s in enumerate(steps)]
 
 
 def shrink_by_replay(

@@ -39,7 +39,7 @@ def replay_example(
             lock = LockStep(factory, trace.config, observer, watch)
             lock.check()
             for step in trace.steps:
-                lock.call(step.op, *step.args)
+                lock.call(step.op, *step.args, mistake=step.mistake, without=step.without)
                 lock.check()
         except (ConformanceFailure, SpecFailure) as e:
             failure = e.failure

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -135,9 +135,22 @@ class Outcome:
     crashed: bool = False  # raised something that is not a spec error, or the process died
     hung: bool = False  # did not return within the step time limit
     events: tuple[Any, ...] = ()  # what the step published besides its result (none modelled yet)
+    raised_types: tuple[str, ...] = ()  # for an exception: its class and base class names, most specific first
+    replica: bool = False  # the implementation's side ran on a replica (a mistake that changes the state)
+    not_sent: str | None = None  # why a caller mistake was not sent to the implementation (its side only)
+
+    @property
+    def raised(self) -> str | None:
+        """The name of the exception type the side raised, if it raised one."""
+        return self.raised_types[0] if self.raised_types else self.error
 
     def describe(self) -> str:
         """One line: the result, or the error and its message."""
+        if self.replica:
+            on_replica = " (on a replica; the example goes on from the state before)"
+            return replace(self, replica=False).describe() + on_replica
+        if self.not_sent is not None:
+            return f"not sent ({self.not_sent})"
         if self.hung:
             return f"hung ({self.message})"
         if self.crashed:
@@ -148,13 +161,20 @@ class Outcome:
 
     def to_json(self) -> dict[str, Any]:
         """The outcome as a JSON object."""
+        extra: dict[str, Any] = {}
+        if self.replica:
+            extra["replica"] = True
+        if self.raised_types and self.error is None:
+            extra["raised"] = list(self.raised_types)
+        if self.not_sent is not None:
+            return {"not_sent": self.not_sent, **extra}
         if self.hung:
-            return {"hung": self.message}
+            return {"hung": self.message, **extra}
         if self.crashed:
-            return {"crash": self.message}
+            return {"crash": self.message, **extra}
         if self.error is not None:
-            return {"error": self.error, "message": self.message}
-        return {"result": self.result}
+            return {"error": self.error, "message": self.message, **extra}
+        return {"result": self.result, **extra}
 
 
 def _short(value: Any) -> str:
@@ -219,6 +239,9 @@ class CampaignReport:
     invariants_checked: int = 0
     seconds: float = 0.0
     not_exercised: tuple[str, ...] = ()  # what the adapter's declarations left out
+    mistakes_checked: Mapping[str, int] = field(default_factory=dict)  # mistake -> times its reaction was checked
+    reactions: Mapping[str, str] = field(default_factory=dict)  # mistake -> declared reaction (not the spec error)
+    not_expressed: Mapping[str, int] = field(default_factory=dict)  # mistake -> calls the implementation cannot take
     absent_ops: tuple[str, ...] = ()  # optional operations the adapter lacks or declares deviant
     extra_rounds: int = 0  # rounds run after max_examples to reach a branch
     failure: Failure | None = None
@@ -247,6 +270,9 @@ class CheckResult:
     deepest_trace_path: str | None = None  # the example that reached the most events, when kept
     seed: int = 0
     not_exercised: tuple[str, ...] = ()  # caller mistakes ("<op>: <mistake>") the adapter declares it does not reject
+    mistakes_checked: dict[str, int] = field(default_factory=dict)  # mistake -> times its reaction was checked
+    reactions: dict[str, str] = field(default_factory=dict)  # mistake -> declared reaction, where not the spec's error
+    not_expressed: dict[str, int] = field(default_factory=dict)  # mistake -> calls the implementation cannot take
     device: str | None = None  # AdapterConfig.device the adapters were built with
     extra_rounds: int = 0  # rounds run after max_examples because a branch was unreached (see cover_rounds)
     spec_branches: tuple[str, ...] = ()  # every branch the spec has at this configuration, provided or not

@@ -35,14 +35,7 @@ from kvspec.conformance.campaign import CampaignPlan, run_campaign
 from kvspec.conformance.coverage import expected_branches, reachable_branches
 from kvspec.conformance.isolation import Death, Progress, run_isolated
 from kvspec.conformance.minimize import shrink_by_replay, trace_from_death
-from kvspec.conformance.registry import (
-    BUILTIN_IMPLS,
-    DEFAULT_IMPLS,
-    Factory,
-    FactoryError,
-    factory_name,
-    load_factory,
-)
+from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, Factory, FactoryError, factory_name, load_factory
 from kvspec.conformance.replaying import replay_example
 from kvspec.conformance.report import render_story
 from kvspec.conformance.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
@@ -138,6 +131,9 @@ def _check_result(report: CampaignReport, where: _Where, failure: Failure | None
         message=message,
         seed=where.seed,
         not_exercised=report.not_exercised,
+        mistakes_checked=dict(report.mistakes_checked),
+        reactions=dict(report.reactions),
+        not_expressed=dict(report.not_expressed),
         device=where.device,
         extra_rounds=report.extra_rounds,
         spec_branches=branches,

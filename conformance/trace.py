@@ -84,6 +84,8 @@ class TraceStep:
     impl: Outcome | None = None  # the implementation's outcome
     spec_snapshot: Snapshot | None = None  # the spec's state after the step
     impl_snapshot: Snapshot | None = None  # the implementation's state after the step
+    mistake: str | None = None  # the caller mistake the call makes ("<op>: <mistake>"), None for a valid call
+    without: tuple[Any, ...] | None = None  # a mistaken call's arguments with the mistake taken out (its good part)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +281,8 @@ def step_line(step: TraceStep) -> str:
             "impl": None if step.impl is None else step.impl.to_json(),
             "spec_snapshot": None if step.spec_snapshot is None else snapshot_to_json(step.spec_snapshot),
             "impl_snapshot": None if step.impl_snapshot is None else snapshot_to_json(step.impl_snapshot),
+            **({"mistake": step.mistake} if step.mistake else {}),
+            **({"without": encode_value(list(step.without))} if step.without is not None else {}),
         }
     )
 
@@ -309,16 +313,22 @@ def _outcome(obj: Any) -> Outcome | None:
         return None
     if not isinstance(obj, dict) or len(obj) == 0:
         raise ValueError("an outcome must be an object with result, error, crash or hung")
+    raised = obj.get("raised", [])
+    if not (isinstance(raised, list) and all(isinstance(r, str) for r in raised)):
+        raise ValueError("an outcome's raised must be a list of exception type names")
+    extra: dict[str, Any] = {"replica": bool(obj.get("replica", False)), "raised_types": tuple(raised)}
     if "result" in obj:
-        return Outcome(result=obj["result"])
+        return Outcome(result=obj["result"], **extra)
     if "error" in obj:
         if not isinstance(obj["error"], str):
             raise ValueError("an outcome's error must be an error type name")
-        return Outcome(error=obj["error"], message=str(obj.get("message", "")))
+        return Outcome(error=obj["error"], message=str(obj.get("message", "")), **extra)
     if "crash" in obj:
-        return Outcome(crashed=True, message=str(obj["crash"]))
+        return Outcome(crashed=True, message=str(obj["crash"]), **extra)
     if "hung" in obj:
-        return Outcome(hung=True, message=str(obj["hung"]))
+        return Outcome(hung=True, message=str(obj["hung"]), **extra)
+    if "not_sent" in obj:
+        return Outcome(not_sent=str(obj["not_sent"]), **extra)
     raise ValueError(f"unknown outcome keys {sorted(obj)}")
 
 
@@ -387,6 +397,9 @@ def _step(obj: Any, expected_index: int, level: str) -> TraceStep:
         raise ValueError(f"{op} takes {len(operation.params)} arguments {operation.params}; got {len(args)}")
     spec_snap = obj.get("spec_snapshot")
     impl_snap = obj.get("impl_snapshot")
+    mistake = obj.get("mistake")
+    if mistake is not None and (not isinstance(mistake, str) or mistake.partition(": ")[2] not in operation.mistakes):
+        raise ValueError(f"mistake={mistake!r} is not a caller mistake of {op} (see `kvspec errors`)")
     return TraceStep(
         index=expected_index,
         op=op,
@@ -395,7 +408,17 @@ def _step(obj: Any, expected_index: int, level: str) -> TraceStep:
         impl=_outcome(obj.get("impl")),
         spec_snapshot=None if spec_snap is None else snapshot_from_json(spec_snap),
         impl_snapshot=None if impl_snap is None else snapshot_from_json(impl_snap),
+        mistake=mistake,
+        without=_without(obj.get("without"), operation),
     )
+
+
+def _without(value: Any, operation: Any) -> tuple[Any, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != len(operation.params):
+        raise ValueError(f"a step's without must list {len(operation.params)} arguments {operation.params}")
+    return tuple(decode_value(value))
 
 
 def _verdict_line(obj: dict[str, Any]) -> tuple[Verdict, Failure | None]:

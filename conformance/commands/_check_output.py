@@ -102,12 +102,29 @@ def _notes(results: Sequence[CheckResult]) -> list[str]:
     for r in results:
         if r.not_exercised:
             not_exercised.setdefault(_where(r), set()).update(r.not_exercised)
+    lines += _mistake_lines(results)
     for where, mistakes in not_exercised.items():
         lines.append(f"not exercised ({where}): {'; '.join(sorted(mistakes))}")
     if not_exercised:
         lines.append(f"  (why: {NOT_EXERCISED_WHY})")
     lines += [f"note ({_where(r)}): {r.message}" for r in results if r.message]
     lines += [f"examples ({_where(r)}): {why}" for r in results if (why := _more_examples_why(r))]
+    return lines
+
+
+def _mistake_lines(results: Sequence[CheckResult]) -> list[str]:
+    """How many caller mistakes were checked, and against which declared reactions."""
+    lines = []
+    for r in results:
+        if not r.mistakes_checked and not r.not_expressed:
+            continue
+        declared = [f"{m}: {r.reactions[m]} ({n}x)" for m, n in sorted(r.mistakes_checked.items()) if m in r.reactions]
+        total = sum(r.mistakes_checked.values())
+        line = f"caller mistakes ({_where(r)}): {total} checked, {len(r.mistakes_checked)} kinds"
+        lines.append(line + (f"; declared reactions: {'; '.join(declared)}" if declared else ""))
+        if r.not_expressed:
+            calls = [f"{m} ({n}x)" for m, n in sorted(r.not_expressed.items())]
+            lines.append(f"not expressible in its API, not sent ({_where(r)}): {'; '.join(calls)}")
     return lines
 
 
@@ -182,6 +199,9 @@ def _result_json(r: CheckResult) -> dict[str, Any]:
         "spec_branches": len(r.spec_branches),
         "not_provided": list(r.absent_ops),
         "not_exercised": list(r.not_exercised),
+        "mistakes_checked": dict(r.mistakes_checked),
+        "reactions": dict(r.reactions),
+        "not_expressed": dict(r.not_expressed),
         "extra_rounds": r.extra_rounds,
         "seed": r.seed,
         "failure": None

@@ -117,13 +117,11 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _declared_absences(factory: Callable[[Any], object]) -> set[str]:
-    """What the target's pool adapter declares the campaigns leave out (known deviations, ignored mistakes)."""
+    """What the target's pool adapter declares the campaigns leave out (known deviations)."""
     from kvspec.conformance.adapter import AdapterConfig
 
     adapter = factory(AdapterConfig(level="pool", num_gpu_blocks=4))
     found = {f"{op}: {why}" for op, why in (getattr(adapter, "known_deviations", None) or {}).items()}
-    ignored = getattr(adapter, "ignored_mistakes", None) or {}
-    found |= {f"{mistake}: declared ignored ({why})" for mistake, why in ignored.items()}
     return found
 
 

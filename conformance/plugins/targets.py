@@ -131,8 +131,9 @@ _KVCACHED_FINDINGS: tuple[Finding, ...] = (
 
 _TPU_FINDINGS: tuple[Finding, ...] = (
     Finding("no-prepend-n", "free_blocks", r"prepend_n",
-            "ContinuousFreeQueue has no prepend_n, which vLLM 0.32's free_blocks calls on every free, so every "
-            "free_blocks raises AttributeError; vLLM's FreeKVCacheBlockQueue has it", "crash", is_bug=True),
+            "ContinuousFreeQueue has no prepend_n, which vLLM 0.32's free_blocks calls on every free with caching "
+            "on (and on a double free with caching off), so those raise AttributeError; vLLM's "
+            "FreeKVCacheBlockQueue has it", "crash", is_bug=True),
     Finding("single-block-from-the-top", "get_new_blocks", r"returned \[\d+\]; the spec returned \[",
             "a one-block allocation takes the highest free id (ContinuousFreeQueue.popleft); vLLM and the spec take "
             "the front of the free queue", "order"),

@@ -19,10 +19,10 @@ in one ``free_blocks`` call, or freed while its ``ref_cnt`` is already 0,
 is dropped from the call with a warning line (``SWA_BLOCK_DIAG ...``)
 instead of an error, and the rest of the call applies; the queue
 insertions drop null, duplicate, still-referenced and still-linked blocks
-the same way. Those mistakes are declared in ``IGNORED_MISTAKES``. The
-harness cannot yet check a declared "ignored" reaction (it sends a mistake
-only to an adapter that raises the spec's error for it), so the campaigns
-leave them out and the directed probes show what happens.
+the same way. Those mistakes are declared ignored (``IGNORED_MISTAKES``,
+kvspec.conformance.reactions) on top of vLLM 0.23.0's own reactions, and the
+campaigns send them and check it: the state after such a call must be what
+the call without the bad block gives.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.plugins.adapters import OverlayCache, make_factory
 from kvspec.conformance.plugins.dist import PluginDist, fetch_dist
 from kvspec.conformance.plugins.overlay import Overlay, load_overlay
+from kvspec.conformance.reactions import ignores
 from kvspec.conformance.vllm.adapter import make_pool_adapter
 
 __all__ = ["DIST", "IGNORED_MISTAKES", "PATCH_MODULE", "SUPPORTED_VLLM", "apply", "factory", "load"]
@@ -94,8 +95,8 @@ def load(vllm_version: str) -> Overlay:
 
 def _adapter(vllm_version: str, config: AdapterConfig) -> object:
     adapter = make_pool_adapter(load(vllm_version).vllm_release(), config)
-    # Read by no harness code yet (see the module docstring); kept beside the adapter's other declarations.
-    adapter.ignored_mistakes = dict(IGNORED_MISTAKES)  # type: ignore[attr-defined]
+    ignored = {mistake: ignores(why) for mistake, why in IGNORED_MISTAKES.items()}
+    adapter.mistake_reactions = {**adapter.mistake_reactions, **ignored}
     return adapter
 
 

@@ -42,7 +42,8 @@ from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.plugins.adapters import OverlayCache, hash_table_entries, make_factory, pool_state
 from kvspec.conformance.plugins.dist import PluginDist, fetch_dist
 from kvspec.conformance.plugins.overlay import Overlay, load_plugin
-from kvspec.spec.errors import InvalidBlock, PoolExhausted
+from kvspec.conformance.reactions import NotExpressible
+from kvspec.spec.errors import PoolExhausted
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
@@ -89,7 +90,7 @@ class MlxPoolAdapter:
     def _block(self, block_id: BlockId, op: str) -> Any:
         blocks = self.pool.blocks
         if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 <= block_id < len(blocks):
-            raise InvalidBlock(f"{op}: block_id={block_id!r} names no block of vllm-mlx (ids 0..{len(blocks) - 1})")
+            raise NotExpressible(f"{op}: block_id={block_id!r} names no block of vllm-mlx (ids 0..{len(blocks) - 1})")
         return blocks[block_id]
 
     def _tokens(self, block_hash: BlockHash) -> list[int]:

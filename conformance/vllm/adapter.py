@@ -3,9 +3,8 @@
 The adapter drives vLLM's objects and translates, nothing more: block ids to
 vLLM's ``KVCacheBlock`` objects and back, the harness's ``bytes`` hashes to the
 hash-key type of the release (an int inside a named tuple before 0.10.2, a
-digest with a 4-byte group id after), the ``touch`` argument shape, and the one
-caller mistake vLLM itself reports (``ValueError`` on over-allocation) to the
-spec's ``PoolExhausted``. Which API generation a vLLM speaks is read from the
+digest with a 4-byte group id after) and the ``touch`` argument shape. Which
+API generation a vLLM speaks is read from the
 loaded code (signatures and attributes), not from its version string, so a
 release this module has never seen is still driven correctly where its shapes
 match an earlier one.
@@ -13,13 +12,15 @@ match an earlier one.
 Design choice: never fake behaviour. An operation a release lacks
 (``evict_blocks`` before 0.13, ``is_block_writable`` before 0.29) is absent from
 the adapter, so ``capabilities()`` reports it missing and the harness does not
-exercise it. Where vLLM does not validate an input (a double free, freeing or
-touching the null block, caching a block twice), the adapter adds no check of
-its own: it declares ``validates_bad_input = False`` and lists in
-``rejected_mistakes`` the few mistakes that do get a typed error, so the
-harness knows what not to expect. The rejected alternative, an adapter that
-validates like the spec, would hide exactly the historical bugs the oracle
-exists to find.
+exercise it. The adapter checks no argument on vLLM's behalf: every caller
+mistake reaches vLLM, and what the release does with it (raise its own
+``ValueError``, accept a double free, ...) is a declared, measured fact of
+the release (``releases.py``: ``pool_reactions``), checked on every campaign
+(kvspec.conformance.reactions). Only a value vLLM's API cannot take at all
+is not sent: its pool takes ``KVCacheBlock`` objects, so an id that names no
+block, or one that is not an int, has no translation (``NotExpressible``).
+The rejected alternative, an adapter that validates like the spec, would
+hide exactly the historical bugs the oracle exists to find.
 
 Two ways to reach a vLLM:
 - the installed package (``import vllm``), at the pool and the request level;
@@ -44,15 +45,14 @@ import importlib
 import importlib.metadata
 import inspect
 import os
-import re
 import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvspec.conformance.adapter import AdapterConfig, AdapterFactory, BlockManagerAdapter, KVCacheManagerAdapter
-from kvspec.conformance.vllm.releases import ReleaseFacts, facts_for
-from kvspec.spec.errors import InvalidBlock, PoolExhausted
+from kvspec.conformance.reactions import NotExpressible, Reaction
+from kvspec.conformance.vllm.releases import ReleaseFacts, facts_for, pool_reactions
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
 __all__ = [
@@ -71,15 +71,6 @@ __all__ = [
 
 # Set to a release ("0.24.0") to make `make_adapter` load it in light mode.
 VERSION_ENV = "KVSPEC_VLLM_VERSION"
-
-# The caller mistakes vLLM itself rejects, as "<op>: <mistake>" in the harness's words:
-# `get_new_blocks` raises ValueError before touching the queue. (An id that names
-# no vLLM block cannot be turned into the `KVCacheBlock` object vLLM's API takes,
-# so the translation refuses it with InvalidBlock; but the null block's id does
-# name a block, so "bad id" as a whole is not rejected.)
-REJECTED_MISTAKES: frozenset[str] = frozenset({"get_new_blocks: more than free"})
-
-_OVERALLOCATION = re.compile(r"^Cannot get (-?\d+) free blocks from the pool")
 
 HashKeyKind = Literal["block_hash_type", "named_tuple_with_group", "bytes_with_group"]
 TouchShape = Literal["list", "tuple_of_lists", "flat"]
@@ -262,15 +253,14 @@ class VllmPoolAdapter:
     Attributes:
         release: The vLLM being driven.
         pool: vLLM's ``BlockPool`` object.
-        validates_bad_input: False: vLLM checks almost no argument; see ``rejected_mistakes``.
-        rejected_mistakes: The caller mistakes that do get a typed error.
+        validates_bad_input: False: vLLM checks almost no argument; a mistake is sent only with a reaction.
+        mistake_reactions: What the release does with each caller mistake (declared in releases.py).
         has_null_block: The release takes block 0 out as ``pool.null_block``.
         hash_key_kind: The release's hash-table key type.
         touch_shape: How the release's ``touch`` takes its blocks.
     """
 
     validates_bad_input = False
-    rejected_mistakes = REJECTED_MISTAKES
 
     def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
         self.release = release
@@ -291,6 +281,7 @@ class VllmPoolAdapter:
         # the null block as used), never measured here: a release or a patch that
         # starts to count it outside that range then diverges instead of being excused.
         facts = _declared_facts(release.version)
+        self.mistake_reactions: dict[str, Reaction] = pool_reactions(release.version)
         self.known_deviations: dict[str, str] = (
             {"get_usage": f"{release.label} counts the null block as used in get_usage (vLLM before 0.10.2)"}
             if facts is not None and facts.usage_counts_null
@@ -300,10 +291,11 @@ class VllmPoolAdapter:
     # -- translation ---------------------------------------------------------
 
     def _block(self, block_id: BlockId, op: str) -> Any:
+        """vLLM's block object for an id; an id that names none has no translation (nothing is called)."""
         index = block_id - self._offset if isinstance(block_id, int) and not isinstance(block_id, bool) else -1
         if not 0 <= index < len(self.pool.blocks):
-            raise InvalidBlock(
-                f"{op}: block_id={block_id!r} names no block of {self.release.label} "
+            raise NotExpressible(
+                f"{op} takes KVCacheBlock objects, and block_id={block_id!r} names none of {self.release.label}'s "
                 f"(ids {self._offset}..{self.config.num_gpu_blocks - 1})"
             )
         return self.pool.blocks[index]
@@ -313,6 +305,8 @@ class VllmPoolAdapter:
 
     def _key(self, block_hash: BlockHash) -> Any:
         """The release's hash value for the harness's ``bytes`` hash (group id not yet added)."""
+        if not isinstance(block_hash, bytes):
+            raise NotExpressible(f"block_hash={block_hash!r} is not bytes, which {self.release.label}'s hash keys are")
         ku = self.release.kv_cache_utils
         if self.hash_key_kind == "bytes_with_group":
             return ku.BlockHash(bytes(block_hash))
@@ -341,17 +335,10 @@ class VllmPoolAdapter:
     # -- the protocol --------------------------------------------------------
 
     def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
-        """vLLM's ``get_new_blocks``; its over-allocation ``ValueError`` becomes ``PoolExhausted``."""
-        try:
-            blocks = self.pool.get_new_blocks(num_blocks)
-        except ValueError as e:
-            if not _OVERALLOCATION.match(str(e)):
-                raise
-            raise PoolExhausted(
-                f"cannot allocate num_blocks={num_blocks}: {self.pool.get_num_free_blocks()} free of "
-                f"num_gpu_blocks={self.config.num_gpu_blocks} ({self.release.label} said: {e})"
-            ) from e
-        return [self._id(b) for b in blocks]
+        """vLLM's ``get_new_blocks`` (its over-allocation ``ValueError`` is a declared reaction)."""
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool):
+            raise NotExpressible(f"num_blocks={num_blocks!r}: {self.release.label}'s get_new_blocks takes an int")
+        return [self._id(b) for b in self.pool.get_new_blocks(num_blocks)]
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
         """vLLM's ``touch``, in the argument shape of the release."""

@@ -45,7 +45,7 @@ the summary and the oracle list it.
 Features a release lacks are declared, not faked (``not_applicable``, see
 ``kvspec.conformance.adapter``): before 0.9.0 the ``Request`` takes no
 ``cache_salt``, so the harness sends no salted request (a salted one that
-arrives anyway, from a trace, gets ``InvalidRequest`` with caching on; with
+arrives anyway, from a trace, cannot be sent (``NotExpressible``) with caching on; with
 caching off a salt keys nothing and the request is sent without it).
 
 A freed request may be preempted, not finished: the harness's ``free`` does
@@ -72,8 +72,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig, KVCacheManagerAdapter, LevelNotProvided
+from kvspec.conformance.reactions import NotExpressible
 from kvspec.conformance.vllm.adapter import VllmRelease, has_null_block, pool_snapshot
-from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
@@ -240,7 +240,7 @@ class VllmManagerAdapter:
             return {"mm_features": [], "multi_modal_inputs": None, "multi_modal_hashes": None,
                     "multi_modal_placeholders": None}  # fmt: skip
         if self._mm is None:
-            raise InvalidRequest(f"{self.release.label}: vllm.multimodal does not import; no multimodal input")
+            raise NotExpressible(f"{self.release.label}: vllm.multimodal does not import; no multimodal input")
         positions = [self._mm.PlaceholderRange(offset=mm.offset, length=mm.length) for mm in request.mm_inputs]
         if "mm_features" in self._request_params:  # 0.11+: one feature spec per input
             spec_cls = self._mm.MultiModalFeatureSpec
@@ -253,7 +253,7 @@ class VllmManagerAdapter:
                 "multi_modal_hashes": [mm.identifier for mm in request.mm_inputs],
                 "multi_modal_placeholders": positions,
             }
-        raise InvalidRequest(f"{self.release.label} takes multimodal inputs in another shape; none can be sent")
+        raise NotExpressible(f"{self.release.label} takes multimodal inputs in another shape; none can be sent")
 
     def _vllm_request(self, request: Request) -> Any:
         """The vLLM Request for ``request``: a new one for a new id, else the running one, grown to its tokens."""
@@ -268,7 +268,7 @@ class VllmManagerAdapter:
         if request.cache_salt and self.config.enable_caching and "cache_salt" not in self._request_params:
             # With caching on, dropping the salt would send another request than the one asked for;
             # with caching off a salt keys nothing (no block is hashed), so the request is the same without it.
-            raise InvalidRequest(
+            raise NotExpressible(
                 f"{self.release.label}: its Request takes no cache_salt (added in 0.9.0); "
                 f"request_id={request.request_id!r} with cache_salt={request.cache_salt!r} cannot be sent"
             )
@@ -289,7 +289,7 @@ class VllmManagerAdapter:
         known = list(running.all_token_ids)
         tokens = list(request.token_ids)
         if tokens[: len(known)] != known:
-            raise InvalidRequest(
+            raise NotExpressible(
                 f"request_id={request.request_id!r} is running with {len(known)} tokens that "
                 "the new token_ids do not start with; a running request only grows"
             )
@@ -309,7 +309,7 @@ class VllmManagerAdapter:
         """vLLM's ``KVCacheBlock`` for a harness block id; an id that names none cannot be passed."""
         index = block_id - self._offset if isinstance(block_id, int) and not isinstance(block_id, bool) else -1
         if not 0 <= index < len(self._pool.blocks):
-            raise InvalidBlock(
+            raise NotExpressible(
                 f"allocate_slots: block_id={block_id!r} names no block of {self.release.label} "
                 f"(ids {self._offset}..{self.config.num_gpu_blocks - 1})"
             )
@@ -402,13 +402,13 @@ class VllmManagerAdapter:
         takes the same path in vLLM's scheduler).
 
         Raises:
-            InvalidRequest: ``request_id`` was never admitted: there is no vLLM ``Request`` to pass.
+            NotExpressible: ``request_id`` was never admitted: there is no vLLM ``Request`` to pass.
         """
         vreq = self._requests.pop(request_id, None)
         if vreq is None:
             freed = self._freed.get(request_id)
             if freed is None:
-                raise InvalidRequest(
+                raise NotExpressible(
                     f"free: request_id={request_id!r} was never admitted, so there is no vLLM Request "
                     "to pass to vLLM's free (it takes the Request object, not an id)"
                 )

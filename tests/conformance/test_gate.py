@@ -208,6 +208,13 @@ def test_capacity_bench_and_replay_write_json_for_tools(tmp_path):
     document = json.loads(bench.stdout[bench.stdout.index("{") :])
     assert {m["num_gpu_blocks"] for m in document["measurements"]} == {2000, 4000}
     assert_refused(kvspec("bench", "reference", "--json", "/nonexistent/b.json", cwd=tmp_path), "does not exist")
+    gpu = tmp_path / "gpu.json"
+    tiny = ("--pools", "100", "--batches", "1", "--seconds", "0.01", "--no-content", "--no-hash-map")
+    assert kvspec("bench", "gpu", *tiny, "--json", str(gpu), cwd=tmp_path).returncode == 0
+    measured = json.loads(gpu.read_text())
+    assert measured["kvspec"] == "bench gpu" and {m["num_gpu_blocks"] for m in measured["measurements"]} == {100}
+    assert all(m["ratio"] > 0 for m in measured["measurements"])
+    assert_refused(kvspec("bench", "gpu", "--json", "/nonexistent/g.json", cwd=tmp_path), "does not exist")
     failing = kvspec(
         "check", "--impl", f"{ADAPTERS}:make_free_head_first", "--level", "pool", "--caching", "on",
         "--trace-dir", str(tmp_path), cwd=tmp_path,

@@ -37,7 +37,7 @@ CAMPAIGNS: dict[tuple[str, str | None, str, bool], Verdict] = {
     ("kvcached", "0.33.0", "pool", True): Verdict.DIVERGES,
     ("kvcached", "0.33.0", "pool", False): Verdict.DIVERGES,
     ("tpu-inference", None, "pool", True): Verdict.CRASHED,
-    ("tpu-inference", None, "pool", False): Verdict.DIVERGES,
+    ("tpu-inference", None, "pool", False): Verdict.CRASHED,  # a double free reaches the missing prepend_n
     ("vllm-ascend", None, "pool", True): Verdict.CONFORMS,
     ("vllm-ascend", None, "pool", False): Verdict.CONFORMS,
 }
@@ -130,6 +130,15 @@ def test_vllm_ascend_declared_ignored_mistakes_change_nothing_but_their_own_part
             assert result is not None and result.message.endswith(
                 "declared ignored: the good part of the call applied and the bad part changed nothing"
             )
+
+
+def test_vllm_ascend_campaigns_send_its_ignored_mistakes_and_check_them(tmp_path: Path) -> None:
+    t = TARGETS["vllm-ascend"]
+    result = run_check(t.impl_name(None), level="pool", enable_caching=True, profile=t.profile, max_examples=60,
+                       trace_dir=tmp_path)  # fmt: skip
+    assert result.verdict is Verdict.CONFORMS, result.failure
+    for mistake in ("free_blocks: double free", "free_blocks: named twice"):
+        assert result.mistakes_checked.get(mistake, 0) > 0 and result.reactions[mistake].startswith("ignores")
 
 
 def test_tpu_inference_still_injects_the_queue_as_the_overlay_does() -> None:

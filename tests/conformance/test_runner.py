@@ -74,7 +74,7 @@ def test_an_accepted_double_free_is_a_divergence_on_the_error_type(tmp_path):
 def test_a_rejected_call_that_changed_the_state_is_caught(tmp_path):
     r = check(adapters.make_takes_before_refusing, tmp_path, level="pool")
     assert r.verdict == "diverges" and r.failure.op == "get_new_blocks"
-    assert "after raising PoolExhausted the state changed" in r.failure.message
+    assert "the caller mistake 'get_new_blocks: more than free' changed the state" in r.failure.message
 
 
 def test_a_hit_past_the_len_minus_one_cap_is_named_hit_within_cap(tmp_path):

@@ -1,0 +1,52 @@
+"""What an implementation does with each caller mistake, measured: the source of an adapter's declared reactions.
+
+`survey_reactions` runs the conformance machine with every mistake sent to a
+replica (so that whatever the implementation does, the example goes on) and
+counts, per mistake, the reactions seen (kvspec.conformance.reactions). One
+reaction per mistake is what an adapter can declare; a mistake seen with two
+shows that it must be split, or that the implementation reacts by state.
+The vLLM release facts (releases.py, `pool_reactions`) were measured this way,
+and a test surveys every release again and compares.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvspec.conformance.lockstep import Factory, Observer
+from kvspec.conformance.machine import conformance_machine
+
+__all__ = ["survey_reactions"]
+
+
+def survey_reactions(
+    factory: Factory,
+    level: str = "pool",
+    enable_caching: bool = True,
+    max_examples: int = 200,
+    seed: int = 0,
+    profile: str = "vllm-v1",
+) -> dict[str, Counter[str]]:
+    """Mistake -> reaction seen (in `Reaction.describe` words) -> times, over one campaign.
+
+    Raises:
+        kvspec.conformance.lockstep.ConformanceFailure: a valid call diverged (no survey of a wrong implementation).
+    """
+    observer = Observer(survey={})
+    machine = conformance_machine(factory, level, enable_caching, profile, observer=observer)
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            max_examples=max_examples,
+            deadline=None,
+            database=None,
+            derandomize=seed == 0,
+            suppress_health_check=list(HealthCheck),
+            stateful_step_count=30,
+        ),
+    )
+    assert observer.survey is not None, "the survey was dropped"
+    return observer.survey
