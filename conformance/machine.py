@@ -162,6 +162,20 @@ def _is_final_run() -> bool:
         return False
 
 
+def _with_bad_block(
+    ok: list[Any], hashes: list[Any], bad: Any, at: int, kind: str
+) -> tuple[list[Any], list[Any], tuple[list[Any], list[Any]]]:
+    """cache_full_blocks' blocks and hashes with `bad` at `at`, and the call's good part
+    (for "named twice": the first copy of each block, with its hash)."""
+    ids, with_hashes = ok[:at] + [bad] + ok[at:], hashes[:at] + [strat.HASH_UNIVERSE[2]] + hashes[at:]
+    if kind != "named twice":
+        return ids, with_hashes, (ok, hashes)
+    first: dict[Any, Any] = {}
+    for b, h in zip(ids, with_hashes):
+        first.setdefault(b, h)
+    return ids, with_hashes, (list(first), list(first.values()))
+
+
 def _good_part(ids: list[Any], ok: list[Any], kind: str) -> list[Any]:
     """A mistaken list of blocks without its mistake: the first copy of each block for "named twice", else `ok`."""
     return list(dict.fromkeys(ids)) if kind == "named twice" else ok
@@ -398,11 +412,7 @@ class PoolMachine(_LockStepMachine):
             if not ok:
                 ok, hashes = [bad], [strat.HASH_UNIVERSE[0]]
         at = data.draw(st.integers(0, len(ok)), label="position of the mistake")
-        ids, with_hashes = ok[:at] + [bad] + ok[at:], hashes[:at] + [strat.HASH_UNIVERSE[2]] + hashes[at:]
-        good = (ok, hashes)
-        if kind == "named twice":  # the first copy of each block, with its hash
-            pairs = dict(reversed(list(zip(ids, with_hashes))))
-            good = (list(dict.fromkeys(ids)), [pairs[b] for b in dict.fromkeys(ids)])
+        ids, with_hashes, good = _with_bad_block(ok, hashes, bad, at, kind)
         self._call("cache_full_blocks", ids, with_hashes, mistake=kind, without=good)
 
     @precondition(lambda self: self._has("evict_blocks"))

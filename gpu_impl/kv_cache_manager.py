@@ -340,7 +340,9 @@ class TensorKVCacheManager:
                 f"has only {len(hashes)} full blocks"
             )
         for i, b in enumerate(new_computed_blocks):
-            if not isinstance(b, int) or not 0 <= b < pool.num_gpu_blocks or pool.get_block_hash(b) != hashes[i]:
+            # A bool is an int to Python but no block id (as in the spec): True would name block 1.
+            in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
+            if not in_range or pool.get_block_hash(b) != hashes[i]:
                 raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
         return hashes
 

@@ -138,8 +138,15 @@ def test_an_accepted_mistake_goes_to_a_replica_and_the_example_goes_on(tmp_path)
     assert step.impl.replica and step.impl_snapshot.ref_cnt[1] == 3  # what the replica did
     assert lock.impl_snapshot.ref_cnt[1] == 1  # the example goes on from the state before
     assert observer.mistakes_sent["touch: named twice"] == 1
-    # Declared as raising the spec's error, the same implementation diverges.
-    assert _check(_factory(CountsTwice), tmp_path).verdict == "diverges"
+    # Declared as raising the spec's error, the same implementation diverges at that step.
+    lock = LockStep(_factory(CountsTwice), config)
+    lock.check()
+    for op, args in [("get_new_blocks", (1,)), ("cache_full_blocks", ([1], [HASH_UNIVERSE[0]]))]:
+        lock.call(op, *args)
+        lock.check()
+    lock.call("touch", [1, 1], mistake="named twice", without=([1],))
+    with pytest.raises(ConformanceFailure, match="the spec raised InvalidRequest"):
+        lock.check()
 
 
 def test_a_call_the_api_cannot_express_is_counted_not_sent_and_never_excuses_a_valid_call(tmp_path):

@@ -204,3 +204,15 @@ def test_manager_lockstep_long_campaign() -> None:
     """The same machine with a budget that reaches rarer interleavings (KVSPEC_SLOW=1)."""
     long_run = settings(max_examples=3000, stateful_step_count=60, deadline=None)
     run_state_machine_as_test(ManagerLockstep, settings=long_run)
+
+
+def test_a_bool_hit_block_is_no_block_id_as_in_the_spec() -> None:
+    # Found by the lock-step above: True named block 1 in gpu_impl, where the spec and the reference refuse it.
+    gpu = make_adapter(AdapterConfig("manager", 4, True, "vllm-v1", 1))
+    gpu.set_kv_source(prefix_kv_source)
+    ref = KVCacheManager(4, 1, True, "vllm-v1")
+    prompt = Request("r1", (1,))
+    for manager in (gpu, ref):
+        manager.allocate_slots(prompt, 1)
+        manager.free("r1")
+    same_call(ref, gpu, "allocate_slots", Request("r2", (1,)), 1, 1, [True], 0)
