@@ -5,9 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVSPEC_VENV:-.venv}"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-# torch is pinned to the CPU build first, so nothing later pulls a CUDA build.
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q 'torch==2.13.0'
-"$VENV/bin/python" -m pip install -q -e '.[gpu]'
+source scripts/venv.sh
+make_venv "$VENV" gpu
 exec "$VENV/bin/kvspec" check "$@"

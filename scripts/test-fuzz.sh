@@ -11,8 +11,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${KVSPEC_FUZZ_VENV:-.venv-fuzz}"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q 'torch==2.13.0'
-"$VENV/bin/python" -m pip install -q -e '.[test,fuzz]'
+source scripts/venv.sh
+make_venv "$VENV" test,fuzz
 KVSPEC_FUZZ=1 exec "$VENV/bin/python" -m pytest -m fuzz tests/conformance/test_fuzz_campaign.py "$@"

@@ -18,11 +18,8 @@ if ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } \
     >/dev/null 2>&1 || echo "scripts/test.sh: could not install chromium and chromium-driver; the browser tests will skip"
 fi
 VENV="${KVSPEC_VENV:-.venv}"
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-# torch is pinned to the CPU build first, so nothing later pulls a CUDA build.
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q 'torch==2.13.0'
-"$VENV/bin/python" -m pip install -q -e '.[test]'
+source scripts/venv.sh
+make_venv "$VENV" test
 "$VENV/bin/python" -m pytest "$@"
 if [ "${KVSPEC_VLLM:-1}" != "0" ]; then
   bash scripts/test-vllm.sh
