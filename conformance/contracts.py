@@ -97,6 +97,9 @@ def _pool_features(st: PoolState) -> tuple[object, ...]:
     free = st.free_queue
     free_hashed = [b for b in free if st.block_hash[b] is not None]
     held = [b for b in range(1, st.num_gpu_blocks) if st.ref_cnt[b] > 0]
+    # A block one free away from the free queue: where it lands beside the free blocks is what
+    # free_blocks decides (left or right, by its hash and the profile).
+    last_ref = [b for b in held if st.ref_cnt[b] == 1]
     hashes = [h for h in st.block_hash if h is not None]
     return (
         min(st.num_gpu_blocks, 4),
@@ -109,6 +112,8 @@ def _pool_features(st: PoolState) -> tuple[object, ...]:
         any(st.block_hash[b] is not None for b in held),
         any(st.block_hash[b] is None for b in held),
         len(hashes) != len(set(hashes)),
+        bool(free) and any(st.block_hash[b] is not None for b in last_ref),
+        bool(free) and any(st.block_hash[b] is None for b in last_ref),
     )
 
 
@@ -369,6 +374,7 @@ def check_function(
     *,
     condition: str | None = None,
     stop_at_first: bool = False,
+    max_paths: int | None = None,
 ) -> FunctionReport:
     """Search each postcondition of `fn` with CrossHair, `per_condition_timeout` CPU seconds each.
 
@@ -378,6 +384,9 @@ def check_function(
         per_path_timeout: CrossHair's budget per path.
         condition: search only the postconditions whose source contains this text.
         stop_at_first: end the search at the first counterexample.
+        max_paths: also end each postcondition's search after this many paths. A budget in
+            paths is the same on every machine (CrossHair's path order is seeded); one in
+            seconds is not, so a test that must find something gives both.
 
     Returns:
         One result per postcondition searched.
@@ -388,7 +397,7 @@ def check_function(
 
     _register_inputs()
     results: list[ConditionResult] = []
-    for checkable in analyze_function(_function_info(fn), _options(per_condition_timeout, per_path_timeout)):
+    for checkable in analyze_function(_function_info(fn), _options(per_condition_timeout, per_path_timeout, max_paths)):
         assert isinstance(checkable, ConditionCheckable), f"{fn.__name__}: {checkable!r} is not a condition"
         source = " ".join(checkable.conditions.post[0].expr_source.split())
         if condition is not None and condition not in source:
@@ -414,13 +423,14 @@ def check_function(
     return FunctionReport(f"{fn.__module__}.{fn.__name__}", tuple(results))
 
 
-def _options(per_condition_timeout: float, per_path_timeout: float) -> Any:
+def _options(per_condition_timeout: float, per_path_timeout: float, max_paths: int | None = None) -> Any:
     from crosshair.options import AnalysisKind, AnalysisOptionSet
 
     return AnalysisOptionSet(
         analysis_kind=[AnalysisKind.icontract],
         per_condition_timeout=per_condition_timeout,
         per_path_timeout=per_path_timeout,
+        max_iterations=max_paths,
         report_all=True,
     )
 

@@ -8,7 +8,8 @@
 # The default suite opens the step-through pages in a headless Chromium: Debian's
 # chromium and chromium-driver, installed here when missing (as root, with apt-get);
 # without them those tests skip and say why.
-# Arguments go to the default suite's pytest.
+# The default suite runs in KVSPEC_TEST_WORKERS pytest-xdist workers (default 2, CI's cores;
+# 0 runs it in this process). Arguments go to the default suite's pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } \
@@ -20,7 +21,12 @@ fi
 VENV="${KVSPEC_VENV:-.venv}"
 source scripts/venv.sh
 make_venv "$VENV" test
-"$VENV/bin/python" -m pytest "$@"
+WORKERS="${KVSPEC_TEST_WORKERS:-2}"
+if [ "$WORKERS" = 0 ]; then
+  "$VENV/bin/python" -m pytest "$@"
+else
+  "$VENV/bin/python" -m pytest -n "$WORKERS" "$@"
+fi
 if [ "${KVSPEC_VLLM:-1}" != "0" ]; then
   bash scripts/test-vllm.sh
 fi
