@@ -5,8 +5,9 @@ replica (so that whatever the implementation does, the example goes on) and
 counts, per mistake, the reactions seen (kvspec.conformance.reactions). One
 reaction per mistake is what an adapter can declare; a mistake seen with two
 shows that it must be split, or that the implementation reacts by state.
-The vLLM release facts (releases.py, `pool_reactions`) were measured this way,
-and a test surveys every release again and compares.
+vLLM's declared reactions (kvspec.conformance.vllm.reactions: `pool_reactions`,
+`manager_reactions`) were measured this way, and tests survey the releases
+again and compare.
 """
 
 from __future__ import annotations

@@ -148,9 +148,9 @@ def _adapter(vllm_version: str, config: AdapterConfig) -> object:
     # A declared fact of kvcached 0.1.6 (patches.py), shown by the usage probe; the
     # rest of the pool is still compared. A release that changes it diverges there.
     adapter.known_deviations = dict(KNOWN_DEVIATIONS)
-    # kvcached's own reactions to caller mistakes are not declared yet: its allocator asserts
-    # on some where vLLM does not, and differently with caching on and off (a double free),
-    # so no mistake is sent and the summary lists them all.
+    # kvcached's own reactions to caller mistakes are not declared: every campaign diverges on a
+    # valid call first (a page's blocks go out in FIFO order), so no survey can measure one and
+    # no campaign could check one. No mistake is sent; the summary lists them all.
     adapter.mistake_reactions = {}
     return adapter
 

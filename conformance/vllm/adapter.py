@@ -15,7 +15,7 @@ the adapter, so ``capabilities()`` reports it missing and the harness does not
 exercise it. The adapter checks no argument on vLLM's behalf: every caller
 mistake reaches vLLM, and what the release does with it (raise its own
 ``ValueError``, accept a double free, ...) is a declared, measured fact of
-the release (``releases.py``: ``pool_reactions``), checked on every campaign
+the release (``kvspec.conformance.vllm.reactions``: ``pool_reactions``), checked on every campaign
 (kvspec.conformance.reactions). Only a value vLLM's API cannot take at all
 is not sent: its pool takes ``KVCacheBlock`` objects, so an id that names no
 block, or one that is not an int, has no translation (``NotExpressible``).
@@ -52,7 +52,8 @@ from typing import Any, Literal
 
 from kvspec.conformance.adapter import AdapterConfig, AdapterFactory, BlockManagerAdapter, KVCacheManagerAdapter
 from kvspec.conformance.reactions import NotExpressible, Reaction
-from kvspec.conformance.vllm.releases import ReleaseFacts, facts_for, pool_reactions
+from kvspec.conformance.vllm.reactions import pool_reactions
+from kvspec.conformance.vllm.releases import ReleaseFacts, facts_for
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
 __all__ = [

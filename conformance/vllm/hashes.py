@@ -52,6 +52,7 @@ __all__ = [
     "VectorResult",
     "compare_release",
     "golden_vectors",
+    "hash_seed_env",
     "kvspec_chain",
     "vllm_chain",
 ]
@@ -194,7 +195,7 @@ def golden_vectors() -> list[dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _hash_seed_env(seed: Seed) -> Iterator[None]:
+def hash_seed_env(seed: Seed) -> Iterator[None]:
     """``PYTHONHASHSEED`` set to ``seed`` (or unset) while vLLM derives NONE_HASH."""
     saved = os.environ.get("PYTHONHASHSEED")
     if seed is None:
@@ -334,7 +335,7 @@ def _case(name: str) -> HashCase:
 
 def _fresh_for_seed(version: str, source: str, seed: Seed) -> VllmRelease | None:
     """A copy of the release whose import-time NONE_HASH (0.8.x to 0.9.x) saw ``seed``."""
-    with _hash_seed_env(seed):
+    with hash_seed_env(seed):
         if source == "light":
             return light_release(version, fresh=True)
     current = os.environ.get("PYTHONHASHSEED")
@@ -386,7 +387,7 @@ def compare_release(
                 continue
             failed: list[VectorResult] = []
             for case in cases:
-                with _hash_seed_env(seed):
+                with hash_seed_env(seed):
                     theirs = vllm_chain(release, case, hash_fn)
                 ours = kvspec_chain(case, hash_fn, seed)
                 result = VectorResult(case.name, hash_fn, seed, [h.hex() for h in ours], [h.hex() for h in theirs],
@@ -395,7 +396,7 @@ def compare_release(
                 if not result.match:
                     failed.append(result)
             if failed and not explained:
-                with _hash_seed_env(seed):
+                with hash_seed_env(seed):
                     report.differences.append(_explain(release, hash_fn, seed, failed))
                 explained = True
     return report

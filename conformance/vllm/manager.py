@@ -72,8 +72,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig, KVCacheManagerAdapter, LevelNotProvided
-from kvspec.conformance.reactions import NotExpressible
+from kvspec.conformance.reactions import NotExpressible, Reaction
 from kvspec.conformance.vllm.adapter import VllmRelease, has_null_block, pool_snapshot
+from kvspec.conformance.vllm.hashes import hash_seed_env
+from kvspec.conformance.vllm.reactions import manager_reactions
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
@@ -97,6 +99,8 @@ class VllmManagerAdapter:
         manager: vLLM's ``KVCacheManager``.
         validates_bad_input: False: vLLM's manager trusts its scheduler's arguments.
         rejected_mistakes: None of the harness's request-level mistakes gets a typed error from vLLM.
+        mistake_reactions: What the release does with each request-level caller mistake under this
+            caching setting (declared in kvspec.conformance.vllm.reactions); the others are not sent.
         not_applicable: What the harness checks that this release does not have or leaves to its
             scheduler, each with why (see the module doc); the harness does not exercise it.
         constructor: ``"sizes"`` (0.8.0 to 0.8.2) or ``"kv_cache_config"``.
@@ -117,6 +121,7 @@ class VllmManagerAdapter:
             )
         self.release = release
         self.config = config
+        self.mistake_reactions: dict[str, Reaction] = manager_reactions(release.version, config.enable_caching)
         mod = release.module
         manager_mod = mod("vllm.v1.core.kv_cache_manager")
         manager_cls = manager_mod.KVCacheManager
@@ -146,7 +151,11 @@ class VllmManagerAdapter:
         if self.hashes == "request":
             fn = release.hash_functions[self.hash_fn]
             if hasattr(ku, "init_none_hash"):
-                ku.init_none_hash(fn)
+                # Derived under PYTHONHASHSEED=config.seed, as in a deployment that sets it: unset,
+                # 0.10.x draws a new NONE_HASH from os.urandom at every call, so a second adapter in
+                # this process (a replica, for a caller mistake) would re-key the first one's chains.
+                with hash_seed_env(config.seed):
+                    ku.init_none_hash(fn)
             self._block_hasher = ku.get_request_block_hasher(config.block_size, fn)
         self._sampling_params = mod("vllm.sampling_params").SamplingParams(max_tokens=1)
         self._lora_cls = mod("vllm.lora.request").LoRARequest

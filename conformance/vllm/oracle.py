@@ -179,9 +179,10 @@ PROBES: tuple[Probe, ...] = (
 )
 
 
-# Request-level probes (block size 4, a pool of 8): a caller mistake the
-# campaigns do not make against vLLM (its adapter declares it rejects none), and
-# a known bug, each replayed once so the matrix says what the release does.
+# Request-level probes (block size 4, a pool of 8): a caller mistake, sent here
+# as if it were a valid call so the matrix says in one line what the release
+# does (campaigns send it as a mistake and check its declared reaction,
+# kvspec.conformance.vllm.reactions), and a known bug, each replayed once.
 _PROBE_PROMPT = Request("p1", tuple(range(8)))
 # An image over block 0 exactly; block 1 fills during decode. Until the overlap
 # test became `start >= offset + length` (0.19), a block hashed as it fills

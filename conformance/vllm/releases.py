@@ -18,9 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from kvspec.conformance.reactions import Reaction, accepts, ignores, not_expressible, raises
-
-__all__ = ["RELEASES", "ReleaseFacts", "facts_for", "pool_reactions", "reaction_change_points", "version_key"]
+__all__ = ["RELEASES", "ReleaseFacts", "facts_for", "since", "version_key"]
 
 # Every release on the package registry that ships vllm/v1/core/block_pool.py.
 RELEASES: tuple[str, ...] = (
@@ -150,7 +148,7 @@ def version_key(version: str) -> tuple[int, ...]:
 _T = TypeVar("_T")
 
 
-def _since(version: str, changes: Sequence[tuple[str, _T]]) -> _T:
+def since(version: str, changes: Sequence[tuple[str, _T]]) -> _T:
     """The value of the last change point at or before ``version``."""
     key = version_key(version)
     found = [value for first, value in changes if version_key(first) <= key]
@@ -229,26 +227,26 @@ def facts_for(version: str) -> ReleaseFacts:
     """
     if version not in RELEASES:
         raise KeyError(f"no facts for vllm version={version!r}: covered are {RELEASES[0]}..{RELEASES[-1]}")
-    free_order = _since(version, _FREE_ORDER)
+    free_order = since(version, _FREE_ORDER)
     return ReleaseFacts(
         version=version,
-        pool_init_params=_since(version, _POOL_INIT),
+        pool_init_params=since(version, _POOL_INIT),
         has_null_block=_flag(version, "0.8.3"),
         has_is_null_flag=_flag(version, "0.9.1"),
-        touch_shape=_since(version, _TOUCH),
-        cache_full_blocks_params=_since(version, _CACHE_FULL_BLOCKS),
+        touch_shape=since(version, _TOUCH),
+        cache_full_blocks_params=since(version, _CACHE_FULL_BLOCKS),
         block_hashes_from_request=_flag(version, "0.10.1"),
         get_cached_block_by_group=_flag(version, "0.9.1"),
-        hash_key_kind=_since(version, _HASH_KEY),
+        hash_key_kind=since(version, _HASH_KEY),
         has_block_hash_to_block_map=_flag(version, "0.11.0"),
-        hash_algos=_since(version, _HASH_ALGOS),
-        none_hash=_since(version, _NONE_HASH),
+        hash_algos=since(version, _HASH_ALGOS),
+        none_hash=since(version, _NONE_HASH),
         has_evict_blocks=_flag(version, "0.13.0"),
         has_is_block_writable=_flag(version, "0.29.0"),
         free_order=free_order,
         free_has_prepend_kwarg=_flag(version, "0.23.0", "0.23.0"),
-        free_end_without_caching=_since(version, _FREE_END_NO_CACHING),
-        null_on_free=_since(version, _NULL_ON_FREE),
+        free_end_without_caching=since(version, _FREE_END_NO_CACHING),
+        null_on_free=since(version, _NULL_ON_FREE),
         touch_skips_null=_flag(version, "0.33.0"),
         usage_counts_null=not _flag(version, "0.10.2"),
         reset_needs_all_free=True,
@@ -256,74 +254,3 @@ def facts_for(version: str) -> ReleaseFacts:
         double_free_error=None,
         matches_seed_order=free_order == "hashless_left",
     )
-
-
-# What each release's pool does with each caller mistake of the operations table
-# (kvspec.conformance.reactions), measured with kvspec.conformance.survey
-# (every mistake sent to a replica, both caching settings) and by reading the
-# release's code where the words say how. Change points, as above; a mistake
-# absent here (or None from a release on) is not sent (the summary lists it). "bad id": the only bad id
-# vLLM's API can take is block 0, the null block (the others name no block
-# object), so before 0.8.3 (no null block) none can be sent.
-_NULL_BLOCK = "the only bad id the harness sends that names a block object is 0, the null block"
-_POOL_REACTIONS: dict[str, list[tuple[str, Reaction | None]]] = {
-    "get_new_blocks: more than free": [("0.8.0", raises("ValueError"))],
-    "get_new_blocks: bad count": [
-        ("0.8.0", ignores("a negative count takes no block")),
-        ("0.10.0", accepts("a negative count takes no block but raises the free-block count (popleft_n)")),
-    ],
-    "touch: named twice": [("0.8.0", accepts("each copy takes a reference"))],
-    "touch: no hash": [("0.8.0", accepts("taken like a hit: out of the free queue, ref_cnt + 1"))],
-    "touch: bad id": [
-        ("0.8.0", not_expressible("no block 0: the release has no null block")),
-        ("0.8.3", accepts(f"the null block takes a reference ({_NULL_BLOCK})")),
-        ("0.33.0", ignores(f"the null block is skipped ({_NULL_BLOCK})")),
-    ],
-    "free_blocks: double free": [("0.8.0", accepts("ref_cnt goes below 0"))],
-    "free_blocks: named twice": [("0.8.0", accepts("each copy drops a reference"))],
-    "free_blocks: bad id": [
-        ("0.8.0", not_expressible("no block 0: the release has no null block")),
-        ("0.8.3", accepts(f"the null block's ref_cnt goes down ({_NULL_BLOCK})")),
-        ("0.33.0", ignores(f"the null block is skipped ({_NULL_BLOCK})")),
-    ],
-    "cache_full_blocks: already cached": [
-        ("0.8.0", raises("AssertionError", then="the blocks before it in the list are registered")),
-        # From 0.24 a hashed block is re-registered when it comes later in the list than it was
-        # registered at (a partial block promoted to full), else the assert fires: no one reaction.
-        ("0.24.0", None),
-    ],
-    "cache_full_blocks: named twice": [
-        ("0.8.0", raises("AssertionError", then="the first copy is registered")),
-        ("0.24.0", accepts("the second copy registers the block again under its own hash (a promotion)")),
-    ],
-    "cache_full_blocks: caching off": [("0.8.0", accepts("the hashes are registered although caching is off"))],
-    "cache_full_blocks: length mismatch": [("0.8.0", ignores("a hash beyond the blocks is not read"))],
-    "cache_full_blocks: not held": [("0.8.0", accepts("a free block gets the hash and stays in the free queue"))],
-    "cache_full_blocks: bad id": [
-        ("0.8.0", not_expressible("no block 0: the release has no null block")),
-        ("0.8.3", accepts(f"the null block gets a hash ({_NULL_BLOCK})")),
-    ],
-    "cache_full_blocks: hash not bytes": [("0.8.0", not_expressible("the release's hash keys are made of bytes"))],
-    "get_cached_block: hash not bytes": [("0.8.0", not_expressible("the release's hash keys are made of bytes"))],
-    "evict_blocks: bad id": [("0.13.0", ignores(f"an id with no cached block is skipped ({_NULL_BLOCK})"))],
-    "evict_blocks: named twice": [("0.13.0", ignores("the ids are a set: the copy is dropped"))],
-    "is_block_writable: bad id": [
-        ("0.29.0", not_expressible("it takes a block object, and no bad id the harness sends names one"))
-    ],
-}
-
-
-def reaction_change_points() -> tuple[str, ...]:
-    """The releases where a declared pool reaction changes, oldest first."""
-    return tuple(sorted({first for changes in _POOL_REACTIONS.values() for first, _ in changes}, key=version_key))
-
-
-def pool_reactions(version: str) -> dict[str, Reaction]:
-    """What the release's BlockPool does with each caller mistake, as declared above.
-
-    A release newer than the table gets the newest reactions: behaviour that
-    changes after them diverges until the table says so.
-    """
-    key = version_key(version)
-    found = {m: _since(version, changes) for m, changes in _POOL_REACTIONS.items() if version_key(changes[0][0]) <= key}
-    return {mistake: reaction for mistake, reaction in found.items() if reaction is not None}

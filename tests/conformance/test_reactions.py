@@ -237,3 +237,30 @@ def test_the_survey_of_the_reference_sees_the_spec_error_for_every_mistake_it_ma
     assert all(set(c) == {"spec error"} for c in seen.values()), seen
     own_error = survey_reactions(_factory(ValueErrorOnBadId), "pool", True, max_examples=60)
     assert set(own_error["touch: bad id"]) == {"raises ValueError"}
+
+
+def test_vllm_declared_reactions_name_every_mistake_of_their_level_and_only_those():
+    """vLLM's tables (kvspec.conformance.vllm.reactions) list every mistake of their level, so absent means
+    "declared None" (no one reaction), and a table with a typo'd mistake name cannot load into an adapter."""
+    from kvspec.conformance.operations import OPERATIONS
+    from kvspec.conformance.vllm import reactions as vllm_reactions
+    from kvspec.conformance.vllm.releases import RELEASES
+
+    request_level = {f"{op.name}: {m}" for op in OPERATIONS.values() if op.level == "manager" for m in op.mistakes}
+    assert set(vllm_reactions._MANAGER_REACTIONS) == request_level
+    pool_level = {f"{op.name}: {m}" for op in OPERATIONS.values() if op.level == "pool" for m in op.mistakes}
+    assert set(vllm_reactions._POOL_REACTIONS) <= pool_level
+    for version in RELEASES:
+        for caching in (True, False):
+
+            class Declared:
+                validates_bad_input = False
+                mistake_reactions = vllm_reactions.manager_reactions(version, caching)
+
+            assert declared_reactions(Declared) == Declared.mistake_reactions
+    # 0.8.x without caching diverges on a valid free first: nothing can be measured there.
+    assert vllm_reactions.manager_reactions("0.8.5.post1", False) == {}
+    on, off = vllm_reactions.manager_reactions("0.33.0", True), vllm_reactions.manager_reactions("0.33.0", False)
+    assert on["get_computed_blocks: no tokens"] == raises("ValueError")
+    assert off["get_computed_blocks: no tokens"].kind == "ignores"
+    assert "allocate_slots: bad count" not in on and "allocate_slots: bad count" not in off

@@ -23,13 +23,8 @@ from kvspec.conformance.vllm.adapter import (
     make_pool_adapter,
 )
 from kvspec.conformance.vllm.oracle import run_probes
-from kvspec.conformance.vllm.releases import (
-    RELEASES,
-    facts_for,
-    pool_reactions,
-    reaction_change_points,
-    version_key,
-)
+from kvspec.conformance.vllm.reactions import pool_reactions, reaction_change_points
+from kvspec.conformance.vllm.releases import RELEASES, facts_for, version_key
 from kvspec.spec.state import BlockHash, BlockId
 
 pytestmark = pytest.mark.vllm

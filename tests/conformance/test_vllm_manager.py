@@ -247,3 +247,66 @@ def test_an_environment_made_from_another_checkout_runs_this_one(
     assert Path(where.stdout.strip()) == source / "kvspec" / "__init__.py"
     ensure_venv("0.0.0")  # already this checkout's: nothing to do
     assert (env / "KVSPEC_READY").read_text() == f"0.0.0\n{source}\n"
+
+
+# The request level's declared reactions, per release and caching setting
+# (kvspec.conformance.vllm.reactions): a campaign sends every declared mistake
+# and checks its reaction, and a survey (every mistake, to a replica) sees only
+# the declared reactions. A mistake declared None ("no one reaction") is never
+# sent and the survey may see anything for it.
+_REACTIONS_SCRIPT = r"""
+import json, logging, sys
+logging.disable(logging.WARNING)
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.runner import run_check
+from kvspec.conformance.survey import survey_reactions
+from kvspec.conformance.vllm.adapter import make_installed_adapter
+from kvspec.conformance.vllm.reactions import manager_reactions
+
+version, profile, caching = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
+declared = manager_reactions(version, caching)
+# vLLM's first import takes longer than a step may: build one manager before the campaign times steps.
+make_installed_adapter(AdapterConfig(level="manager", num_gpu_blocks=4, enable_caching=caching, profile=profile))
+result = run_check(make_installed_adapter, level="manager", enable_caching=caching, profile=profile,
+                   max_examples=60, isolate=False)
+seen = survey_reactions(make_installed_adapter, "manager", caching, max_examples=60, profile=profile)
+print(json.dumps({
+    "verdict": result.verdict, "failure": result.failure.message if result.failure else None,
+    "declared": {m: [r.kind, r.error] for m, r in declared.items()},
+    "checked": dict(result.mistakes_checked),
+    "seen": {m: dict(c) for m, c in seen.items()},
+}))
+"""
+
+
+def _kind(seen: str) -> str:
+    """The kind of a reaction as a survey describes it: "raises ValueError, then ..." -> "raises ValueError"."""
+    return seen.split(",")[0].split(":")[0].split(" (")[0]
+
+
+@pytest.mark.parametrize("caching", ["on", "off"])
+@pytest.mark.parametrize("version", list(EXPECTED))
+def test_every_declared_request_level_reaction_is_sent_and_is_what_a_survey_sees(version: str, caching: str) -> None:
+    if caching == "off" and EXPECTED[version]["off"]["verdict"] != "conforms":
+        # 0.8.x frees head first without caching: every campaign diverges before a mistake counts.
+        from kvspec.conformance.vllm.reactions import manager_reactions
+
+        assert manager_reactions(version, False) == {}
+        return
+    python = ensure_venv(version, lambda msg: print(msg, file=sys.stderr))
+    profile = "vllm-v1" if facts_for(version).matches_seed_order else "vllm-v1-tail"
+    proc = subprocess.run([str(python), "-c", _REACTIONS_SCRIPT, version, profile, caching], capture_output=True,
+                          text=True, timeout=600, check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["verdict"] == "conforms", out["failure"]
+    declared = {m: kind for m, (kind, _) in out["declared"].items()}
+    sendable = {m for m, kind in declared.items() if kind != "not expressible"}
+    assert set(out["checked"]) <= sendable
+    assert len(out["checked"]) >= len(sendable) // 2, (sorted(sendable), out["checked"])
+    for mistake, reactions in out["seen"].items():
+        if mistake not in declared:
+            continue  # declared None: no one reaction
+        kind, error = out["declared"][mistake]
+        allowed = {"accepts", "ignores"} if kind == "accepts" else {kind if kind != "raises" else f"raises {error}"}
+        assert {_kind(r) for r in reactions} <= allowed, (mistake, reactions, out["declared"][mistake])
