@@ -65,6 +65,9 @@ class BlockPool:
         # hash -> {block_id: block}; a dict keeps registration order, and the
         # first entry is what a hit returns. Duplicates are kept (see cache_full_blocks).
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        # Cached blocks get_new_blocks has reallocated (their hash dropped), for `kvspec simulate`;
+        # not part of the state the spec compares.
+        self.num_evictions = 0
         # NOTE: the null block is a placeholder for slots that need no memory;
         # its ref_cnt is never maintained, so it leaves the queue for good here.
         self.null_block = self.free_block_queue.popleft()
@@ -133,6 +136,7 @@ class BlockPool:
         for block in taken:
             if block.block_hash is not None:
                 self._evict(block)
+                self.num_evictions += 1
             block.ref_cnt = 1
         return [BlockId(block.block_id) for block in taken]
 

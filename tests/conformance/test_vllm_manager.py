@@ -310,3 +310,38 @@ def test_every_declared_request_level_reaction_is_sent_and_is_what_a_survey_sees
         kind, error = out["declared"][mistake]
         allowed = {"accepts", "ignores"} if kind == "accepts" else {kind if kind != "raises" else f"raises {error}"}
         assert {_kind(r) for r in reactions} <= allowed, (mistake, reactions, out["declared"][mistake])
+
+
+# `kvspec simulate` replays a workload through the reference; the same scheduler driving vLLM
+# 0.33's own KVCacheManager (through its adapter) must count the same hits, queries, preemptions
+# and peak blocks, with and without pool pressure.
+_SIMULATE_SCRIPT = r"""
+import json, logging
+logging.disable(logging.WARNING)
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.simulate import simulate
+from kvspec.conformance.vllm.adapter import make_installed_adapter
+from kvspec.conformance.workloads import builtin_workload
+
+out = []
+for name, block_size, pool in (("chat", 16, 300), ("chat", 32, 2000), ("rag", 16, 400)):
+    workload = builtin_workload(name, 0)
+    ref = simulate(workload, block_size=block_size, num_gpu_blocks=pool)
+    config = AdapterConfig(level="manager", num_gpu_blocks=pool, block_size=block_size, profile="vllm-v1")
+    got = simulate(workload, block_size=block_size, num_gpu_blocks=pool, manager=lambda: make_installed_adapter(config))
+    out.append([name, block_size, pool] + [[r.queries, r.hits, r.preemptions, r.finished, r.peak_blocks_held]
+                                           for r in (ref, got)])
+print(json.dumps(out))
+"""
+
+
+def test_simulate_counts_the_hits_vllm_0_33_s_own_manager_gives_on_the_same_workload() -> None:
+    python = ensure_venv("0.33.0", lambda msg: print(msg, file=sys.stderr))
+    proc = subprocess.run([str(python), "-c", _SIMULATE_SCRIPT], capture_output=True, text=True, timeout=600,
+                          check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, block_size, pool, ref, got in rows:
+        assert got == ref, (name, block_size, pool)
+    assert rows[0][3][2] > 0, "the small pool preempts: the comparison covers recomputation"
+    assert all(ref[1] > 0 for *_, ref, _ in rows)
