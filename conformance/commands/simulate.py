@@ -42,13 +42,16 @@ def register(subparsers: Any) -> None:
         "simulate",
         help="measure hit rate, evictions and fragmentation of a workload per profile, block size and pool size",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="built-in workloads: " + "; ".join(f"{f.name}: {f.description}" for f in WORKLOADS.values()),
+        epilog="built-in workloads: " + " ".join(f"{f.name}: {f.description}" for f in WORKLOADS.values()),
     )
     p.add_argument("--workload", default="chat", help=f"{', '.join(WORKLOADS)}, or a .jsonl file (default chat)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="a built-in workload's seed (default 0)")
-    p.add_argument("--block-size", type=positive_int, nargs="+", default=[16], metavar="N", help="tokens per block")
-    p.add_argument("--pool", type=positive_int, nargs="+", default=[2000], metavar="N", help="blocks in the pool")
-    p.add_argument("--profile", type=_profile, nargs="+", default=["vllm-v1"], metavar="P", help="ordering profiles")
+    p.add_argument("--block-size", type=positive_int, nargs="+", default=[16], metavar="N",
+                   help="tokens per block (default 16)")
+    p.add_argument("--pool", type=positive_int, nargs="+", default=[2000], metavar="N",
+                   help="blocks in the pool, the null block included (default 2000)")
+    p.add_argument("--profile", type=_profile, nargs="+", default=["vllm-v1"], metavar="P",
+                   help="ordering profiles (default vllm-v1)")
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     p.add_argument("--plot", type=output_file, metavar="PNG", help="write hit rate against pool capacity (matplotlib)")
     p.add_argument("--json", type=json_output, metavar="PATH", help="also write the results as JSON (- for stdout)")
@@ -148,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
     if str(args.json) != "-":
         print(f"workload: {source}, {len(workload)} requests")
         print(_table([_row(r) for r in results]))
+        for r in results:
+            if r.rejected:
+                print(f"{r.profile}, block {r.block_size}, pool {r.num_gpu_blocks}: {r.rejected} request(s) "
+                      "rejected, larger than the pool even alone (not in the counts)")  # fmt: skip
     if args.plot is not None:
         plot(results, args.plot, f"kvspec simulate: {source}")
         if str(args.json) != "-":

@@ -142,3 +142,10 @@ def test_a_bad_workload_file_is_one_line_with_its_line_number(tmp_path, capsys):
     assert main(["simulate", "--workload", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:2: prompt must be a non-empty list" in err and "Traceback" not in err
+
+
+def test_the_cli_names_requests_too_large_for_the_pool(tmp_path, capsys):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"prompt": [1, 2, 3]}\n{"prompt": ' + json.dumps(list(range(40))) + "}\n")
+    assert main(["simulate", "--workload", str(path), "--block-size", "4", "--pool", "5", "--jobs", "1"]) == 0
+    assert "block 4, pool 5: 1 request(s) rejected, larger than the pool" in capsys.readouterr().out
