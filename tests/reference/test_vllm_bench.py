@@ -77,3 +77,11 @@ def test_vllm_bench_runs_against_the_newest_release() -> None:
     assert all(v > 0 for v in (*reference.values(), *vllm.values()))
     reference_rate, vllm_rate = vllm_bench.harness_speed("0.33.0", max_examples=10)
     assert reference_rate > 0 and vllm_rate > 0
+
+
+def test_the_whole_trace_row_sums_every_operation_but_construction() -> None:
+    trace = vllm_bench.make_trace(200)
+    spent = vllm_bench.bench_reference(2000, trace)
+    total = vllm_bench.whole_trace(spent)
+    assert total == pytest.approx(sum(spent[op] for op in vllm_bench.OPS if op != "construct"))
+    assert 0 < total and spent["construct"] > 0
