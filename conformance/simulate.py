@@ -11,11 +11,14 @@ is vLLM's in outline and nothing more:
   decode that finds no free block preempts the newest running request (freed
   and put back first in the waiting queue, to be recomputed, as vLLM's
   recompute preemption does) and tries again;
-- then the waiting requests that have arrived are admitted first come, first
-  served, while the whole of each one's prompt fits: its prefix hit
+- then, unless that preempted a request (vLLM's scheduler admits nothing in
+  such a step), the waiting requests that have arrived are admitted first
+  come, first served, while the whole of each one's prompt fits and fewer
+  than 256 run (vLLM's default `max_num_seqs`): its prefix hit
   (`get_computed_blocks`, capped at len - 1 tokens), then `allocate_slots`
-  for the rest; a request that cannot fit even with nothing else running
-  is rejected (counted) so the queue goes on;
+  for the rest; a request that cannot fit, or grow, even with nothing else
+  running is rejected (counted) so the queue goes on. There is no token budget per
+  step: a prompt is prefilled in one step, not in chunks;
 - a request that has generated all its tokens is freed.
 
 What is counted, per configuration: queries and hits as vLLM's prefix-cache
@@ -46,6 +49,9 @@ __all__ = [
     "read_workload",
     "simulate",
 ]
+
+
+MAX_RUNNING = 256  # requests running at once: vLLM's default max_num_seqs
 
 
 class WorkloadError(ValueError):
@@ -137,15 +143,17 @@ class _Scheduler:
         while (self.arrivals or self.waiting or self.running) and step < max_steps:
             while self.arrivals and self.workload[self.arrivals[0]].arrival <= step:
                 self.waiting.append((self.arrivals.popleft(), 0))
-            self._decode()
-            self._admit()
+            if not self._decode():
+                self._admit()
             self._measure()
             step += 1
         if self.arrivals or self.waiting or self.running:
             raise WorkloadError(f"the workload did not finish within {max_steps} steps")
         return step
 
-    def _decode(self) -> None:
+    def _decode(self) -> bool:
+        """One decode step for every running request; whether it preempted one."""
+        preempted = False
         for index in list(self.running):
             run = self.running.get(index)
             if run is None:  # preempted earlier in this step
@@ -162,10 +170,16 @@ class _Scheduler:
                     run.computed += 1
                     break
                 victim = next(reversed(self.running))
-                self.waiting.appendleft((victim, self._release(victim)))
+                generated = self._release(victim)
+                if victim == index and not self.running:
+                    self.rejected += 1  # it cannot grow even alone: recomputing it would loop forever
+                    break
+                self.waiting.appendleft((victim, generated))
                 self.preemptions += 1
+                preempted = True
                 if victim == index:
                     break
+        return preempted
 
     def _release(self, index: int) -> int:
         """Free a running request; returns how many tokens it had generated."""
@@ -174,7 +188,7 @@ class _Scheduler:
         return run.computed - len(self.workload[index].prompt)
 
     def _admit(self) -> None:
-        while self.waiting:
+        while self.waiting and len(self.running) < MAX_RUNNING:
             index, generated = self.waiting[0]
             req = self.workload[index]
             request = _request(index, req, len(req.prompt) + max(generated, 0))

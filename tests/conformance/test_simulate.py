@@ -55,6 +55,10 @@ def test_a_request_larger_than_the_pool_is_rejected_and_the_rest_go_on():
     huge = SimRequest(tuple(range(100)), (), arrival=0)
     r = simulate([huge, A], block_size=4, num_gpu_blocks=6)
     assert (r.rejected, r.finished) == (1, 1)
+    # one that fits but outgrows the pool while it decodes, alone: rejected, not recomputed forever
+    grows = SimRequest(tuple(range(4)), tuple(range(100, 140)), arrival=0)
+    r = simulate([grows, A], block_size=4, num_gpu_blocks=6, max_steps=500)
+    assert (r.rejected, r.finished, r.preemptions) == (1, 1, 0)
 
 
 def test_builtin_workloads_are_seeded_and_each_shares_what_it_says():

@@ -84,4 +84,4 @@ def test_the_whole_trace_row_sums_every_operation_but_construction() -> None:
     spent = vllm_bench.bench_reference(2000, trace)
     total = vllm_bench.whole_trace(spent)
     assert total == pytest.approx(sum(spent[op] for op in vllm_bench.OPS if op != "construct"))
-    assert 0 < total and spent["construct"] > 0
+    assert total > 0 and spent["construct"] > 0
