@@ -39,7 +39,9 @@ the default):
 - `not_applicable: Mapping[str, str]` (default empty): what the harness
   checks that the implementation does not have, each with why (e.g.
   "cache_salt": its requests carry no salt). The machine does not exercise
-  it (for "cache_salt": it sends no salted request) and the summary lists it.
+  it (for "cache_salt": it sends no salted request; for "multimodal inputs":
+  no request with images, and no misplaced images as a mistake) and the
+  summary lists it.
 - `levels: tuple[str, ...]` (on the factory or the adapter; default: what
   the built adapter has): the levels the implementation provides. A level it
   does not provide is reported "n/a", never "could not run"; a factory may

@@ -517,10 +517,18 @@ class ManagerMachine(_LockStepMachine):
     # --- workload --------------------------------------------------------------------------
 
     def _sendable(self, request: Request) -> Request:
-        """`request` without its cache_salt when the adapter declares it has none (`not_applicable`)."""
+        """`request` without what the adapter declares it does not have (`not_applicable`): its cache_salt,
+        its multimodal inputs."""
         if request.cache_salt is not None and "cache_salt" in self._lock.not_applicable:
-            return replace(request, cache_salt=None)
+            request = replace(request, cache_salt=None)
+        if request.mm_inputs and not self._images:
+            request = replace(request, mm_inputs=())
         return request
+
+    @property
+    def _images(self) -> bool:
+        """Whether requests may carry multimodal inputs (and so misplaced ones, as a mistake)."""
+        return "multimodal inputs" not in self._lock.not_applicable
 
     @rule(target=prompts, data=st.data())
     def new_prompt(self, data: st.DataObject) -> Request:
@@ -563,7 +571,7 @@ class ManagerMachine(_LockStepMachine):
                         "get_computed_blocks",
                         "no tokens",
                         "no id",
-                        "misplaced images",
+                        *(["misplaced images"] if self._images else []),
                         *(["already running"] if self.requests else []),
                     )
                 )
@@ -609,7 +617,8 @@ class ManagerMachine(_LockStepMachine):
 
     @rule(target=running, prompt=prompts, data=st.data())
     def allocate_slots_admit(self, prompt: Request, data: st.DataObject) -> Any:
-        mistakes = ["no id", "no tokens", "misplaced images", "no tokens scheduled", "bad count"]
+        mistakes = ["no id", "no tokens", *(["misplaced images"] if self._images else []), "no tokens scheduled"]
+        mistakes += ["bad count"]
         mistakes += ["more tokens than the request has", "hit count mismatch"]
         mistakes += ["hit on a running request"] if self.requests else []
         caching = ["wrong hit block", "hit longer than the request"]

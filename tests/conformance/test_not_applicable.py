@@ -78,3 +78,42 @@ def test_a_declared_missing_cache_salt_is_left_out_and_listed(tmp_path: Path) ->
     assert "cache_salt: not applicable, this manager's requests take no cache_salt" in r.not_exercised
     # Everything else still ran: LoRA and multimodal keys, prefix hits, preemption.
     assert r.coverage.get("allocate_slots: admitted with a prefix hit"), r.coverage
+
+
+class TextOnlyManager(ReferenceManagerAdapter):
+    """The reference manager for a text-only engine: a request with images is refused before any change."""
+
+    not_applicable = {"multimodal inputs": "this manager serves text only"}
+    seen_images = 0  # requests with multimodal inputs that reached it (the declaration must make it 0)
+
+    def _refuse_images(self, request: Request) -> None:
+        if request.mm_inputs:
+            type(self).seen_images += 1
+            raise InvalidRequest(f"request_id={request.request_id!r} has multimodal inputs; this manager takes none")
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
+        self._refuse_images(request)
+        return super().get_computed_blocks(request)
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[BlockId] = (),
+        num_external_computed_tokens: int = 0,
+    ) -> list[BlockId] | None:
+        self._refuse_images(request)
+        return super().allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
+        )
+
+
+def test_declared_missing_multimodal_inputs_send_no_image_and_no_misplaced_image(tmp_path: Path) -> None:
+    TextOnlyManager.seen_images = 0
+    r = run_check(TextOnlyManager, level="manager", max_examples=N, trace_dir=tmp_path, impl="text-only")
+    assert r.verdict == "conforms", r.failure.story if r.failure else r.message
+    assert TextOnlyManager.seen_images == 0
+    assert "multimodal inputs: not applicable, this manager serves text only" in r.not_exercised
+    assert not any("misplaced images" in m for m in r.mistakes_checked), r.mistakes_checked
+    assert r.coverage.get("allocate_slots: admitted with a prefix hit"), r.coverage

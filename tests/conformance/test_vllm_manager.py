@@ -269,7 +269,18 @@ declared = manager_reactions(version, caching)
 make_installed_adapter(AdapterConfig(level="manager", num_gpu_blocks=4, enable_caching=caching, profile=profile))
 result = run_check(make_installed_adapter, level="manager", enable_caching=caching, profile=profile,
                    max_examples=60, isolate=False)
-seen = survey_reactions(make_installed_adapter, "manager", caching, max_examples=60, profile=profile)
+
+
+def text_only(config):
+    # Releases before 0.19 key a block filled in decode right after an image by that image (the
+    # oracle's probe): a survey, which stops at a valid call that diverges, leaves images out there.
+    adapter = make_installed_adapter(config)
+    adapter.not_applicable = {**adapter.not_applicable, "multimodal inputs": "the known image-end keying"}
+    return adapter
+
+
+surveyed = text_only if sys.argv[4] == "text-only" else make_installed_adapter
+seen = survey_reactions(surveyed, "manager", caching, max_examples=60, profile=profile)
 print(json.dumps({
     "verdict": result.verdict, "failure": result.failure.message if result.failure else None,
     "declared": {m: [r.kind, r.error] for m, r in declared.items()},
@@ -295,8 +306,10 @@ def test_every_declared_request_level_reaction_is_sent_and_is_what_a_survey_sees
         return
     python = ensure_venv(version, lambda msg: print(msg, file=sys.stderr))
     profile = "vllm-v1" if facts_for(version).matches_seed_order else "vllm-v1-tail"
-    proc = subprocess.run([str(python), "-c", _REACTIONS_SCRIPT, version, profile, caching], capture_output=True,
-                          text=True, timeout=600, check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    images = "text-only" if EXPECTED[version]["image_end_keyed"] else "images"
+    proc = subprocess.run([str(python), "-c", _REACTIONS_SCRIPT, version, profile, caching, images],
+                          capture_output=True, text=True, timeout=600, check=False,
+                          env={**os.environ, **WORKER_ENV})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["verdict"] == "conforms", out["failure"]
