@@ -617,8 +617,8 @@ class ManagerMachine(_LockStepMachine):
 
     @rule(target=running, prompt=prompts, data=st.data())
     def allocate_slots_admit(self, prompt: Request, data: st.DataObject) -> Any:
-        mistakes = ["no id", "no tokens", *(["misplaced images"] if self._images else []), "no tokens scheduled"]
-        mistakes += ["bad count"]
+        images = ["misplaced images"] if self._images else []
+        mistakes = ["no id", "no tokens", *images, "no tokens scheduled", "bad count"]
         mistakes += ["more tokens than the request has", "hit count mismatch"]
         mistakes += ["hit on a running request"] if self.requests else []
         caching = ["wrong hit block", "hit longer than the request"]

@@ -2,9 +2,10 @@
 
 A workload is a list of requests: prompt tokens, the tokens the request then
 generates, the step it arrives at, a LoRA name and a cache salt. It is
-replayed through a request-level block manager (the reference, or any object
-with the adapter protocol's `get_computed_blocks`, `allocate_slots` and
-`free`, such as vLLM's KVCacheManager behind its adapter) by a scheduler that
+replayed through a request-level block manager (the reference, or any
+request-level adapter, `KVCacheManagerAdapter`, such as vLLM's KVCacheManager
+behind its adapter; the scheduler calls `get_computed_blocks`,
+`allocate_slots` and `free`) by a scheduler that
 is vLLM's in outline and nothing more:
 
 - each step, the running requests decode one token each, oldest first; a
@@ -37,8 +38,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from kvspec.conformance.adapter import KVCacheManagerAdapter
 from kvspec.reference.kv_cache_manager import KVCacheManager
 from kvspec.spec.manager import Request
 
@@ -97,26 +99,8 @@ class SimResult:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
-class RequestLevelManager(Protocol):
-    """The three calls the scheduler makes (the reference KVCacheManager and every request-level adapter)."""
-
-    def get_computed_blocks(self, request: Request) -> tuple[list[Any], int]: ...
-
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[Any] = (),
-        num_external_computed_tokens: int = 0,
-    ) -> list[Any] | None: ...
-
-    def free(self, request_id: str) -> None: ...
-
-
 @dataclass(slots=True)
 class _Running:
-    index: int  # the request's place in the workload
     computed: int  # tokens with slots: the prompt, then one per decode step
     blocks: list[Any] = field(default_factory=list)  # its block table
 
@@ -129,7 +113,7 @@ def _request(index: int, req: SimRequest, num_tokens: int) -> Request:
 class _Scheduler:
     """One simulation: the queues, the counters, and the steps."""
 
-    def __init__(self, workload: Sequence[SimRequest], manager: RequestLevelManager, block_size: int) -> None:
+    def __init__(self, workload: Sequence[SimRequest], manager: KVCacheManagerAdapter, block_size: int) -> None:
         self.workload, self.manager, self.block_size = workload, manager, block_size
         self.arrivals = deque(sorted(range(len(workload)), key=lambda i: (workload[i].arrival, i)))
         self.waiting: deque[tuple[int, int]] = deque()  # (index, tokens generated before a preemption)
@@ -203,7 +187,7 @@ class _Scheduler:
             self.waiting.popleft()
             self.queries += len(request.token_ids)
             self.hits += num_hit
-            self.running[index] = _Running(index, len(request.token_ids), [*blocks, *got])
+            self.running[index] = _Running(len(request.token_ids), [*blocks, *got])
 
     def _measure(self) -> None:
         held = {b for run in self.running.values() for b in run.blocks}
@@ -221,7 +205,7 @@ def simulate(
     num_gpu_blocks: int,
     profile: str = "vllm-v1",
     enable_caching: bool = True,
-    manager: Callable[[], RequestLevelManager] | None = None,
+    manager: Callable[[], KVCacheManagerAdapter] | None = None,
     max_steps: int = 1_000_000,
 ) -> SimResult:
     """Replay `workload` through a block manager; one configuration.
@@ -239,7 +223,7 @@ def simulate(
     """
     if not workload:
         raise WorkloadError("the workload has no request")
-    built: RequestLevelManager = (
+    built: KVCacheManagerAdapter = (
         manager() if manager is not None else KVCacheManager(num_gpu_blocks, block_size, enable_caching, profile)
     )
     sched = _Scheduler(workload, built, block_size)

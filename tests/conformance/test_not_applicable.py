@@ -25,17 +25,14 @@ from kvspec.spec.state import BlockId
 N = 40
 
 
-class NoSaltManager(ReferenceManagerAdapter):
-    """The reference manager without cache_salt: a salted request is refused before any change."""
+class _RefusingManager(ReferenceManagerAdapter):
+    """The reference manager refusing, before any change, requests with a feature it lacks (`_refuse`)."""
 
-    def _refuse_salt(self, request: Request) -> None:
-        if request.cache_salt is not None:
-            raise InvalidRequest(
-                f"request_id={request.request_id!r} has cache_salt={request.cache_salt!r}; this manager takes none"
-            )
+    def _refuse(self, request: Request) -> None:
+        raise NotImplementedError
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        self._refuse_salt(request)
+        self._refuse(request)
         return super().get_computed_blocks(request)
 
     def allocate_slots(
@@ -46,10 +43,20 @@ class NoSaltManager(ReferenceManagerAdapter):
         new_computed_blocks: Sequence[BlockId] = (),
         num_external_computed_tokens: int = 0,
     ) -> list[BlockId] | None:
-        self._refuse_salt(request)
+        self._refuse(request)
         return super().allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
         )
+
+
+class NoSaltManager(_RefusingManager):
+    """The reference manager without cache_salt: a salted request is refused before any change."""
+
+    def _refuse(self, request: Request) -> None:
+        if request.cache_salt is not None:
+            raise InvalidRequest(
+                f"request_id={request.request_id!r} has cache_salt={request.cache_salt!r}; this manager takes none"
+            )
 
 
 class DeclaredNoSaltManager(NoSaltManager):
@@ -80,33 +87,16 @@ def test_a_declared_missing_cache_salt_is_left_out_and_listed(tmp_path: Path) ->
     assert r.coverage.get("allocate_slots: admitted with a prefix hit"), r.coverage
 
 
-class TextOnlyManager(ReferenceManagerAdapter):
+class TextOnlyManager(_RefusingManager):
     """The reference manager for a text-only engine: a request with images is refused before any change."""
 
     not_applicable = {"multimodal inputs": "this manager serves text only"}
     seen_images = 0  # requests with multimodal inputs that reached it (the declaration must make it 0)
 
-    def _refuse_images(self, request: Request) -> None:
+    def _refuse(self, request: Request) -> None:
         if request.mm_inputs:
             type(self).seen_images += 1
             raise InvalidRequest(f"request_id={request.request_id!r} has multimodal inputs; this manager takes none")
-
-    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        self._refuse_images(request)
-        return super().get_computed_blocks(request)
-
-    def allocate_slots(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[BlockId] = (),
-        num_external_computed_tokens: int = 0,
-    ) -> list[BlockId] | None:
-        self._refuse_images(request)
-        return super().allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
-        )
 
 
 def test_declared_missing_multimodal_inputs_send_no_image_and_no_misplaced_image(tmp_path: Path) -> None:
