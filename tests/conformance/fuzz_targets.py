@@ -41,9 +41,14 @@ _TRACE_DIR = Path(os.environ.get("KVSPEC_FUZZ_TRACE_DIR", str(DEFAULT_TRACE_DIR)
 # pass means the database holds no failure, not that none was found anew.
 _PHASES = (Phase.explicit, Phase.reuse) if os.environ.get("KVSPEC_FUZZ_REPLAY") == "1" else tuple(Phase)
 # A profile, not per-test settings: HypoFuzz saves what it finds to the active
-# profile's database, and that is what every worker must share.
+# profile's database, and that is what every worker must share. Its parent is
+# Hypothesis's default, named: without one it inherits the profile loaded when
+# it is registered, which under CI=1 is tests/conftest.py's derandomized `ci`,
+# and HypoFuzz refuses derandomized tests ("sets_derandomize").
 settings.register_profile(
     "kvspec-fuzz",
+    parent=settings.get_profile("default"),
+    derandomize=False,
     database=DirectoryBasedExampleDatabase(os.environ.get("KVSPEC_FUZZ_DB", ".hypothesis/kvspec-fuzz")),
     deadline=None,
     # HypoFuzz refuses tests that suppress nested_given; only the cost checks go.

@@ -83,6 +83,7 @@ def test_a_campaign_reports_the_failure_it_finds_and_it_replays(tmp_path):
     keys = _keys(tmp_path / "db")
 
     assert "Traceback" not in output, f"the campaign crashed:\n{output}"
+    assert "No property-based tests were collected" not in output, f"HypoFuzz refused the target:\n{output}"
     assert not [k for k in keys if _FATAL in k], f"HypoFuzz could not run the target:\n{output}"
     assert any(_SHRUNK in k for k in keys), f"no shrunk failure saved within {seconds:.0f} s:\n{output}"
     assert f"kvspec fuzz: {TARGET} found a failure" in output, output
