@@ -47,6 +47,9 @@ the default):
   does not provide is reported "n/a", never "could not run"; a factory may
   also raise `LevelNotProvided` for it. A factory that builds a pool adapter
   whatever level it is asked for is taken to provide the pool level only.
+- `profiles: tuple[str, ...]` (on the factory; default: every profile): the
+  eviction policies the implementation provides (`lru-lfu` stands for every
+  `lru-lfu:W`). A campaign under another profile is reported "n/a", never run.
 - `uses_kvspec_hash_chain: bool` (default False): the adapter hashes blocks
   with kvspec's own chain (kvspec.spec.hashing) for the config's hash_fn and
   seed, so the machine compares block hash values exactly. Otherwise hash
@@ -78,6 +81,7 @@ __all__ = [
     "KVSource",
     "LevelNotProvided",
     "capabilities",
+    "provides_profile",
 ]
 
 Level = Literal["pool", "manager"]
@@ -208,6 +212,15 @@ class AdapterFactory(Protocol):
     def __call__(self, config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
         """The adapter for `config.level`."""
         ...
+
+
+def provides_profile(declared: Sequence[str], profile: str) -> bool:
+    """Whether a factory declaring `profiles=declared` provides `profile` (`lru-lfu` covers every weight).
+
+    >>> provides_profile(("vllm-v1", "lru-lfu"), "lru-lfu:0.5"), provides_profile(("vllm-v1",), "lfu")
+    (True, False)
+    """
+    return profile in declared or (profile.startswith("lru-lfu:") and "lru-lfu" in declared)
 
 
 def capabilities(adapter: object) -> frozenset[str]:

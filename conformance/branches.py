@@ -53,13 +53,23 @@ def reached_touch(args: Sequence[Any], before: Snapshot, after: Snapshot, result
 
 
 def reached_free_blocks(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:
-    """Where each newly free block joined the queue, and whether a freed block is still held."""
+    """Where each newly free block joined the queue, and whether a freed block is still held.
+
+    A queue policy puts it at an end; a keyed policy where its key falls, which
+    may be between blocks already free.
+    """
     ev: list[str] = []
     old = set(before.free_queue)
-    first_old = next((i for i, b in enumerate(after.free_queue) if b in old), len(after.free_queue))
+    at_old = [i for i, b in enumerate(after.free_queue) if b in old]
+    first_old, last_old = (at_old[0], at_old[-1]) if at_old else (len(after.free_queue), -1)
     for i, b in enumerate(after.free_queue):
         if b not in old:
-            ev.append("free_blocks: to the left end" if i < first_old else "free_blocks: to the right end")
+            if i < first_old:
+                ev.append("free_blocks: to the left end")
+            elif i > last_old:
+                ev.append("free_blocks: to the right end")
+            else:
+                ev.append("free_blocks: between free blocks")
     if any(after.ref_cnt[b] > 0 for b in args[0]):
         ev.append("free_blocks: still held by another")
     return ev

@@ -22,7 +22,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvspec.conformance.adapter import AdapterConfig, LevelNotProvided
+from kvspec.conformance.adapter import AdapterConfig, LevelNotProvided, provides_profile
 from kvspec.conformance.coverage import expected_branches, reachable_branches
 from kvspec.conformance.lockstep import ConformanceFailure, Factory, LockStep, Observer, SpecFailure, StepTimeout
 from kvspec.conformance.machine import conformance_machine
@@ -58,6 +58,9 @@ def _probe(factory: Factory, config: AdapterConfig) -> tuple[Verdict, str] | Non
     level, declared = config.level, getattr(factory, "levels", None)
     if declared is not None and level not in declared:
         return Verdict.NOT_APPLICABLE, f"the factory declares levels={tuple(declared)}"
+    policies = getattr(factory, "profiles", None)
+    if policies is not None and not provides_profile(policies, config.profile):
+        return Verdict.NOT_APPLICABLE, f"the factory declares profiles={tuple(policies)}, not {config.profile}"
     try:
         adapter = factory(config)
     except LevelNotProvided as e:

@@ -39,7 +39,7 @@ from typing import Any
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.errors import BlockManagerError
-from kvspec.spec.ordering import PROFILES
+from kvspec.spec.ordering import QUEUE_PROFILES
 from kvspec.spec.state import BlockHash, BlockId, PoolState
 
 __all__ = [
@@ -147,11 +147,11 @@ def pool_state_corpus(max_blocks: int = 5, seed: int = 0) -> tuple[PoolState, ..
     rng = random.Random(seed)
     seen: dict[object, PoolState] = {}
     for _ in range(3000):
-        st = spec_ops.new_pool(rng.randint(1, max_blocks), rng.random() < 0.85, rng.choice(list(PROFILES)))
+        st = spec_ops.new_pool(rng.randint(1, max_blocks), rng.random() < 0.85, rng.choice(list(QUEUE_PROFILES)))
         for _ in range(rng.randint(1, 12)):
             st = _random_pool_call(rng, st)
         seen.setdefault(st.snapshot(), st)
-    fresh = [spec_ops.new_pool(n, True, profile) for n in (1, 2, max_blocks) for profile in PROFILES]
+    fresh = [spec_ops.new_pool(n, True, profile) for n in (1, 2, max_blocks) for profile in QUEUE_PROFILES]
     covering = [st for st in _pairwise_cover(list(seen.values()), _pool_features) if st not in fresh]
     return tuple(fresh + covering)
 
@@ -165,7 +165,7 @@ def manager_state_corpus(size: int = 24, seed: int = 0) -> tuple[spec_manager.Ma
     while len(states) < size and attempts < 50 * size:
         attempts += 1
         state = spec_manager.new_manager(
-            rng.randint(2, 8), rng.randint(1, 3), rng.random() < 0.85, rng.choice(list(PROFILES))
+            rng.randint(2, 8), rng.randint(1, 3), rng.random() < 0.85, rng.choice(list(QUEUE_PROFILES))
         )
         running: list[str] = []
         for step in range(rng.randint(0, 4)):

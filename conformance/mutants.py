@@ -59,6 +59,7 @@ class Mutant:
     factory: Callable[[AdapterConfig], object]  # builds the adapter from a config, like a user's factory
     kind: str  # the kind of bug (kvspec.mutants REQUIRED_KINDS, or a further kind)
     enable_caching: bool = True  # run with prefix caching on (False: a bug only visible without it)
+    profile: str = "vllm-v1"  # the eviction policy it claims (a policy mutant claims the one it breaks)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum() or self.name != self.name.lower():
@@ -167,6 +168,7 @@ def run_mutants(
                 mutant.factory,
                 level=mutant.level,
                 enable_caching=mutant.enable_caching,
+                profile=mutant.profile,
                 max_examples=max_examples,
                 seed=seed,
                 time_budget_s=time_budget_per_mutant_s,
@@ -198,22 +200,26 @@ def run_mutants(
 def run_control(
     mutants: Sequence[Mutant], max_examples: int = 200, seed: int = 0, time_budget_s: float | None = None
 ) -> list[CheckResult]:
-    """Check the unmutated reference under every (level, enable_caching) the mutants run with.
+    """Check the unmutated reference under every (level, enable_caching, profile) the mutants run with.
 
     Returns:
-        One check result per configuration, pool before manager, caching on before off.
+        One check result per configuration, pool before manager, caching on before off, vllm-v1 first.
     """
-    configurations = sorted({(m.level, m.enable_caching) for m in mutants}, key=lambda c: (c[0] != "pool", not c[1]))
+    configurations = sorted(
+        {(m.level, m.enable_caching, m.profile) for m in mutants},
+        key=lambda c: (c[0] != "pool", not c[1], c[2] != "vllm-v1", c[2]),
+    )
     return [
         run_check(
             make_reference,
             level=level,
             enable_caching=enable_caching,
+            profile=profile,
             max_examples=max_examples,
             seed=seed,
             time_budget_s=time_budget_s,
         )
-        for level, enable_caching in configurations
+        for level, enable_caching, profile in configurations
     ]
 
 

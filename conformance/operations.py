@@ -171,7 +171,7 @@ _TABLE: tuple[Operation, ...] = (
         ("block_ids",),
         spec_ops.free_blocks,
         None,
-        _branches("free_blocks", "to the left end", "to the right end", "still held by another"),
+        _branches("free_blocks", "to the left end", "to the right end", "between free blocks", "still held by another"),
         ("DoubleFree", "InvalidBlock", "InvalidRequest"),
         br.reached_free_blocks,
         frozenset({"free_blocks: still held by another"}),  # only a touch shares a block

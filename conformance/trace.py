@@ -36,7 +36,7 @@ from kvspec.conformance.results import Failure, Outcome, Verdict
 from kvspec.spec import errors as spec_errors
 from kvspec.spec.hashing import HASH_FUNCTIONS, MultiModalInput
 from kvspec.spec.manager import Request
-from kvspec.spec.ordering import PROFILES
+from kvspec.spec.ordering import PROFILES, is_profile
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
 __all__ = [
@@ -361,8 +361,9 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
             raise ValueError(f"header config {name} must be at least 1; got {name}={cfg[name]}")
     if cfg["hash_fn"] not in HASH_FUNCTIONS:
         raise ValueError(f"header config hash_fn={cfg['hash_fn']!r} is not one of {', '.join(sorted(HASH_FUNCTIONS))}")
-    if cfg["profile"] not in PROFILES:
-        raise ValueError(f"header config profile={cfg['profile']!r} is not a profile ({', '.join(PROFILES)})")
+    if not is_profile(cfg["profile"]):
+        known = ", ".join([*PROFILES, "lru-lfu:W"])
+        raise ValueError(f"header config profile={cfg['profile']!r} is not a profile ({known})")
     impl = obj.get("impl")
     config = AdapterConfig(
         level=level,

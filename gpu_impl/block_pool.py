@@ -170,6 +170,11 @@ class TensorBlockPool:
             rule = profile_rule(profile)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
+        if rule.keyed:
+            raise InvalidRequest(
+                f"profile={profile!r} is a keyed policy (seed 002): gpu_impl orders its free blocks by queue "
+                "keys only, for vllm-v1 and vllm-v1-tail; the keyed policies are built in the reference"
+            )
         if host_path_max is not None and (not _is_int(host_path_max) or host_path_max < 0):
             raise InvalidRequest(f"host_path_max must be an integer >= 0; got host_path_max={host_path_max!r}")
         self.device = pick_device(device)  # fixed

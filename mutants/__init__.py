@@ -47,6 +47,9 @@ REQUIRED_KINDS: tuple[str, ...] = (
     "a miscounted num_free",
     "a cached block re-registered",
     "a preemption that drops a shared block",
+    "ties broken the other way",
+    "an access that does not refresh what its policy reads",
+    "first fit taking the highest id",
 )
 
 # Optional dependencies a mutant module may need (the torch pool's mutants need

@@ -2,7 +2,9 @@
 
 The same observable behaviour as `kvspec.spec.ops`, built the way vLLM builds
 it: block objects, a linked free queue (reference.free_queue), and a dict from
-hash to the blocks registered under it. Hot paths carry no contracts; every
+hash to the blocks registered under it; under a keyed policy (seed 002) the
+free blocks are kept by reference.keyed_free instead of the linked queue. Hot
+paths carry no contracts; every
 state invariant is checked by `check_invariants()`, which builds a `Snapshot`
 and calls the spec's predicates (none is restated here).
 
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import islice
+from typing import cast
 
 from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
+from kvspec.reference.keyed_free import KeyedFreeBlocks
 from kvspec.spec.errors import (
     AlreadyCached,
     DoubleFree,
@@ -61,7 +65,11 @@ class BlockPool:
         self.profile = profile  # fixed: the ordering rule it claims
         self._unhashed_to_left = rule.unhashed_to_left  # fixed, read on every free
         self.blocks = [KVCacheBlock(i) for i in range(num_gpu_blocks)]  # indexed by block_id
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)  # the eviction order
+        # The eviction order: the queue itself (vLLM v1), or the keyed policy's first fit and heap.
+        self._keyed: KeyedFreeBlocks | None = KeyedFreeBlocks(self.blocks, rule) if rule.keyed else None
+        self.free_block_queue: FreeKVCacheBlockQueue | KeyedFreeBlocks = self._keyed or FreeKVCacheBlockQueue(
+            self.blocks
+        )
         # hash -> {block_id: block}; a dict keeps registration order, and the
         # first entry is what a hit returns. Duplicates are kept (see cache_full_blocks).
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
@@ -138,6 +146,8 @@ class BlockPool:
                 self._evict(block)
                 self.num_evictions += 1
             block.ref_cnt = 1
+        if self._keyed is not None:
+            self._keyed.allocated(taken)
         return [BlockId(block.block_id) for block in taken]
 
     def _evict(self, block: KVCacheBlock) -> None:
@@ -176,6 +186,8 @@ class BlockPool:
             remove = self.free_block_queue.remove
             for block in was_free:
                 remove(block)
+        if self._keyed is not None:
+            self._keyed.hit([all_blocks[b] for b in block_ids])
 
     def _touch_slowly(self, block_ids: Sequence[BlockId]) -> None:
         """`touch` for a call its loop did not accept: usually a mistake, else an int subclass as an id.
@@ -202,14 +214,15 @@ class BlockPool:
 
         Blocks reaching ref_cnt 0 join the queue: under `vllm-v1`, those without
         a hash at the left end in the given order (nobody can hit them, reuse
-        them first), the hashed ones at the right end (LRU).
+        them first), the hashed ones at the right end (LRU); under a keyed
+        policy, where their keys put them, every block named stamped in order.
 
         Raises:
             InvalidBlock: an id is out of range or the null block.
             InvalidRequest: an id is named twice.
             DoubleFree: a block has ref_cnt 0.
 
-        Cost: O(len(ordered_block_ids)).
+        Cost: O(len(ordered_block_ids)); O(log n) more per block under a keyed policy.
         """
         # Every finished request lands here, so the common case is one pass that
         # checks an id and drops its reference at once; the queue is left alone
@@ -231,8 +244,13 @@ class BlockPool:
                     right.append(block)
         if dropped > 1 and len(set(ordered_block_ids)) != dropped:
             return self._free_slowly(ordered_block_ids, dropped)
-        self.free_block_queue.prepend_n(left)
-        self.free_block_queue.append_n(right)
+        if self._keyed is not None:
+            self._keyed.freed([all_blocks[b] for b in ordered_block_ids], left + right)
+            return None
+        queue = cast(FreeKVCacheBlockQueue, self.free_block_queue)  # a queue policy's
+        queue.prepend_n(left)
+        queue.append_n(right)
+        return None
 
     def _free_slowly(self, ordered_block_ids: Sequence[BlockId], dropped: int) -> None:
         """`free_blocks` for a call its pass did not accept: usually a mistake, else an int subclass as an id.
@@ -286,6 +304,8 @@ class BlockPool:
         for block, h in zip(blocks, block_hashes):
             block.block_hash = h
             self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
+        if self._keyed is not None:
+            self._keyed.registered(blocks)
 
     def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
         """The first block registered under `block_hash`, or None. Cost: O(1).
@@ -312,6 +332,8 @@ class BlockPool:
         for block in self._blocks_of(block_ids, "evict_blocks"):
             if block.block_hash is not None:
                 self._evict(block)
+                if self._keyed is not None and block.ref_cnt == 0:
+                    self._keyed.lost_hash(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, if no block is held; refuse (False) otherwise.
@@ -323,6 +345,8 @@ class BlockPool:
         self.cached_block_hash_to_block = {}
         for block in self.blocks:
             block.block_hash = None
+        if self._keyed is not None:
+            self._keyed.rebuild()
         return True
 
     def is_block_writable(self, block_id: BlockId) -> bool:

@@ -28,7 +28,14 @@ from kvspec.spec.errors import (
 )
 from kvspec.spec.invariants import all_hold
 from kvspec.spec.invariants import is_block_writable as _writable
-from kvspec.spec.ordering import freed_in_place, place_freed, profile_rule
+from kvspec.spec.ordering import (
+    ProfileRule,
+    freed_in_place,
+    in_keyed_order,
+    keyed_free_order,
+    place_freed,
+    profile_rule,
+)
 from kvspec.spec.state import (
     NULL_BLOCK_ID,
     BlockHash,
@@ -56,7 +63,57 @@ __all__ = [
 
 
 def _holds(state: PoolState) -> bool:
-    return all_hold(state.snapshot())
+    return all_hold(state.snapshot()) and _in_policy_order(state)
+
+
+def _rule(state: PoolState) -> ProfileRule:
+    return profile_rule(state.config.profile)
+
+
+def _in_policy_order(state: PoolState) -> bool:
+    """Under a keyed policy, the free queue is in its order; a queue policy's order is the queue itself."""
+    rule = _rule(state)
+    return not rule.keyed or in_keyed_order(
+        rule, state.free_queue, state.block_hash, state.last_access, state.num_accesses, state.registered_at
+    )
+
+
+def _freed_as_the_policy_says(state: PoolState, block_ids: Sequence[BlockId], new: PoolState) -> bool:
+    """A queue policy placed the newly free blocks at its ends; a keyed one stamped every block named."""
+    rule = _rule(state)
+    if rule.keyed:
+        return all(new.last_access[b] >= state.clock for b in block_ids)
+    newly_free = [b for b in block_ids if state.ref_cnt[b] == 1]
+    return freed_in_place(state.free_queue, newly_free, state.block_hash, rule, new.free_queue)
+
+
+def _same_free_blocks(state: PoolState, new: PoolState) -> bool:
+    """The same free blocks; in the same order under a queue policy (a keyed one may re-sort them)."""
+    if _rule(state).keyed:
+        return sorted(new.free_queue) == sorted(state.free_queue)
+    return new.free_queue == state.free_queue
+
+
+# --- the keyed policies' clock (spec.ordering) -------------------------------------------
+
+
+def _stamp(stamps: tuple[int, ...], block_ids: Sequence[BlockId], clock: int) -> tuple[int, ...]:
+    """`stamps` with the i-th block of `block_ids` stamped `clock + i`."""
+    new = list(stamps)
+    for i, b in enumerate(block_ids):
+        new[b] = clock + i
+    return tuple(new)
+
+
+def _reordered(state: PoolState) -> PoolState:
+    """Under a keyed policy, the state with its free queue in the policy's order; otherwise the state."""
+    rule = _rule(state)
+    if not rule.keyed:
+        return state
+    order = keyed_free_order(
+        rule, state.free_queue, state.block_hash, state.last_access, state.num_accesses, state.registered_at
+    )
+    return replace(state, free_queue=order)
 
 
 # --- argument checks (shared by every operation) --------------------------------------------
@@ -125,6 +182,10 @@ def new_pool(num_gpu_blocks: int, enable_caching: bool = True, profile: str = "v
 def get_new_blocks(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[BlockId, ...]]:
     """Take `num_blocks` blocks from the left end of the free queue, evicting their cached hashes.
 
+    Under a keyed policy the left end is first fit (the free blocks without a
+    hash, lowest id first), then the hashed ones in key order; each block taken
+    is stamped and counts one access.
+
     Args:
         state: the pool.
         num_blocks: how many blocks to take.
@@ -163,6 +224,16 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[B
         free_queue=state.free_queue[num_blocks:],
         hash_to_blocks=_without_blocks(state.hash_to_blocks, set(taken)),
     )
+    if _rule(state).keyed:  # an allocation is an access, the first of the block's new life
+        accesses = list(state.num_accesses)
+        for b in taken:
+            accesses[b] = 1
+        new_state = replace(
+            new_state,
+            clock=state.clock + len(taken),
+            last_access=_stamp(state.last_access, taken, state.clock),
+            num_accesses=tuple(accesses),
+        )
     return Step(new_state, taken)
 
 
@@ -174,6 +245,8 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[B
 @icontract.ensure(lambda block_ids, result: not set(block_ids) & set(result.state.free_queue))
 def touch(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Take a hit on cached blocks: each leaves the free queue if it was there, and its ref_cnt grows by one.
+
+    Under a keyed policy each block hit is stamped and counts one access.
 
     Args:
         state: the pool.
@@ -205,6 +278,16 @@ def touch(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, Non
         ref_cnt=tuple(ref_cnt),
         free_queue=tuple(b for b in state.free_queue if b not in touched),
     )
+    if _rule(state).keyed:  # a hit is an access
+        accesses = list(state.num_accesses)
+        for b in block_ids:
+            accesses[b] += 1
+        new_state = replace(
+            new_state,
+            clock=state.clock + len(block_ids),
+            last_access=_stamp(state.last_access, block_ids, state.clock),
+            num_accesses=tuple(accesses),
+        )
     return Step(new_state, None)
 
 
@@ -214,21 +297,15 @@ def touch(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, Non
     lambda state, block_ids, result: all(result.state.ref_cnt[b] == state.ref_cnt[b] - 1 for b in block_ids)
 )
 @icontract.ensure(lambda state, result: result.state.hash_to_blocks == state.hash_to_blocks)
-@icontract.ensure(
-    lambda state, block_ids, result: freed_in_place(
-        state.free_queue,
-        [b for b in block_ids if state.ref_cnt[b] == 1],
-        state.block_hash,
-        profile_rule(state.config.profile),
-        result.state.free_queue,
-    )
-)
+@icontract.ensure(lambda state, block_ids, result: _freed_as_the_policy_says(state, block_ids, result.state))
 def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Drop one reference to each block, in the given (eviction-priority) order.
 
     A block whose ref_cnt reaches 0 joins the free queue at the end the profile
-    names (`vllm-v1`: left without a hash, right with one). It keeps its hash:
-    a free block can still be hit until it is reallocated.
+    names (`vllm-v1`: left without a hash, right with one), or, under a keyed
+    policy, where its key puts it, every block named being stamped in the
+    given order. It keeps its hash: a free block can still be hit until it is
+    reallocated.
 
     Args:
         state: the pool.
@@ -252,7 +329,19 @@ def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolStat
     for b in block_ids:
         ref_cnt[b] -= 1
     newly_free = [b for b in block_ids if ref_cnt[b] == 0]
-    free_queue = place_freed(state.free_queue, newly_free, state.block_hash, profile_rule(state.config.profile))
+    rule = _rule(state)
+    if rule.keyed:
+        # The freeing request's last step read every block it names: stamped in
+        # the given order (tail first), and the queue re-derived from the keys.
+        stamped = replace(
+            state,
+            ref_cnt=tuple(ref_cnt),
+            free_queue=state.free_queue + tuple(newly_free),
+            clock=state.clock + len(block_ids),
+            last_access=_stamp(state.last_access, block_ids, state.clock),
+        )
+        return Step(_reordered(stamped), None)
+    free_queue = place_freed(state.free_queue, newly_free, state.block_hash, rule)
     return Step(replace(state, ref_cnt=tuple(ref_cnt), free_queue=free_queue), None)
 
 
@@ -310,7 +399,14 @@ def cache_full_blocks(
         block_hash[b] = h
         table.setdefault(h, []).append(b)
     new_table = canonical_hash_to_blocks(tuple((h, tuple(blocks)) for h, blocks in table.items()))
-    return Step(replace(state, block_hash=tuple(block_hash), hash_to_blocks=new_table), None)
+    new_state = replace(state, block_hash=tuple(block_hash), hash_to_blocks=new_table)
+    if _rule(state).keyed:  # block-age reads when the content was registered
+        new_state = replace(
+            new_state,
+            clock=state.clock + len(block_ids),
+            registered_at=_stamp(state.registered_at, block_ids, state.clock),
+        )
+    return Step(new_state, None)
 
 
 @icontract.require(lambda state: _holds(state))
@@ -340,14 +436,14 @@ def get_cached_block(state: PoolState, block_hash: BlockHash) -> Step[PoolState,
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda result: _holds(result.state))
 @icontract.ensure(lambda block_ids, result: all(result.state.block_hash[b] is None for b in block_ids))
-@icontract.ensure(
-    lambda state, result: result.state.free_queue == state.free_queue and result.state.ref_cnt == state.ref_cnt
-)
+@icontract.ensure(lambda state, result: _same_free_blocks(state, result.state))
+@icontract.ensure(lambda state, result: result.state.ref_cnt == state.ref_cnt)
 def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Drop the cached hash of each block (held or free); blocks without a hash are left alone.
 
     Used when a block's content is known to be bad (an external load failed):
-    it must never be hit again, but whoever holds it keeps it.
+    it must never be hit again, but whoever holds it keeps it. Under a keyed
+    policy a free block that loses its hash joins the first-fit blocks.
 
     Raises:
         InvalidBlock: an id is out of range or the null block.
@@ -359,7 +455,7 @@ def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolSta
     dropped = set(block_ids)
     block_hash = tuple(None if b in dropped else h for b, h in enumerate(state.block_hash))
     new_state = replace(state, block_hash=block_hash, hash_to_blocks=_without_blocks(state.hash_to_blocks, dropped))
-    return Step(new_state, None)
+    return Step(_reordered(new_state), None)
 
 
 @icontract.require(lambda state: _holds(state))
@@ -372,14 +468,15 @@ def reset_prefix_cache(state: PoolState) -> Step[PoolState, bool]:
 
     Refused (False, nothing changes) while blocks are held: a running request's
     blocks are registered, and un-registering them under it would let its
-    next cache step re-register them out of order. The free queue keeps its order.
+    next cache step re-register them out of order. The free queue keeps its
+    order (under a keyed policy every block is now first fit: id order).
 
     Returns:
         The new state, and whether the reset happened.
     """
     if len(state.free_queue) != state.num_gpu_blocks - 1:
         return Step(state, False)
-    return Step(replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=()), True)
+    return Step(_reordered(replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=())), True)
 
 
 @icontract.ensure(lambda state, result: result.result == len(state.free_queue) and result.state is state)

@@ -1,20 +1,37 @@
-"""The eviction order: where freed blocks go, and the key encoding of the queue.
+"""The eviction order: a policy orders the free (ref_cnt 0) blocks, and the key encoding of the queue.
 
-Design choice: the free queue is the eviction order (vLLM v1). There are no
-timestamps; a block's position says when it will be reused. A block whose
-ref_cnt drops to 0 goes to the *left* end when it has no hash (nobody can hit
-it, so reuse it first) and to the *right* end when it has one (keep it as long
-as possible: LRU). The rejected alternative is the timestamp LRU of seed 002
-(the description of vLLM v0's block manager; its evictor evicts the oldest
-last access first), which needs a scan or a heap at eviction time; no profile
-implements it.
+The free queue is the eviction order: `get_new_blocks` takes its left end.
+A profile names the policy that orders it, of one of two kinds.
 
-Profiles name rule sets. `vllm-v1` is seed 000's rule (the walkthrough of
-vLLM v1's BlockPool); `vllm-v1-tail` sends every freed block to the right end,
-as earlier vLLM v1 releases did. No other profile exists yet.
-TODO(#13): seed 002's policies (`lru-timestamp`, `block-age`, `lfu`,
-`lru-lfu`, first-fit allocation) as profiles keyed per block, as
-docs/design.md's profile table plans them.
+Queue policies (vLLM v1, seed 000): there are no timestamps; a block's
+position in the queue is its key. A block whose ref_cnt drops to 0 goes to the
+*left* end when it has no hash (nobody can hit it, so reuse it first) and to
+the *right* end when it has one (keep it as long as possible: LRU).
+`vllm-v1` is seed 000's rule; `vllm-v1-tail` sends every freed block to the
+right end, as earlier vLLM v1 releases did.
+
+Keyed policies (seed 002, vLLM v0): every block carries metadata stamped by a
+logical clock, never the wall clock (`spec.state.BlockStamps`), and the queue
+is derived from it: the free blocks without a hash first, lowest id first
+(first fit: no cached content is lost while such a block exists), then the
+free blocks with a hash in ascending `eviction_key` order. The clock advances
+by one per block stamped, in the order a call names the blocks, so every
+stamp is unique: an allocation and a hit (`touch`) stamp `last_access` and
+count an access; a `free_blocks` stamps `last_access` too (the freeing
+request's last step read every block it held; blocks named tail first, so a
+request's deeper block gets the older stamp and goes first, what v0's
+"more hashed tokens first" tie-break buys); `cache_full_blocks` stamps
+`registered_at`. The keys:
+
+| profile | key (smallest evicted first) |
+|---|---|
+| `lru-timestamp` | last access |
+| `block-age` | registration time: the oldest content goes, the newest is kept |
+| `lfu` | number of accesses (allocation and hits), ties by last access |
+| `lru-lfu:W` | `last_access + W * accesses`, ties by last access |
+
+In `lru-lfu:W` an access is worth W ticks of recency: W = 0 is
+`lru-timestamp`, and as W grows the order tends to `lfu`'s.
 
 The predicates take a logic backend so that one body runs concretely (`PY`) and
 symbolically (`Z3`, built in `spec.lemmas`): inside them there is no Python
@@ -40,6 +57,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Generic, TypeVar, cast
 
 import icontract
@@ -50,11 +68,16 @@ __all__ = [
     "DEFAULT_PROFILE",
     "PROFILES",
     "PY",
+    "QUEUE_PROFILES",
     "Backend",
     "ProfileRule",
+    "eviction_key",
+    "is_profile",
+    "keyed_free_order",
     "freed_goes_left",
     "freed_in_place",
     "hit_tokens_within_cap",
+    "in_keyed_order",
     "initial_free_key",
     "initial_key_counters",
     "left_batch_key",
@@ -100,12 +123,22 @@ PY: Backend[bool] = Backend(
 
 @dataclass(frozen=True, slots=True)
 class ProfileRule:
-    """One ordering rule set: where a block goes when its ref_cnt drops to 0."""
+    """One eviction policy: the queue's own order (vLLM v1), or a key per block (seed 002)."""
 
     name: str  # the profile's name, as implementations declare it
-    unhashed_to_left: bool  # True: blocks without a hash go to the left end
+    unhashed_to_left: bool  # queue policies: True sends freed blocks without a hash to the left end
     summary: str  # one sentence for reports
+    key: str = "position"  # "position" (the queue's order), or the keyed policy: see KEYS
+    weight: Fraction = Fraction(0)  # lru-lfu's W: the ticks of recency one access is worth
 
+    @property
+    def keyed(self) -> bool:
+        """Whether the free blocks are ordered by a key per block (first fit, then the key)."""
+        return self.key != "position"
+
+
+KEYS = ("last-access", "registered", "accesses", "recency-frequency")
+LRU_LFU = "lru-lfu"  # the prefix of the weighted profiles, `lru-lfu:W`
 
 PROFILES: Mapping[str, ProfileRule] = {
     "vllm-v1": ProfileRule(
@@ -118,24 +151,151 @@ PROFILES: Mapping[str, ProfileRule] = {
         unhashed_to_left=False,
         summary="freed tail-first; every freed block goes to the right end",
     ),
+    "lru-timestamp": ProfileRule(
+        "lru-timestamp",
+        unhashed_to_left=True,
+        summary="first fit, then the oldest last access is evicted first (seed 002; vLLM v0's LRUEvictor)",
+        key="last-access",
+    ),
+    "block-age": ProfileRule(
+        "block-age",
+        unhashed_to_left=True,
+        summary="first fit, then the oldest registered content is evicted first, the newest kept (seed 002)",
+        key="registered",
+    ),
+    "lfu": ProfileRule(
+        "lfu",
+        unhashed_to_left=True,
+        summary="first fit, then the fewest accesses is evicted first, ties by last access (seed 002)",
+        key="accesses",
+    ),
 }
 DEFAULT_PROFILE = "vllm-v1"
+QUEUE_PROFILES = tuple(name for name, rule in PROFILES.items() if not rule.keyed)  # vLLM v1's
+
+
+def _lru_lfu(name: str) -> ProfileRule:
+    """The rule of `lru-lfu:W`, W a non-negative number written in decimal (`0.5`, `64`)."""
+    text = name[len(LRU_LFU) + 1 :]
+    whole, _, frac = text.partition(".")
+    # Parsed by hand, not by Fraction(str): ASCII digits only (str.isdigit() takes other
+    # scripts' digits), and no regular expression, which CrossHair cannot follow symbolically.
+    if not whole + frac or not all(c in "0123456789" for c in whole + frac):
+        raise ValueError(
+            f"unknown profile={name!r}: {LRU_LFU}:W takes a non-negative decimal weight W, e.g. {LRU_LFU}:0.5"
+        )
+    scale = 10 ** len(frac)
+    weight = Fraction(int(whole or "0") * scale + int(frac or "0"), scale)
+    return ProfileRule(
+        name,
+        unhashed_to_left=True,
+        summary=f"first fit, then the smallest last_access + {text} x accesses is evicted first (seed 002's hybrid)",
+        key="recency-frequency",
+        weight=weight,
+    )
 
 
 def profile_rule(name: str) -> ProfileRule:
-    """The rule of the profile called `name`.
+    """The rule of the profile called `name` (one of PROFILES, or `lru-lfu:W`).
 
     Raises:
         ValueError: `name` is not a known profile.
 
-    >>> profile_rule("vllm-v1").unhashed_to_left
-    True
+    >>> profile_rule("vllm-v1").unhashed_to_left, profile_rule("lru-lfu:0.5").weight
+    (True, Fraction(1, 2))
     """
+    if isinstance(name, str) and name.startswith(LRU_LFU + ":"):
+        return _lru_lfu(name)
     try:
         return PROFILES[name]
-    except KeyError:
-        known = ", ".join(sorted(PROFILES))
+    except (KeyError, TypeError):
+        known = ", ".join([*sorted(PROFILES), f"{LRU_LFU}:W"])
         raise ValueError(f"unknown profile={name!r}; known profiles: {known}") from None
+
+
+def is_profile(name: object) -> bool:
+    """Whether `name` names a profile.
+
+    >>> is_profile("lfu"), is_profile("lru-lfu:2"), is_profile("lru-lfu:-1"), is_profile("mru")
+    (True, True, False, False)
+    """
+    try:
+        profile_rule(name)  # type: ignore[arg-type]
+    except ValueError:
+        return False
+    return True
+
+
+def eviction_key(
+    rule: ProfileRule, block_id: int, last_access: int, num_accesses: int, registered_at: int
+) -> tuple[Fraction | int, ...]:
+    """A free, hashed block's key under a keyed policy: the smallest is evicted first.
+
+    Stamps are unique, so a key never ties; the block id ends it only so that
+    the order is total by construction.
+
+    >>> rule = profile_rule("lfu")
+    >>> eviction_key(rule, 3, 10, 2, 5) < eviction_key(rule, 4, 7, 3, 1)  # fewer accesses goes first
+    True
+    >>> eviction_key(profile_rule("lru-lfu:2"), 3, 10, 2, 5)
+    (Fraction(14, 1), 10, 3)
+    """
+    if rule.key == "last-access":
+        return (last_access, block_id)
+    if rule.key == "registered":
+        return (registered_at, block_id)
+    if rule.key == "accesses":
+        return (num_accesses, last_access, block_id)
+    if rule.key == "recency-frequency":
+        return (last_access + rule.weight * num_accesses, last_access, block_id)
+    raise ValueError(f"profile {rule.name!r} orders by queue position, not by a key")
+
+
+def keyed_free_order(
+    rule: ProfileRule,
+    free_blocks: Sequence[BlockId],
+    block_hash: Sequence[BlockHash | None],
+    last_access: Sequence[int],
+    num_accesses: Sequence[int],
+    registered_at: Sequence[int],
+) -> tuple[BlockId, ...]:
+    """The free queue of a keyed policy: blocks without a hash by id (first fit), then hashed ones by key.
+
+    >>> rule = profile_rule("lru-timestamp")
+    >>> keyed_free_order(rule, [5, 2, 4, 1], [None, b"a", b"b", None, None, None], [0, 9, 3, 0, 0, 0], [0] * 6, [0] * 6)
+    (4, 5, 2, 1)
+    """
+    unhashed = sorted(b for b in free_blocks if block_hash[b] is None)
+    hashed = sorted(
+        (b for b in free_blocks if block_hash[b] is not None),
+        key=lambda b: eviction_key(rule, b, last_access[b], num_accesses[b], registered_at[b]),
+    )
+    return tuple(unhashed + hashed)
+
+
+def in_keyed_order(
+    rule: ProfileRule,
+    free_queue: Sequence[BlockId],
+    block_hash: Sequence[BlockHash | None],
+    last_access: Sequence[int],
+    num_accesses: Sequence[int],
+    registered_at: Sequence[int],
+) -> bool:
+    """Whether `free_queue` is in a keyed policy's order: unhashed by ascending id, then hashed by ascending key.
+
+    >>> rule, h = profile_rule("block-age"), [None, b"a", b"b", None]
+    >>> stamps = ([0] * 4, [0] * 4, [0, 8, 5, 0])  # last access, accesses, registration
+    >>> in_keyed_order(rule, (3, 2, 1), h, *stamps), in_keyed_order(rule, (3, 1, 2), h, *stamps)
+    (True, False)
+    """
+
+    def rank(b: BlockId) -> tuple[object, ...]:
+        if block_hash[b] is None:
+            return (0, b)
+        return (1, *eviction_key(rule, b, last_access[b], num_accesses[b], registered_at[b]))
+
+    ranks = [rank(b) for b in free_queue]
+    return all(a < b for a, b in zip(ranks, ranks[1:]))
 
 
 def freed_goes_left(unhashed_to_left: T, has_hash: T, logic: Backend[T]) -> T:

@@ -53,7 +53,7 @@ class PoolConfig:
 
     num_gpu_blocks: int  # blocks in the pool, the null block included
     enable_caching: bool = True  # False: nothing is hashed and nothing hits
-    profile: str = "vllm-v1"  # the ordering rule for freed blocks (spec.ordering.PROFILES)
+    profile: str = "vllm-v1"  # the eviction policy (spec.ordering.profile_rule)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +105,16 @@ class PoolState:
     block_hash: tuple[BlockHash | None, ...]  # set by cache_full_blocks, cleared by eviction/reset
     free_queue: tuple[BlockId, ...]  # changed by get_new_blocks, touch, free_blocks
     hash_to_blocks: HashTable  # mirrors block_hash; always in normal form
+    # What a keyed policy reads (spec.ordering), stamped by a logical clock; a
+    # queue policy (vLLM v1) keeps them at 0: its order is the queue itself.
+    clock: int = 0  # the next stamp; it advances by one per block stamped
+    last_access: tuple[int, ...] = ()  # last_access[b]: b's last allocation, hit or free
+    num_accesses: tuple[int, ...] = ()  # num_accesses[b]: its allocation and hits since it was last allocated
+    registered_at: tuple[int, ...] = ()  # registered_at[b]: when its content was registered
 
     @staticmethod
     def initial(config: PoolConfig) -> PoolState:
-        """A fresh pool: every block but the null block free, in id order, nothing cached."""
+        """A fresh pool: every block but the null block free, in id order, nothing cached, no stamps."""
         n = config.num_gpu_blocks
         return PoolState(
             config=config,
@@ -116,6 +122,9 @@ class PoolState:
             block_hash=(None,) * n,
             free_queue=tuple(BlockId(b) for b in range(1, n)),
             hash_to_blocks=(),
+            last_access=(0,) * n,
+            num_accesses=(0,) * n,
+            registered_at=(0,) * n,
         )
 
     @property

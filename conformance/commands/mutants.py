@@ -145,7 +145,8 @@ def _controls(args: argparse.Namespace, mutants: Sequence[Mutant]) -> list[Check
     if not args.json:
         for c in controls:
             print(
-                f"control: reference at {c.level} level, caching {'on' if c.enable_caching else 'off'}: "
+                f"control: reference at {c.level} level, caching {'on' if c.enable_caching else 'off'}, "
+                f"profile {c.profile}: "
                 f"{c.verdict} ({c.examples_run} examples, {c.steps_run} steps, {c.seconds:.1f} s)"
             )
     broken = [c for c in controls if c.verdict is not Verdict.CONFORMS]
@@ -169,7 +170,13 @@ def _print_json(
     levels = {m.name: m.level for m in mutants}
     impls = {m.name: factory_name(m) for m in mutants}
     control = [
-        {"level": c.level, "enable_caching": c.enable_caching, "verdict": c.verdict.value, "seconds": c.seconds}
+        {
+            "level": c.level,
+            "enable_caching": c.enable_caching,
+            "profile": c.profile,
+            "verdict": c.verdict.value,
+            "seconds": c.seconds,
+        }
         for c in controls
     ]
     report = {

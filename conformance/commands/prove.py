@@ -18,7 +18,7 @@ import textwrap
 from typing import TYPE_CHECKING, Any
 
 from kvspec.conformance.commands._arguments import positive_float
-from kvspec.spec.ordering import PROFILES
+from kvspec.spec.ordering import QUEUE_PROFILES, is_profile, profile_rule
 
 if TYPE_CHECKING:
     from kvspec.spec.lemmas.report import ProofReport
@@ -39,7 +39,7 @@ def register(subparsers: Any) -> None:
         "--profile",
         action="append",
         metavar="P",
-        help=f"check under this profile (repeatable; default: every profile: {', '.join(PROFILES)})",
+        help=f"check under this profile (repeatable; default: every modelled profile: {', '.join(QUEUE_PROFILES)})",
     )
     p.add_argument(
         "--lemma",
@@ -117,10 +117,19 @@ def render_text(report: ProofReport) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Check every lemma under the chosen profiles; exit 0 iff every answer is the expected one."""
-    unknown = [p for p in args.profile or () if p not in PROFILES]
+    unknown = [p for p in args.profile or () if not is_profile(p)]
     if unknown:
-        known = ", ".join(sorted(PROFILES))
-        print(f"kvspec prove: unknown profile={unknown[0]!r}; known profiles: {known}", file=sys.stderr)
+        known = ", ".join(QUEUE_PROFILES)
+        print(f"kvspec prove: unknown profile={unknown[0]!r}; modelled profiles: {known}", file=sys.stderr)
+        return 2
+    keyed = [p for p in args.profile or () if profile_rule(p).keyed]
+    if keyed:
+        # No verdict for work not done: the z3 pool model is the queue's, not a keyed order's.
+        print(
+            f"kvspec prove: profile {keyed[0]} is a keyed policy (seed 002); the z3 model covers the queue "
+            f"policies only ({', '.join(QUEUE_PROFILES)}), so there is nothing to prove it with yet",
+            file=sys.stderr,
+        )
         return 2
     try:
         from kvspec.spec.lemmas import LEMMAS

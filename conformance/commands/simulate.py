@@ -27,10 +27,10 @@ _COLUMNS = ("profile", "block", "pool", "hit rate", "hits / queries", "evictions
 
 
 def _profile(text: str) -> str:
-    from kvspec.spec.ordering import PROFILES
+    from kvspec.spec.ordering import PROFILES, is_profile
 
-    if text not in PROFILES:
-        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {', '.join(PROFILES)}")
+    if not is_profile(text):
+        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {', '.join(PROFILES)}, lru-lfu:W")
     return text
 
 

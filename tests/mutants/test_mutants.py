@@ -51,10 +51,12 @@ FAST_EXAMPLES = 300
 MAX_SHRUNK_STEPS = 16
 
 
-def _first_failure(factory, level: str, enable_caching: bool, max_examples: int, seed: int = 0) -> str | None:
+def _first_failure(
+    factory, level: str, enable_caching: bool, max_examples: int, seed: int = 0, profile: str = "vllm-v1"
+) -> str | None:
     """Run the conformance machine in this process, unshrunk; what it caught first, or None."""
     watch = StepWatch(step_timeout_s=10.0)
-    machine = conformance_machine(factory, level, enable_caching, watch=watch)
+    machine = conformance_machine(factory, level, enable_caching, profile, watch=watch)
     hypothesis_seed(seed)(machine)
     undo = watch.install_alarm()
     try:
@@ -86,7 +88,7 @@ def test_the_mutant_set_covers_every_required_kind():
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_every_mutant_builds_an_adapter_of_its_level(mutant: Mutant):
-    adapter = mutant.factory(AdapterConfig(mutant.level, 8, mutant.enable_caching))
+    adapter = mutant.factory(AdapterConfig(mutant.level, 8, mutant.enable_caching, mutant.profile))
     protocol = BlockManagerAdapter if mutant.level == "pool" else KVCacheManagerAdapter
     assert isinstance(adapter, protocol)
 
@@ -109,7 +111,7 @@ def test_unmutated_bases_conform(factory, level, enable_caching):
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_harness_kills_the_mutant(mutant: Mutant):
-    caught = _first_failure(mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES)
+    caught = _first_failure(mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, 0, mutant.profile)
     assert caught is not None, f"{mutant.name} survived {FAST_EXAMPLES} examples: {mutant.description}"
 
 
@@ -120,6 +122,7 @@ def test_the_runner_kills_the_mutant_with_a_short_story(mutant: Mutant, tmp_path
         mutant.factory,
         level=mutant.level,
         enable_caching=mutant.enable_caching,
+        profile=mutant.profile,
         max_examples=200,
         seed=0,
         time_budget_s=60.0,
@@ -134,7 +137,7 @@ def test_the_runner_kills_the_mutant_with_a_short_story(mutant: Mutant, tmp_path
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_harness_kills_the_mutant_under_other_seeds(mutant: Mutant, seed: int):
-    caught = _first_failure(mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, seed)
+    caught = _first_failure(mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, seed, mutant.profile)
     assert caught is not None, f"{mutant.name} survived {FAST_EXAMPLES} examples with seed={seed}"
 
 
@@ -168,6 +171,11 @@ def test_the_control_runs_the_reference_under_each_configuration_the_mutants_use
     controls = run_control(chosen, max_examples=20, seed=0)
     assert [(c.level, c.enable_caching) for c in controls] == [("pool", True), ("pool", False), ("manager", True)]
     assert all(c.verdict == "conforms" for c in controls)
+    # a policy mutant's control runs under the profile it claims
+    policy = [m for m in MUTANTS if m.profile != "vllm-v1"][:1]
+    assert policy, "no policy mutant"
+    (control,) = run_control(policy, max_examples=20, seed=0)
+    assert control.profile == policy[0].profile and control.verdict == "conforms"
 
 
 def test_cli_prints_the_table_and_the_benchmark(capsys):
@@ -176,7 +184,8 @@ def test_cli_prints_the_table_and_the_benchmark(capsys):
     )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert re.search(r"^control: reference at pool level, caching on: conforms \(\d+ examples", out, re.M)
+    control = r"^control: reference at pool level, caching on, profile vllm-v1: conforms \(\d+ examples"
+    assert re.search(control, out, re.M)
     assert re.search(r"^null_block_queued +pool +killed +\d+\.\d\d +0  invariant: ", out, re.M), out
     assert re.search(r"^num_free_counts_null_block +pool +killed +\d+\.\d\d +1  diverges: ", out, re.M), out
     assert "killed 2 of 2 mutants" in out

@@ -137,7 +137,7 @@ class Bug:
 
 BUGS: tuple[Bug, ...] = (
     Bug(free_blocks_without_ref_cnt_check, ops.free_blocks, "_holds(result.state)"),
-    Bug(free_blocks_hashed_to_the_left, ops.free_blocks, "freed_in_place("),
+    Bug(free_blocks_hashed_to_the_left, ops.free_blocks, "_freed_as_the_policy_says("),
     Bug(touch_forgets_the_queue, ops.touch, "not set(block_ids) & set(result.state.free_queue)"),
     Bug(get_new_blocks_keeps_the_hash, ops.get_new_blocks, "result.state.block_hash[b] is None"),
     Bug(get_new_blocks_from_the_right, ops.get_new_blocks, "result.result == state.free_queue[: len(result.result)]"),

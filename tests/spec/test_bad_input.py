@@ -315,7 +315,10 @@ BAD_NUM_GPU_BLOCKS = r"num_gpu_blocks must be an integer >= 1 \(block 0 is the n
         ({"num_gpu_blocks": -3}, rf"{BAD_NUM_GPU_BLOCKS}-3"),
         ({"num_gpu_blocks": True}, rf"{BAD_NUM_GPU_BLOCKS}True"),
         ({"num_gpu_blocks": 2.5}, rf"{BAD_NUM_GPU_BLOCKS}2\.5"),
-        ({"profile": "lru"}, r"unknown profile='lru'; known profiles: vllm-v1, vllm-v1-tail"),
+        (
+            {"profile": "lru"},
+            r"unknown profile='lru'; known profiles: block-age, lfu, lru-timestamp, vllm-v1, vllm-v1-tail, lru-lfu:W",
+        ),
     ],
 )
 def test_a_bad_pool_config_is_refused(impl: str, level: str, kwargs: dict[str, Any], pattern: str) -> None:

@@ -13,7 +13,7 @@ from kvspec.spec.lemmas import LEMMAS, Lemma, lemma_by_name
 from kvspec.spec.lemmas.backend import Universe
 from kvspec.spec.lemmas.prover import Formula, Obligation, decide_false, decide_true
 from kvspec.spec.lemmas.report import LemmaResult, ProofReport, prove
-from kvspec.spec.ordering import PROFILES
+from kvspec.spec.ordering import PROFILES, QUEUE_PROFILES
 
 pytestmark = [pytest.mark.z3, pytest.mark.timeout(180)]
 
@@ -28,7 +28,7 @@ def _results(report: ProofReport, number: int, kind: str) -> list[LemmaResult]:
 
 
 def test_every_lemma_is_proved_for_every_profile_it_claims(report):
-    assert report.profiles == tuple(PROFILES)
+    assert report.profiles == QUEUE_PROFILES
     for lemma in LEMMAS:
         for r in _results(report, lemma.number, "lemma"):
             rule = PROFILES[r.profile] if r.profile else None
@@ -118,6 +118,14 @@ def test_prove_cli_rejects_unknown_profile_and_lemma(capsys):
     assert "unknown profile='lru-someday'" in capsys.readouterr().err
     assert main(["prove", "--lemma", "lemma_nope"]) == 2
     assert "unknown lemma='lemma_nope'" in capsys.readouterr().err
+
+
+def test_prove_gives_no_verdict_for_a_keyed_policy_it_does_not_model(capsys):
+    assert main(["prove", "--profile", "lru-timestamp"]) == 2
+    err = capsys.readouterr().err
+    assert "keyed policy" in err and "nothing to prove it with" in err and "Traceback" not in err
+    with pytest.raises(ValueError, match="keyed policy"):
+        prove(["lfu"])
 
 
 # --- the prover never passes what is not a proof ---------------------------------------------------

@@ -32,8 +32,8 @@ from kvspec.spec.lemmas.backend import Z3, Universe, z3_lex_lt
 from kvspec.spec.lemmas.key_encoding import keys_match_queue
 from kvspec.spec.manager import Request, allocate_slots, get_computed_blocks, new_manager
 from kvspec.spec.ordering import (
-    PROFILES,
     PY,
+    QUEUE_PROFILES,
     freed_goes_left,
     hit_tokens_within_cap,
     initial_free_key,
@@ -175,7 +175,7 @@ def _reachable_states(seed: int, count: int) -> Iterator[PoolState]:
     rng = random.Random(seed)
     produced = 0
     while produced < count:
-        st = ops.new_pool(rng.randint(1, 7), rng.random() < 0.85, rng.choice(list(PROFILES)))
+        st = ops.new_pool(rng.randint(1, 7), rng.random() < 0.85, rng.choice(list(QUEUE_PROFILES)))
         for _ in range(rng.randint(0, 12)):
             op, args = _random_call(rng, st)
             try:
@@ -437,7 +437,7 @@ def test_key_encoding_simulation_orders_like_the_free_queue_and_satisfies_the_en
     solver = z3.Solver()
     checked = 0
     for seed in range(160):
-        st = ops.new_pool(rng.randint(1, 7), rng.random() < 0.85, rng.choice(list(PROFILES)))
+        st = ops.new_pool(rng.randint(1, 7), rng.random() < 0.85, rng.choice(list(QUEUE_PROFILES)))
         keyed = _KeyedPool(st)
         for _ in range(10):
             op, args = _random_call(rng, st)
@@ -474,7 +474,7 @@ def test_key_relation_encoding_rejects_keys_out_of_queue_order():
 
 def test_place_freed_agrees_with_the_free_blocks_encoding_on_every_small_batch():
     """Exhaustive over small pools: place_freed (the spec's rule) and the encoding's queue agree."""
-    for profile in PROFILES:
+    for profile in QUEUE_PROFILES:
         rule = profile_rule(profile)
         for num_held in range(0, 4):
             for hashed_mask in range(1 << num_held):
