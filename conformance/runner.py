@@ -40,7 +40,7 @@ from kvspec.conformance.replaying import replay_example
 from kvspec.conformance.report import render_story
 from kvspec.conformance.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
 from kvspec.conformance.trace import Trace, dumps_trace, read_trace
-from kvspec.spec.ordering import PROFILES, is_profile
+from kvspec.spec.ordering import is_profile, known_profiles
 
 __all__ = [
     "BUILTIN_IMPLS",
@@ -200,7 +200,7 @@ def _plan_problem(level: str, profile: str, max_examples: object, cover_rounds: 
     if level not in ("pool", "manager"):
         return f"level must be 'pool' or 'manager'; got level={level!r}"
     if not is_profile(profile):
-        return f"unknown profile={profile!r}; known profiles: {', '.join(PROFILES)}, lru-lfu:W"
+        return f"unknown profile={profile!r}; known profiles: {known_profiles()}"
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
         return f"max_examples must be a positive integer; got max_examples={max_examples!r}"
     if isinstance(cover_rounds, bool) or not isinstance(cover_rounds, int) or cover_rounds < 0:

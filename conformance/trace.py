@@ -36,7 +36,7 @@ from kvspec.conformance.results import Failure, Outcome, Verdict
 from kvspec.spec import errors as spec_errors
 from kvspec.spec.hashing import HASH_FUNCTIONS, MultiModalInput
 from kvspec.spec.manager import Request
-from kvspec.spec.ordering import PROFILES, is_profile
+from kvspec.spec.ordering import is_profile, known_profiles
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
 __all__ = [
@@ -362,8 +362,7 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
     if cfg["hash_fn"] not in HASH_FUNCTIONS:
         raise ValueError(f"header config hash_fn={cfg['hash_fn']!r} is not one of {', '.join(sorted(HASH_FUNCTIONS))}")
     if not is_profile(cfg["profile"]):
-        known = ", ".join([*PROFILES, "lru-lfu:W"])
-        raise ValueError(f"header config profile={cfg['profile']!r} is not a profile ({known})")
+        raise ValueError(f"header config profile={cfg['profile']!r} is not a profile ({known_profiles()})")
     impl = obj.get("impl")
     config = AdapterConfig(
         level=level,

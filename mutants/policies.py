@@ -51,11 +51,11 @@ class LfuTiesNewestFirst(_KeyedMutant):
 
 
 class _HitNotCounted(KeyedFreeBlocks):
-    def hit(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def hit(self, block_ids: Sequence[int]) -> None:
         clock, last = self.clock, self.last_access
-        for i, block in enumerate(blocks):
-            last[block.block_id] = clock + i  # MUTANT: no `num_accesses[...] += 1`
-        self.clock = clock + len(blocks)
+        for i, b in enumerate(block_ids):
+            last[b] = clock + i  # MUTANT: no `num_accesses[b] += 1`
+        self.clock = clock + len(block_ids)
 
 
 class HitNotCounted(_KeyedMutant):
@@ -69,7 +69,7 @@ class HitNotCounted(_KeyedMutant):
 
 
 class _FreeKeepsTimestamp(KeyedFreeBlocks):
-    def freed(self, named: Sequence[KVCacheBlock], newly_free: Sequence[KVCacheBlock]) -> None:
+    def freed(self, named: Sequence[int], newly_free: Sequence[KVCacheBlock]) -> None:
         for block in newly_free:  # MUTANT: the blocks named are not stamped first
             self._add(block)
 

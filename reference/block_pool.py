@@ -187,7 +187,7 @@ class BlockPool:
             for block in was_free:
                 remove(block)
         if self._keyed is not None:
-            self._keyed.hit([all_blocks[b] for b in block_ids])
+            self._keyed.hit(block_ids)
 
     def _touch_slowly(self, block_ids: Sequence[BlockId]) -> None:
         """`touch` for a call its loop did not accept: usually a mistake, else an int subclass as an id.
@@ -245,7 +245,7 @@ class BlockPool:
         if dropped > 1 and len(set(ordered_block_ids)) != dropped:
             return self._free_slowly(ordered_block_ids, dropped)
         if self._keyed is not None:
-            self._keyed.freed([all_blocks[b] for b in ordered_block_ids], left + right)
+            self._keyed.freed(ordered_block_ids, left + right)
             return None
         queue = cast(FreeKVCacheBlockQueue, self.free_block_queue)  # a queue policy's
         queue.prepend_n(left)

@@ -68,13 +68,13 @@ class KeyedFreeBlocks:
             count[block.block_id] = 1
         self.clock = clock + len(blocks)
 
-    def hit(self, blocks: Sequence[KVCacheBlock]) -> None:
+    def hit(self, block_ids: Sequence[int]) -> None:
         """Blocks a request hit (already out of the free blocks): each stamped, one more access."""
         clock, last, count = self.clock, self.last_access, self.num_accesses
-        for i, block in enumerate(blocks):
-            last[block.block_id] = clock + i
-            count[block.block_id] += 1
-        self.clock = clock + len(blocks)
+        for i, b in enumerate(block_ids):
+            last[b] = clock + i
+            count[b] += 1
+        self.clock = clock + len(block_ids)
 
     def registered(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Blocks whose content was just registered under a hash: stamped (block-age reads it)."""
@@ -83,11 +83,11 @@ class KeyedFreeBlocks:
             registered[block.block_id] = clock + i
         self.clock = clock + len(blocks)
 
-    def freed(self, named: Sequence[KVCacheBlock], newly_free: Sequence[KVCacheBlock]) -> None:
-        """A free_blocks call: every block it named is stamped in order, and those now at ref_cnt 0 join."""
+    def freed(self, named: Sequence[int], newly_free: Sequence[KVCacheBlock]) -> None:
+        """A free_blocks call: every block id it named is stamped in order, and those now at ref_cnt 0 join."""
         clock, last = self.clock, self.last_access
-        for i, block in enumerate(named):
-            last[block.block_id] = clock + i
+        for i, b in enumerate(named):
+            last[b] = clock + i
         self.clock = clock + len(named)
         for block in newly_free:
             self._add(block)

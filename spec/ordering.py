@@ -73,6 +73,7 @@ __all__ = [
     "ProfileRule",
     "eviction_key",
     "is_profile",
+    "known_profiles",
     "keyed_free_order",
     "freed_goes_left",
     "freed_in_place",
@@ -195,6 +196,15 @@ def _lru_lfu(name: str) -> ProfileRule:
     )
 
 
+def known_profiles() -> str:
+    """Every profile name, for messages: the fixed ones sorted, then the weighted form.
+
+    >>> known_profiles()
+    'block-age, lfu, lru-timestamp, vllm-v1, vllm-v1-tail, lru-lfu:W'
+    """
+    return ", ".join([*sorted(PROFILES), f"{LRU_LFU}:W"])
+
+
 def profile_rule(name: str) -> ProfileRule:
     """The rule of the profile called `name` (one of PROFILES, or `lru-lfu:W`).
 
@@ -209,8 +219,7 @@ def profile_rule(name: str) -> ProfileRule:
     try:
         return PROFILES[name]
     except (KeyError, TypeError):
-        known = ", ".join([*sorted(PROFILES), f"{LRU_LFU}:W"])
-        raise ValueError(f"unknown profile={name!r}; known profiles: {known}") from None
+        raise ValueError(f"unknown profile={name!r}; known profiles: {known_profiles()}") from None
 
 
 def is_profile(name: object) -> bool:
@@ -265,12 +274,23 @@ def keyed_free_order(
     >>> keyed_free_order(rule, [5, 2, 4, 1], [None, b"a", b"b", None, None, None], [0, 9, 3, 0, 0, 0], [0] * 6, [0] * 6)
     (4, 5, 2, 1)
     """
-    unhashed = sorted(b for b in free_blocks if block_hash[b] is None)
-    hashed = sorted(
-        (b for b in free_blocks if block_hash[b] is not None),
-        key=lambda b: eviction_key(rule, b, last_access[b], num_accesses[b], registered_at[b]),
+    return tuple(
+        sorted(free_blocks, key=lambda b: _keyed_rank(rule, b, block_hash, last_access, num_accesses, registered_at))
     )
-    return tuple(unhashed + hashed)
+
+
+def _keyed_rank(
+    rule: ProfileRule,
+    b: BlockId,
+    block_hash: Sequence[BlockHash | None],
+    last_access: Sequence[int],
+    num_accesses: Sequence[int],
+    registered_at: Sequence[int],
+) -> tuple[Fraction | int, ...]:
+    """Where a free block stands in a keyed policy's order: unhashed by id first, then hashed by key."""
+    if block_hash[b] is None:
+        return (0, b)
+    return (1, *eviction_key(rule, b, last_access[b], num_accesses[b], registered_at[b]))
 
 
 def in_keyed_order(
@@ -288,13 +308,7 @@ def in_keyed_order(
     >>> in_keyed_order(rule, (3, 2, 1), h, *stamps), in_keyed_order(rule, (3, 1, 2), h, *stamps)
     (True, False)
     """
-
-    def rank(b: BlockId) -> tuple[object, ...]:
-        if block_hash[b] is None:
-            return (0, b)
-        return (1, *eviction_key(rule, b, last_access[b], num_accesses[b], registered_at[b]))
-
-    ranks = [rank(b) for b in free_queue]
+    ranks = [_keyed_rank(rule, b, block_hash, last_access, num_accesses, registered_at) for b in free_queue]
     return all(a < b for a, b in zip(ranks, ranks[1:]))
 
 

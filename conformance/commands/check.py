@@ -59,7 +59,7 @@ from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, PLUGIN_IMP
 from kvspec.conformance.results import CheckResult, Verdict
 from kvspec.conformance.runner import run_check
 from kvspec.conformance.view import attach_page
-from kvspec.spec.ordering import PROFILES, is_profile
+from kvspec.spec.ordering import is_profile, known_profiles
 
 __all__ = ["register", "render_summary", "run", "write_junit"]
 
@@ -92,7 +92,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--profile",
         default="vllm-v1",
-        help=f"eviction policy claimed ({', '.join(PROFILES)}, lru-lfu:W; default vllm-v1), "
+        help=f"eviction policy claimed ({known_profiles()}; default vllm-v1), "
         "or auto: find which vLLM profiles the implementation conforms to",
     )
     p.add_argument(
@@ -194,7 +194,7 @@ def _named_impls(names: Sequence[str]) -> tuple[list[str], list[str]]:
 def run(args: argparse.Namespace) -> int:
     """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
     if args.profile != AUTO and not is_profile(args.profile):
-        known = ", ".join([*sorted(PROFILES), "lru-lfu:W"])
+        known = known_profiles()
         print(f"kvspec check: unknown profile {args.profile!r}; known profiles: {known}, or {AUTO}", file=sys.stderr)
         return 2
     impls, notes = _default_impls() if not args.impl else (args.impl, [])

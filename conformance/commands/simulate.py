@@ -27,10 +27,10 @@ _COLUMNS = ("profile", "block", "pool", "hit rate", "hits / queries", "evictions
 
 
 def _profile(text: str) -> str:
-    from kvspec.spec.ordering import PROFILES, is_profile
+    from kvspec.spec.ordering import is_profile, known_profiles
 
     if not is_profile(text):
-        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {', '.join(PROFILES)}, lru-lfu:W")
+        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {known_profiles()}")
     return text
 
 

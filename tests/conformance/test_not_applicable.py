@@ -29,7 +29,8 @@ class _RefusingManager(ReferenceManagerAdapter):
     """The reference manager refusing, before any change, requests with a feature it lacks (`_refuse`)."""
 
     def _refuse(self, request: Request) -> None:
-        raise NotImplementedError
+        """Raise the refusal for a request that uses the feature; each subclass defines it (the base is never built)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _refuse")
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
         self._refuse(request)
