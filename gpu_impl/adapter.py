@@ -12,7 +12,6 @@ from __future__ import annotations
 from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.kv_cache_manager import TensorKVCacheManager
-from kvspec.spec.ordering import QUEUE_PROFILES
 
 __all__ = ["TensorManagerAdapter", "TensorPoolAdapter", "make_adapter"]
 
@@ -49,7 +48,3 @@ def make_adapter(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerA
         return TensorManagerAdapter(config)
     raise ValueError(f"gpu_impl builds level 'pool' or 'manager'; got level={config.level!r}")
 
-
-# The queue policies only: seed 002's keyed policies are not built on the device
-# yet (TensorBlockPool refuses them), so a check under one says n/a for gpu.
-make_adapter.profiles = QUEUE_PROFILES  # type: ignore[attr-defined]

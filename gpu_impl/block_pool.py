@@ -1,12 +1,14 @@
 """The torch BlockPool: ref counts, hash flags and the free order in a host array mirrored by a device tensor.
 
-Same observable behaviour as vLLM's BlockPool under the `vllm-v1` and
-`vllm-v1-tail` profiles (the same block ids in the same order, the same error
-type for the same bad input, state unchanged after an error).
-`get_new_blocks(n)` is a selection of the n smallest free keys
+Same observable behaviour as the spec's pool under every profile (the same
+block ids in the same order, the same error type for the same bad input,
+state unchanged after an error). Under the queue policies (`vllm-v1`,
+`vllm-v1-tail`) `get_new_blocks(n)` is a selection of the n smallest free keys
 (gpu_impl.free_queue; lemma 6, the key encoding, is why that is vLLM's order);
-`free_blocks` and `touch` of a whole request are a gather, a scatter and a
-queue batch each.
+under seed 002's keyed policies it is a selection over per-block stamps
+(gpu_impl.stamped_free: first fit, then the policy's key). `free_blocks` and
+`touch` of a whole request are a gather, a scatter and a batch of free
+blocks each.
 
 Design choice, two paths over one state: every per-block field lives in one
 int64 array with a host face and a device face (gpu_impl.mirror; on the CPU
@@ -89,6 +91,7 @@ from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.free_queue import KeyedFreeQueue, default_key_capacity
 from kvspec.gpu_impl.mirror import MirroredState
 from kvspec.gpu_impl.sizing import DEFAULT_MARGIN, CapacityPlan, KVLayout, device_free_memory, plan_capacity
+from kvspec.gpu_impl.stamped_free import StampedFreeBlocks
 from kvspec.spec.errors import (
     AlreadyCached,
     DoubleFree,
@@ -148,7 +151,7 @@ class TensorBlockPool:
             profile: the ordering rule (kvspec.spec.ordering.PROFILES).
             device: where the device face lives; None picks (gpu_impl.device.pick_device).
             key_capacity: the free queue's key index length (None: the default; tests
-                pass a small one to force relabels).
+                pass a small one to force relabels). A keyed policy has no key index.
             host_path_max: the longest batch run on the host face (None: HOST_PATH_MAX for
                 the device; tests pass 0 to run every batch on the device face).
             share_host_memory: one memory for both faces (None: on the CPU only; tests pass
@@ -170,11 +173,6 @@ class TensorBlockPool:
             rule = profile_rule(profile)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        if rule.keyed:
-            raise InvalidRequest(
-                f"profile={profile!r} is a keyed policy (seed 002): gpu_impl orders its free blocks by queue "
-                "keys only, for vllm-v1 and vllm-v1-tail; the keyed policies are built in the reference"
-            )
         if host_path_max is not None and (not _is_int(host_path_max) or host_path_max < 0):
             raise InvalidRequest(f"host_path_max must be an integer >= 0; got host_path_max={host_path_max!r}")
         self.device = pick_device(device)  # fixed
@@ -185,9 +183,13 @@ class TensorBlockPool:
         # fixed: the longest batch run in Python over the host face
         self.host_path_max = HOST_PATH_MAX.get(self.device.type, 0) if host_path_max is None else host_path_max
         n, dev = num_gpu_blocks, self.device
-        cap = default_key_capacity(n) if key_capacity is None else key_capacity
+        # After the per-block fields: the queue's key index, or a keyed policy's stamps.
+        if rule.keyed:
+            extra = StampedFreeBlocks.stamp_length(n)
+        else:
+            extra = max(default_key_capacity(n) if key_capacity is None else key_capacity, 0)
         try:
-            state = MirroredState(_NUM_FIELDS * n + max(cap, 0), dev, share_host_memory)
+            state = MirroredState(_NUM_FIELDS * n + extra, dev, share_host_memory)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
         self._state = state  # every per-block field below, both faces
@@ -204,9 +206,16 @@ class TensorBlockPool:
         self._hash_flags = state.host[_HASH:end:step]
         self._corrupt = state.host[_CORRUPT:end:step]
         self._has_hash_host = state.host_tensor[_HASH:end:step]  # the host face of has_hash, as a tensor
-        # The eviction order: each block's key in its fourth field, the key index after the fields.
-        self.free_block_queue = KeyedFreeQueue(n, dev, key_capacity, state, (_FREE_KEY, step), end)
-        state.upload(0, end + self.free_block_queue.key_capacity)
+        # The eviction order. Queue policies: each block's key in its fourth field, the key
+        # index after the fields. Keyed policies: a free flag in the fourth field, the stamps after.
+        self._stamped: StampedFreeBlocks | None = None  # the keyed policy's free blocks, when it is one
+        self.free_block_queue: KeyedFreeQueue | StampedFreeBlocks
+        if rule.keyed:
+            self._stamped = StampedFreeBlocks(n, rule, state, self.has_hash, (_FREE_KEY, step), end)
+            self.free_block_queue = self._stamped
+        else:
+            self.free_block_queue = KeyedFreeQueue(n, dev, key_capacity, state, (_FREE_KEY, step), end)
+        state.upload(0, end + extra)
         # The hash map (host, see the module docstring): hash -> the blocks
         # registered under it, in registration order (a dict used as an ordered
         # set: the first live one is what a hit returns). Entries of blocks whose
@@ -347,6 +356,10 @@ class TensorBlockPool:
     def _wrote_device(self, field: int, block_ids: torch.Tensor) -> None:
         self._state.wrote_device(block_ids * _NUM_FIELDS + field)
 
+    def _queue(self) -> KeyedFreeQueue:
+        """The free queue of a queue policy (called only under one: a keyed policy has `_stamped`)."""
+        return cast(KeyedFreeQueue, self.free_block_queue)
+
     # --- operations -----------------------------------------------------------------------
 
     def get_block_hash(self, block_id: int) -> BlockHash | None:
@@ -408,7 +421,10 @@ class TensorBlockPool:
             )
 
     def _take_short(self, num_blocks: int) -> list[int]:
-        taken = self.free_block_queue.popleft_list(num_blocks)
+        if self._stamped is not None:  # a keyed take selects over the pool: kernels whatever its length
+            taken = cast("list[int]", self._stamped.take(num_blocks).tolist()) if num_blocks else []
+        else:
+            taken = self._queue().popleft_list(num_blocks)
         ref, flags = self._ref, self._hash_flags
         for b in taken:
             ref[b] = 1
@@ -422,7 +438,8 @@ class TensorBlockPool:
         return taken
 
     def _take_long(self, num_blocks: int) -> torch.Tensor:
-        taken = self.free_block_queue.popleft_n(num_blocks)
+        stamped = self._stamped
+        taken = stamped.take(num_blocks) if stamped is not None else self._queue().popleft_n(num_blocks)
         self.ref_cnt.index_fill_(0, taken, 1)
         self.has_hash.index_fill_(0, taken, 0)  # evicted, as above
         if self._track:
@@ -458,7 +475,10 @@ class TensorBlockPool:
             if r == 0:
                 was_free.append(b)
             ref[b] = r + 1
-        self.free_block_queue.remove_list(was_free)
+        if self._stamped is not None:  # a hit is an access
+            self._stamped.hit_list(cast("list[int]", ids), was_free)
+        else:
+            self.free_block_queue.remove_list(was_free)
         if self._track:
             self._wrote_host(_REF, cast("list[int]", ids))
             self._state.sync()
@@ -488,7 +508,10 @@ class TensorBlockPool:
                 "so no request can have hit it; stale block table?"
             )
         was_free = self.ref_cnt.index_select(0, ids) == 0
-        self.free_block_queue.remove(ids[was_free])
+        if self._stamped is not None:
+            self._stamped.hit(ids, ids[was_free])
+        else:
+            self._queue().remove(ids[was_free])
         self.ref_cnt.index_add_(0, ids, self._ones[: ids.numel()])
         if self._track:
             self._wrote_device(_REF, ids)
@@ -500,8 +523,10 @@ class TensorBlockPool:
         Blocks whose ref_cnt reaches 0 join the queue as one batch per end:
         under `vllm-v1` those without a hash go to the left end in the given
         order (nobody can hit them, so they are reused first), the hashed ones
-        to the right end (LRU); under `vllm-v1-tail` all go right. A block
-        found corrupt while held is quarantined instead.
+        to the right end (LRU); under `vllm-v1-tail` all go right. Under a
+        keyed policy every block named is stamped, in the given order, and the
+        newly free ones take the places their keys give them. A block found
+        corrupt while held is quarantined instead.
 
         Raises:
             InvalidBlock: an id is out of range or the null block.
@@ -545,11 +570,12 @@ class TensorBlockPool:
             self._check_ids(ids, "free_blocks")
         if retired:
             self._retire(retired)
-        queue = self.free_block_queue
-        if left:
-            queue.prepend_list(left)
-        if right:
-            queue.append_list(right)
+        if self._stamped is not None:  # every block named is stamped; the newly free take their keys' places
+            self._stamped.freed_list(cast("list[int]", ids), left + right)
+        elif left:
+            self._queue().prepend_list(left)
+        if right and self._stamped is None:
+            self._queue().append_list(right)
         if self._track:
             self._wrote_host(_REF, cast("list[int]", ids))
             self._state.sync()
@@ -596,13 +622,18 @@ class TensorBlockPool:
             newly_free = ids if max_ref == 1 else ids[ref_cnt == 1]
             if self._num_corrupt_held:
                 newly_free = self._retire_long(newly_free)
-            self._queue_long(newly_free)
+            if self._stamped is None:
+                self._queue_long(newly_free)
+        else:
+            newly_free = self._no_blocks
+        if self._stamped is not None:
+            self._stamped.freed(ids, newly_free)
         if self._track:
             self._state.sync()
 
     def _queue_long(self, newly_free: torch.Tensor) -> None:
         """Send blocks whose ref_cnt reached 0 to their ends of the queue (device face)."""
-        queue = self.free_block_queue
+        queue = self._queue()
         if not self._unhashed_to_left:
             queue.append_n(newly_free)
             return
@@ -666,6 +697,8 @@ class TensorBlockPool:
             self._check_ids(ids, "cache_full_blocks")
         for b in cast("list[int]", ids):
             flags[b] = 1
+        if self._stamped is not None:  # block-age reads when the content was registered
+            self._stamped.registered_list(cast("list[int]", ids))
         if self._track:
             self._wrote_host(_HASH, cast("list[int]", ids))
             self._state.sync()
@@ -680,6 +713,8 @@ class TensorBlockPool:
         if bool(bad.any()) or set(map(type, block_hashes)) != {bytes}:
             self._diagnose_cache(host_ids, block_hashes)
         self.has_hash.index_fill_(0, ids, 1)
+        if self._stamped is not None:
+            self._stamped.registered(ids)
         if self._track:
             self._wrote_device(_HASH, ids)
             self._state.sync()

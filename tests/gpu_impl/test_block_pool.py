@@ -154,8 +154,6 @@ def test_bad_constructor_arguments():
         TensorBlockPool(0)
     with pytest.raises(InvalidRequest, match=r"^unknown profile='mru'"):
         TensorBlockPool(4, profile="mru")
-    with pytest.raises(InvalidRequest, match=r"^profile='lfu' is a keyed policy \(seed 002\)"):
-        TensorBlockPool(4, profile="lfu")  # the queue policies only, for now: a clear refusal
     with pytest.raises(ValueError, match=r"^key_capacity=7 is below the minimum 2 \* num_gpu_blocks=8$"):
         KeyedFreeQueue(4, pick_device(), key_capacity=7)
 

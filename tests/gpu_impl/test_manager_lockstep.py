@@ -32,7 +32,7 @@ from kvspec.gpu_impl.kv_cache_manager import prefix_kv_source
 from kvspec.reference import KVCacheManager
 from kvspec.spec.invariants import hit_content_intact
 from kvspec.spec.manager import Request
-from kvspec.spec.ordering import QUEUE_PROFILES
+from kvspec.spec.ordering import PROFILES
 from tests.gpu_impl._lockstep import same_call
 
 TOKENS = st.lists(st.integers(0, 1), min_size=1, max_size=14)
@@ -59,7 +59,7 @@ class ManagerLockstep(RuleBasedStateMachine):
         num_gpu_blocks=st.integers(1, 14),
         block_size=st.integers(1, 4),
         enable_caching=st.sampled_from([True, True, True, False]),
-        profile=st.sampled_from(sorted(QUEUE_PROFILES)),
+        profile=st.sampled_from([*sorted(PROFILES), "lru-lfu:0.5"]),  # every policy, one weighted
     )
     def build(self, num_gpu_blocks: int, block_size: int, enable_caching: bool, profile: str) -> None:
         self.block_size = block_size

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 
+from kvspec.conformance.builtin import make_reference
 from kvspec.conformance.cli import main
 from kvspec.conformance.runner import run_check
 from kvspec.reference.block_pool import BlockPool
@@ -156,14 +157,29 @@ def test_the_reference_keeps_the_spec_order_through_many_lazy_deletions(profile)
 
 
 @pytest.mark.parametrize("profile", ["lru-timestamp", "block-age", "lfu", "lru-lfu:0.5"])
-def test_kvspec_check_conforms_for_reference_and_spec_and_says_na_for_gpu(profile, tmp_path):
-    for impl in ("reference", "spec"):
-        result = run_check(impl, level="pool", profile=profile, max_examples=40, seed=0, trace_dir=tmp_path)
-        assert result.verdict == "conforms", result.message
-        assert result.steps_run > 0
+def test_kvspec_check_conforms_for_every_builtin_implementation(profile, tmp_path):
     gpu = pytest.importorskip("kvspec.gpu_impl.adapter", reason="gpu_impl needs torch (the gpu extra)")
-    result = run_check(gpu.make_adapter, level="pool", profile=profile, max_examples=5, seed=0)
+    for impl in ("reference", "spec", gpu.make_adapter):
+        for level in ("pool", "manager"):
+            result = run_check(impl, level=level, profile=profile, max_examples=30, seed=0, trace_dir=tmp_path)
+            assert result.verdict == "conforms", (impl, level, result.message)
+            assert result.steps_run > 0
+
+
+def _queue_policies_only(config):
+    return make_reference(config)
+
+
+_queue_policies_only.profiles = QUEUE_PROFILES  # a declared fact: the other profiles are not built
+
+
+def test_a_profile_an_implementation_does_not_declare_is_na_never_run():
+    result = run_check(_queue_policies_only, level="pool", profile="lfu", max_examples=5, seed=0)
     assert result.verdict == "n/a" and "profiles=('vllm-v1', 'vllm-v1-tail')" in result.message
+    assert result.steps_run == 0
+    assert run_check(_queue_policies_only, level="pool", profile="vllm-v1", max_examples=10, seed=0).verdict == (
+        "conforms"
+    )
 
 
 def test_the_cli_names_the_weighted_form_for_a_bad_profile(capsys):

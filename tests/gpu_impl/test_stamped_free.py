@@ -1,0 +1,88 @@
+"""gpu_impl under seed 002's keyed policies: named scenarios with exact ids, the exact fallback, its own checks.
+
+The lock-step machines (test_pool_lockstep, test_manager_lockstep) compare it
+with the reference on random operations under every policy; these state the
+order outright and check what only the stamped free blocks have.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvspec.gpu_impl.block_pool import TensorBlockPool
+from kvspec.gpu_impl.device import pick_device
+from kvspec.spec import ops
+from kvspec.spec.state import BlockHash
+
+H = [BlockHash(bytes([i]) * 8) for i in range(8)]
+
+
+def _both(profile: str, calls: list[tuple[str, tuple]], n: int = 8, **kwargs: object) -> TensorBlockPool:
+    """Apply calls to gpu_impl and the spec; gpu_impl after checking the two snapshots are equal."""
+    gpu = TensorBlockPool(n, profile=profile, device=pick_device(), **kwargs)  # type: ignore[arg-type]
+    state = ops.new_pool(n, True, profile)
+    for op, args in calls:
+        got = getattr(gpu, op)(*args)
+        step = getattr(ops, op)(state, *args)
+        state = step.state
+        assert got == (list(step.result) if isinstance(step.result, tuple) else step.result), (op, args)
+        assert gpu.snapshot() == state.snapshot(), (op, args)
+    gpu.check_invariants()
+    return gpu
+
+
+# One request of three blocks, two of them cached, freed tail first; then another
+# request hits the first block and frees it: every policy orders the free blocks.
+LIFE = [
+    ("get_new_blocks", (3,)),
+    ("cache_full_blocks", ([1, 2], H[:2])),
+    ("free_blocks", ([3, 2, 1],)),
+    ("touch", ([1],)),
+    ("free_blocks", ([1],)),
+]
+
+
+@pytest.mark.parametrize(
+    ("profile", "free_queue"),
+    [
+        # first fit: 3 (no hash) then 4..7 by id; then the hashed blocks by key
+        ("lru-timestamp", (3, 4, 5, 6, 7, 2, 1)),  # 2 was last read by the free, 1 by the later hit's free
+        ("block-age", (3, 4, 5, 6, 7, 1, 2)),  # 1 was registered before 2
+        ("lfu", (3, 4, 5, 6, 7, 2, 1)),  # 2 was accessed once, 1 twice
+        ("lru-lfu:0.5", (3, 4, 5, 6, 7, 2, 1)),
+    ],
+)
+def test_a_request_life_leaves_the_free_blocks_in_the_policy_order(profile, free_queue):
+    gpu = _both(profile, LIFE)
+    assert gpu.snapshot().free_queue == free_queue
+
+
+@pytest.mark.parametrize("host_path_max", [None, 0])
+def test_a_take_uses_first_fit_before_it_evicts_and_evicts_by_key(host_path_max):
+    gpu = _both("lfu", LIFE, host_path_max=host_path_max)
+    # the five free blocks without a hash by id, then 2 (one access) before 1 (two)
+    assert gpu.get_new_blocks(6) == [3, 4, 5, 6, 7, 2]
+    assert gpu.get_cached_block(H[0]) == 1 and gpu.get_cached_block(H[1]) is None
+    gpu.free_blocks([2, 7, 6, 5, 4, 3])
+    gpu.evict_blocks([1])  # a free block losing its hash joins first fit
+    assert gpu.snapshot().free_queue == (1, 2, 3, 4, 5, 6, 7)
+    gpu.check_invariants()
+
+
+def test_a_weight_too_fine_for_int64_keys_is_compared_exactly_on_the_host():
+    # W = 10^-19: q = 10^19 is beyond int64, so the combined key is compared with Python ints
+    fine = "lru-lfu:0.0000000000000000001"
+    calls = [*LIFE, ("get_new_blocks", (7,))]
+    gpu = _both(fine, calls)
+    assert gpu.get_num_free_blocks() == 0
+
+
+def test_two_faces_stay_equal_under_a_keyed_policy():
+    _both("block-age", [*LIFE, ("get_new_blocks", (6,))], share_host_memory=False)
+
+
+def test_check_invariants_notices_a_miscounted_free_block():
+    gpu = _both("lru-timestamp", LIFE)
+    gpu.free_block_queue.num_free_blocks += 1
+    with pytest.raises(AssertionError, match=r"free queue: 7 blocks are flagged free but num_free_blocks=8"):
+        gpu.check_invariants()
