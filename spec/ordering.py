@@ -75,6 +75,7 @@ __all__ = [
     "is_profile",
     "known_profiles",
     "keyed_free_order",
+    "keyed_rank",
     "freed_goes_left",
     "freed_in_place",
     "hit_tokens_within_cap",
@@ -235,19 +236,21 @@ def is_profile(name: object) -> bool:
     return True
 
 
-def eviction_key(
-    rule: ProfileRule, block_id: int, last_access: int, num_accesses: int, registered_at: int
-) -> tuple[Fraction | int, ...]:
+def eviction_key(rule: ProfileRule, block_id: N, last_access: N, num_accesses: N, registered_at: N) -> tuple[N, ...]:
     """A free, hashed block's key under a keyed policy: the smallest is evicted first.
 
     Stamps are unique, so a key never ties; the block id ends it only so that
-    the order is total by construction.
+    the order is total by construction. `lru-lfu:W`'s score `last_access + W *
+    accesses` is kept scaled by W's denominator q, `q * last_access + p *
+    accesses` for W = p / q: an integer, in the same order, which z3 and int64
+    tensors compare exactly. Written without branching on values, so z3 terms
+    evaluate it too.
 
     >>> rule = profile_rule("lfu")
     >>> eviction_key(rule, 3, 10, 2, 5) < eviction_key(rule, 4, 7, 3, 1)  # fewer accesses goes first
     True
-    >>> eviction_key(profile_rule("lru-lfu:2"), 3, 10, 2, 5)
-    (Fraction(14, 1), 10, 3)
+    >>> eviction_key(profile_rule("lru-lfu:0.5"), 3, 10, 2, 5)  # 10 + 0.5 x 2, scaled by 2
+    (22, 10, 3)
     """
     if rule.key == "last-access":
         return (last_access, block_id)
@@ -256,8 +259,28 @@ def eviction_key(
     if rule.key == "accesses":
         return (num_accesses, last_access, block_id)
     if rule.key == "recency-frequency":
-        return (last_access + rule.weight * num_accesses, last_access, block_id)
+        p, q = rule.weight.numerator, rule.weight.denominator
+        score = cast("N", q * last_access + p * num_accesses)  # type: ignore[operator]
+        return (score, last_access, block_id)
     raise ValueError(f"profile {rule.name!r} orders by queue position, not by a key")
+
+
+def keyed_rank(
+    rule: ProfileRule, block_id: N, hashed: T, last_access: N, num_accesses: N, registered_at: N, logic: Backend[T]
+) -> tuple[object, ...]:
+    """Where a free block stands in a keyed policy's order: four terms, compared with `logic.lex_lt`.
+
+    A block without a hash ranks `(0, id, 0, 0)` (first fit), one with a hash
+    `(1, *key)`, its `eviction_key` padded to three terms with its id.
+
+    >>> lfu = profile_rule("lfu")
+    >>> keyed_rank(lfu, 4, False, 9, 1, 2, PY), keyed_rank(lfu, 4, True, 9, 1, 2, PY)
+    ((0, 4, 0, 0), (1, 1, 9, 4))
+    """
+    key = eviction_key(rule, block_id, last_access, num_accesses, registered_at)
+    padded = (*key, *(block_id,) * (3 - len(key)))
+    unhashed = (block_id, 0, 0)
+    return (logic.ite(hashed, 1, 0), *(logic.ite(hashed, k, u) for k, u in zip(padded, unhashed)))
 
 
 def keyed_free_order(
@@ -286,11 +309,9 @@ def _keyed_rank(
     last_access: Sequence[int],
     num_accesses: Sequence[int],
     registered_at: Sequence[int],
-) -> tuple[Fraction | int, ...]:
-    """Where a free block stands in a keyed policy's order: unhashed by id first, then hashed by key."""
-    if block_hash[b] is None:
-        return (0, b)
-    return (1, *eviction_key(rule, b, last_access[b], num_accesses[b], registered_at[b]))
+) -> tuple[object, ...]:
+    """`keyed_rank` of block b, read from the state's sequences."""
+    return keyed_rank(rule, b, block_hash[b] is not None, last_access[b], num_accesses[b], registered_at[b], PY)
 
 
 def in_keyed_order(
@@ -309,7 +330,7 @@ def in_keyed_order(
     (True, False)
     """
     ranks = [_keyed_rank(rule, b, block_hash, last_access, num_accesses, registered_at) for b in free_queue]
-    return all(a < b for a, b in zip(ranks, ranks[1:]))
+    return all(PY.lex_lt(a, b) for a, b in zip(ranks, ranks[1:]))
 
 
 def freed_goes_left(unhashed_to_left: T, has_hash: T, logic: Backend[T]) -> T:

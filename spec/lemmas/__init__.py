@@ -9,27 +9,37 @@ breaks it. Proofs are for every pool size, queue length and batch size
 (quantified over z3 arrays); where one is only checked up to a size the
 report says "bounded (n <= N)", never "proved".
 
-1. lemma_tail_first_free_evicts_deeper_first (every profile): a request freed
-   tail-first leaves its hashed blocks so that a deeper block is evicted before
-   any of its ancestors.
-2. lemma_hashed_free_is_lru (every profile): a block freed with a hash is
+1. lemma_tail_first_free_evicts_deeper_first (the queue policies,
+   lru-timestamp and lru-lfu:0; block-age, lfu and lru-lfu:W>0 break it): a
+   request freed tail-first leaves its hashed blocks so that a deeper block is
+   evicted before any of its ancestors.
+2. lemma_hashed_free_is_lru (every queue profile): a block freed with a hash is
    evicted after every block free when it was freed, unless one is touched in
    between; no operation reorders free blocks, and get_new_blocks takes from
    the left.
-3. lemma_unhashed_free_evicted_first (profiles sending unhashed blocks left:
+3. lemma_unhashed_free_evicted_first (queue profiles sending unhashed blocks left:
    vllm-v1; vllm-v1-tail breaks it): a block freed without a hash is evicted
    before every block free when it was freed.
-4. lemma_touched_free_becomes_mru (every profile): a touched block freed again
+4. lemma_touched_free_becomes_mru (as lemma 1): a touched block freed again
    goes behind every block free at that moment.
 5. lemma_hit_cap_within_prompt (every profile): for all L >= 1, B >= 1,
    c >= 0: B * min(c, (L - 1) // B) <= L - 1.
-6. lemma_key_encoding_matches_queue (every profile): the key encoding
+6. lemma_key_encoding_matches_queue (every queue profile): the key encoding
    (lo - k + i left, hi + 1 + i right, take the n smallest) orders blocks as
    the free queue does, after any operation sequence.
-7. lemma_invariants_inductive (every profile): ref_cnt >= 0, null-block,
+7. lemma_invariants_inductive (every profile; a keyed one's operations are
+   taken with the free blocks in any order): ref_cnt >= 0, null-block,
    free-has-zero-ref, conservation, hash-table-consistent,
    caching-off-no-hash and the writable rule hold initially and after every
    operation.
+8. lemma_fewer_accesses_evicted_first (lfu; every other keyed policy breaks
+   it): of two free cached blocks, the one with fewer accesses is evicted
+   first.
+
+Lemmas 2, 3 and 6 speak of the queue's ends and positions, which a keyed
+policy (seed 002) does not have: they apply to the queue profiles only, and
+lemma 8 speaks of access counts, which only keyed policies keep. A keyed
+policy's lemmas read the spec's `keyed_rank` on z3 terms (spec.lemmas.stamps).
 
 This package is the only part of kvspec.spec that imports z3.
 """
@@ -40,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvspec.spec.lemmas import (
+    fewer_accesses_first,
     hashed_free_lru,
     hit_cap,
     invariants_inductive,
@@ -72,6 +83,22 @@ def _every_profile(rule: ProfileRule) -> bool:
     return True
 
 
+def _queue_policies(rule: ProfileRule) -> bool:
+    return not rule.keyed
+
+
+def _keyed_policies(rule: ProfileRule) -> bool:
+    return rule.keyed
+
+
+def _recency_orders(rule: ProfileRule) -> bool:
+    """The queue policies, and the keyed ones whose key is the last access alone."""
+    return not rule.keyed or rule.key == "last-access" or (rule.key == "recency-frequency" and rule.weight == 0)
+
+
+RECENCY_TEXT = "the queue profiles, lru-timestamp and lru-lfu:0"
+
+
 @dataclass(frozen=True)
 class Lemma:
     """One lemma of docs/design.md: what it claims, where it holds, and how z3 checks it."""
@@ -88,6 +115,8 @@ class Lemma:
     invariants: tuple[str, ...] = ()  # invariants it proves inductive (spec.invariants names / design ids)
     cites: tuple[str, ...] = ()  # lemmas whose obligations it relies on
     twin_profile_sensitive: bool = True  # False: the twin is one fixed claim, checked once
+    applies_to: Callable[[ProfileRule], bool] = _every_profile  # the profiles its claim speaks of
+    applies_to_text: str = "every profile"  # the same, in words
 
 
 LEMMAS: tuple[Lemma, ...] = (
@@ -96,8 +125,8 @@ LEMMAS: tuple[Lemma, ...] = (
         tail_first.NAME,
         "a request freed tail-first leaves its hashed blocks so that a deeper block is evicted "
         "before any of its ancestors",
-        _every_profile,
-        "every profile",
+        _recency_orders,
+        RECENCY_TEXT,
         True,
         tail_first.obligations,
         "the same for a block table freed head-first",
@@ -115,6 +144,8 @@ LEMMAS: tuple[Lemma, ...] = (
         hashed_free_lru.obligations,
         "the same even if the earlier block is touched and freed again",
         hashed_free_lru.twin_obligations,
+        applies_to=_queue_policies,
+        applies_to_text="queue profiles (it speaks of queue positions)",
     ),
     Lemma(
         3,
@@ -128,13 +159,15 @@ LEMMAS: tuple[Lemma, ...] = (
         unhashed_free_first.twin_obligations,
         cites=(hashed_free_lru.NAME,),
         twin_profile_sensitive=False,
+        applies_to=_queue_policies,
+        applies_to_text="queue profiles (it speaks of queue ends)",
     ),
     Lemma(
         4,
         touched_free_mru.NAME,
         "a touched block that is freed again becomes the most recently used",
-        _every_profile,
-        "every profile",
+        _recency_orders,
+        RECENCY_TEXT,
         True,
         touched_free_mru.obligations,
         "a touched block freed again keeps its old place in the queue",
@@ -166,6 +199,8 @@ LEMMAS: tuple[Lemma, ...] = (
         key_encoding.obligations,
         "batches keyed one off at either end (lo - k + 1 + i, hi + i)",
         key_encoding.twin_obligations,
+        applies_to=_queue_policies,
+        applies_to_text="queue profiles (it encodes queue positions)",
     ),
     Lemma(
         7,
@@ -179,6 +214,19 @@ LEMMAS: tuple[Lemma, ...] = (
         "free_blocks without the ref_cnt (double-free) check preserves them",
         invariants_inductive.twin_obligations,
         invariants=tuple(ENCODED_INVARIANTS),
+    ),
+    Lemma(
+        8,
+        fewer_accesses_first.NAME,
+        "of two free cached blocks, the one with fewer accesses (its allocation and hits) is evicted first",
+        fewer_accesses_first.holds_for,
+        "lfu",
+        True,
+        fewer_accesses_first.obligations,
+        "the same for at most as many accesses",
+        fewer_accesses_first.twin_obligations,
+        applies_to=_keyed_policies,
+        applies_to_text="keyed profiles (queue profiles keep no access counts)",
     ),
 )
 

@@ -70,6 +70,7 @@ __all__ = [
     "num_held",
     "render_batch",
     "render_state",
+    "rearranged",
     "reset_prefix_cache",
     "table_entries_well_formed",
     "touch",
@@ -524,6 +525,26 @@ def evict_blocks(u: Universe, s: PoolVars, batch: Batch) -> Step:
         table_count=_lam(lambda b: z3.If(in_batch(batch, b), 0, s.table_count[b]), "evict.tc"),
     )
     return Step(_valid_block_ids(u, s, batch), z3.BoolVal(True), post)
+
+
+def rearranged(u: Universe, s: PoolVars, name: str) -> tuple[PoolVars, z3.BoolRef]:
+    """`s` with its free blocks in some other order, and the relation that defines it.
+
+    A keyed policy (seed 002) re-derives the free queue after an operation: the
+    same free blocks as the queue's operation leaves, in the policy's order. A
+    claim proved for every order of them holds for every policy.
+    """
+    moved = replace(s, free_queue=_int_array(f"{name}.q"), queue_pos=_int_array(f"{name}.pos"))
+    axioms = z3.And(
+        u.forall(
+            0,
+            s.num_free,
+            lambda i: z3.And(moved.queue_pos[moved.free_queue[i]] == i, in_queue(s, moved.free_queue[i])),
+            trigger=lambda i: moved.free_queue[i],
+        ),
+        u.forall(0, s.num_gpu_blocks, lambda b: z3.Implies(in_queue(s, b), in_queue(moved, b))),
+    )
+    return moved, axioms
 
 
 def reset_prefix_cache(u: Universe, s: PoolVars) -> Step:

@@ -17,9 +17,12 @@ import z3
 
 from kvspec.spec.lemmas import LEMMAS, Lemma
 from kvspec.spec.lemmas.prover import DEFAULT_MAX_BOUND, DEFAULT_TIMEOUT_S, Verdict, decide_false, decide_true
-from kvspec.spec.ordering import DEFAULT_PROFILE, QUEUE_PROFILES, profile_rule
+from kvspec.spec.ordering import DEFAULT_PROFILE, PROFILES, profile_rule
 
-__all__ = ["LemmaResult", "ProofReport", "prove"]
+__all__ = ["DEFAULT_PROFILES", "LemmaResult", "ProofReport", "prove"]
+
+# Every named profile, and one weighted hybrid (lru-lfu:W takes any W >= 0; `--profile` picks others).
+DEFAULT_PROFILES: tuple[str, ...] = (*PROFILES, "lru-lfu:0.5")
 
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
@@ -90,6 +93,11 @@ class ProofReport:
         """The check that took longest."""
         return max(self.results, key=lambda r: r.verdict.seconds)
 
+    def not_applicable(self, profile: str) -> list[Lemma]:
+        """The lemmas whose claim does not speak of `profile` (checked for other profiles only)."""
+        rule = profile_rule(profile)
+        return [lem for lem in LEMMAS if lem.profile_sensitive and not lem.applies_to(rule)]
+
     def breaks(self, profile: str) -> list[Lemma]:
         """The lemmas `profile` breaks (refuted under it, as they declare)."""
         return [
@@ -113,12 +121,14 @@ class ProofReport:
                 "seconds": round(slowest.verdict.seconds, 4),
             },
             "breaks": {p: [lem.name for lem in self.breaks(p)] for p in self.profiles},
+            "not_applicable": {p: [lem.name for lem in self.not_applicable(p)] for p in self.profiles},
             "lemmas": [
                 {
                     "number": lem.number,
                     "lemma": lem.name,
                     "claim": lem.claim,
                     "holds_for": lem.holds_for_text,
+                    "applies_to": lem.applies_to_text,
                     "twin": lem.twin,
                 }
                 for lem in LEMMAS
@@ -134,21 +144,23 @@ def prove(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     max_bound: int = DEFAULT_MAX_BOUND,
 ) -> ProofReport:
-    """Check `lemmas` (and their twins) under each of `profiles` (default: every queue profile).
+    """Check `lemmas` (and their twins) under each of `profiles` that each lemma applies to.
+
+    Default profiles: DEFAULT_PROFILES.
 
     Raises:
-        ValueError: a profile is unknown, or keyed (the pool model is the queue's: seed 002's
-            keyed policies are not modelled in z3).
+        ValueError: a profile is unknown.
     """
-    names = tuple(profiles) if profiles is not None else QUEUE_PROFILES
+    names = tuple(profiles) if profiles is not None else DEFAULT_PROFILES
     rules = [profile_rule(name) for name in names]  # raises on an unknown profile first
-    keyed = [rule.name for rule in rules if rule.keyed]
-    if keyed:
-        raise ValueError(f"profile {keyed[0]} is a keyed policy; the z3 pool model covers {', '.join(QUEUE_PROFILES)}")
     start = time.perf_counter()
     results: list[LemmaResult] = []
     for lemma in lemmas:
-        checked = list(zip(names, rules)) if lemma.profile_sensitive else [(None, profile_rule(DEFAULT_PROFILE))]
+        checked = (
+            [(name, rule) for name, rule in zip(names, rules) if lemma.applies_to(rule)]
+            if lemma.profile_sensitive
+            else [(None, profile_rule(DEFAULT_PROFILE))]
+        )
         for name, rule in checked:
             holds = lemma.holds_for(rule)
             decide = decide_true if holds else decide_false

@@ -10,6 +10,16 @@ satisfying the invariants. Operations in between change nothing here: the
 block is held throughout, so none of them can move it, and the placement
 depends only on the free itself (lemma 2). The false twin says the block
 keeps its old place: blocks behind it before the hit stay behind it.
+
+Under a keyed policy (seed 002) the hit and the free stamp the block with the
+clock, which is past every stamp already given, so under `lru-timestamp` (and
+`lru-lfu:0`) it goes behind every block free at the free, as in the queue.
+`block-age` reads the registration, which neither changes; `lfu` and
+`lru-lfu:W>0` read the access count, and a block free earlier with more
+accesses stays behind it: z3 refutes those. The keyed obligations are the
+same two steps over `keyed_rank` (spec.lemmas.stamps); their false twin says
+the block is evicted before every block free at the free (under `block-age`
+"keeps its old place" holds, so it cannot be the twin there).
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import z3
 
 from kvspec.spec.lemmas import pool_model as pm
+from kvspec.spec.lemmas import stamps
 from kvspec.spec.lemmas.backend import Universe
 from kvspec.spec.lemmas.prover import Formula, Obligation
 from kvspec.spec.ordering import ProfileRule
@@ -79,11 +90,69 @@ def _touch_then_free(rule: ProfileRule, keeps_place: bool) -> Obligation:
     return Obligation("a touched block freed again is behind every block free at that moment", build)
 
 
+def _touch_then_free_keyed(rule: ProfileRule, goes_first: bool) -> Obligation:
+    def build(u: Universe) -> Formula:
+        s0, st0 = pm.fresh_state(u, "start"), stamps.fresh_stamps("start")
+        touched = pm.fresh_batch(u, "touched")
+        hit = pm.touch(u, s0, touched)
+        s1, st1 = hit.post, stamps.after_touch(st0, touched)
+        freed = pm.fresh_batch(u, "freed")
+        release = pm.free_blocks(u, s1, freed, rule.unhashed_to_left)
+        s2, st2 = release.post, stamps.after_free(st1, freed)
+        b, y = z3.Ints("b y")
+        hypotheses = [
+            pm.all_invariants(u, s0),
+            stamps.below_clock(u, s0, st0),
+            stamps.in_policy_order(u, rule, s0, st0),
+            hit.guard,
+            hit.axioms,
+            pm.in_batch(touched, b),
+            release.guard,
+            release.axioms,
+            pm.in_batch(freed, b),
+            s1.ref_cnt[b] == 1,
+            pm.in_queue(s1, y),
+        ]
+        if goes_first:
+            claim = stamps.before(rule, s2, st2, b, y)
+            broken = "is not evicted before block {y}, which was free when it was freed"
+        else:
+            claim = stamps.before(rule, s2, st2, y, b)
+            broken = "is not evicted after block {y}, which was free when it was freed"
+        return Formula(
+            hypotheses=hypotheses,
+            claim=claim,
+            render=lambda m: "\n".join(
+                [
+                    pm.render_state(m, s0, "start", pm.hash_labeller()),
+                    stamps.render_stamps(m, st0, {"touched": b, "other": y}, "at the start"),
+                    f"  touch(block_ids={pm.render_batch(m, touched)})",
+                    f"  free_blocks(block_ids={pm.render_batch(m, freed)}) [profile {rule.name}]",
+                    stamps.render_stamps(m, st2, {"touched": b, "other": y}, "at the end"),
+                    f"  block {pm.model_int(m, b)} " + broken.format(y=pm.model_int(m, y)),
+                ]
+            ),
+        )
+
+    if goes_first:
+        return Obligation("a touched block freed again is evicted before every block free at that moment", build)
+    return Obligation("a touched block freed again is evicted after every block free at that moment", build)
+
+
 def obligations(rule: ProfileRule) -> list[Obligation]:
     """touch then free_blocks, under one profile's rule."""
+    if rule.keyed:
+        return [_touch_then_free_keyed(rule, goes_first=False)]
     return [_touch_then_free(rule, keeps_place=False)]
 
 
 def twin_obligations(rule: ProfileRule) -> list[Obligation]:
-    """The false twin: the block goes back to where it was before the touch."""
+    """The false twin: the block goes back to where it was before the touch (keyed: it goes first).
+
+    Under a keyed policy "its old place" is no twin: `block-age` keeps it (the
+    registration is the key), so the keyed twin is the mirror claim, which
+    every keyed policy refutes.
+    """
+    if rule.keyed:
+        return [_touch_then_free_keyed(rule, goes_first=True)]
     return [_touch_then_free(rule, keeps_place=True)]

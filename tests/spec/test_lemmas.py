@@ -12,8 +12,8 @@ from kvspec.conformance.cli import main
 from kvspec.spec.lemmas import LEMMAS, Lemma, lemma_by_name
 from kvspec.spec.lemmas.backend import Universe
 from kvspec.spec.lemmas.prover import Formula, Obligation, decide_false, decide_true
-from kvspec.spec.lemmas.report import LemmaResult, ProofReport, prove
-from kvspec.spec.ordering import PROFILES, QUEUE_PROFILES
+from kvspec.spec.lemmas.report import DEFAULT_PROFILES, LemmaResult, ProofReport, prove
+from kvspec.spec.ordering import profile_rule
 
 pytestmark = [pytest.mark.z3, pytest.mark.timeout(180)]
 
@@ -28,10 +28,10 @@ def _results(report: ProofReport, number: int, kind: str) -> list[LemmaResult]:
 
 
 def test_every_lemma_is_proved_for_every_profile_it_claims(report):
-    assert report.profiles == QUEUE_PROFILES
+    assert report.profiles == DEFAULT_PROFILES
     for lemma in LEMMAS:
         for r in _results(report, lemma.number, "lemma"):
-            rule = PROFILES[r.profile] if r.profile else None
+            rule = profile_rule(r.profile) if r.profile else None
             if rule is None or lemma.holds_for(rule):
                 # Every lemma is proved for every size: none needed a bound.
                 assert r.verdict.status == "proved", (lemma.name, r.profile, r.verdict)
@@ -52,9 +52,33 @@ def test_every_false_twin_is_refuted_with_a_readable_pool_state(report):
 
 
 def test_profiles_break_exactly_the_lemmas_they_declare(report):
-    assert report.breaks("vllm-v1") == []
-    assert [lem.name for lem in report.breaks("vllm-v1-tail")] == ["lemma_unhashed_free_evicted_first"]
+    breaks = {p: [lem.number for lem in report.breaks(p)] for p in report.profiles}
+    assert breaks == {
+        "vllm-v1": [],
+        "vllm-v1-tail": [3],
+        "lru-timestamp": [8],  # recency only: the access count is never read
+        "block-age": [1, 4, 8],  # the registration is the key: neither a free nor a hit moves a block
+        "lfu": [1, 4],  # a deeper or older block with more accesses outlives the others
+        "lru-lfu:0.5": [1, 4, 8],  # either way, given enough accesses or enough recency
+    }
     assert report.ok
+
+
+def test_every_lemma_is_checked_under_exactly_the_profiles_it_speaks_of(report):
+    checked = {(r.lemma.number, r.profile) for r in report.results if r.kind == "lemma"}
+    for lemma in LEMMAS:
+        if not lemma.profile_sensitive:
+            assert (lemma.number, None) in checked
+            continue
+        for profile in report.profiles:
+            assert ((lemma.number, profile) in checked) == lemma.applies_to(profile_rule(profile)), (lemma, profile)
+    assert [lem.number for lem in report.not_applicable("lfu")] == [2, 3, 6]
+    assert [lem.number for lem in report.not_applicable("vllm-v1")] == [8]
+
+
+def test_lemma_7_holds_for_a_weight_too_fine_for_int64_too():
+    # Every keyed policy's obligations take the free blocks in any order: the weight plays no part.
+    assert prove(["lru-lfu:0.0000000000000000001"], [lemma_by_name("lemma_invariants_inductive")]).ok
 
 
 def test_twin_counterexamples_show_the_broken_claim(report):
@@ -70,7 +94,7 @@ def test_twin_counterexamples_show_the_broken_claim(report):
 def test_registry_lists_design_lemmas_one_module_each():
     import kvspec.spec.lemmas as package
 
-    assert [lem.number for lem in LEMMAS] == list(range(1, 8))
+    assert [lem.number for lem in LEMMAS] == list(range(1, 9))
     assert len({lem.name for lem in LEMMAS}) == len(LEMMAS)
     for lem in LEMMAS:
         assert lem.name.startswith("lemma_")
@@ -85,7 +109,9 @@ def test_report_json_and_text_name_the_slowest_and_the_breaks(report):
 
     data = report.as_json()
     assert data["ok"] is True
-    assert data["breaks"] == {"vllm-v1": [], "vllm-v1-tail": ["lemma_unhashed_free_evicted_first"]}
+    assert data["breaks"]["vllm-v1-tail"] == ["lemma_unhashed_free_evicted_first"]
+    assert data["breaks"]["lru-timestamp"] == ["lemma_fewer_accesses_evicted_first"]
+    assert data["not_applicable"]["vllm-v1"] == ["lemma_fewer_accesses_evicted_first"]
     assert data["slowest"]["lemma"] == report.slowest.lemma.name
     assert len(data["results"]) == len(report.results)
     json.dumps(data)  # plain JSON values only
@@ -120,12 +146,17 @@ def test_prove_cli_rejects_unknown_profile_and_lemma(capsys):
     assert "unknown lemma='lemma_nope'" in capsys.readouterr().err
 
 
-def test_prove_gives_no_verdict_for_a_keyed_policy_it_does_not_model(capsys):
-    assert main(["prove", "--profile", "lru-timestamp"]) == 2
+def test_prove_gives_no_verdict_when_no_lemma_speaks_of_the_profiles(capsys):
+    assert main(["prove", "--profile", "vllm-v1", "--lemma", "8"]) == 2
     err = capsys.readouterr().err
-    assert "keyed policy" in err and "nothing to prove it with" in err and "Traceback" not in err
-    with pytest.raises(ValueError, match="keyed policy"):
-        prove(["lfu"])
+    assert "nothing was checked" in err and "keyed profiles" in err and "Traceback" not in err
+
+
+def test_prove_cli_names_what_each_keyed_profile_breaks(capsys):
+    assert main(["prove", "--profile", "lfu", "--lemma", "1", "--lemma", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "profile lfu breaks lemma 1 (lemma_tail_first_free_evicts_deeper_first)" in out
+    assert "stamps after:" in out and "the deeper block" in out
 
 
 # --- the prover never passes what is not a proof ---------------------------------------------------

@@ -186,3 +186,46 @@ def test_the_cli_names_the_weighted_form_for_a_bad_profile(capsys):
     assert main(["check", "--impl", "reference", "--profile", "lru-lfu:fast"]) == 2
     err = capsys.readouterr().err
     assert "lru-lfu:W" in err and "Traceback" not in err
+
+
+# --- each break `kvspec prove` reports, on a concrete run of the spec ------------------------------
+# A request's blocks 1 (the ancestor) and 2 (the deeper one), registered in table order.
+CHAIN = [("get_new_blocks", (2,)), ("cache_full_blocks", (_ids(1, 2), H[:2]))]
+
+
+def _hits(block: int, times: int) -> list[tuple[str, tuple]]:
+    """`times` more requests hit the block and finish."""
+    return [call for _ in range(times) for call in (("touch", (_ids(block),)), ("free_blocks", (_ids(block),)))]
+
+
+def _evicted_first(profile: str, calls: list[tuple[str, tuple]], a: int, b: int) -> bool:
+    queue = _run(profile, calls)
+    return queue.index(a) < queue.index(b)
+
+
+@pytest.mark.parametrize(("profile", "deeper_first"), [("lru-timestamp", True), ("block-age", False)])
+def test_lemma_1_a_tail_first_free_under_block_age_keeps_the_deeper_block(profile, deeper_first):
+    calls = [*CHAIN, ("free_blocks", (_ids(2, 1),))]
+    assert _evicted_first(profile, calls, 2, 1) == deeper_first
+
+
+@pytest.mark.parametrize(("profile", "deeper_first"), [("lru-timestamp", True), ("lfu", False), ("lru-lfu:0.5", False)])
+def test_lemma_1_under_lfu_a_deeper_block_hit_more_often_outlives_its_ancestor(profile, deeper_first):
+    # the deeper block is hit three more times while the request holds both (a pool-level caller may)
+    calls = [*CHAIN, *_hits(2, 3), ("free_blocks", (_ids(2, 1),))]
+    assert _evicted_first(profile, calls, 2, 1) == deeper_first
+
+
+@pytest.mark.parametrize(("profile", "touched_last"), [("lru-timestamp", True), ("lfu", False), ("block-age", False)])
+def test_lemma_4_a_touched_block_freed_again_is_not_the_last_to_go_under_lfu_or_block_age(profile, touched_last):
+    # block 2 is registered last and hit often; then block 1 is hit and freed again
+    calls = [*CHAIN, *_hits(2, 3), ("free_blocks", (_ids(2, 1),)), *_hits(1, 1)]
+    assert _evicted_first(profile, calls, 2, 1) == touched_last
+
+
+@pytest.mark.parametrize(("profile", "fewer_first"), [("lfu", True), ("lru-timestamp", False), ("lru-lfu:0.5", False)])
+def test_lemma_8_fewer_accesses_go_first_only_under_lfu(profile, fewer_first):
+    # block 2 is hit twice (three accesses) and freed; then block 1 (one access) is freed, more recently
+    calls = [*CHAIN, ("touch", (_ids(2),)), ("touch", (_ids(2),)), *[("free_blocks", (_ids(2),))] * 3]
+    calls.append(("free_blocks", (_ids(1),)))
+    assert _evicted_first(profile, calls, 1, 2) == fewer_first

@@ -28,6 +28,7 @@ from kvspec.spec import ops
 from kvspec.spec.errors import BlockManagerError
 from kvspec.spec.invariants import INVARIANTS, is_block_writable
 from kvspec.spec.lemmas import pool_model as pm
+from kvspec.spec.lemmas import stamps
 from kvspec.spec.lemmas.backend import Z3, Universe, z3_lex_lt
 from kvspec.spec.lemmas.key_encoding import keys_match_queue
 from kvspec.spec.manager import Request, allocate_slots, get_computed_blocks, new_manager
@@ -499,3 +500,40 @@ def test_place_freed_agrees_with_the_free_blocks_encoding_on_every_small_batch()
                         )
                     )
                     assert s.check() == z3.unsat, (profile, order, hashed)
+
+
+# --- the keyed order on z3 terms (spec.lemmas.stamps) ---------------------------------------------
+
+
+def _encoded_stamps(state: PoolState) -> stamps.Stamps:
+    def array(values: tuple[int, ...]) -> z3.ArrayRef:
+        a = z3.K(z3.IntSort(), z3.IntVal(0))
+        for b, v in enumerate(values):
+            a = z3.Store(a, b, v)
+        return a
+
+    return stamps.Stamps(
+        z3.IntVal(state.clock), array(state.last_access), array(state.num_accesses), array(state.registered_at)
+    )
+
+
+@pytest.mark.parametrize("profile", ["lru-timestamp", "block-age", "lfu", "lru-lfu:0.5"])
+def test_the_keyed_order_on_z3_terms_is_the_spec_free_queue_on_reachable_states(profile):
+    rng = random.Random(profile)
+    u = Universe()
+    for _ in range(60):
+        st = ops.new_pool(rng.randint(2, 7), True, profile)
+        for _ in range(rng.randint(0, 16)):
+            op, args = _random_call(rng, st)
+            try:
+                st = _apply(st, op, args)
+            except BlockManagerError:
+                continue
+        s, encoded = pm.encode_snapshot(st), _encoded_stamps(st)
+        assert z3.is_true(z3.simplify(stamps.below_clock(u, s, encoded)))
+        assert z3.is_true(z3.simplify(stamps.in_policy_order(u, profile_rule(profile), s, encoded)))
+        queue = st.free_queue
+        for i, a in enumerate(queue):
+            for b in queue[i + 1 :]:
+                assert z3.is_true(z3.simplify(stamps.before(profile_rule(profile), s, encoded, a, b)))
+                assert z3.is_false(z3.simplify(stamps.before(profile_rule(profile), s, encoded, b, a)))
