@@ -39,7 +39,7 @@ from typing import Any
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.errors import BlockManagerError
-from kvspec.spec.ordering import QUEUE_PROFILES
+from kvspec.spec.ordering import PROFILES
 from kvspec.spec.state import BlockHash, BlockId, PoolState
 
 __all__ = [
@@ -90,6 +90,10 @@ def _random_pool_call(rng: random.Random, st: PoolState) -> PoolState:
         return spec_ops.reset_prefix_cache(st).state
     except BlockManagerError:
         return st  # prefix caching off: nothing is cached
+
+
+# Every named profile and one weighted hybrid: the keyed policies' stamps are state too.
+CORPUS_PROFILES: tuple[str, ...] = (*PROFILES, "lru-lfu:0.5")
 
 
 def _pool_features(st: PoolState) -> tuple[object, ...]:
@@ -146,12 +150,13 @@ def pool_state_corpus(max_blocks: int = 5, seed: int = 0) -> tuple[PoolState, ..
     """
     rng = random.Random(seed)
     seen: dict[object, PoolState] = {}
+    profiles = CORPUS_PROFILES
     for _ in range(3000):
-        st = spec_ops.new_pool(rng.randint(1, max_blocks), rng.random() < 0.85, rng.choice(list(QUEUE_PROFILES)))
+        st = spec_ops.new_pool(rng.randint(1, max_blocks), rng.random() < 0.85, rng.choice(profiles))
         for _ in range(rng.randint(1, 12)):
             st = _random_pool_call(rng, st)
         seen.setdefault(st.snapshot(), st)
-    fresh = [spec_ops.new_pool(n, True, profile) for n in (1, 2, max_blocks) for profile in QUEUE_PROFILES]
+    fresh = [spec_ops.new_pool(n, True, profile) for n in (1, 2, max_blocks) for profile in profiles]
     covering = [st for st in _pairwise_cover(list(seen.values()), _pool_features) if st not in fresh]
     return tuple(fresh + covering)
 
@@ -165,7 +170,7 @@ def manager_state_corpus(size: int = 24, seed: int = 0) -> tuple[spec_manager.Ma
     while len(states) < size and attempts < 50 * size:
         attempts += 1
         state = spec_manager.new_manager(
-            rng.randint(2, 8), rng.randint(1, 3), rng.random() < 0.85, rng.choice(list(QUEUE_PROFILES))
+            rng.randint(2, 8), rng.randint(1, 3), rng.random() < 0.85, rng.choice(CORPUS_PROFILES)
         )
         running: list[str] = []
         for step in range(rng.randint(0, 4)):

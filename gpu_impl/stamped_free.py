@@ -31,9 +31,11 @@ A block losing its hash while free (`evict_blocks`, `reset_prefix_cache`)
 needs nothing here: the scan reads the pool's hash flags, so it joins first
 fit at once, as the spec re-derives the order.
 
-`lru-lfu:W` with W = p/q compares `q * last_access + p * accesses` (exact in
-int64 while (p + q) x clock stays below 2^62, checked per take; beyond that
-the keys are compared exactly on the host).
+The keys are the spec's own `eviction_key`, evaluated on tensors; `lru-lfu:W`
+with W = p/q is `q * last_access + p * accesses`, exact in int64 while
+`keys_fit` holds ((p + q) x (clock + 1) below 2^62, checked per take, and
+lemma 6 proves that bound enough); beyond it the keys are compared exactly
+on the host.
 """
 
 from __future__ import annotations
@@ -41,13 +43,12 @@ from __future__ import annotations
 import torch
 
 from kvspec.gpu_impl.mirror import MirroredState
-from kvspec.spec.ordering import ProfileRule
+from kvspec.spec.ordering import ProfileRule, eviction_key, keys_fit
 
 __all__ = ["NUM_STAMP_FIELDS", "StampedFreeBlocks"]
 
 NUM_STAMP_FIELDS = 3  # per block, side by side: last access, accesses, registration
 _LAST, _ACCESSES, _REGISTERED = range(NUM_STAMP_FIELDS)
-_EXACT_INT64 = 1 << 62  # a combined lru-lfu key below this is exact in int64
 
 
 class StampedFreeBlocks:
@@ -126,19 +127,16 @@ class StampedFreeBlocks:
     # --- the order ------------------------------------------------------------------------------
 
     def _keys(self, cached: torch.Tensor) -> list[torch.Tensor] | None:
-        """The keys of free hashed blocks, most significant first (ids end every tie); None: not exact in int64."""
-        key, last = self._rule.key, self.last_access[cached]
-        if key == "last-access":
-            return [last]
-        if key == "registered":
-            return [self.registered_at[cached]]
-        accesses = self.num_accesses[cached]
-        if key == "accesses":
-            return [accesses, last]
-        p, q = self._rule.weight.numerator, self._rule.weight.denominator
-        if (p + q) * (self.clock + 1) >= _EXACT_INT64:
+        """The spec's eviction_key of free hashed blocks, on tensors, most significant first, without the id.
+
+        The ids end every tie by themselves: `cached` is in ascending order and
+        the sorts are stable. None when a term could leave int64 (kvspec.spec.ordering.keys_fit).
+        """
+        if not keys_fit(self._rule, self.clock):
             return None
-        return [q * last + p * accesses, last]
+        terms = eviction_key(self._rule, cached, self.last_access[cached], self.num_accesses[cached],
+                             self.registered_at[cached])  # fmt: skip
+        return list(terms[:-1])
 
     def _in_key_order(self, cached: torch.Tensor) -> torch.Tensor:
         """`cached` (ascending ids) sorted by the policy's key: stable sorts, least significant key first."""

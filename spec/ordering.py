@@ -66,6 +66,7 @@ from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = [
     "DEFAULT_PROFILE",
+    "KEY_BOUND",
     "PROFILES",
     "PY",
     "QUEUE_PROFILES",
@@ -76,6 +77,7 @@ __all__ = [
     "known_profiles",
     "keyed_free_order",
     "keyed_rank",
+    "keys_fit",
     "freed_goes_left",
     "freed_in_place",
     "hit_tokens_within_cap",
@@ -263,6 +265,22 @@ def eviction_key(rule: ProfileRule, block_id: N, last_access: N, num_accesses: N
         score = cast("N", q * last_access + p * num_accesses)  # type: ignore[operator]
         return (score, last_access, block_id)
     raise ValueError(f"profile {rule.name!r} orders by queue position, not by a key")
+
+
+KEY_BOUND = 1 << 62  # every eviction_key term below this fits an int64 with room to spare (gpu_impl's tensors)
+
+
+def keys_fit(rule: ProfileRule, clock: N) -> object:
+    """Whether every eviction_key term lies below KEY_BOUND at this clock (the bound gpu_impl checks per take).
+
+    Stamps are below the clock and counts at most the clock, so `lru-lfu:p/q`'s
+    `q * last + p * accesses` is below `(p + q) * (clock + 1)`; lemma 6 proves it.
+
+    >>> keys_fit(profile_rule("lru-lfu:0.5"), 10), keys_fit(profile_rule("lru-lfu:0.0000000000000000001"), 10)
+    (True, False)
+    """
+    scale = rule.weight.numerator + rule.weight.denominator if rule.key == "recency-frequency" else 1
+    return scale * (clock + 1) < KEY_BOUND  # type: ignore[operator]
 
 
 def keyed_rank(

@@ -24,9 +24,11 @@ report says "bounded (n <= N)", never "proved".
    goes behind every block free at that moment.
 5. lemma_hit_cap_within_prompt (every profile): for all L >= 1, B >= 1,
    c >= 0: B * min(c, (L - 1) // B) <= L - 1.
-6. lemma_key_encoding_matches_queue (every queue profile): the key encoding
+6. lemma_key_encoding_matches_queue (every profile): the key encoding
    (lo - k + i left, hi + 1 + i right, take the n smallest) orders blocks as
-   the free queue does, after any operation sequence.
+   the free queue does, after any operation sequence; under a keyed policy,
+   gpu_impl's selection (first fit by id, then the key terms in int64) is the
+   spec's keyed order and never overflows.
 7. lemma_invariants_inductive (every profile; a keyed one's operations are
    taken with the free blocks in any order): ref_cnt >= 0, null-block,
    free-has-zero-ref, conservation, hash-table-consistent,
@@ -36,7 +38,7 @@ report says "bounded (n <= N)", never "proved".
    it): of two free cached blocks, the one with fewer accesses is evicted
    first.
 
-Lemmas 2, 3 and 6 speak of the queue's ends and positions, which a keyed
+Lemmas 2 and 3 speak of the queue's ends and positions, which a keyed
 policy (seed 002) does not have: they apply to the queue profiles only, and
 lemma 8 speaks of access counts, which only keyed policies keep. A keyed
 policy's lemmas read the spec's `keyed_rank` on z3 terms (spec.lemmas.stamps).
@@ -192,15 +194,14 @@ LEMMAS: tuple[Lemma, ...] = (
         6,
         key_encoding.NAME,
         "the key encoding (left batches keyed lo - k + i, right ones hi + 1 + i, take the n smallest "
-        "keys) gives the free queue's order after every operation sequence",
+        "keys) gives the free queue's order after every operation sequence; under a keyed policy gpu_impl's "
+        "selection (first fit by id, then the key terms in int64) is the spec's order and never overflows",
         _every_profile,
         "every profile",
         True,
         key_encoding.obligations,
-        "batches keyed one off at either end (lo - k + 1 + i, hi + i)",
+        "batches keyed one off at either end (lo - k + 1 + i, hi + i); keyed: first fit by descending id",
         key_encoding.twin_obligations,
-        applies_to=_queue_policies,
-        applies_to_text="queue profiles (it encodes queue positions)",
     ),
     Lemma(
         7,

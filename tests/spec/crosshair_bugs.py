@@ -77,6 +77,15 @@ def free_blocks_hashed_to_the_left(state: PoolState, block_ids: Sequence[BlockId
     return Step(replace(state, ref_cnt=tuple(ref_cnt), free_queue=newly_free + state.free_queue), None)
 
 
+@with_contracts_of(ops.free_blocks)
+def free_blocks_keeps_the_timestamp(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
+    """Under a keyed policy the free stamps nothing: a request's last step is forgotten (seed 002's LRU)."""
+    freed = ops.free_blocks(state, block_ids).state
+    if not profile_rule(state.config.profile).keyed:
+        return Step(freed, None)
+    return Step(ops._reordered(replace(freed, last_access=state.last_access, clock=state.clock)), None)
+
+
 @with_contracts_of(ops.touch)
 def touch_forgets_the_queue(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """A hit raises ref_cnt but leaves the block in the free queue, where it can be reallocated."""
@@ -138,6 +147,7 @@ class Bug:
 BUGS: tuple[Bug, ...] = (
     Bug(free_blocks_without_ref_cnt_check, ops.free_blocks, "_holds(result.state)"),
     Bug(free_blocks_hashed_to_the_left, ops.free_blocks, "_freed_as_the_policy_says("),
+    Bug(free_blocks_keeps_the_timestamp, ops.free_blocks, "_freed_as_the_policy_says("),
     Bug(touch_forgets_the_queue, ops.touch, "not set(block_ids) & set(result.state.free_queue)"),
     Bug(get_new_blocks_keeps_the_hash, ops.get_new_blocks, "result.state.block_hash[b] is None"),
     Bug(get_new_blocks_from_the_right, ops.get_new_blocks, "result.result == state.free_queue[: len(result.result)]"),

@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.filterwarnings(r"ignore:typing\.(io|re) is deprecated:DeprecationWarning"),
 ]
 
-# A planted bug must be found within FIND_PATHS paths (the most any needs is 142; CrossHair's path
+# A planted bug must be found within FIND_PATHS paths (the most any needs is 104; CrossHair's path
 # order is seeded, so that count is the same on every machine). FIND_BUDGET_S only stops a search
 # that runs away: a machine several times slower than the ones measured still reaches FIND_PATHS.
 FIND_PATHS = 600
@@ -91,7 +91,7 @@ def test_state_corpora_are_reachable_and_varied():
     assert any(st.free_queue and st.block_hash[st.free_queue[0]] is not None for st in pools)
     assert any(max(st.ref_cnt) > 1 for st in pools)
     assert any(not st.config.enable_caching for st in pools)
-    assert {st.config.profile for st in pools} == {"vllm-v1", "vllm-v1-tail"}
+    assert {st.config.profile for st in pools} == set(contracts.CORPUS_PROFILES)  # the keyed policies too
     managers = contracts.manager_state_corpus()
     assert all(all_hold(m.snapshot()) for m in managers)
     assert any(m.requests for m in managers) and any(not m.requests for m in managers)
