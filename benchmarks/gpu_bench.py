@@ -58,7 +58,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvspec.conformance.commands._arguments import OneLineParser, json_output
+from kvspec.conformance.commands._arguments import OneLineParser, json_output, profile_name
 from kvspec.conformance.commands._check_output import write_json
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
@@ -175,11 +175,13 @@ def _hashes(start: int, n: int) -> list[BlockHash]:
 class _Pair:
     """The reference and gpu_impl pools of one size, in the same state, and the calls that drive them."""
 
-    def __init__(self, num_gpu_blocks: int, device: torch.device, seed: int, host_path_max: int | None) -> None:
+    def __init__(
+        self, num_gpu_blocks: int, device: torch.device, seed: int, host_path_max: int | None, profile: str
+    ) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.rng = random.Random(seed)
-        self.ref = BlockPool(num_gpu_blocks)
-        self.gpu = TensorBlockPool(num_gpu_blocks, device=device, host_path_max=host_path_max)
+        self.ref = BlockPool(num_gpu_blocks, True, profile)
+        self.gpu = TensorBlockPool(num_gpu_blocks, True, profile, device=device, host_path_max=host_path_max)
         self.device = device
         self.num_hashes = 0
         # A full prefix cache: every block registered, all freed in one shuffled order.
@@ -251,6 +253,7 @@ def measure(
     seed: int = 0,
     verify: bool = True,
     host_path_max: int | None = None,
+    profile: str = "vllm-v1",
 ) -> list[Measurement]:
     """Time every operation for each pool size and each batch that fits it, both implementations side by side.
 
@@ -264,6 +267,7 @@ def measure(
         seed: seeds the blocks hit.
         verify: compare the two pools' snapshots after each pool size (O(pool) each).
         host_path_max: gpu_impl's longest host-face batch (None: its default for the device).
+        profile: the eviction policy both pools run (a keyed one times seed 002's stamps and heaps).
 
     Returns:
         One measurement per pool, batch and operation.
@@ -272,7 +276,7 @@ def measure(
     clock = _Clock(dev)
     results: list[Measurement] = []
     for num_gpu_blocks in pools:
-        pair = _Pair(num_gpu_blocks, dev, seed, host_path_max)
+        pair = _Pair(num_gpu_blocks, dev, seed, host_path_max, profile)
         for batch in batches:
             if batch > num_gpu_blocks - 1:
                 continue
@@ -476,11 +480,12 @@ def render(
     device: str,
     hash_map: HashMapTiming | None = None,
     content: ContentTiming | None = None,
+    profile: str = "vllm-v1",
 ) -> str:
     """The comparison table, the hash-map table, the content check, and where the targets are met or missed."""
     lines = [
-        f"gpu_impl on {device} against the reference: median time per call; ratio = reference / gpu_impl "
-        "(above 1x: gpu_impl faster)",
+        f"gpu_impl on {device} against the reference, profile {profile}: median time per call; "
+        "ratio = reference / gpu_impl (above 1x: gpu_impl faster)",
         "",
         f"{'pool':>10} {'batch':>8}  {'operation':<15}{'reference':>12}{'gpu_impl':>12}{'ratio':>9}"
         f"{'gpu (tensors)':>15}{'tensor ratio':>14}",
@@ -601,6 +606,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--profile", type=profile_name, default="vllm-v1",
+        help="the eviction policy both pools run (default vllm-v1; a keyed one such as lru-timestamp or lfu "
+        "times seed 002's policies: gpu_impl's selection per take against the reference's heaps)",
+    )
+    parser.add_argument(
         "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
     )
     try:
@@ -632,7 +642,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         device = str(pick_device(args.device))
         results = measure(
-            pools, batches, device, seconds_per_cell=args.seconds, seed=args.seed, host_path_max=args.host_path_max
+            pools, batches, device, seconds_per_cell=args.seconds, seed=args.seed, host_path_max=args.host_path_max,
+            profile=args.profile,
         )
         hash_map = None if args.no_hash_map else measure_hash_map(
             num_entries=max(pools), chain_length=min(1_000, max(pools)), device=device, seed=args.seed
@@ -644,9 +655,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         torch.set_num_threads(previous_threads)
-    print(render(results, device, hash_map, content))
+    print(render(results, device, hash_map, content, args.profile))
     if args.json is not None:
-        write_json(_document(results, device, hash_map, content, args.threads), args.json)
+        write_json(_document(results, device, hash_map, content, args.threads, args.profile), args.json)
     return 1 if content is not None and not content.is_intact else 0
 
 
@@ -656,11 +667,13 @@ def _document(
     hash_map: HashMapTiming | None,
     content: ContentTiming | None,
     threads: int,
+    profile: str = "vllm-v1",
 ) -> dict[str, object]:
     """The measurements as JSON: seconds per call, with the ratios the table prints."""
     return {
         "kvspec": "bench gpu",
         "device": device,
+        "profile": profile,
         "threads": threads,
         "measurements": [{**asdict(m), "ratio": m.ratio, "tensor_ratio": m.tensor_ratio} for m in results],
         "hash_map": None if hash_map is None else asdict(hash_map),

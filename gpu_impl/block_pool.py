@@ -5,8 +5,8 @@ block ids in the same order, the same error type for the same bad input,
 state unchanged after an error). Under the queue policies (`vllm-v1`,
 `vllm-v1-tail`) `get_new_blocks(n)` is a selection of the n smallest free keys
 (gpu_impl.free_queue; lemma 6, the key encoding, is why that is vLLM's order);
-under seed 002's keyed policies it is a selection over per-block stamps
-(gpu_impl.stamped_free: first fit, then the policy's key). `free_blocks` and
+under seed 002's keyed policies it comes from two host heaps over per-block
+stamps (gpu_impl.stamped_free: first fit, then the policy's key). `free_blocks` and
 `touch` of a whole request are a gather, a scatter and a batch of free
 blocks each.
 
@@ -183,11 +183,8 @@ class TensorBlockPool:
         # fixed: the longest batch run in Python over the host face
         self.host_path_max = HOST_PATH_MAX.get(self.device.type, 0) if host_path_max is None else host_path_max
         n, dev = num_gpu_blocks, self.device
-        # After the per-block fields: the queue's key index, or a keyed policy's stamps.
-        if rule.keyed:
-            extra = StampedFreeBlocks.stamp_length(n)
-        else:
-            extra = max(default_key_capacity(n) if key_capacity is None else key_capacity, 0)
+        # After the per-block fields: the queue's key index (a keyed policy keeps its order on the host).
+        extra = 0 if rule.keyed else max(default_key_capacity(n) if key_capacity is None else key_capacity, 0)
         try:
             state = MirroredState(_NUM_FIELDS * n + extra, dev, share_host_memory)
         except ValueError as e:
@@ -207,11 +204,11 @@ class TensorBlockPool:
         self._corrupt = state.host[_CORRUPT:end:step]
         self._has_hash_host = state.host_tensor[_HASH:end:step]  # the host face of has_hash, as a tensor
         # The eviction order. Queue policies: each block's key in its fourth field, the key
-        # index after the fields. Keyed policies: a free flag in the fourth field, the stamps after.
+        # index after the fields. Keyed policies: stamps and heaps on the host (the field stays 0).
         self._stamped: StampedFreeBlocks | None = None  # the keyed policy's free blocks, when it is one
         self.free_block_queue: KeyedFreeQueue | StampedFreeBlocks
         if rule.keyed:
-            self._stamped = StampedFreeBlocks(n, rule, state, self.has_hash, (_FREE_KEY, step), end)
+            self._stamped = StampedFreeBlocks(n, rule, self._hash_flags, dev)
             self.free_block_queue = self._stamped
         else:
             self.free_block_queue = KeyedFreeQueue(n, dev, key_capacity, state, (_FREE_KEY, step), end)
@@ -421,10 +418,8 @@ class TensorBlockPool:
             )
 
     def _take_short(self, num_blocks: int) -> list[int]:
-        if self._stamped is not None:  # a keyed take selects over the pool: kernels whatever its length
-            taken = cast("list[int]", self._stamped.take(num_blocks).tolist()) if num_blocks else []
-        else:
-            taken = self._queue().popleft_list(num_blocks)
+        stamped = self._stamped
+        taken = stamped.take(num_blocks) if stamped is not None else self._queue().popleft_list(num_blocks)
         ref, flags = self._ref, self._hash_flags
         for b in taken:
             ref[b] = 1
@@ -438,8 +433,10 @@ class TensorBlockPool:
         return taken
 
     def _take_long(self, num_blocks: int) -> torch.Tensor:
-        stamped = self._stamped
-        taken = stamped.take(num_blocks) if stamped is not None else self._queue().popleft_n(num_blocks)
+        if self._stamped is not None:  # the order is host metadata: the ids go to the device once
+            taken = self._state.to_device(self._stamped.take(num_blocks))
+        else:
+            taken = self._queue().popleft_n(num_blocks)
         self.ref_cnt.index_fill_(0, taken, 1)
         self.has_hash.index_fill_(0, taken, 0)  # evicted, as above
         if self._track:
@@ -805,6 +802,8 @@ class TensorBlockPool:
         if ids is None:
             long_ids = self._index(block_ids, "evict_blocks")
             self.has_hash.index_fill_(0, long_ids, 0)
+            if self._stamped is not None:  # a free block that loses its hash joins first fit
+                self._stamped.lost_hash(cast("list[int]", long_ids.tolist()))
             if self._track:
                 self._wrote_device(_HASH, long_ids)
                 self._state.sync()
@@ -819,6 +818,8 @@ class TensorBlockPool:
         flags = self._hash_flags
         for b in cast("list[int]", ids):
             flags[b] = 0
+        if self._stamped is not None:  # a free block that loses its hash joins first fit
+            self._stamped.lost_hash(cast("list[int]", ids))
         if self._track:
             self._wrote_host(_HASH, cast("list[int]", ids))
             self._state.sync()
@@ -836,6 +837,8 @@ class TensorBlockPool:
         self.has_hash.zero_()
         if self._track:
             self._has_hash_host.zero_()
+        if self._stamped is not None:
+            self._stamped.reset()
         return True
 
     def is_block_writable(self, block_id: BlockId) -> bool:

@@ -66,7 +66,6 @@ from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = [
     "DEFAULT_PROFILE",
-    "KEY_BOUND",
     "PROFILES",
     "PY",
     "QUEUE_PROFILES",
@@ -77,7 +76,6 @@ __all__ = [
     "known_profiles",
     "keyed_free_order",
     "keyed_rank",
-    "keys_fit",
     "freed_goes_left",
     "freed_in_place",
     "hit_tokens_within_cap",
@@ -244,8 +242,8 @@ def eviction_key(rule: ProfileRule, block_id: N, last_access: N, num_accesses: N
     Stamps are unique, so a key never ties; the block id ends it only so that
     the order is total by construction. `lru-lfu:W`'s score `last_access + W *
     accesses` is kept scaled by W's denominator q, `q * last_access + p *
-    accesses` for W = p / q: an integer, in the same order, which z3 and int64
-    tensors compare exactly. Written without branching on values, so z3 terms
+    accesses` for W = p / q: an integer, in the same order, which z3 compares
+    exactly. Written without branching on values, so z3 terms
     evaluate it too.
 
     >>> rule = profile_rule("lfu")
@@ -265,22 +263,6 @@ def eviction_key(rule: ProfileRule, block_id: N, last_access: N, num_accesses: N
         score = cast("N", q * last_access + p * num_accesses)  # type: ignore[operator]
         return (score, last_access, block_id)
     raise ValueError(f"profile {rule.name!r} orders by queue position, not by a key")
-
-
-KEY_BOUND = 1 << 62  # every eviction_key term below this fits an int64 with room to spare (gpu_impl's tensors)
-
-
-def keys_fit(rule: ProfileRule, clock: N) -> object:
-    """Whether every eviction_key term lies below KEY_BOUND at this clock (the bound gpu_impl checks per take).
-
-    Stamps are below the clock and counts at most the clock, so `lru-lfu:p/q`'s
-    `q * last + p * accesses` is below `(p + q) * (clock + 1)`; lemma 6 proves it.
-
-    >>> keys_fit(profile_rule("lru-lfu:0.5"), 10), keys_fit(profile_rule("lru-lfu:0.0000000000000000001"), 10)
-    (True, False)
-    """
-    scale = rule.weight.numerator + rule.weight.denominator if rule.key == "recency-frequency" else 1
-    return scale * (clock + 1) < KEY_BOUND  # type: ignore[operator]
 
 
 def keyed_rank(

@@ -31,6 +31,7 @@ __all__ = [
     "positive_float",
     "port",
     "positive_int",
+    "profile_name",
 ]
 
 DEFAULT_TRACE_DIR = str(runner.DEFAULT_TRACE_DIR)
@@ -201,6 +202,15 @@ def output_dir(text: str) -> Path:
 def json_output(text: str) -> str | Path:
     """Where a command writes its JSON: `-` for stdout, else a file path checked as `output_file`."""
     return text if text == "-" else output_file(text)
+
+
+def profile_name(text: str) -> str:
+    """The name of a profile (kvspec.spec.ordering: the named ones and lru-lfu:W)."""
+    from kvspec.spec.ordering import is_profile, known_profiles
+
+    if not is_profile(text):
+        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {known_profiles()}")
+    return text
 
 
 def port(text: str) -> int:

@@ -19,19 +19,17 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvspec.conformance.commands._arguments import json_output, non_negative_int, output_file, positive_int
+from kvspec.conformance.commands._arguments import (
+    json_output,
+    non_negative_int,
+    output_file,
+    positive_int,
+    profile_name,
+)
 
 __all__ = ["register", "run"]
 
 _COLUMNS = ("profile", "block", "pool", "hit rate", "hits / queries", "evictions", "preempted", "peak held", "tails")
-
-
-def _profile(text: str) -> str:
-    from kvspec.spec.ordering import is_profile, known_profiles
-
-    if not is_profile(text):
-        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {known_profiles()}")
-    return text
 
 
 def register(subparsers: Any) -> None:
@@ -50,7 +48,7 @@ def register(subparsers: Any) -> None:
                    help="tokens per block (default 16)")
     p.add_argument("--pool", type=positive_int, nargs="+", default=[2000], metavar="N",
                    help="blocks in the pool, the null block included (default 2000)")
-    p.add_argument("--profile", type=_profile, nargs="+", default=["vllm-v1"], metavar="P",
+    p.add_argument("--profile", type=profile_name, nargs="+", default=["vllm-v1"], metavar="P",
                    help="ordering profiles (default vllm-v1)")
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     p.add_argument("--plot", type=output_file, metavar="PNG", help="write hit rate against pool capacity (matplotlib)")

@@ -27,8 +27,7 @@ report says "bounded (n <= N)", never "proved".
 6. lemma_key_encoding_matches_queue (every profile): the key encoding
    (lo - k + i left, hi + 1 + i right, take the n smallest) orders blocks as
    the free queue does, after any operation sequence; under a keyed policy,
-   gpu_impl's selection (first fit by id, then the key terms in int64) is the
-   spec's keyed order and never overflows.
+   gpu_impl's order (first fit by id, then eviction_key) is the spec's.
 7. lemma_invariants_inductive (every profile; a keyed one's operations are
    taken with the free blocks in any order): ref_cnt >= 0, null-block,
    free-has-zero-ref, conservation, hash-table-consistent,
@@ -195,7 +194,7 @@ LEMMAS: tuple[Lemma, ...] = (
         key_encoding.NAME,
         "the key encoding (left batches keyed lo - k + i, right ones hi + 1 + i, take the n smallest "
         "keys) gives the free queue's order after every operation sequence; under a keyed policy gpu_impl's "
-        "selection (first fit by id, then the key terms in int64) is the spec's order and never overflows",
+        "order (first fit by id, then eviction_key) is the spec's",
         _every_profile,
         "every profile",
         True,

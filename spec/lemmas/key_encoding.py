@@ -21,13 +21,12 @@ same blocks. The false twin is off by one at both ends (a left batch keyed
 `lo - k + 1 + i`, a right one `hi + i`): a new key ties with the smallest or
 largest free key, and a tie does not order the queue.
 
-Under a keyed policy (seed 002) gpu_impl keeps no queue keys: a take selects
-(gpu_impl.stamped_free) the free blocks without a hash in ascending id order,
-then the hashed ones sorted by the spec's `eviction_key` terms in int64, ids
-ending ties. Two obligations: that selection orders any two free blocks as
-the spec's `keyed_rank` does, and every key term lies in [0, 2^62) whenever
-`keys_fit` holds at the clock (the check gpu_impl makes per take), so int64
-arithmetic never overflows. The false twin takes first fit by descending id.
+Under a keyed policy (seed 002) gpu_impl keeps no queue keys: it takes
+(gpu_impl.stamped_free) from a heap of the ids of the free blocks without a
+hash, then from a heap of the free hashed ones ordered by the spec's
+`eviction_key` (which ends with the id). The obligation: that order ranks any
+two free blocks as the spec's `keyed_rank` does. The false twin takes first
+fit by descending id.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from kvspec.spec.lemmas import pool_model as pm
 from kvspec.spec.lemmas import stamps
 from kvspec.spec.lemmas.backend import Z3, Index, Universe
 from kvspec.spec.lemmas.prover import Formula, Obligation
-from kvspec.spec.ordering import KEY_BOUND, ProfileRule, eviction_key, keys_fit
+from kvspec.spec.ordering import ProfileRule, eviction_key
 
 __all__ = ["NAME", "keys_match_queue", "obligations", "twin_obligations"]
 
@@ -161,7 +160,7 @@ def _selection_is_the_keyed_order(rule: ProfileRule, first_fit_descending: bool 
         a, b = z3.Ints("a b")
         first_fit = a > b if first_fit_descending else a < b
         hashed_a, hashed_b = s.has_hash[a], s.has_hash[b]
-        # gpu_impl's take: unhashed ones first, by id; then hashed ones by the key terms, the id last.
+        # gpu_impl's take: unhashed ones first, by id; then hashed ones by eviction_key (the id last).
         selected_first = z3.If(
             hashed_a == hashed_b,
             z3.If(hashed_a, Z3.lex_lt(_key_terms(rule, st, a), _key_terms(rule, st, b)), first_fit),
@@ -187,27 +186,13 @@ def _selection_is_the_keyed_order(rule: ProfileRule, first_fit_descending: bool 
         )
 
     how = "descending" if first_fit_descending else "ascending"
-    return Obligation(f"first fit by {how} id, then the key terms, is the spec's keyed order", build)
-
-
-def _key_terms_fit_int64(rule: ProfileRule) -> Obligation:
-    def build(u: Universe) -> Formula:
-        s, st = pm.fresh_state(u, "pool"), stamps.fresh_stamps("pool")
-        b = z3.Int("b")
-        terms = _key_terms(rule, st, b)[:-1]  # the id is an id
-        return Formula(
-            hypotheses=[stamps.below_clock(u, s, st), keys_fit(rule, st.clock), b >= 0, b < s.num_gpu_blocks],
-            claim=z3.And(*(z3.And(t >= 0, t < KEY_BOUND) for t in terms)),  # type: ignore[operator]
-            render=lambda m: stamps.render_stamps(m, st, {"block": b}, f"[profile {rule.name}]"),
-        )
-
-    return Obligation("every key term lies in [0, 2^62) whenever keys_fit holds at the clock", build)
+    return Obligation(f"first fit by {how} id, then eviction_key, is the spec's keyed order", build)
 
 
 def obligations(rule: ProfileRule) -> list[Obligation]:
     """R initially, after every operation, and the take rule; under a keyed policy, the selection."""
     if rule.keyed:
-        return [_selection_is_the_keyed_order(rule), _key_terms_fit_int64(rule)]
+        return [_selection_is_the_keyed_order(rule)]
     return [_initial(), *(_preserved(rule, op) for op in pm.OPERATIONS), _takes_smallest()]
 
 

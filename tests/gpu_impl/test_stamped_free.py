@@ -69,8 +69,8 @@ def test_a_take_uses_first_fit_before_it_evicts_and_evicts_by_key(host_path_max)
     gpu.check_invariants()
 
 
-def test_a_weight_too_fine_for_int64_keys_is_compared_exactly_on_the_host():
-    # W = 10^-19: q = 10^19 is beyond int64, so the combined key is compared with Python ints
+def test_a_weight_finer_than_int64_is_exact():
+    # W = 10^-19: q = 10^19 is beyond int64; the heaps compare the spec's keys as Python ints
     fine = "lru-lfu:0.0000000000000000001"
     calls = [*LIFE, ("get_new_blocks", (7,))]
     gpu = _both(fine, calls)
