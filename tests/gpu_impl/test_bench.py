@@ -46,6 +46,18 @@ def test_both_paths_of_gpu_impl_are_measured_against_the_same_reference():
         assert {m.batch for m in results} == {16, 100}
 
 
+@pytest.mark.parametrize("profile", ["lru-timestamp", "lfu", "lru-lfu:0.5"])
+def test_every_keyed_policy_is_measured_with_the_pools_kept_equal(profile, capsys):
+    # measure() compares the two pools' snapshots after each pool size (verify=True)
+    results = measure(pools=(300,), batches=(1, 16), seconds_per_cell=0.001, max_rounds=3, profile=profile)
+    assert {m.operation for m in results} == set(OPERATIONS)
+    args = ["--pools", "40", "--batches", "1", "--seconds", "0.001", "--no-hash-map", "--no-content"]
+    assert main([*args, "--profile", profile]) == 0
+    assert f"profile {profile}:" in capsys.readouterr().out
+    assert main([*args, "--profile", "mru"]) == 2
+    assert "unknown profile 'mru'" in capsys.readouterr().err
+
+
 def test_the_hash_map_comparison_agrees_on_the_answers():
     timing = measure_hash_map(num_entries=1000, chain_length=50)
     assert timing.dict_lookup > 0 and timing.table_lookup > 0 and timing.chain_length == 50
