@@ -56,6 +56,19 @@ def _row(number: str, name: str, profile: str, result: str, seconds: str) -> str
     return f"{number:>2}  {name:<44} {profile:<14} {result:<36} {seconds:>7}"
 
 
+def _breaks(report: ProofReport) -> list[str]:
+    """A line per profile: the lemmas it breaks, and those that do not speak of it."""
+    lines = []
+    for profile in report.profiles:
+        named = ", ".join(f"lemma {lem.number} ({lem.name})" for lem in report.breaks(profile)) or "no lemma"
+        outside = report.not_applicable(profile)
+        numbers = ", ".join(str(lem.number) for lem in outside)
+        verb = "lemmas {} do" if len(outside) > 1 else "lemma {} does"
+        aside = f"; {verb.format(numbers)} not speak of it"
+        lines.append(f"profile {profile} breaks {named}{aside if outside else ''}")
+    return lines
+
+
 def render_text(report: ProofReport) -> str:
     """The report as the table a person reads, counterexamples under their rows."""
     import z3  # the prover's dependency; imported here so `kvspec --help` never needs it
@@ -96,15 +109,7 @@ def render_text(report: ProofReport) -> str:
             lines.append(textwrap.indent(v.counterexample, "    "))
         if v.reason and v.status != "refuted":
             lines.append(f"      z3: {v.reason}")
-    lines.append("")
-    for profile in report.profiles:
-        broken = report.breaks(profile)
-        named = ", ".join(f"lemma {lem.number} ({lem.name})" for lem in broken) or "no lemma"
-        outside = report.not_applicable(profile)
-        numbers = ", ".join(str(lem.number) for lem in outside)
-        aside = f"; {'lemmas' if len(outside) > 1 else 'lemma'} {numbers} {'do' if len(outside) > 1 else 'does'}"
-        aside = f"{aside} not speak of it" if outside else ""
-        lines.append(f"profile {profile} breaks {named}{aside}")
+    lines += ["", *_breaks(report)]
     slowest = report.slowest
     within = "within" if report.seconds <= BUDGET_S else "OVER"
     failed = [r for r in report.results if not r.ok]
