@@ -124,6 +124,11 @@ class VllmV0PoolAdapter:
         self.version = version
         self.config = config
         module = _allocator_module(version)
+        if not callable(getattr(module.PrefixCachingBlockAllocator, "allocate_mutable_block", None)):
+            raise ValueError(
+                f"vllm=={version} (v0): its allocator has no allocate_mutable_block (the API from 0.5.0), "
+                "which this adapter speaks"
+            )
         self.allocator: Any = module.PrefixCachingBlockAllocator(
             num_blocks=config.num_gpu_blocks - 1, block_size=1, block_ids=range(1, config.num_gpu_blocks)
         )
@@ -194,7 +199,10 @@ class VllmV0PoolAdapter:
             self._content[block.content_hash] = bytes(h)
             self._hold(block)  # under the id v0 left it with: the cached block's, where it swapped
             self._now += 1
-        self.allocator.mark_blocks_as_computed([])  # the caller's end of the step
+        if hasattr(self.allocator, "_touched_blocks"):
+            # from 0.6.0 a promoted block is a hit only after the caller's end-of-step
+            # mark_blocks_as_computed; before, marking is incremental and the call raises
+            self.allocator.mark_blocks_as_computed([])
 
     def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
         """v0's ``free``, one block at a time, each stamped just before."""

@@ -1,0 +1,77 @@
+"""vLLM v0's real allocator and evictor from release wheels (downloaded once into the light-mode cache).
+
+Three releases stand for the v0 generations the adapter speaks: 0.5.5
+(evictor_v2.py, a set as the hashless free list, computed marks incremental),
+0.6.6 (evictor.py, a deque, no reset_prefix_cache) and 0.7.3
+(reset_prefix_cache); 0.4.2, an older allocator API, is refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvspec.conformance.adapter import AdapterConfig, capabilities
+from kvspec.conformance.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.results import Verdict
+from kvspec.conformance.runner import run_check
+from kvspec.conformance.vllm import lightmode
+from kvspec.conformance.vllm.v0 import V0_RELEASES, load_lru_evictor, make_v0_light_adapter
+from kvspec.spec.state import BlockHash, BlockId
+
+pytestmark = pytest.mark.vllm
+
+SAMPLE = ("0.5.5", "0.6.6", "0.7.3")
+
+
+@pytest.mark.parametrize("version", SAMPLE)
+def test_the_allocator_loads_from_the_wheel_with_only_the_sequence_type_a_placeholder(version: str) -> None:
+    release = lightmode.load_release(version, layout=lightmode.V0)
+    assert "vllm.core.block.prefix_caching_block" in release.modules
+    assert release.placeholders_at_load <= {"vllm.sequence:Sequence"}
+    assert load_lru_evictor(version).__name__ == "LRUEvictor"
+    assert version in V0_RELEASES
+
+
+@pytest.mark.parametrize("version", SAMPLE)
+def test_v0_swaps_in_the_cached_block_when_a_full_block_repeats_a_cached_hash(version: str) -> None:
+    # v0 keeps one block per hash: promoting block 2 under h1 frees it and takes a
+    # second reference on block 1; the spec keeps both (block tables stay append-only)
+    lock = LockStep(
+        make_v0_light_adapter(version), AdapterConfig(level="pool", num_gpu_blocks=4, profile="lru-timestamp")
+    )
+    lock.check()
+    lock.call("get_new_blocks", 2)
+    lock.check()
+    lock.call("cache_full_blocks", [BlockId(1), BlockId(2)], [BlockHash(b"\xa1" * 4)] * 2)
+    with pytest.raises(ConformanceFailure) as caught:
+        lock.check()
+    message = caught.value.failure.message
+    assert "ref_cnt: spec (0, 1, 1, 0) vs implementation (0, 2, 0, 0)" in message
+
+
+@pytest.mark.parametrize("version", ["0.6.6", "0.7.3"])
+def test_v0_reuses_the_last_freed_block_without_content_first_not_the_lowest_id(version: str) -> None:
+    # lru-timestamp (seed 002) takes first fit: after freeing 1 then 2 the spec
+    # hands out 1; v0's hashless free list is a deque used as a stack: 2 first
+    adapter = make_v0_light_adapter(version)(AdapterConfig(level="pool", num_gpu_blocks=5, profile="lru-timestamp"))
+    assert adapter.get_new_blocks(2) == [1, 2]
+    adapter.free_blocks([BlockId(1), BlockId(2)])
+    assert adapter.snapshot().free_queue == (2, 1, 3, 4)
+
+
+def test_reset_prefix_cache_exists_from_0_7_0() -> None:
+    config = AdapterConfig(level="pool", num_gpu_blocks=4)
+    assert "reset_prefix_cache" not in capabilities(make_v0_light_adapter("0.6.6")(config))
+    assert "reset_prefix_cache" in capabilities(make_v0_light_adapter("0.7.3")(config))
+
+
+def test_the_oracle_s_check_diverges_under_every_profile_at_the_swap(tmp_path: object) -> None:
+    for profile in ("lru-timestamp", "vllm-v1", "vllm-v1-tail"):
+        result = run_check("vllm-v0@0.6.6", level="pool", profile=profile, max_examples=50, trace_dir=str(tmp_path))
+        assert result.verdict is Verdict.DIVERGES, profile
+        assert result.failure is not None and result.failure.op == "cache_full_blocks"
+
+
+def test_a_release_before_the_0_5_allocator_api_could_not_run_with_why() -> None:
+    with pytest.raises(ValueError, match=r"^vllm==0\.4\.2 \(v0\): its allocator has no allocate_mutable_block"):
+        make_v0_light_adapter("0.4.2")(AdapterConfig(level="pool", num_gpu_blocks=4))
