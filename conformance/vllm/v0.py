@@ -241,17 +241,20 @@ class VllmV0PoolAdapter:
 def _allocation_order(alloc: Any) -> list[int]:
     """The order v0 hands out free blocks: the hashless free list, then what the real evictor evicts, in turn.
 
-    A block the evictor holds but cannot evict (a stale heap entry) comes last, by id.
+    NOTE: a block the evictor counts but can no longer evict (its one heap entry
+    went stale: ``LRUEvictor.update`` changes a timestamp without pushing a new
+    entry, and ``evict`` drops an entry whose timestamp differs) is left out:
+    it cannot be handed out, so the state invariants name it (ref_cnt 0, not
+    free) instead of the queue hiding it.
     """
     order = list(alloc._hashless_allocator._free_block_indices)
     evictor = copy.deepcopy(alloc.evictor)
     while evictor.num_blocks:
         try:
             order.append(evictor.evict()[0])
-        except ValueError:
+        except ValueError:  # what is left has only stale heap entries
             break
-    stuck = sorted(set(evictor.free_table) - set(order))
-    return order + stuck
+    return order
 
 
 class _Reset:

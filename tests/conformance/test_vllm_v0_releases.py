@@ -1,7 +1,7 @@
 """vLLM v0's real allocator and evictor from release wheels (downloaded once into the light-mode cache).
 
 Three releases stand for the v0 generations the adapter speaks: 0.5.5
-(evictor_v2.py, a set as the hashless free list, computed marks incremental),
+(evictor_v2.py, computed marks incremental),
 0.6.6 (evictor.py, a deque, no reset_prefix_cache) and 0.7.3
 (reset_prefix_cache); 0.4.2, an older allocator API, is refused by name.
 """
@@ -75,3 +75,28 @@ def test_the_oracle_s_check_diverges_under_every_profile_at_the_swap(tmp_path: o
 def test_a_release_before_the_0_5_allocator_api_could_not_run_with_why() -> None:
     with pytest.raises(ValueError, match=r"^vllm==0\.4\.2 \(v0\): its allocator has no allocate_mutable_block"):
         make_v0_light_adapter("0.4.2")(AdapterConfig(level="pool", num_gpu_blocks=4))
+
+
+@pytest.mark.parametrize("version", ["0.6.6", "0.7.3"])
+def test_update_on_a_free_block_leaves_its_heap_entry_stale_so_it_is_never_evicted(version: str) -> None:
+    # LRUEvictor.update changes last_accessed in free_table and pushes no heap entry;
+    # evict drops an entry whose timestamp differs, so block 1 stays counted (num_blocks)
+    # but is never handed out until a cleanup rebuilds the heap (heap > 50 x free_table)
+    evictor = load_lru_evictor(version)()
+    evictor.add(1, 101, 1, 1.0)
+    evictor.add(2, 102, 1, 2.0)
+    evictor.update(1, 3.0)
+    assert evictor.evict() == (2, 102)
+    assert evictor.num_blocks == 1
+    with pytest.raises(ValueError, match="^No usable cache memory left$"):
+        evictor.evict()
+
+
+def test_before_0_6_5_update_on_a_free_block_does_not_move_it_in_the_eviction_order() -> None:
+    # to 0.6.4.post1 the LRUEvictor is an OrderedDict scanned from its oldest insertion:
+    # update changes the timestamp in place, so block 1, now the most recent, still goes first
+    evictor = load_lru_evictor("0.5.5")()
+    evictor.add(1, 101, 1, 1.0)
+    evictor.add(2, 102, 1, 2.0)
+    evictor.update(1, 3.0)
+    assert evictor.evict() == (1, 101)
