@@ -215,6 +215,21 @@ REQUEST_PROBES: tuple[Probe, ...] = (
 )
 
 
+# v0's allocator (conformance/vllm/v0.py), under lru-timestamp: what it does that the spec does not.
+# v0 keeps one block per hash (the spec keeps duplicates: block tables stay append-only),
+# and its free list of blocks without content is a stack (appendleft, popleft), not first fit.
+V0_PROBES: tuple[Probe, ...] = (
+    Probe(
+        "full block of a cached hash swapped for the cached block",
+        (("get_new_blocks", (2,)), ("cache_full_blocks", ([1, 2], [_h(1), _h(1)]))),
+    ),
+    Probe(
+        "block without content reused last freed first not lowest id first",
+        (("get_new_blocks", (2,)), ("free_blocks", ([1, 2],)), ("get_new_blocks", (1,))),
+    ),
+)
+
+
 @dataclass(slots=True)
 class ProbeResult:
     """What one probe found on one release."""
@@ -235,6 +250,7 @@ def run_probes(
     num_gpu_blocks: int = 4,
     *,
     level: str = "pool",
+    probes: Sequence[Probe] | None = None,
 ) -> list[ProbeResult]:
     """Run every probe of a level against ``factory`` through the harness's lock-step (each is minimal: no shrinking).
 
@@ -245,6 +261,7 @@ def run_probes(
         impl_name: The implementation's name, written into traces.
         num_gpu_blocks: The pool size (the request level uses 8: its probe needs two blocks).
         level: ``"pool"`` (``PROBES``) or ``"manager"`` (``REQUEST_PROBES``).
+        probes: Instead of the level's, these (``V0_PROBES`` for v0's allocator).
 
     Returns:
         One result per probe that the adapter can run.
@@ -253,7 +270,8 @@ def run_probes(
     from kvspec.conformance.trace import write_trace
 
     results: list[ProbeResult] = []
-    probes = PROBES if level == "pool" else REQUEST_PROBES
+    if probes is None:
+        probes = PROBES if level == "pool" else REQUEST_PROBES
     config = AdapterConfig(level="pool" if level == "pool" else "manager", num_gpu_blocks=num_gpu_blocks,
                            enable_caching=True, profile=profile)  # fmt: skip
     for probe in probes:
@@ -385,7 +403,7 @@ def is_v0_only(version: str) -> bool:
 
 def _v0_worker(args: argparse.Namespace) -> dict[str, Any]:
     """One v0 release at the pool level with caching on: v0's prefix-caching allocator under each v0 and v1 profile."""
-    from kvspec.conformance.vllm.v0 import V0_PROFILES
+    from kvspec.conformance.vllm.v0 import V0_PROFILES, make_v0_light_adapter
 
     version: str = args.worker
     row: dict[str, Any] = {"version": version, "cells": {}, "probes": [], "hashes": ""}
@@ -407,6 +425,10 @@ def _v0_worker(args: argparse.Namespace) -> dict[str, Any]:
         steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())
         row["cells"][key] = asdict(Cell("ran", "", {p: _result_json(r) for p, r in results.items()},
                                         steps / elapsed if elapsed > 0 else None))  # fmt: skip
+        impl_name = f"vllm-v0@{version}"
+        factory = make_v0_light_adapter(version)
+        found = run_probes(factory, "lru-timestamp", args.trace_dir, impl_name, num_gpu_blocks=4, probes=V0_PROBES)
+        row["probes"] = [asdict(r) for r in found]
     return row
 
 
@@ -538,7 +560,7 @@ def _notes(row: ReleaseRow) -> list[str]:
             if note not in notes:
                 notes.append(note)
     if is_v0_only(row.version):
-        notes.append("v0's prefix-caching allocator (vllm/core/block); directed probes and hash vectors not run on it")
+        notes.append("v0's prefix-caching allocator (vllm/core/block); v1's probes and hash vectors not run on it")
     for p in row.probes:
         if p.verdict != Verdict.CONFORMS:
             notes.append(f"{p.name} (step {p.step} {p.op}: {p.message[:120]}; trace {p.trace_path})")
