@@ -66,7 +66,9 @@ __all__ = ["V0_PROFILES", "V0_RELEASES", "VllmV0PoolAdapter", "load_lru_evictor"
 
 # Every release on the package registry whose wheel ships
 # vllm/core/block/prefix_caching_block.py (measured by reading each wheel: 0.4.0
-# and 0.11.0 do not); from 0.4.2 the allocator has mark_blocks_as_accessed.
+# and 0.11.0 do not). The adapter speaks the allocator API of 0.5.1 on
+# (allocate_mutable_block; mark_blocks_as_accessed from 0.4.2) and refuses the
+# older ones by name.
 V0_RELEASES: tuple[str, ...] = (
     "0.4.0.post1", "0.4.1", "0.4.2", "0.4.3", "0.5.0", "0.5.0.post1", "0.5.1", "0.5.2", "0.5.3",
     "0.5.3.post1", "0.5.4", "0.5.5", "0.6.0", "0.6.1", "0.6.1.post1", "0.6.1.post2", "0.6.2", "0.6.3",
@@ -126,7 +128,7 @@ class VllmV0PoolAdapter:
         module = _allocator_module(version)
         if not callable(getattr(module.PrefixCachingBlockAllocator, "allocate_mutable_block", None)):
             raise ValueError(
-                f"vllm=={version} (v0): its allocator has no allocate_mutable_block (the API from 0.5.0), "
+                f"vllm=={version} (v0): its allocator has no allocate_mutable_block (the API from 0.5.1), "
                 "which this adapter speaks"
             )
         self.allocator: Any = module.PrefixCachingBlockAllocator(
