@@ -94,3 +94,13 @@ def test_caching_off_and_the_request_level_are_refused_with_why() -> None:
         make_v0_light_adapter(MINI)(AdapterConfig(level="pool", num_gpu_blocks=4, enable_caching=False))
     result = run_check(make_v0_light_adapter(MINI), level="manager", max_examples=5)
     assert result.verdict is Verdict.NOT_APPLICABLE
+
+
+def test_the_evictor_benchmark_row_replays_one_trace_on_both_and_prints_each_size_s_ratio() -> None:
+    from kvspec.benchmarks.reference_bench import measure_v0_evictor, render_v0_evictor
+    from kvspec.conformance.vllm.v0 import load_lru_evictor
+
+    results = measure_v0_evictor(load_lru_evictor(MINI), sizes=(20, 40), rounds=30, repeat=1)
+    assert [(m.num_blocks, m.num_operations) for m in results] == [(20, 120), (40, 120)]
+    row = render_v0_evictor(results, MINI)
+    assert row.startswith("keyed free vs v0 LRUEvictor (vllm==0.0.2") and "40 blocks:" in row

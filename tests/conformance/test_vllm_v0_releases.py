@@ -100,3 +100,11 @@ def test_before_0_6_5_update_on_a_free_block_does_not_move_it_in_the_eviction_or
     evictor.add(2, 102, 1, 2.0)
     evictor.update(1, 3.0)
     assert evictor.evict() == (1, 101)
+
+
+def test_the_evictor_benchmark_agrees_with_v0_s_real_lru_evictor_on_every_eviction() -> None:
+    from kvspec.benchmarks.reference_bench import measure_v0_evictor
+
+    # each replay asserts that every evicted block is the one LRU names
+    (m,) = measure_v0_evictor(load_lru_evictor("0.7.3"), sizes=(50,), rounds=200, repeat=1)
+    assert m.reference_seconds > 0 and m.v0_seconds > 0
