@@ -28,6 +28,12 @@ What is real and what is not:
   stand-in. Each one handed out is recorded in ``LightRelease.placeholders_used``
   so a check can assert that no pool path leaned on one.
 
+Which modules are real is a ``Layout``: ``V1`` is the list above; ``V0`` is
+vLLM v0's prefix-caching allocator (``core/block/prefix_caching_block.py``,
+``naive_block.py``, ``common.py``, ``interfaces.py``, ``core/evictor.py`` or
+``evictor_v2.py``) with ``Device`` and ``cdiv`` from ``vllm/utils``; the
+same release extracted in both layouts lives in two cache folders.
+
 The rejected alternative was a subprocess per release with a stub ``vllm``
 package on its path: simpler isolation, but every pool operation would cross a
 process boundary and block objects could not be inspected directly.
