@@ -86,7 +86,8 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
 
     unknown = [v for v in versions if v not in RELEASES and v not in V0_RELEASES]
     if unknown:
-        known = f"{V0_RELEASES[0]} to {RELEASES[-1]} ({V0_RELEASES[0]} to {RELEASES[0]}: vLLM v0's allocator)"
+        v0_only = [v for v in V0_RELEASES if v not in RELEASES]
+        known = f"{V0_RELEASES[0]} to {RELEASES[-1]} ({v0_only[0]} to {v0_only[-1]}: vLLM v0's allocator)"
         print(f"kvspec oracle: unknown vLLM release {', '.join(unknown)}; the oracle covers {known}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     levels = ["pool", "manager"] if args.level == "both" else [args.level]
