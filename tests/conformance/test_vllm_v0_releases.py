@@ -108,3 +108,21 @@ def test_the_evictor_benchmark_agrees_with_v0_s_real_lru_evictor_on_every_evicti
     # each replay asserts that every evicted block is the one LRU names
     (m,) = measure_v0_evictor(load_lru_evictor("0.7.3"), sizes=(50,), rounds=200, repeat=1)
     assert m.reference_seconds > 0 and m.v0_seconds > 0
+
+
+def test_the_oracle_runs_a_v0_release_in_its_own_process_and_names_each_difference(tmp_path: object) -> None:
+    from kvspec.conformance.vllm.oracle import format_matrix, run_oracle
+
+    (row,) = run_oracle(["0.6.6"], caching="both", max_examples=20, time_budget=30.0, trace_dir=str(tmp_path))
+    on, off = row.cells["pool/on"], row.cells["pool/off"]
+    assert on.status == "ran" and set(on.profiles) == {"lru-timestamp", "vllm-v1", "vllm-v1-tail"}
+    assert on.conforms_to() == []
+    assert off.status == "not run" and "NaiveBlockAllocator" in off.why  # no verdict: the exit code is 2
+    verdicts = {p.name: p.verdict for p in row.probes}
+    assert verdicts == {
+        "full block of a cached hash swapped for the cached block": "diverges",
+        "block without content reused last freed first not lowest id first": "diverges",
+        "cached blocks not evicted oldest last access first": "conforms",
+    }
+    assert all(p.trace_path for p in row.probes if p.verdict == "diverges")
+    assert "lru-timestamp diverges[1]" in format_matrix([row], ["pool"], ["on", "off"])
