@@ -126,3 +126,29 @@ def test_the_oracle_runs_a_v0_release_in_its_own_process_and_names_each_differen
     }
     assert all(p.trace_path for p in row.probes if p.verdict == "diverges")
     assert "lru-timestamp diverges[1]" in format_matrix([row], ["pool"], ["on", "off"])
+
+
+@pytest.mark.parametrize("version", ["0.6.6", "0.7.3"])
+def test_in_one_scheduler_step_v0_evicts_every_sequence_s_deeper_blocks_before_any_parent(version: str) -> None:
+    # v0's block manager records one `now` per sequence per scheduler step and, when the
+    # sequence is freed, marks all its blocks with it (LastAccessBlocksTracker), so the evictor's
+    # tie-break (more hashed tokens first) orders two sequences freed in that step by
+    # depth across both: 2, 4, then 1, 3. The spec stamps per block in call order, so
+    # freeing a tail first, then b, gives 2, 1, 4, 3 (docs/design.md, Profiles).
+    module = lightmode.load_release(version, layout=lightmode.V0).module("vllm.core.block.prefix_caching_block")
+    allocator = module.PrefixCachingBlockAllocator(num_blocks=4, block_size=1, block_ids=range(1, 5))
+
+    def sequence(tokens: list[int]) -> list[object]:
+        blocks, prev = [], None
+        for token in tokens:
+            prev = allocator.allocate_mutable_block(prev_block=prev)
+            prev.append_token_ids([token])
+            blocks.append(prev)
+        return blocks
+
+    a, b = sequence([10, 11]), sequence([20, 21])
+    allocator.mark_blocks_as_accessed([1, 2, 3, 4], 5.0)
+    allocator.mark_blocks_as_computed([])
+    for block in a + b:  # v0's BlockTable.free frees a sequence's blocks head first
+        allocator.free(block)
+    assert [allocator.evictor.evict()[0] for _ in range(4)] == [2, 4, 1, 3]
