@@ -43,7 +43,17 @@ from kvspec.reference import BlockPool, KVCacheManager
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
 
-__all__ = ["DEFAULT_SIZES", "OPERATIONS", "Measurement", "main", "measure", "render"]
+__all__ = [
+    "DEFAULT_SIZES",
+    "OPERATIONS",
+    "EvictorMeasurement",
+    "Measurement",
+    "main",
+    "measure",
+    "measure_v0_evictor",
+    "render",
+    "render_v0_evictor",
+]
 
 DEFAULT_SIZES = (1_000, 10_000, 100_000, 1_000_000)
 BATCH = 16  # blocks per call: a request's worth (vLLM frees and allocates a request's blocks at once)
@@ -184,6 +194,110 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, repeat: int = 2000, seed: int 
     ]
 
 
+# --- the keyed free blocks against vLLM v0's own LRUEvictor ---------------------------------
+
+V0_EVICTOR_ROW = "keyed free vs v0 LRUEvictor"
+
+
+@dataclass(frozen=True, slots=True)
+class EvictorMeasurement:
+    """One size: the same add/remove/evict trace replayed on the reference's keyed free blocks and on v0's evictor."""
+
+    num_blocks: int  # blocks in the trace (every one hashed and free at the start)
+    num_operations: int  # operations in the trace
+    reference_seconds: float  # best whole-trace replay time of KeyedFreeBlocks (lru-timestamp)
+    v0_seconds: float  # best whole-trace replay time of v0's LRUEvictor
+
+
+def _evictor_trace(num_blocks: int, rounds: int, seed: int) -> list[tuple[str, int]]:
+    """The trace, in block ids: per round evict the LRU block and free it again, take a random free block out by a
+    hit and free it again; the evicted ids are what LRU gives (both replays are checked against them)."""
+    rng = random.Random(seed)
+    order = list(range(num_blocks))  # the LRU order: stamps are given in this order, oldest first
+    trace: list[tuple[str, int]] = []
+    for _ in range(rounds):
+        victim = order.pop(0)
+        trace += [("evict", victim), ("add", victim)]
+        order.append(victim)
+        hit = order.pop(rng.randrange(len(order)))
+        trace += [("remove", hit), ("add", hit)]
+        order.append(hit)
+    return trace
+
+
+def _replay_keyed(num_blocks: int, trace: Sequence[tuple[str, int]]) -> float:
+    from kvspec.reference.free_queue import KVCacheBlock
+    from kvspec.reference.keyed_free import KeyedFreeBlocks
+    from kvspec.spec.ordering import profile_rule
+
+    blocks = [KVCacheBlock(b) for b in range(num_blocks)]
+    free = KeyedFreeBlocks(blocks, profile_rule("lru-timestamp"))
+    for block in free.popleft_n(num_blocks):
+        block.block_hash = BlockHash(block.block_id.to_bytes(8, "big"))
+    free.freed(range(num_blocks), blocks)  # stamped 0..n-1: the trace's LRU order
+    start = time.perf_counter()
+    for op, b in trace:
+        if op == "evict":
+            got = free.popleft().block_id
+            assert got == b, f"keyed free blocks evicted block {got}, LRU says {b}"
+        elif op == "remove":
+            free.remove(blocks[b])
+        else:
+            free.freed((b,), (blocks[b],))
+    return time.perf_counter() - start
+
+
+def _replay_v0(evictor_cls: type, num_blocks: int, trace: Sequence[tuple[str, int]]) -> float:
+    evictor = evictor_cls()
+    for b in range(num_blocks):
+        evictor.add(b, b, 1, float(b))
+    clock = float(num_blocks)
+    start = time.perf_counter()
+    for op, b in trace:
+        if op == "evict":
+            got = evictor.evict()[0]
+            assert got == b, f"v0's LRUEvictor evicted block {got}, LRU says {b}"
+        elif op == "remove":
+            evictor.remove(b)
+        else:
+            evictor.add(b, b, 1, clock)
+            clock += 1.0
+    return time.perf_counter() - start
+
+
+def measure_v0_evictor(
+    evictor_cls: type, sizes: Sequence[int] = DEFAULT_SIZES, rounds: int = 20_000, seed: int = 0, repeat: int = 3
+) -> list[EvictorMeasurement]:
+    """Replay one add/remove/evict trace per size on both, best of ``repeat``, the sizes in one run.
+
+    Args:
+        evictor_cls: v0's ``LRUEvictor`` (``kvspec.conformance.vllm.v0.load_lru_evictor``).
+        sizes: blocks per trace.
+        rounds: rounds of (evict, add, remove, add) per trace.
+        seed: seeds which free block each round's hit takes.
+        repeat: replays per implementation and size; the fastest is kept.
+
+    Returns:
+        One measurement per size.
+    """
+    results = []
+    for n in sizes:
+        trace = _evictor_trace(n, rounds, seed)
+        ref = min(_replay_keyed(n, trace) for _ in range(repeat))
+        v0 = min(_replay_v0(evictor_cls, n, trace) for _ in range(repeat))
+        results.append(EvictorMeasurement(n, len(trace), ref, v0))
+    return results
+
+
+def render_v0_evictor(results: Sequence[EvictorMeasurement], version: str) -> str:
+    """One row: per size, the reference's and v0's time per operation and their ratio."""
+    cells = []
+    for m in results:
+        ref, v0 = m.reference_seconds / m.num_operations, m.v0_seconds / m.num_operations
+        cells.append(f"{m.num_blocks:,} blocks: {ref * 1e6:.2f} us vs {v0 * 1e6:.2f} us ({ref / v0:.2f}x)")
+    return f"{V0_EVICTOR_ROW} (vllm=={version}, per operation, reference / v0):\n  " + "\n  ".join(cells)
+
+
 def render(results: Sequence[Measurement]) -> str:
     """A table: one row per operation, one column per size, each cell the time and its ratio to the first size."""
     sizes = sorted({m.num_gpu_blocks for m in results})
@@ -205,28 +319,53 @@ def render(results: Sequence[Measurement]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table; returns the exit code (0, or 2 on bad arguments)."""
     parser = OneLineParser(prog="kvspec bench reference", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES),
-                        help="pool sizes in blocks (default: 1e3 1e4 1e5 1e6)")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        help="pool sizes in blocks (default: 1e3 1e4 1e5 1e6)",
+    )
     parser.add_argument("--repeat", type=int, default=2000, help="calls timed per operation and size")
     parser.add_argument("--seed", type=int, default=0, help="seeds the block and token choices")
     parser.add_argument(
         "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
+    )
+    parser.add_argument(
+        "--v0-evictor",
+        metavar="VERSION",
+        default=None,
+        help="also time the keyed free blocks against this vLLM v0 release's LRUEvictor (e.g. 0.7.3)",
     )
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
     if any(s <= BATCH for s in args.sizes) or args.repeat < 1:
-        print(f"sizes must exceed {BATCH} blocks and repeat must be >= 1; got sizes={args.sizes} "
-              f"repeat={args.repeat}", file=sys.stderr)
+        print(
+            f"sizes must exceed {BATCH} blocks and repeat must be >= 1; got sizes={args.sizes} repeat={args.repeat}",
+            file=sys.stderr,
+        )
         return 2
-    print(f"reference model, per-call median of {args.repeat} calls; {BATCH} blocks per call; "
-          f"request cycle = {PROMPT_BLOCKS} full blocks of {BLOCK_SIZE} tokens plus one token, "
-          f"{SHARED_BLOCKS} blocks a shared prefix")
+    print(
+        f"reference model, per-call median of {args.repeat} calls; {BATCH} blocks per call; "
+        f"request cycle = {PROMPT_BLOCKS} full blocks of {BLOCK_SIZE} tokens plus one token, "
+        f"{SHARED_BLOCKS} blocks a shared prefix"
+    )
     print(f"python {platform.python_version()} on {platform.machine()}; every pool full of cached free blocks\n")
     results = measure(args.sizes, args.repeat, args.seed)
     print(render(results))
     print("\n(ratio = time / time at the smallest pool; flat ~1x means the cost does not grow with the pool)")
+    if args.v0_evictor:
+        from kvspec.conformance.vllm.lightmode import LightModeError
+        from kvspec.conformance.vllm.v0 import load_lru_evictor
+
+        try:
+            evictor_cls = load_lru_evictor(args.v0_evictor)
+        except LightModeError as e:
+            print(f"kvspec bench reference: {e}", file=sys.stderr)
+            return 2
+        print("\n" + render_v0_evictor(measure_v0_evictor(evictor_cls, args.sizes, seed=args.seed), args.v0_evictor))
     if args.json:
         document = {"kvspec": "bench reference", "repeat": args.repeat, "batch": BATCH,
                     "measurements": [dataclasses.asdict(m) for m in results]}  # fmt: skip

@@ -116,6 +116,12 @@ class BlockManagerAdapter(Protocol):
     Every method raises the spec's error type for a caller mistake
     (kvspec.spec.errors), checking in the spec's order, and then leaves the
     state as it was; `kvspec errors` lists each mistake, its type and the order.
+
+    The optional operations (`OPTIONAL_POOL_OPS`: `reset_prefix_cache`,
+    `evict_blocks`, `is_block_writable`, `get_num_free_blocks`, `get_usage`)
+    take vLLM's names and the spec's arguments where an adapter has them;
+    `reset_prefix_cache()` forgets every hash if no block is held and returns
+    False otherwise (vLLM v0 before 0.7.0 has none).
     """
 
     def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
@@ -136,10 +142,6 @@ class BlockManagerAdapter(Protocol):
 
     def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
         """Drop one reference per block, in eviction-priority order."""
-        ...
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every hash if no block is held; False otherwise."""
         ...
 
     def snapshot(self) -> Snapshot:

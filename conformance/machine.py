@@ -441,12 +441,14 @@ class PoolMachine(_LockStepMachine):
     # A reset of an empty cache changes nothing whatever the answer; skipping it
     # keeps resets from crowding out the rules that build state. Without caching
     # the answer (refused while blocks are held) is all there is to check.
-    @precondition(lambda self: self.lock is not None and (not self.enable_caching or bool(self._state.hash_to_blocks)))
+    @precondition(
+        lambda self: self._has("reset_prefix_cache") and (not self.enable_caching or bool(self._state.hash_to_blocks))
+    )
     @rule()
     def reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
 
-    @precondition(lambda self: self.lock is not None and bool(self.live))
+    @precondition(lambda self: self._has("reset_prefix_cache") and bool(self.live))
     @rule(data=st.data())
     def reset_prefix_cache_when_idle(self, data: st.DataObject) -> None:
         """Every request finishes, in any order, then the cache is reset (as before a weight update)."""

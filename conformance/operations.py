@@ -224,6 +224,8 @@ _TABLE: tuple[Operation, ...] = (
         (),
         br.reached_reset_prefix_cache,
         frozenset({"reset_prefix_cache: accepted, hashes dropped"}),
+        # vLLM v0's allocator has none before 0.7.0
+        is_optional=True,
     ),
     Operation(
         "is_block_writable",
@@ -369,7 +371,7 @@ def optional_operations(level: str = "pool") -> tuple[str, ...]:
     """The operations of a level an adapter may lack.
 
     >>> optional_operations()
-    ('evict_blocks', 'is_block_writable', 'get_num_free_blocks', 'get_usage')
+    ('evict_blocks', 'reset_prefix_cache', 'is_block_writable', 'get_num_free_blocks', 'get_usage')
     """
     return tuple(op.name for op in level_operations(level) if op.is_optional)
 

@@ -60,6 +60,8 @@ class FactoryError(ValueError):
 
 # "vllm@0.24.0": that vLLM release's real pool, loaded from its wheel (light mode, fetched on first use).
 VLLM_RELEASE_PREFIX = "vllm@"
+# "vllm-v0@0.6.6": that release's v0 prefix-caching allocator and evictor, loaded the same way.
+VLLM_V0_RELEASE_PREFIX = "vllm-v0@"
 
 
 def _vllm_release_factory(name: str) -> Factory:
@@ -105,7 +107,7 @@ def load_factory(name: str) -> Factory:
         FactoryError: the name is malformed, the module or file does not import, the
             attribute is missing, or it is not callable; the message says which.
     """
-    if name.startswith(VLLM_RELEASE_PREFIX):
+    if name.startswith((VLLM_RELEASE_PREFIX, VLLM_V0_RELEASE_PREFIX)):
         return _vllm_release_factory(name)
     if name.startswith("overlay:") or name.partition("@")[0] in PLUGIN_IMPLS:
         return _plugin_factory(name)

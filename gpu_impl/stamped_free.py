@@ -1,4 +1,4 @@
-"""The free blocks of a keyed policy (seed 002, vLLM v0): first fit, then the key, as host metadata.
+"""The free blocks of a keyed policy (seed 002): first fit, then the key, as host metadata.
 
 The spec derives a keyed policy's free queue (kvspec.spec.ordering): the free
 blocks without a hash by id (first fit), then the hashed ones by

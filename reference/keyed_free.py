@@ -1,4 +1,4 @@
-"""The free blocks of a keyed policy (seed 002, vLLM v0): first fit, then two heaps' worth of eviction order.
+"""The free blocks of a keyed policy (seed 002): first fit, then two heaps' worth of eviction order.
 
 The spec derives a keyed policy's free queue by sorting (kvspec.spec.ordering):
 the free blocks without a hash by id, then the hashed ones by

@@ -10,10 +10,12 @@ the *right* end when it has one (keep it as long as possible: LRU).
 `vllm-v1` is seed 000's rule; `vllm-v1-tail` sends every freed block to the
 right end, as earlier vLLM v1 releases did.
 
-Keyed policies (seed 002, vLLM v0): every block carries metadata stamped by a
-logical clock, never the wall clock (`spec.state.BlockStamps`), and the queue
-is derived from it: the free blocks without a hash first, lowest id first
-(first fit: no cached content is lost while such a block exists), then the
+Keyed policies (seed 002; `lru-timestamp` orders cached blocks as vLLM v0's
+`LRUEvictor` does): every block carries metadata stamped by a logical clock,
+never the wall clock (`spec.state.BlockStamps`), and the queue is derived
+from it: the free blocks without a hash first, lowest id first (seed 002's
+first fit: no cached content is lost while such a block exists; v0 itself
+reuses them last freed first, as the v0 oracle measures), then the
 free blocks with a hash in ascending `eviction_key` order. The clock advances
 by one per block stamped, in the order a call names the blocks, so every
 stamp is unique: an allocation and a hit (`touch`) stamp `last_access` and

@@ -22,7 +22,13 @@ def register(subparsers: Any) -> None:
         "wheel; request level in a virtual environment per release, created on demand) and print "
         "version x (level, caching, profile, hash compatibility), with notes on known bugs found.",
     )
-    p.add_argument("--vllm", nargs="*", default=[], metavar="VERSION", help="releases, e.g. 0.10.2 0.11.2 0.33.0")
+    p.add_argument(
+        "--vllm",
+        nargs="*",
+        default=[],
+        metavar="VERSION",
+        help="releases, e.g. 0.6.6 0.10.2 0.33.0 (before 0.8.0: vLLM v0's allocator)",
+    )
     p.add_argument("--all", action="store_true", help="every release from 0.8.0 to the newest")
     p.add_argument(
         "--plugins",
@@ -76,9 +82,12 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
     if not versions:
         print("kvspec oracle: name releases with --vllm X [Y ...] or use --all", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
-    unknown = [v for v in versions if v not in RELEASES]
+    from kvspec.conformance.vllm.v0 import V0_RELEASES
+
+    unknown = [v for v in versions if v not in RELEASES and v not in V0_RELEASES]
     if unknown:
-        known = f"{RELEASES[0]} to {RELEASES[-1]}"
+        v0_only = [v for v in V0_RELEASES if v not in RELEASES]
+        known = f"{V0_RELEASES[0]} to {RELEASES[-1]} ({v0_only[0]} to {v0_only[-1]}: vLLM v0's allocator)"
         print(f"kvspec oracle: unknown vLLM release {', '.join(unknown)}; the oracle covers {known}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     levels = ["pool", "manager"] if args.level == "both" else [args.level]

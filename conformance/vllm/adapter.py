@@ -543,7 +543,8 @@ def make_adapter(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerA
 
 
 def factory_for(impl: str) -> AdapterFactory:
-    """The factory an impl name means: ``vllm`` (see ``make_adapter``) or ``vllm@<release>`` (light mode).
+    """The factory an impl name means: ``vllm`` (see ``make_adapter``), ``vllm@<release>`` (light mode) or
+    ``vllm-v0@<release>`` (v0's allocator in light mode, kvspec.conformance.vllm.v0).
 
     Raises:
         ValueError: ``impl`` is neither form.
@@ -551,6 +552,16 @@ def factory_for(impl: str) -> AdapterFactory:
     if impl == "vllm":
         return make_adapter
     name, sep, version = impl.partition("@")
-    if name != "vllm" or not sep or not version:
-        raise ValueError(f"impl={impl!r} is not 'vllm' or 'vllm@<release>' (e.g. vllm@0.24.0)")
+    if name not in ("vllm", "vllm-v0") or not sep or not version:
+        raise ValueError(
+            f"impl={impl!r} is not 'vllm', 'vllm@<release>' (e.g. vllm@0.24.0) "
+            "or 'vllm-v0@<release>' (e.g. vllm-v0@0.6.6)"
+        )
+    if name == "vllm-v0":
+        from kvspec.conformance.vllm.v0 import V0_RELEASES, make_v0_light_adapter
+
+        if version not in V0_RELEASES:
+            known = f"{V0_RELEASES[0]}..{V0_RELEASES[-1]}"
+            raise ValueError(f"vllm=={version} ships no v0 allocator; v0 releases are {known}")
+        return make_v0_light_adapter(version)
     return make_light_adapter(version)

@@ -16,7 +16,7 @@ What is real and what is not:
   ``v1/core/kv_cache_utils.py``, ``distributed/kv_events.py``, ``envs.py``,
   ``utils/hashing.py`` and ``utils/math_utils.py`` (where the release has them),
   and ``v1/core/kv_cache_metrics.py``;
-- selected definitions from heavy modules (``_PARTIAL_DEFS``): the hash helpers
+- selected definitions from heavy modules (``Layout.partial_defs``): the hash helpers
   (``sha256``, ``sha256_cbor``, ...) and ``cdiv`` from ``vllm/utils``, and
   ``get_mm_features_in_window`` from ``vllm/multimodal/utils.py``. The
   definitions (and the top-level names they use, transitively) are taken from
@@ -27,6 +27,12 @@ What is real and what is not:
   helpers) is a placeholder: any attribute is a fresh, subclassable, callable
   stand-in. Each one handed out is recorded in ``LightRelease.placeholders_used``
   so a check can assert that no pool path leaned on one.
+
+Which modules are real is a ``Layout``: ``V1`` is the list above; ``V0`` is
+vLLM v0's prefix-caching allocator (``core/block/prefix_caching_block.py``,
+``naive_block.py``, ``common.py``, ``interfaces.py``, ``core/evictor.py`` or
+``evictor_v2.py``) with ``Device`` and ``cdiv`` from ``vllm/utils``; the
+same release extracted in both layouts lives in two cache folders.
 
 The rejected alternative was a subprocess per release with a stub ``vllm``
 package on its path: simpler isolation, but every pool operation would cross a
@@ -69,6 +75,10 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LAYOUTS",
+    "V0",
+    "V1",
+    "Layout",
     "LightModeError",
     "LightRelease",
     "cache_dir",
@@ -77,31 +87,78 @@ __all__ = [
     "release_files",
 ]
 
-# Modules loaded whole, by path inside the wheel; a release lacking one skips it.
-_WHOLE_MODULES: tuple[str, ...] = (
-    "vllm/v1/core/block_pool.py",
-    "vllm/v1/core/kv_cache_utils.py",
-    "vllm/v1/core/kv_cache_metrics.py",
-    "vllm/distributed/kv_events.py",
-    "vllm/envs.py",
-    "vllm/utils/hashing.py",
-    "vllm/utils/math_utils.py",
-)
 
-# Heavy modules from which only these top-level names (and what they use) run.
-# Keys are module names; the source is ``<name>.py`` or ``<name>/__init__.py``.
-_PARTIAL_DEFS: Mapping[str, tuple[str, ...]] = {
-    "vllm.utils": (
-        "sha256",
-        "sha256_cbor",
-        "sha256_cbor_64bit",
-        "xxhash",
-        "xxhash_cbor",
-        "get_hash_fn_by_name",
-        "cdiv",
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Which modules of a wheel light mode runs for one generation of vLLM's block manager.
+
+    Attributes:
+        name: ``"v1"`` (``vllm/v1/core/block_pool.py``, 0.8.0 on) or ``"v0"``
+            (``vllm/core/block/prefix_caching_block.py``, vLLM v0's allocator).
+        whole_modules: Modules loaded whole, by path inside the wheel; a release lacking one skips it.
+        partial_defs: Heavy modules from which only these top-level names (and
+            what they use) run. Keys are module names; the source is
+            ``<name>.py`` or ``<name>/__init__.py``.
+        required: The file a wheel must ship for this layout to load it.
+        suffix: Appended to the version for the cache folder and package name
+            (one release can be extracted in both layouts side by side).
+        entry_modules: What loading imports (by vLLM name); the rest is imported as they ask.
+    """
+
+    name: str
+    whole_modules: tuple[str, ...]
+    partial_defs: Mapping[str, tuple[str, ...]]
+    required: str
+    suffix: str
+    entry_modules: tuple[str, ...]
+
+
+V1 = Layout(
+    "v1",
+    whole_modules=(
+        "vllm/v1/core/block_pool.py",
+        "vllm/v1/core/kv_cache_utils.py",
+        "vllm/v1/core/kv_cache_metrics.py",
+        "vllm/distributed/kv_events.py",
+        "vllm/envs.py",
+        "vllm/utils/hashing.py",
+        "vllm/utils/math_utils.py",
     ),
-    "vllm.multimodal.utils": ("get_mm_features_in_window",),
-}
+    partial_defs={
+        "vllm.utils": (
+            "sha256",
+            "sha256_cbor",
+            "sha256_cbor_64bit",
+            "xxhash",
+            "xxhash_cbor",
+            "get_hash_fn_by_name",
+            "cdiv",
+        ),
+        "vllm.multimodal.utils": ("get_mm_features_in_window",),
+    },
+    required="vllm/v1/core/block_pool.py",
+    suffix="",
+    entry_modules=("vllm.v1.core.kv_cache_utils", "vllm.v1.core.block_pool"),
+)
+# vLLM v0's prefix-caching allocator: the allocator, the hashless allocator it
+# wraps, their shared helpers and interfaces, and the evictor (``evictor_v2.py``
+# until 0.6.3, ``evictor.py`` after); ``Device`` and ``cdiv`` from vllm/utils.
+V0 = Layout(
+    "v0",
+    whole_modules=(
+        "vllm/core/block/prefix_caching_block.py",
+        "vllm/core/block/naive_block.py",
+        "vllm/core/block/common.py",
+        "vllm/core/block/interfaces.py",
+        "vllm/core/evictor.py",
+        "vllm/core/evictor_v2.py",
+    ),
+    partial_defs={"vllm.utils": ("Device", "cdiv")},
+    required="vllm/core/block/prefix_caching_block.py",
+    suffix="-v0",
+    entry_modules=("vllm.core.block.prefix_caching_block",),
+)
+LAYOUTS: Mapping[str, Layout] = {"v1": V1, "v0": V0}
 
 _MARKER = "KVSPEC_EXTRACTED"  # written last: an extraction without it is incomplete
 _DEFAULT_CACHE = Path("~/.cache/kvspec/vllm-wheels")
@@ -126,17 +183,20 @@ def cache_dir() -> Path:
     return Path(override).expanduser() if override else _DEFAULT_CACHE.expanduser()
 
 
-def release_files() -> tuple[str, ...]:
-    """Return the wheel paths light mode keeps (those a release lacks are skipped).
+def release_files(layout: Layout = V1) -> tuple[str, ...]:
+    """Return the wheel paths light mode keeps for a layout (those a release lacks are skipped).
+
+    Args:
+        layout: ``V1`` (the BlockPool) or ``V0`` (v0's prefix-caching allocator).
 
     Returns:
         The whole modules, then the sources of the partially loaded modules.
     """
     partial: list[str] = []
-    for module_name in _PARTIAL_DEFS:
+    for module_name in layout.partial_defs:
         base = module_name.replace(".", "/")
         partial += [f"{base}.py", f"{base}/__init__.py"]
-    return _WHOLE_MODULES + tuple(partial)
+    return layout.whole_modules + tuple(partial)
 
 
 def fetch_release(
@@ -145,6 +205,7 @@ def fetch_release(
     cache: Path | None = None,
     wheel: Path | None = None,
     keep_wheel: bool = False,
+    layout: Layout = V1,
 ) -> Path:
     """Extract the files light mode needs from a vLLM release wheel.
 
@@ -157,18 +218,19 @@ def fetch_release(
         cache: The cache folder; ``cache_dir()`` when None.
         wheel: A wheel already on disk, used instead of downloading.
         keep_wheel: Keep the downloaded wheel beside the extracted files.
+        layout: Which modules to keep (``V1``: the BlockPool; ``V0``: v0's allocator).
 
     Returns:
         The folder that holds ``vllm/...`` for this release.
 
     Raises:
         LightModeError: the version is malformed, the download failed, or the
-            wheel has no ``vllm/v1/core/block_pool.py`` (releases before 0.8.0).
+            wheel lacks ``layout.required`` (for ``V1``: releases before 0.8.0).
     """
     if not _VERSION_RE.match(version):
         raise LightModeError(f"cannot fetch vllm version={version!r}: not a release number")
     base = cache or cache_dir()
-    root = base / version
+    root = base / (version + layout.suffix)
     if (root / _MARKER).exists():
         return root
     base.mkdir(parents=True, exist_ok=True)
@@ -191,12 +253,11 @@ def fetch_release(
         extracted = work / "extracted"
         with zipfile.ZipFile(wheel) as zf:
             names = set(zf.namelist())
-            if "vllm/v1/core/block_pool.py" not in names:
+            if layout.required not in names:
                 raise LightModeError(
-                    f"cannot load vllm=={version} in light mode: its wheel has no "
-                    "vllm/v1/core/block_pool.py (BlockPool first shipped in 0.8.0)"
+                    f"cannot load vllm=={version} in light mode ({layout.name}): its wheel has no {layout.required}"
                 )
-            for name in sorted(set(release_files()) & names):
+            for name in sorted(set(release_files(layout)) & names):
                 target = extracted / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(zf.read(name))
@@ -227,6 +288,7 @@ class LightRelease:
             out so far (grows as the loaded code runs).
         placeholders_at_load: ``placeholders_used`` as it stood right after
             loading; anything beyond it was reached by running pool code.
+        layout: Which modules are real (``V1`` or ``V0``).
     """
 
     version: str
@@ -235,6 +297,7 @@ class LightRelease:
     modules: dict[str, types.ModuleType] = field(default_factory=dict)
     placeholders_used: set[str] = field(default_factory=set)
     placeholders_at_load: frozenset[str] = frozenset()
+    layout: Layout = V1
 
     def module(self, vllm_name: str) -> types.ModuleType:
         """Return a loaded module by its vLLM name, importing it if needed.
@@ -283,7 +346,7 @@ class LightRelease:
         """
         found: dict[str, Callable[[Any], Any]] = {}
         for module_name in ("vllm.utils.hashing", "vllm.utils"):
-            path = _module_source(self.root, module_name)
+            path = _module_source(self.root, module_name, self.layout)
             if path is None:
                 continue
             mod = self.module(module_name)
@@ -326,6 +389,7 @@ def load_release(
     cache: Path | None = None,
     package_name: str | None = None,
     fresh: bool = False,
+    layout: Layout = V1,
 ) -> LightRelease:
     """Fetch (if needed) and load one release's pool modules in light mode.
 
@@ -337,17 +401,19 @@ def load_release(
             while no other ``vllm`` is imported.
         fresh: Load a new, independent copy (module globals such as
             ``NONE_HASH`` are per copy) instead of reusing an earlier load.
+        layout: ``V1`` (the BlockPool) or ``V0`` (v0's prefix-caching allocator and evictor).
 
     Returns:
-        The loaded release; ``block_pool`` and ``kv_cache_utils`` are imported.
+        The loaded release; the layout's entry modules (for ``V1``:
+        ``block_pool`` and ``kv_cache_utils``) are imported.
 
     Raises:
         LightModeError: fetching failed, or ``package_name`` is taken.
     """
     global _num_fresh
-    root = fetch_release(version, cache=cache)
+    root = fetch_release(version, cache=cache, layout=layout)
     with _lock:
-        base = package_name or "_kvspec_vllm_" + re.sub(r"[^0-9a-zA-Z]", "_", version)
+        base = package_name or "_kvspec_vllm_" + re.sub(r"[^0-9a-zA-Z]", "_", version + layout.suffix)
         key = (version, base)
         if not fresh and key in _loaded:
             return _loaded[key]
@@ -359,12 +425,12 @@ def load_release(
             raise LightModeError(
                 f"cannot load vllm=={version} as package_name={name!r}: a module of that name is already imported"
             )
-        release = LightRelease(version=version, package_name=name, root=root)
+        release = LightRelease(version=version, package_name=name, root=root, layout=layout)
         finder = _ReleaseFinder(release)
         sys.meta_path.insert(0, finder)
         try:
-            release.module("vllm.v1.core.kv_cache_utils")
-            release.module("vllm.v1.core.block_pool")
+            for entry in layout.entry_modules:
+                release.module(entry)
         except BaseException:
             sys.meta_path.remove(finder)
             for mod_name in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
@@ -435,7 +501,7 @@ class _PlaceholderModule(types.ModuleType):
             raise AttributeError(name)
         release = self._kvspec_release
         sub = f"{self._kvspec_vllm_name}.{name}"
-        if _module_source(release.root, sub) is not None:
+        if _module_source(release.root, sub, release.layout) is not None:
             return release.module(sub)
         value = _placeholder(f"{self._kvspec_vllm_name}:{name}", release)
         setattr(self, name, value)
@@ -446,11 +512,11 @@ class _PlaceholderModule(types.ModuleType):
 # import machinery
 
 
-def _module_source(root: Path, vllm_name: str) -> Path | None:
+def _module_source(root: Path, vllm_name: str, layout: Layout) -> Path | None:
     """The extracted source of a module light mode runs (whole or partially)."""
     rel = vllm_name.replace(".", "/")
     for candidate in (f"{rel}.py", f"{rel}/__init__.py"):
-        if candidate in _WHOLE_MODULES or (vllm_name in _PARTIAL_DEFS and (root / candidate).exists()):
+        if candidate in layout.whole_modules or (vllm_name in layout.partial_defs and (root / candidate).exists()):
             path = root / candidate
             if path.exists():
                 return path
@@ -501,7 +567,7 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         vllm_name = self._vllm_name(fullname)
         if vllm_name is None:
             return None
-        source = _module_source(self.release.root, vllm_name)
+        source = _module_source(self.release.root, vllm_name, self.release.layout)
         is_package = source is None or source.name == "__init__.py"
         spec = importlib.machinery.ModuleSpec(
             fullname, self, origin=str(source) if source else None, is_package=is_package
@@ -514,7 +580,7 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         vllm_name = self._vllm_name(spec.name)
         assert vllm_name is not None, f"spec.name={spec.name!r} is not this release's"
         module: types.ModuleType
-        if vllm_name in _PARTIAL_DEFS or spec.origin is None:
+        if vllm_name in self.release.layout.partial_defs or spec.origin is None:
             placeholder = _PlaceholderModule(spec.name)
             placeholder._kvspec_release = self.release
             placeholder._kvspec_vllm_name = vllm_name
@@ -538,8 +604,9 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return
         path = Path(spec.origin)
         source = path.read_text(encoding="utf-8")
-        if vllm_name in _PARTIAL_DEFS:
-            self._exec_partial(module, source, path, _PARTIAL_DEFS[vllm_name])
+        partial = self.release.layout.partial_defs
+        if vllm_name in partial:
+            self._exec_partial(module, source, path, partial[vllm_name])
         else:
             exec(compile(source, str(path), "exec"), module.__dict__)
 

@@ -94,6 +94,7 @@ def detect_profiles(
     time_budget_s: float | None = None,
     trace_dir: str | None = None,
     seed: int = 0,
+    profiles: Sequence[str] = PROFILES,
 ) -> dict[str, Any]:
     """Run the harness against ``factory`` once per vLLM profile.
 
@@ -110,13 +111,14 @@ def detect_profiles(
         time_budget_s: Split evenly across the profiles.
         trace_dir: Where failing traces go.
         seed: The harness seed.
+        profiles: The profiles to try (``PROFILES`` for v1; ``V0_PROFILES`` for v0's allocator).
 
     Returns:
-        ``{profile: CheckResult}`` for every profile in ``PROFILES``.
+        ``{profile: CheckResult}`` for every profile tried.
     """
     from kvspec.conformance.runner import run_check
 
-    budget = None if time_budget_s is None else time_budget_s / len(PROFILES)
+    budget = None if time_budget_s is None else time_budget_s / len(profiles)
     return {
         profile: run_check(
             factory,
@@ -128,7 +130,7 @@ def detect_profiles(
             time_budget_s=budget,
             trace_dir=trace_dir,
         )
-        for profile in PROFILES
+        for profile in profiles
     }
 
 
@@ -213,6 +215,32 @@ REQUEST_PROBES: tuple[Probe, ...] = (
 )
 
 
+# v0's allocator (conformance/vllm/v0.py), under lru-timestamp: what it does that the spec does not.
+# v0 keeps one block per hash (the spec keeps duplicates: block tables stay append-only),
+# and its free list of blocks without content is a stack (appendleft, popleft), not first fit.
+V0_PROBES: tuple[Probe, ...] = (
+    Probe(
+        "full block of a cached hash swapped for the cached block",
+        (("get_new_blocks", (2,)), ("cache_full_blocks", ([1, 2], [_h(1), _h(1)]))),
+    ),
+    Probe(
+        "block without content reused last freed first not lowest id first",
+        (("get_new_blocks", (2,)), ("free_blocks", ([1, 2],)), ("get_new_blocks", (1,))),
+    ),
+    Probe(
+        "cached blocks not evicted oldest last access first",
+        (
+            ("get_new_blocks", (3,)),
+            ("cache_full_blocks", ([1, 2, 3], [_h(1), _h(2), _h(3)])),
+            ("free_blocks", ([3, 1, 2],)),
+            ("touch", ([1],)),
+            ("free_blocks", ([1],)),
+            ("get_new_blocks", (1,)),
+        ),
+    ),
+)
+
+
 @dataclass(slots=True)
 class ProbeResult:
     """What one probe found on one release."""
@@ -233,6 +261,7 @@ def run_probes(
     num_gpu_blocks: int = 4,
     *,
     level: str = "pool",
+    probes: Sequence[Probe] | None = None,
 ) -> list[ProbeResult]:
     """Run every probe of a level against ``factory`` through the harness's lock-step (each is minimal: no shrinking).
 
@@ -243,6 +272,7 @@ def run_probes(
         impl_name: The implementation's name, written into traces.
         num_gpu_blocks: The pool size (the request level uses 8: its probe needs two blocks).
         level: ``"pool"`` (``PROBES``) or ``"manager"`` (``REQUEST_PROBES``).
+        probes: Instead of the level's, these (``V0_PROBES`` for v0's allocator).
 
     Returns:
         One result per probe that the adapter can run.
@@ -251,7 +281,8 @@ def run_probes(
     from kvspec.conformance.trace import write_trace
 
     results: list[ProbeResult] = []
-    probes = PROBES if level == "pool" else REQUEST_PROBES
+    if probes is None:
+        probes = PROBES if level == "pool" else REQUEST_PROBES
     config = AdapterConfig(level="pool" if level == "pool" else "manager", num_gpu_blocks=num_gpu_blocks,
                            enable_caching=True, profile=profile)  # fmt: skip
     for probe in probes:
@@ -330,6 +361,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     from kvspec.conformance.vllm.adapter import make_installed_adapter, make_light_adapter
 
     version: str = args.worker
+    if is_v0_only(version):
+        return _v0_worker(args)
     light = args.level == "pool"
     factory = make_light_adapter(version) if light else make_installed_adapter
     impl_name = f"vllm@{version}" if light else "vllm"
@@ -365,6 +398,54 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         probe_profile = conforming[0] if conforming else PROFILES[0]
         probes = run_probes(factory, probe_profile, trace_dir, impl_name, num_gpu_blocks=8, level="manager")
         row["probes"] = [{**asdict(r), "name": f"request level: {r.name}"} for r in probes]
+    return row
+
+
+def is_v0_only(version: str) -> bool:
+    """Whether the oracle drives ``version`` through v0's allocator: it ships one and no v1 BlockPool.
+
+    Releases 0.8.0 to 0.10.2 ship both; the oracle drives their v1 pool (their v0
+    allocator is ``kvspec check --impl vllm-v0@X``).
+    """
+    from kvspec.conformance.vllm.v0 import V0_RELEASES
+
+    return version in V0_RELEASES and version not in RELEASES
+
+
+def _v0_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One v0 release at the pool level with caching on: v0's prefix-caching allocator under each v0 and v1 profile."""
+    from kvspec.conformance.vllm.lightmode import LightModeError
+    from kvspec.conformance.vllm.v0 import V0_PROFILES, make_v0_light_adapter
+
+    version: str = args.worker
+    row: dict[str, Any] = {"version": version, "cells": {}, "probes": [], "hashes": ""}
+    cachings = [True, False] if args.caching == "both" else [args.caching == "on"]
+    for caching in cachings:
+        key = f"{args.level}/{'on' if caching else 'off'}"
+        if args.level != "pool":
+            row["cells"][key] = asdict(Cell("n/a", "vLLM v0 is driven at the pool level only"))
+            continue
+        if not caching:
+            why = "the v0 adapter drives the prefix-caching allocator; v0's NaiveBlockAllocator is not driven"
+            row["cells"][key] = asdict(Cell("not run", why))
+            continue
+        try:  # a release whose allocator API the adapter does not speak: one line, not three failed campaigns
+            make_v0_light_adapter(version)(AdapterConfig(level="pool", num_gpu_blocks=4))
+        except (ValueError, LightModeError) as e:
+            row["cells"][key] = asdict(Cell("could not run", str(e)))
+            continue
+        start = time.monotonic()
+        results = detect_profiles(f"vllm-v0@{version}", "pool", True, args.max_examples,
+                                  time_budget_s=args.time_budget, trace_dir=args.trace_dir,
+                                  profiles=V0_PROFILES)  # fmt: skip
+        elapsed = time.monotonic() - start
+        steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())
+        row["cells"][key] = asdict(Cell("ran", "", {p: _result_json(r) for p, r in results.items()},
+                                        steps / elapsed if elapsed > 0 else None))  # fmt: skip
+        impl_name = f"vllm-v0@{version}"
+        factory = make_v0_light_adapter(version)
+        found = run_probes(factory, "lru-timestamp", args.trace_dir, impl_name, num_gpu_blocks=4, probes=V0_PROBES)
+        row["probes"] = [asdict(r) for r in found]
     return row
 
 
@@ -495,6 +576,11 @@ def _notes(row: ReleaseRow) -> list[str]:
             note = f"request level: {entry}"
             if note not in notes:
                 notes.append(note)
+    if is_v0_only(row.version):
+        notes.append("v0's prefix-caching allocator (vllm/core/block); v1's probes and hash vectors not run on it")
+        held = [p.name for p in row.probes if p.verdict == Verdict.CONFORMS]
+        if held:
+            notes.append(f"probes that found nothing (v0 as the spec under lru-timestamp): {'; '.join(held)}")
     for p in row.probes:
         if p.verdict != Verdict.CONFORMS:
             notes.append(f"{p.name} (step {p.step} {p.op}: {p.message[:120]}; trace {p.trace_path})")
@@ -534,7 +620,7 @@ def run_oracle(
             env = {**os.environ, **WORKER_ENV}
             env.pop("KVSPEC_VLLM_VERSION", None)
             python: Path | str = sys.executable
-            if level == "manager":
+            if level == "manager" and not is_v0_only(version):
                 try:
                     python = ensure_venv(version, log)
                 except RuntimeError as e:

@@ -48,8 +48,8 @@ def test_detected_api_generation_matches_the_release_facts(version: str) -> None
     assert adapter.hash_key_kind == facts.hash_key_kind
     expected = {op for op, has in (("evict_blocks", facts.has_evict_blocks),
                                    ("is_block_writable", facts.has_is_block_writable)) if has}  # fmt: skip
-    # get_num_free_blocks and get_usage exist in every release
-    assert capabilities(adapter) - {"get_num_free_blocks", "get_usage"} == expected
+    # get_num_free_blocks, get_usage and reset_prefix_cache exist in every v1 release
+    assert capabilities(adapter) - {"get_num_free_blocks", "get_usage", "reset_prefix_cache"} == expected
 
 
 @pytest.mark.parametrize("version", RELEASES)

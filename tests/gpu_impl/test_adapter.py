@@ -19,7 +19,9 @@ def test_both_levels_speak_their_protocols():
     pool = make_adapter(AdapterConfig("pool", 8, device="cpu"))
     manager = make_adapter(AdapterConfig("manager", 8, block_size=2, device="cpu"))
     assert isinstance(pool, TensorPoolAdapter) and isinstance(pool, BlockManagerAdapter)
-    assert capabilities(pool) == {"evict_blocks", "is_block_writable", "get_num_free_blocks", "get_usage"}
+    assert capabilities(pool) == {
+        "evict_blocks", "reset_prefix_cache", "is_block_writable", "get_num_free_blocks", "get_usage"
+    }  # fmt: skip
     assert isinstance(manager, TensorManagerAdapter) and isinstance(manager, KVCacheManagerAdapter)
     assert isinstance(manager, KVContentAdapter)  # the harness reads its hits back from memory
     assert manager.block_size == 2 and manager.device.type == "cpu"
