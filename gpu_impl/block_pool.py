@@ -569,10 +569,12 @@ class TensorBlockPool:
             self._retire(retired)
         if self._stamped is not None:  # every block named is stamped; the newly free take their keys' places
             self._stamped.freed_list(cast("list[int]", ids), left + right)
-        elif left:
-            self._queue().prepend_list(left)
-        if right and self._stamped is None:
-            self._queue().append_list(right)
+        else:
+            queue = self._queue()
+            if left:
+                queue.prepend_list(left)
+            if right:
+                queue.append_list(right)
         if self._track:
             self._wrote_host(_REF, cast("list[int]", ids))
             self._state.sync()

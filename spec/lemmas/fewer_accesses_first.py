@@ -39,9 +39,7 @@ def _fewer_first(rule: ProfileRule, strictly: bool) -> Obligation:
         fewer = st.num_accesses[a] < st.num_accesses[b] if strictly else st.num_accesses[a] <= st.num_accesses[b]
         return Formula(
             hypotheses=[
-                pm.all_invariants(u, s),
-                stamps.below_clock(u, s, st),
-                stamps.in_policy_order(u, rule, s, st),
+                stamps.keyed_state(u, rule, s, st),
                 pm.in_queue(s, a),
                 pm.in_queue(s, b),
                 a != b,

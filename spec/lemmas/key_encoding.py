@@ -168,9 +168,7 @@ def _selection_is_the_keyed_order(rule: ProfileRule, first_fit_descending: bool 
         )
         return Formula(
             hypotheses=[
-                pm.all_invariants(u, s),
-                stamps.below_clock(u, s, st),
-                stamps.in_policy_order(u, rule, s, st),
+                stamps.keyed_state(u, rule, s, st),
                 pm.in_queue(s, a),
                 pm.in_queue(s, b),
                 a != b,

@@ -36,6 +36,7 @@ __all__ = [
     "below_clock",
     "fresh_stamps",
     "in_policy_order",
+    "keyed_state",
     "render_stamps",
 ]
 
@@ -81,6 +82,11 @@ def below_clock(u: Universe, s: pm.PoolVars, st: Stamps) -> z3.BoolRef:
 def in_policy_order(u: Universe, rule: ProfileRule, s: pm.PoolVars, st: Stamps) -> z3.BoolRef:
     """The spec's `in_keyed_order` (part of every operation's contract): the queue array is the keyed order."""
     return u.forall_pairs(0, s.num_free, lambda i, j: before(rule, s, st, s.free_queue[i], s.free_queue[j]))
+
+
+def keyed_state(u: Universe, rule: ProfileRule, s: pm.PoolVars, st: Stamps) -> z3.BoolRef:
+    """A state a keyed policy's pool can be in: the invariants, the clock's, and the free queue in order."""
+    return z3.And(pm.all_invariants(u, s), below_clock(u, s, st), in_policy_order(u, rule, s, st))
 
 
 def _stamped(stamps: z3.ArrayRef, batch: pm.Batch, clock: z3.ArithRef, name: str) -> z3.ArrayRef:

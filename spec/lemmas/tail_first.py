@@ -103,9 +103,7 @@ def _deeper_first_keyed(rule: ProfileRule, tail_first: bool) -> Obligation:
         order = "tail-first (reversed)" if tail_first else "head-first (in block-table order)"
         return Formula(
             hypotheses=[
-                pm.all_invariants(u, s),
-                stamps.below_clock(u, s, st),
-                stamps.in_policy_order(u, rule, s, st),
+                stamps.keyed_state(u, rule, s, st),
                 step.guard,
                 step.axioms,
                 p >= 0,

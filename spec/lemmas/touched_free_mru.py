@@ -24,6 +24,8 @@ the block is evicted before every block free at the free (under `block-age`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import z3
 
 from kvspec.spec.lemmas import pool_model as pm
@@ -37,26 +39,41 @@ __all__ = ["NAME", "obligations", "twin_obligations"]
 NAME = "lemma_touched_free_becomes_mru"
 
 
+@dataclass(frozen=True)
+class _TouchThenFree:
+    """touch(touched) then free_blocks(freed) from `start`, block b in both and freed by its last holder."""
+
+    touched: pm.Batch
+    freed: pm.Batch
+    after_touch: pm.PoolVars
+    end: pm.PoolVars
+    hypotheses: list[z3.BoolRef]  # both calls pass their checks, and b's part in them
+
+
+def _touch_then_free_steps(u: Universe, rule: ProfileRule, start: pm.PoolVars, b: z3.ArithRef) -> _TouchThenFree:
+    touched = pm.fresh_batch(u, "touched")
+    hit = pm.touch(u, start, touched)
+    freed = pm.fresh_batch(u, "freed")
+    release = pm.free_blocks(u, hit.post, freed, rule.unhashed_to_left)
+    hypotheses = [
+        hit.guard,
+        hit.axioms,
+        pm.in_batch(touched, b),
+        release.guard,
+        release.axioms,
+        pm.in_batch(freed, b),
+        hit.post.ref_cnt[b] == 1,
+    ]
+    return _TouchThenFree(touched, freed, hit.post, release.post, hypotheses)
+
+
 def _touch_then_free(rule: ProfileRule, keeps_place: bool) -> Obligation:
     def build(u: Universe) -> Formula:
         s0 = pm.fresh_state(u, "start")
-        touched = pm.fresh_batch(u, "touched")
-        hit = pm.touch(u, s0, touched)
-        s1 = hit.post
-        freed = pm.fresh_batch(u, "freed")
-        release = pm.free_blocks(u, s1, freed, rule.unhashed_to_left)
-        s2 = release.post
         b, y = z3.Ints("b y")
-        hypotheses = [
-            pm.all_invariants(u, s0),
-            hit.guard,
-            hit.axioms,
-            pm.in_batch(touched, b),
-            release.guard,
-            release.axioms,
-            pm.in_batch(freed, b),
-            s1.ref_cnt[b] == 1,
-        ]
+        steps = _touch_then_free_steps(u, rule, s0, b)
+        touched, freed, s1, s2 = steps.touched, steps.freed, steps.after_touch, steps.end
+        hypotheses = [pm.all_invariants(u, s0), *steps.hypotheses]
         if keeps_place:
             hypotheses += [
                 pm.in_queue(s0, b),
@@ -93,26 +110,11 @@ def _touch_then_free(rule: ProfileRule, keeps_place: bool) -> Obligation:
 def _touch_then_free_keyed(rule: ProfileRule, goes_first: bool) -> Obligation:
     def build(u: Universe) -> Formula:
         s0, st0 = pm.fresh_state(u, "start"), stamps.fresh_stamps("start")
-        touched = pm.fresh_batch(u, "touched")
-        hit = pm.touch(u, s0, touched)
-        s1, st1 = hit.post, stamps.after_touch(st0, touched)
-        freed = pm.fresh_batch(u, "freed")
-        release = pm.free_blocks(u, s1, freed, rule.unhashed_to_left)
-        s2, st2 = release.post, stamps.after_free(st1, freed)
         b, y = z3.Ints("b y")
-        hypotheses = [
-            pm.all_invariants(u, s0),
-            stamps.below_clock(u, s0, st0),
-            stamps.in_policy_order(u, rule, s0, st0),
-            hit.guard,
-            hit.axioms,
-            pm.in_batch(touched, b),
-            release.guard,
-            release.axioms,
-            pm.in_batch(freed, b),
-            s1.ref_cnt[b] == 1,
-            pm.in_queue(s1, y),
-        ]
+        steps = _touch_then_free_steps(u, rule, s0, b)
+        touched, freed, s1, s2 = steps.touched, steps.freed, steps.after_touch, steps.end
+        st2 = stamps.after_free(stamps.after_touch(st0, touched), freed)
+        hypotheses = [stamps.keyed_state(u, rule, s0, st0), *steps.hypotheses, pm.in_queue(s1, y)]
         if goes_first:
             claim = stamps.before(rule, s2, st2, b, y)
             broken = "is not evicted before block {y}, which was free when it was freed"

@@ -17,6 +17,7 @@ import sys
 import tarfile
 import types
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from kvspec.conformance.results import Failure, FailureKind, Verdict
 from kvspec.conformance.runner import replay, run_check
 from kvspec.conformance.vllm import lightmode
 from kvspec.conformance.vllm.adapter import make_pool_adapter
+from tests.conformance.miniature import miniature_release
 
 FIXTURE = Path(__file__).parent / "plugin_fixture"
 MINI = "0.0.1"  # the miniature release's version
@@ -41,21 +43,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def mini_release(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def mini_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The miniature release in a light-mode cache of its own, named by $KVSPEC_VLLM_CACHE (children inherit it)."""
-    cache = tmp_path_factory.mktemp("vllm-cache")
-    wheel = cache / f"vllm-{MINI}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for path in sorted((FIXTURE / "mini_vllm").rglob("*.py")):
-            zf.write(path, path.relative_to(FIXTURE / "mini_vllm").as_posix())
-    lightmode.fetch_release(MINI, cache=cache, wheel=wheel)
-    old = os.environ.get("KVSPEC_VLLM_CACHE")
-    os.environ["KVSPEC_VLLM_CACHE"] = str(cache)
-    yield cache
-    if old is None:
-        os.environ.pop("KVSPEC_VLLM_CACHE", None)
-    else:
-        os.environ["KVSPEC_VLLM_CACHE"] = old
+    yield from miniature_release(tmp_path_factory, MINI, FIXTURE / "mini_vllm")
 
 
 def _overlay(placeholders: dict[str, object] | None = None) -> Overlay:

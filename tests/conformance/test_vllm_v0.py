@@ -8,7 +8,6 @@ real release is; the real releases are in test_vllm_v0_releases.py.
 from __future__ import annotations
 
 import os
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kvspec.conformance.runner import run_check
 from kvspec.conformance.vllm import lightmode
 from kvspec.conformance.vllm.v0 import VllmV0PoolAdapter, make_v0_light_adapter
 from kvspec.spec.state import BlockHash, BlockId
+from tests.conformance.miniature import miniature_release
 
 FIXTURE = Path(__file__).parent / "v0_fixture"
 MINI = "0.0.2"
@@ -28,19 +28,7 @@ MINI = "0.0.2"
 @pytest.fixture(scope="module", autouse=True)
 def mini_release(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The miniature in a light-mode cache of its own, named by $KVSPEC_VLLM_CACHE."""
-    cache = tmp_path_factory.mktemp("vllm-cache")
-    wheel = cache / f"vllm-{MINI}-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as zf:
-        for path in sorted(FIXTURE.rglob("*.py")):
-            zf.write(path, path.relative_to(FIXTURE).as_posix())
-    lightmode.fetch_release(MINI, cache=cache, wheel=wheel, layout=lightmode.V0)
-    old = os.environ.get("KVSPEC_VLLM_CACHE")
-    os.environ["KVSPEC_VLLM_CACHE"] = str(cache)
-    yield cache
-    if old is None:
-        os.environ.pop("KVSPEC_VLLM_CACHE", None)
-    else:
-        os.environ["KVSPEC_VLLM_CACHE"] = old
+    yield from miniature_release(tmp_path_factory, MINI, FIXTURE, lightmode.V0)
 
 
 def _adapter(n: int = 5) -> VllmV0PoolAdapter:
