@@ -107,6 +107,8 @@ class AdapterConfig:
     hash_fn: str = DEFAULT_HASH_FN  # the spec's hash function (manager level)
     seed: str = DEFAULT_SEED  # NONE_HASH seed (manager level)
     device: str | None = None  # for device-backed implementations: "cpu", "cuda:0", None = pick
+    # The KV cache groups (manager level; spec.attention): "full", "full,sliding:8", ...
+    groups: str = "full"
 
 
 @runtime_checkable

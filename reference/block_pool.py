@@ -367,8 +367,10 @@ class BlockPool:
 
     # --- observation ----------------------------------------------------------------------
 
-    def snapshot(self, block_tables: tuple[tuple[str, tuple[BlockId, ...]], ...] | None = None) -> Snapshot:
-        """The state in the spec's normal form. Cost: O(num_gpu_blocks)."""
+    def snapshot(
+        self, block_tables: tuple[tuple[str, tuple[BlockId, ...]], ...] | None = None, kv_groups: tuple[str, ...] = ()
+    ) -> Snapshot:
+        """The state in the spec's normal form (with the request level's tables and groups). Cost: O(num_gpu_blocks)."""
         table = tuple((h, tuple(BlockId(b) for b in entry)) for h, entry in self.cached_block_hash_to_block.items())
         return Snapshot(
             num_gpu_blocks=self.num_gpu_blocks,
@@ -378,6 +380,7 @@ class BlockPool:
             free_queue=tuple(BlockId(block.block_id) for block in self.free_block_queue),
             hash_to_blocks=canonical_hash_to_blocks(table),
             block_tables=block_tables,
+            kv_groups=kv_groups,
         )
 
     def check_invariants(self) -> None:

@@ -1,12 +1,18 @@
 """The reference KVCacheManager: request block tables over the reference BlockPool.
 
-Mirrors vLLM's `kv_cache_manager.py` for one full-attention KV-cache group:
-`get_computed_blocks` finds a new request's cached prefix (capped at
-len - 1 tokens), `allocate_slots` touches the hit, takes new blocks and
-registers the blocks a step fills, `free` releases a request tail first.
-Requests are described by the spec's `Request` value; hashes come from the
-spec's chain (`kvspec.spec.hashing`), which is part of the contract, not of
-the implementation.
+Mirrors vLLM's `kv_cache_manager.py`, `kv_cache_coordinator.py` and
+`single_type_kv_cache_manager.py`: one `_GroupManager` per KV cache group
+(full attention, a sliding window, chunked local attention) keeps that
+group's block tables over the one shared pool; the manager runs each phase of
+`allocate_slots` over every group before the next. `get_computed_blocks`
+finds a new request's cached prefix (capped at len - 1 tokens, agreed by every
+group), `allocate_slots` frees blocks a running request no longer reads,
+touches the hit, takes new blocks and registers the blocks a step fills,
+`free` releases a request tail first, group by group. Requests are described
+by the spec's `Request` value; hashes come from the spec's chain
+(`kvspec.spec.hashing`) and group keys from `spec.state.group_key`, which are
+part of the contract, not of the implementation; the window arithmetic is
+this module's own.
 """
 
 from __future__ import annotations
@@ -15,11 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvspec.reference.block_pool import BlockPool
+from kvspec.spec.attention import FULL, KVGroup, format_groups, parse_groups
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import check_all
 from kvspec.spec.manager import Request
-from kvspec.spec.state import BlockHash, BlockId, Snapshot
+from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
 
 __all__ = ["KVCacheManager"]
 
@@ -64,19 +71,132 @@ def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_ex
         raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
 
 
+
+class _GroupManager:
+    """One KV cache group's block tables over the shared pool (vLLM's `SingleTypeKVCacheManager`)."""
+
+    def __init__(self, group: KVGroup, group_id: int, pool: BlockPool, block_size: int) -> None:
+        self.group = group  # the attention type; fixed
+        self.group_id = group_id  # its index, part of every hash-table key of its blocks; fixed
+        self.pool = pool  # shared by every group
+        self.block_size = block_size  # fixed
+        self.req_to_blocks: dict[str, list[BlockId]] = {}  # request id -> table; NULL_BLOCK_ID where skipped
+        self.num_cached_block: dict[str, int] = {}  # request id -> leading positions registered (or null)
+
+    def skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens the group no longer reads once `num_computed_tokens` are computed. Cost: O(1)."""
+        kind, size = self.group.kind, self.group.size
+        if kind == "sliding":
+            return num_computed_tokens - size + 1 if num_computed_tokens >= size else 0
+        if kind == "chunked":
+            return num_computed_tokens - num_computed_tokens % size
+        return 0
+
+    def skipped_blocks(self, num_computed_tokens: int) -> int:
+        """Leading blocks holding only skipped tokens: those the group frees. Cost: O(1)."""
+        return self.skipped_tokens(num_computed_tokens) // self.block_size
+
+    def key(self, block_hash: BlockHash) -> BlockHash:
+        """The hash-table key of this group's block for `block_hash`."""
+        return group_key(block_hash, self.group_id)
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Free, last first, the blocks a running request no longer reads; null them in its table.
+
+        The walk stops at a null position: everything before it went in an
+        earlier step. Cost: O(blocks freed).
+        """
+        blocks = self.req_to_blocks.get(request_id)
+        skipped = self.skipped_blocks(num_computed_tokens)
+        if not blocks or not skipped:
+            return
+        freed: list[BlockId] = []
+        for i in range(min(skipped, len(blocks)) - 1, -1, -1):
+            if blocks[i] == NULL_BLOCK_ID:
+                break
+            freed.append(blocks[i])
+            blocks[i] = NULL_BLOCK_ID
+        if freed:
+            self.pool.free_blocks(freed)
+
+    def blocks_needed(self, step: _AllocationStep, hits: Sequence[BlockId]) -> int:
+        """How many free blocks this group's part of the step uses (new ones and evictable hits). Cost: O(hits)."""
+        num_required = -(-step.num_tokens // self.block_size)
+        table = self.req_to_blocks.get(step.request.request_id)
+        if table is not None:
+            return max(num_required - len(table), 0)
+        skipped = self.skipped_blocks(step.num_computed)
+        blocks = self.pool.blocks
+        evictable = sum(1 for b in hits[skipped:] if blocks[b].ref_cnt == 0)
+        return max(num_required - max(skipped, len(hits)), 0) + evictable
+
+    def add_hits(self, request_id: str, hits: Sequence[BlockId], num_computed: int) -> None:
+        """A first step's hit: touch the blocks still read; the skipped positions become null. Cost: O(hits)."""
+        skipped = self.skipped_blocks(num_computed)
+        kept = list(hits[skipped:])
+        if kept:
+            self.pool.touch(kept)
+        table = [NULL_BLOCK_ID] * skipped + kept
+        self.req_to_blocks[request_id] = table
+        self.num_cached_block[request_id] = len(table)
+
+    def add_external_blocks(self, request_id: str, num_computed: int, num_external: int) -> list[BlockId]:
+        """Blocks for externally loaded tokens the group still reads (none at a chunk boundary). Cost: O(new)."""
+        skipped_tokens = self.skipped_tokens(num_computed)
+        if skipped_tokens and min(num_computed - skipped_tokens, num_external) <= 0:
+            return []
+        table = self.req_to_blocks.setdefault(request_id, [])
+        new = self.pool.get_new_blocks(max(0, -(-num_computed // self.block_size) - len(table)))
+        table.extend(new)
+        return new
+
+    def add_new_blocks(self, request_id: str, num_tokens: int) -> list[BlockId]:
+        """Blocks for every position up to `num_tokens` the table does not have yet. Cost: O(new blocks)."""
+        table = self.req_to_blocks.setdefault(request_id, [])
+        new = self.pool.get_new_blocks(max(-(-num_tokens // self.block_size) - len(table), 0))
+        table.extend(new)
+        return new
+
+    def cache_blocks(self, step: _AllocationStep, num_full: int) -> None:
+        """Register the newly full blocks under this group's keys; null positions stay out. Cost: O(new full)."""
+        rid = step.request.request_id
+        num_cached = self.num_cached_block.get(rid, 0)
+        if num_full > num_cached:
+            table = self.req_to_blocks[rid]
+            positions = [i for i in range(num_cached, num_full) if table[i] != NULL_BLOCK_ID]
+            if positions:
+                keys = [self.key(step.hashes[i]) for i in positions] if self.group_id else [
+                    step.hashes[i] for i in positions
+                ]
+                self.pool.cache_full_blocks([table[i] for i in positions], keys)
+            num_cached = num_full
+        self.num_cached_block[rid] = num_cached
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks in this group, last first; null positions hold nothing. Cost: O(blocks)."""
+        table = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if table:
+            held = [b for b in reversed(table) if b != NULL_BLOCK_ID]
+            if held:
+                self.pool.free_blocks(held)
+
+
 @dataclass(frozen=True, slots=True)
 class _AllocationStep:
     """A validated `allocate_slots` call, as the phases after validation read it."""
 
     request: Request  # the request being scheduled
-    table: list[BlockId]  # its block table before the step (empty on its first step); not changed in place
-    hits: Sequence[BlockId]  # its prefix hit, first step only: registered blocks it starts to share
+    running: bool  # it ran before this step
+    hits: tuple[Sequence[BlockId], ...]  # per group, its prefix hit (first step only), null where skipped
     hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
+    num_computed: int  # tokens computed before the new ones (earlier steps, or the hit and external tokens)
+    num_external: int  # of those, the tokens an external KV cache loads (first step only)
     num_tokens: int  # tokens computed once the step has run: hit, external and new included
 
 
 class KVCacheManager:
-    """Block tables of running requests over one `BlockPool`."""
+    """Block tables of running requests, one per KV cache group, over one `BlockPool`."""
 
     def __init__(
         self,
@@ -86,25 +206,34 @@ class KVCacheManager:
         profile: str = "vllm-v1",
         hash_fn: str = DEFAULT_HASH_FN,
         seed: str = DEFAULT_SEED,
+        groups: str | Sequence[KVGroup] = (FULL,),
     ) -> None:
-        """Build a manager over a fresh pool.
+        """Build a manager over a fresh pool, with its KV cache groups (`"full,sliding:8"` or `KVGroup` values).
 
         Raises:
-            InvalidRequest: a size is not a positive integer, or the profile or hash function is unknown.
+            InvalidRequest: a size is not a positive integer, the profile or hash function is unknown,
+                a group is malformed, or a chunk is not a multiple of the block size.
 
         Cost: O(num_gpu_blocks).
         """
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
         hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
+        kv_groups = parse_groups(groups if isinstance(groups, str) else format_groups(tuple(groups)))
+        for g in kv_groups:
+            if g.kind == "chunked" and g.size % block_size:
+                raise InvalidRequest(
+                    f"KV cache group {g}: a chunk of {g.size} tokens is not a multiple of block_size={block_size} "
+                    "(vLLM's chunked local attention asserts it, and its hit search relies on it)"
+                )
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, profile)  # owns every block
         self.block_size = block_size  # fixed
         self.enable_caching = self.block_pool.enable_caching  # fixed
         self.hash_fn = hash_fn  # fixed
         self.seed = seed  # fixed
-        self.req_to_blocks: dict[str, list[BlockId]] = {}  # request id -> block table (append-only)
-        self.num_cached_block: dict[str, int] = {}  # request id -> leading blocks registered
-        self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens computed so far
+        self.groups = kv_groups  # fixed
+        self.managers = [_GroupManager(g, i, self.block_pool, block_size) for i, g in enumerate(kv_groups)]
+        self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens computed so far (running requests)
 
     def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
         return hash_request_blocks(
@@ -112,27 +241,34 @@ class KVCacheManager:
             request.cache_salt, self.hash_fn, self.seed,
         )
 
+    def _check_request(self, request: Request, op: str) -> None:
+        _check_request(request, op)
+        if len(self.groups) > 1 and TABLE_GROUP_MARK in request.request_id:
+            raise InvalidRequest(
+                f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
+                "group's block table in snapshots"
+            )
+
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        """The longest cached prefix of a new request, at most len - 1 tokens, in whole blocks.
+        """The longest cached prefix every group can serve, at most len - 1 tokens, group by group.
 
         Raises:
             InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
 
-        Cost: O(tokens) for the hashes, O(1) per hit block.
+        Cost: O(tokens) for the hashes, O(1) per position looked up.
         """
-        _check_request(request, "get_computed_blocks")
-        if request.request_id in self.req_to_blocks:
+        self._check_request(request, "get_computed_blocks")
+        if request.request_id in self.num_computed_tokens:
             raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
         if not self.enable_caching:
             return [], 0
-        max_hit_blocks = (len(request.token_ids) - 1) // self.block_size
-        hits: list[BlockId] = []
-        for h in self._block_hashes(request)[:max_hit_blocks]:
-            b = self.block_pool.get_cached_block(h)
-            if b is None:
-                break
-            hits.append(b)
-        return hits, len(hits) * self.block_size
+        hashes = self._block_hashes(request)
+        max_length = len(request.token_ids) - 1
+        if len(self.managers) == 1:
+            hit = _find_hit(self.managers[0].group, [0], hashes, max_length, self)
+            return hit[0], len(hit[0]) * self.block_size
+        per_group, length = _agreed_hit(self, hashes, max_length)
+        return [b for blocks in per_group for b in blocks], length
 
     def allocate_slots(
         self,
@@ -142,31 +278,49 @@ class KVCacheManager:
         new_computed_blocks: Sequence[BlockId] = (),
         num_external_computed_tokens: int = 0,
     ) -> list[BlockId] | None:
-        """Give a request slots for its next tokens; None (and no change) when too few blocks are free.
+        """Give a request slots for its next tokens; None (taking and touching nothing) when too few blocks are free.
 
-        Five phases, one method each: validate, plan, touch the hits, take new
-        blocks, register full blocks. Only validation looks at the whole
-        request; the other four work on one pool and one block table, so
-        several KV cache groups become a loop over them.
+        Seven phases, each over every group before the next: validate, free
+        skipped blocks (even when the step is then refused, as vLLM's
+        `remove_skipped_blocks`), plan, touch the hits, take blocks for
+        external tokens, take blocks for new tokens, register full blocks.
+
+        Returns:
+            The newly taken blocks, group by group in table order.
 
         Raises:
             InvalidRequest: a bad count, a hit on a running request, more tokens than the request has,
                 or misplaced mm_inputs.
-            InvalidBlock: a hit block is not registered under the request's chain.
+            InvalidBlock: a hit block is not registered under the request's chain in its group.
 
         Cost: O(new blocks + hit blocks), plus hashing of new full blocks.
         """
         step = self._validate_allocation(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
         )
-        num_to_allocate = self._plan_allocation(step)
-        if num_to_allocate is None:
+        rid = request.request_id
+        if step.running:
+            for manager in self.managers:
+                manager.remove_skipped_blocks(rid, step.num_computed)
+        needed = sum(m.blocks_needed(step, hits) for m, hits in zip(self.managers, step.hits))
+        if needed > self.block_pool.get_num_free_blocks():
             return None
-        self._touch_hits(step)
-        new_blocks = self._take_new_blocks(step, num_to_allocate)
-        self._register_full_blocks(step)
-        self.num_computed_tokens[request.request_id] = step.num_tokens
-        return new_blocks
+        new_blocks: list[list[BlockId]] = [[] for _ in self.managers]
+        if not step.running:
+            for manager, hits in zip(self.managers, step.hits):
+                manager.add_hits(rid, hits, step.num_computed)
+            if step.num_external:
+                for manager, new in zip(self.managers, new_blocks):
+                    new += manager.add_external_blocks(rid, step.num_computed, step.num_external)
+        for manager, new in zip(self.managers, new_blocks):
+            new += manager.add_new_blocks(rid, step.num_tokens)
+        if self.enable_caching:
+            # Only full blocks are registered: a partial one's tokens are still to come.
+            num_full = min(step.num_tokens, len(request.token_ids)) // self.block_size
+            for manager in self.managers:
+                manager.cache_blocks(step, num_full)
+        self.num_computed_tokens[rid] = step.num_tokens
+        return new_blocks[0] if len(new_blocks) == 1 else [b for new in new_blocks for b in new]
 
     def _validate_allocation(
         self,
@@ -186,128 +340,94 @@ class KVCacheManager:
 
         Cost: O(tokens) to hash the request, O(1) per hit block.
         """
-        _check_request(request, "allocate_slots")
+        self._check_request(request, "allocate_slots")
         _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)
         rid = request.request_id
-        running = rid in self.req_to_blocks
+        running = rid in self.num_computed_tokens
         if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
             raise InvalidRequest(
                 f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step"
             )
-        hashes = self._check_hit_blocks(request, num_new_computed_tokens, new_computed_blocks)
-        table = self.req_to_blocks.get(rid, [])
-        num_computed = self.num_computed_tokens.get(rid, 0)
-        total = num_computed + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
+        num_computed = self.num_computed_tokens.get(rid, 0) + num_new_computed_tokens + num_external_computed_tokens
+        hashes, hits = self._check_hit_blocks(request, num_new_computed_tokens, new_computed_blocks, num_computed)
+        total = num_computed + num_new_tokens
         if total > len(request.token_ids):
             raise InvalidRequest(
                 f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
             )
-        return _AllocationStep(request, table, new_computed_blocks, hashes, total)
+        return _AllocationStep(request, running, hits, hashes, num_computed, num_external_computed_tokens, total)
 
     def _check_hit_blocks(
-        self, request: Request, num_new_computed_tokens: int, new_computed_blocks: Sequence[BlockId]
-    ) -> tuple[BlockHash, ...]:
-        """The hit covers its tokens in whole blocks, each registered under the request's own chain.
+        self,
+        request: Request,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Sequence[BlockId],
+        num_computed: int,
+    ) -> tuple[tuple[BlockHash, ...], tuple[Sequence[BlockId], ...]]:
+        """The hit covers its tokens in whole blocks in every group, each registered under the request's chain.
+
+        A group may have the null block at a position it no longer reads.
 
         Returns:
-            The request's hash chain (registration needs it too).
+            The request's hash chain (registration needs it too) and the hit split by group.
 
         Cost: O(tokens) to hash the request, O(1) per hit block.
         """
-        if len(new_computed_blocks) * self.block_size != num_new_computed_tokens:
+        num_groups = len(self.managers)
+        n = num_new_computed_tokens // self.block_size
+        if n * self.block_size != num_new_computed_tokens or len(new_computed_blocks) != n * num_groups:
+            per_group = f" for {num_groups} KV cache groups" if num_groups > 1 else ""
             raise InvalidRequest(
                 f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
-                f"{len(new_computed_blocks)} hit blocks of block_size={self.block_size}"
+                f"{len(new_computed_blocks)} hit blocks of block_size={self.block_size}{per_group}"
             )
         if new_computed_blocks and not self.enable_caching:
             raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
         pool = self.block_pool
         hashes = self._block_hashes(request)
-        if len(new_computed_blocks) > len(hashes):
+        if n > len(hashes):
             raise InvalidRequest(
-                f"allocate_slots: {len(new_computed_blocks)} hit blocks but request_id={request.request_id!r} "
+                f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} "
                 f"has only {len(hashes)} full blocks"
             )
-        for i, b in enumerate(new_computed_blocks):
-            in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
-            if not in_range or pool.blocks[b].block_hash != hashes[i]:
-                raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
-        return hashes
-
-    def _plan_allocation(self, step: _AllocationStep) -> int | None:
-        """Phase 2: how many new blocks the step needs, or None when they do not fit.
-
-        Planned before anything changes, so a step that cannot be served is
-        refused whole rather than failing halfway with its hits touched.
-
-        Cost: O(hit blocks).
-        """
-        num_required = -(-step.num_tokens // self.block_size)
-        num_to_allocate = max(num_required - len(step.table) - len(step.hits), 0)
-        # Hit blocks in the free queue leave it when touched: they use up free blocks too.
-        num_evictable_hits = sum(1 for b in step.hits if self.block_pool.blocks[b].ref_cnt == 0)
-        if num_to_allocate + num_evictable_hits > self.block_pool.get_num_free_blocks():
-            return None
-        return num_to_allocate
-
-    def _touch_hits(self, step: _AllocationStep) -> None:
-        """Phase 3: take a reference on each hit block, so none is evicted while the request runs.
-
-        Before new blocks are taken: a hit block still in the free queue could
-        otherwise be the one they take. Cost: O(hit blocks).
-        """
-        if step.hits:
-            self.block_pool.touch(step.hits)
-
-    def _take_new_blocks(self, step: _AllocationStep, num_to_allocate: int) -> list[BlockId]:
-        """Phase 4: take the planned blocks and append them, after the hits, to the block table.
-
-        The table only grows while the request runs (append-only, as vLLM's),
-        so tokens already scheduled keep their slots. Cost: O(new blocks).
-        """
-        new_blocks = self.block_pool.get_new_blocks(num_to_allocate)
-        self.req_to_blocks[step.request.request_id] = step.table + list(step.hits) + new_blocks
-        return new_blocks
-
-    def _register_full_blocks(self, step: _AllocationStep) -> None:
-        """Phase 5: register (cache_full_blocks) every block the step fills, so later requests can hit it.
-
-        Cost: O(newly full blocks); their hashes were computed in validation.
-        """
-        rid = step.request.request_id
-        # The hit blocks are registered already (that is why they hit).
-        num_cached = self.num_cached_block.get(rid, 0) + len(step.hits)
-        if self.enable_caching:
-            # Only a full block is registered: a partial one's tokens are still to come.
-            num_full = min(step.num_tokens, len(step.request.token_ids)) // self.block_size
-            if num_full > num_cached:
-                table = self.req_to_blocks[rid]
-                self.block_pool.cache_full_blocks(table[num_cached:num_full], step.hashes[num_cached:num_full])
-                num_cached = num_full
-        self.num_cached_block[rid] = num_cached
+        hits = tuple(new_computed_blocks[g * n : (g + 1) * n] for g in range(num_groups))
+        for manager, group_hits in zip(self.managers, hits):
+            skipped = manager.skipped_blocks(num_computed)
+            for i, b in enumerate(group_hits):
+                in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
+                if in_range and b == NULL_BLOCK_ID and i < skipped:
+                    continue
+                if not in_range or pool.blocks[b].block_hash != manager.key(hashes[i]):
+                    where = f" of KV cache group {manager.group_id}" if num_groups > 1 else ""
+                    raise InvalidBlock(
+                        f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}{where}"
+                    )
+        return hashes, hits
 
     def free(self, request_id: str) -> None:
-        """Release a finished or preempted request; its blocks are freed tail first.
+        """Release a finished or preempted request: each group's blocks tail first, group by group.
 
         Raises:
             InvalidRequest: request_id is not running.
 
         Cost: O(blocks of the request).
         """
-        table = self.req_to_blocks.get(request_id)
-        if table is None:
+        if request_id not in self.num_computed_tokens:
             raise InvalidRequest(f"free: request_id={request_id!r} is not running (freed twice?)")
         # Tail first: a request's last blocks are the least likely to be shared,
         # so they are evicted before its common leading blocks.
-        self.block_pool.free_blocks(table[::-1])
-        del self.req_to_blocks[request_id]
-        del self.num_cached_block[request_id]
+        for manager in self.managers:
+            manager.free(request_id)
         del self.num_computed_tokens[request_id]
 
     def snapshot(self) -> Snapshot:
-        """The pool's snapshot with every running request's block table. Cost: O(blocks)."""
-        tables = tuple(sorted((rid, tuple(blocks)) for rid, blocks in self.req_to_blocks.items()))
-        return self.block_pool.snapshot(block_tables=tables)
+        """The pool's snapshot with every running request's block tables (one per group). Cost: O(blocks)."""
+        tables = tuple(sorted(
+            (table_name(rid, m.group_id), tuple(blocks))
+            for m in self.managers for rid, blocks in m.req_to_blocks.items()
+        ))  # fmt: skip
+        groups = () if self.groups == (FULL,) else tuple(str(g) for g in self.groups)
+        return self.block_pool.snapshot(block_tables=tables, kv_groups=groups)
 
     def check_invariants(self) -> None:
         """Check every state invariant via the spec's predicates.
@@ -317,3 +437,93 @@ class KVCacheManager:
         """
         check_all(self.snapshot())
         self.block_pool.check_invariants()
+
+
+def _find_hit(
+    group: KVGroup, group_ids: list[int], hashes: tuple[BlockHash, ...], max_length: int, mgr: KVCacheManager
+) -> list[list[BlockId]]:
+    """One attention type's hit within `max_length` tokens, for each of its groups (vLLM's `find_longest_cache_hit`).
+
+    Full attention: cached blocks from the first, left to right. A sliding
+    window: scanned right to left for a run of cdiv(W - 1, B) cached blocks
+    (or a shorter run that reaches the first block), the null block before
+    it. Chunked local attention: the null block before the chunk that holds
+    position max_length, then cached blocks left to right. Cost: O(positions scanned).
+    """
+    pool, block_size = mgr.block_pool, mgr.block_size
+    max_blocks = min(max_length // block_size, len(hashes))
+
+    def lookup(i: int) -> list[BlockId] | None:
+        found = []
+        for gid in group_ids:
+            b = pool.get_cached_block(group_key(hashes[i], gid))
+            if b is None:
+                return None
+            found.append(b)
+        return found
+
+    out: list[list[BlockId]] = [[] for _ in group_ids]
+    if group.kind == "sliding":
+        need = -(-(group.size - 1) // block_size)
+        run: list[list[BlockId]] = []  # the current run, rightmost first
+        first = 0
+        for i in range(max_blocks - 1, -1, -1):
+            found = lookup(i)
+            if found is None:
+                run = []
+                continue
+            run.append(found)
+            first = i
+            if len(run) >= need:
+                break
+        else:
+            first = 0
+        for k, blocks in enumerate(out):
+            blocks.extend([NULL_BLOCK_ID] * first)
+            blocks.extend(r[k] for r in reversed(run))
+        return out
+    start = 0
+    if group.kind == "chunked" and max_length > 0:
+        start = (max_length - max_length % group.size) // block_size
+    for blocks in out:
+        blocks.extend([NULL_BLOCK_ID] * start)
+    for i in range(start, max_blocks):
+        found = lookup(i)
+        if found is None:
+            break
+        for blocks, b in zip(out, found):
+            blocks.append(b)
+    return out
+
+
+def _agreed_hit(
+    mgr: KVCacheManager, hashes: tuple[BlockHash, ...], max_length: int
+) -> tuple[list[list[BlockId]], int]:
+    """The hit every group agrees on (vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit`).
+
+    Groups of one attention type are searched together, full attention
+    first; each search may only shorten the candidate, and rounds repeat
+    until none does (a single round for one full type and one other).
+    Full attention's blocks are cut to the agreed length. Cost: O(positions scanned).
+    """
+    kinds: dict[KVGroup, list[int]] = {}
+    for m in mgr.managers:
+        kinds.setdefault(m.group, []).append(m.group_id)
+    order = sorted(kinds.items(), key=lambda item: item[0].kind != "full")
+    found: dict[int, list[BlockId]] = {}
+    length = max_length
+    while True:
+        candidate = length
+        for group, ids in order:
+            if group.kind == "full" and ids[0] in found:
+                candidate = min(candidate, len(found[ids[0]]) * mgr.block_size)
+                continue
+            hits = _find_hit(group, ids, hashes, candidate, mgr)
+            candidate = len(hits[0]) * mgr.block_size
+            found.update(zip(ids, hits))
+        done = candidate >= length or (len(order) == 2 and order[0][0].kind == "full")
+        length = candidate
+        if done:
+            break
+    num_blocks = length // mgr.block_size
+    return [found[m.group_id][:num_blocks] for m in mgr.managers], length

@@ -18,8 +18,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvspec.spec.attention import FULL, KVGroup, parse_groups, window_hit_blocks
 from kvspec.spec.errors import InvariantViolation
-from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot
+from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key
 
 __all__ = [
     "HIT_RULES",
@@ -35,6 +36,7 @@ __all__ = [
     "failing",
     "hit_content_intact",
     "hit_prefix_closed",
+    "hit_window_shape",
     "hit_within_cap",
     "is_block_writable",
 ]
@@ -70,16 +72,56 @@ def inv_free_queue_has_zero_ref(s: Snapshot) -> bool:
 
 
 def inv_null_block_isolated(s: Snapshot) -> bool:
-    """The null block is never free, never hashed, never in the hash table and never held by a request."""
+    """The null block is never free, never hashed, never in the hash table and never held (its ref_cnt stays 0)."""
     in_table = any(NULL_BLOCK_ID in blocks for _, blocks in s.hash_to_blocks)
-    in_tables = s.block_tables is not None and any(NULL_BLOCK_ID in blocks for _, blocks in s.block_tables)
     return (
         NULL_BLOCK_ID not in s.free_queue
         and s.block_hash[NULL_BLOCK_ID] is None
         and s.ref_cnt[NULL_BLOCK_ID] == 0
         and not in_table
-        and not in_tables
     )
+
+
+def snapshot_groups(s: Snapshot) -> tuple[KVGroup, ...]:
+    """The KV cache groups a snapshot describes (one full-attention group when it names none)."""
+    return parse_groups(",".join(s.kv_groups)) if s.kv_groups else (FULL,)
+
+
+def _table_group(name: str, num_groups: int) -> int | None:
+    """The group of a block table named by `spec.state.table_name`; None for a name no group has."""
+    _, mark, group = name.rpartition(TABLE_GROUP_MARK)
+    if not mark:
+        return 0
+    return int(group) if group.isdigit() and 0 < int(group) < num_groups else None
+
+
+def inv_null_only_where_skipped(s: Snapshot) -> bool:
+    """The null block stands in a block table only for positions its group no longer reads: in a sliding-window or chunked-local group, before every block the table still holds."""
+    if s.block_tables is None:
+        return True
+    groups = snapshot_groups(s)
+    for name, blocks in s.block_tables:
+        g = _table_group(name, len(groups))
+        if g is None:
+            return False
+        num_null = next((i for i, b in enumerate(blocks) if b != NULL_BLOCK_ID), len(blocks))
+        if NULL_BLOCK_ID in blocks[num_null:] or (num_null and not groups[g].skips):
+            return False
+    return True
+
+
+def inv_groups_disjoint(s: Snapshot) -> bool:
+    """No block is in two KV cache groups' tables: a group's blocks are its own, keyed by its group id."""
+    if s.block_tables is None:
+        return True
+    owner: dict[int, int | None] = {}
+    num_groups = len(snapshot_groups(s))
+    for name, blocks in s.block_tables:
+        g = _table_group(name, num_groups)
+        for b in blocks:
+            if b != NULL_BLOCK_ID and owner.setdefault(b, g) != g:
+                return False
+    return True
 
 
 def inv_hash_table_consistent(s: Snapshot) -> bool:
@@ -116,14 +158,15 @@ def inv_caching_off_no_hash(s: Snapshot) -> bool:
 
 
 def inv_block_tables_hold_refs(s: Snapshot) -> bool:
-    """Each block's ref_cnt is the number of request block tables that hold it, and no table holds a block twice."""
+    """Each block's ref_cnt is the number of block tables that hold it, across every request and KV cache group, and no table holds a block twice."""
     if s.block_tables is None:
         return True
     holders: Counter[int] = Counter()
     for _, blocks in s.block_tables:
-        if len(set(blocks)) != len(blocks):
+        real = [b for b in blocks if b != NULL_BLOCK_ID]
+        if len(set(real)) != len(real):
             return False
-        holders.update(blocks)
+        holders.update(real)
     return all(s.ref_cnt[b] == holders[b] for b in range(1, s.num_gpu_blocks))
 
 
@@ -151,7 +194,9 @@ INVARIANTS: tuple[Invariant, ...] = (
     Invariant("inv_conservation", "conservation", inv_conservation),
     Invariant("inv_hash_table_consistent", "hash-table-consistent", inv_hash_table_consistent),
     Invariant("inv_caching_off_no_hash", "", inv_caching_off_no_hash),
-    Invariant("inv_block_tables_hold_refs", "", inv_block_tables_hold_refs),
+    Invariant("inv_block_tables_hold_refs", "tables-hold-refs", inv_block_tables_hold_refs),
+    Invariant("inv_null_only_where_skipped", "null-where-skipped", inv_null_only_where_skipped),
+    Invariant("inv_groups_disjoint", "groups-disjoint", inv_groups_disjoint),
 )
 
 
@@ -202,12 +247,24 @@ def hit_within_cap(num_tokens: int, num_hit_tokens: int, block_size: int) -> boo
 
 
 def hit_prefix_closed(
-    s: Snapshot, request_hashes: Sequence[BlockHash], hit_blocks: Sequence[BlockId]
+    s: Snapshot, request_hashes: Sequence[BlockHash], hit_blocks: Sequence[BlockId], group_id: int = 0
 ) -> bool:
-    """The blocks a request hits are a contiguous prefix of its own hash chain: hit i is registered under hash i."""
+    """The blocks a request hits are a contiguous prefix of its own hash chain: hit i is registered under hash i (in its group), or is the null block where the group no longer reads."""
     return len(hit_blocks) <= len(request_hashes) and all(
-        s.block_hash[b] == request_hashes[i] for i, b in enumerate(hit_blocks)
+        b == NULL_BLOCK_ID or s.block_hash[b] == group_key(request_hashes[i], group_id) for i, b in enumerate(hit_blocks)
     )
+
+
+def hit_window_shape(group: KVGroup, hit_blocks: Sequence[BlockId], block_size: int) -> bool:
+    """A group's hit is what its attention type reads: full attention every block; a sliding window only the blocks of the window before the next token, the null block before them; chunked local attention only the next token's chunk."""
+    n = len(hit_blocks)
+    if group.kind == "sliding":
+        num_null = n - min(n, window_hit_blocks(group.size, block_size))
+    elif group.kind == "chunked":
+        num_null = n * block_size // group.size * group.size // block_size
+    else:
+        num_null = 0
+    return all((b == NULL_BLOCK_ID) == (i < num_null) for i, b in enumerate(hit_blocks))
 
 
 def hit_content_intact(expected: Sequence[int], actual: Sequence[int]) -> bool:
@@ -227,6 +284,13 @@ class HitRule:
 HIT_RULES: tuple[HitRule, ...] = (
     HitRule("hit_within_cap", "hit-cap", (hit_within_cap.__doc__ or "").strip()),
     HitRule("hit_prefix_closed", "prefix-closed", (hit_prefix_closed.__doc__ or "").strip()),
+    HitRule("hit_window_shape", "hit-per-attention-type", (hit_window_shape.__doc__ or "").strip()),
+    HitRule(
+        "hit_same_length",
+        "hit-agreed",
+        "Every KV cache group's hit covers the same tokens: as many positions in each group, "
+        "the length every group's attention type can serve (vLLM's coordinator).",
+    ),
     HitRule("hit_content_intact", "content-integrity", (hit_content_intact.__doc__ or "").strip()),
     HitRule(
         "hit_salt_isolated",
@@ -250,14 +314,25 @@ def check_hit(
     Raises:
         InvariantViolation: naming the rule the hit breaks.
     """
+    groups = snapshot_groups(s)
     detail = (
         f"num_tokens={num_tokens} block_size={block_size} hit_blocks={list(hit_blocks)} "
-        f"num_hit_tokens={num_hit_tokens}"
+        f"num_hit_tokens={num_hit_tokens}" + (f" groups={list(s.kv_groups)}" if s.kv_groups else "")
     )
-    if not hit_within_cap(num_tokens, num_hit_tokens, block_size) or num_hit_tokens != len(hit_blocks) * block_size:
-        raise InvariantViolation("hit_within_cap", HIT_RULES[0].rule, detail)
-    if not hit_prefix_closed(s, request_hashes, hit_blocks):
-        raise InvariantViolation("hit_prefix_closed", HIT_RULES[1].rule, detail)
+    rules = {r.name: r.rule for r in HIT_RULES}
+    n = len(hit_blocks) // len(groups)
+    if not hit_within_cap(num_tokens, num_hit_tokens, block_size) or (
+        len(groups) == 1 and num_hit_tokens != len(hit_blocks) * block_size
+    ):
+        raise InvariantViolation("hit_within_cap", rules["hit_within_cap"], detail)
+    if len(hit_blocks) != n * len(groups) or num_hit_tokens != n * block_size:
+        raise InvariantViolation("hit_same_length", rules["hit_same_length"], detail)
+    for g, group in enumerate(groups):
+        blocks = hit_blocks[g * n : (g + 1) * n]
+        if not hit_prefix_closed(s, request_hashes, blocks, g):
+            raise InvariantViolation("hit_prefix_closed", rules["hit_prefix_closed"], detail)
+        if not hit_window_shape(group, blocks, block_size):
+            raise InvariantViolation("hit_window_shape", rules["hit_window_shape"], detail)
 
 
 # --- step rules ---------------------------------------------------------------------------

@@ -1,20 +1,40 @@
 """The request level: vLLM's KVCacheManager over one BlockPool, as pure functions.
 
-A request's blocks form its block table, append-only while it runs. The
+A request has one block table per KV cache group (spec.attention: full
+attention, a sliding window, chunked local attention), all allocating from one
+pool; a table is append-only while the request runs, except that a group's
+blocks it no longer reads are freed and replaced by the null block. The
 manager finds a new request's prefix hit (`get_computed_blocks`), gives it
-slots for the tokens of a step (`allocate_slots`, which touches the hit blocks,
-takes new ones, and registers every block that the step fills), and frees it
-when it finishes or is preempted (`free`, tail first).
+slots for the tokens of a step (`allocate_slots`, which frees skipped blocks,
+touches the hit blocks, takes new ones, and registers every block that the
+step fills), and frees it when it finishes or is preempted (`free`, tail
+first, group by group).
 
-Design choice: blocks are registered when the step that fills them is
-scheduled (as vLLM does), not after it ran; the alternative (register after
-the forward pass) would need a second call per step and would let two
-requests scheduled in one step both miss on the same prefix more often. A
-failed allocation (not enough free blocks) returns None and changes nothing:
-no block touched, none taken.
+Design choices:
+- Blocks are registered when the step that fills them is scheduled (as vLLM
+  does), not after it ran; the alternative (register after the forward pass)
+  would need a second call per step and would let two requests scheduled in
+  one step both miss on the same prefix more often.
+- A failed allocation (not enough free blocks) returns None and takes and
+  touches nothing. It does free a running request's skipped blocks first, as
+  vLLM's `allocate_slots` runs `remove_skipped_blocks` before it counts the
+  free blocks: the request no longer reads them whatever the allocation does,
+  and freeing them first is what lets a sliding-window request go on in a
+  nearly full pool. The harness counts that branch ("refused after freeing
+  skipped blocks").
+- Every group has the manager's block size (vLLM's hybrid managers allow a
+  multiple per group, and a hash block size below; not modelled), and a
+  chunk is a multiple of it (vLLM's chunked local attention backend asserts
+  it; the manager's chunked hit search relies on it).
+- The hit is vLLM's: each attention type's own search (spec.attention) and,
+  with several groups, the coordinator's fixed point over attention types,
+  full attention first: a length every group can serve.
 
-Full attention with one KV-cache group only; the null block never appears in
-a block table here.
+Several groups are loops over the same phases; with one full-attention group
+(the default) everything reduces to the single-table manager, state for state.
+Hit blocks and new blocks cross the API as one flat list, group by group:
+every group's hit has the same number of positions (the null block at the
+skipped ones), so the list splits evenly.
 """
 
 from __future__ import annotations
@@ -25,10 +45,20 @@ from dataclasses import dataclass, replace
 import icontract
 
 from kvspec.spec import ops
+from kvspec.spec.attention import FULL, KVGroup, format_groups, num_skipped_blocks, parse_groups, window_hit_blocks
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import all_hold, check_hit
-from kvspec.spec.state import BlockHash, BlockId, PoolState, Snapshot
+from kvspec.spec.state import (
+    NULL_BLOCK_ID,
+    TABLE_GROUP_MARK,
+    BlockHash,
+    BlockId,
+    PoolState,
+    Snapshot,
+    group_key,
+    table_name,
+)
 from kvspec.spec.step import Step
 
 __all__ = [
@@ -57,19 +87,20 @@ class Request:
 
 @dataclass(frozen=True, slots=True)
 class ManagerConfig:
-    """How the manager hashes and sizes blocks; fixed at construction."""
+    """How the manager hashes and sizes blocks, and its KV cache groups; fixed at construction."""
 
-    block_size: int  # tokens per block
+    block_size: int  # tokens per block, in every group
     hash_fn: str = DEFAULT_HASH_FN  # spec.hashing.HASH_FUNCTIONS
     seed: str = DEFAULT_SEED  # NONE_HASH is derived from it
+    groups: tuple[KVGroup, ...] = (FULL,)  # the KV cache groups, in vLLM's group order
 
 
 @dataclass(frozen=True, slots=True)
 class RequestBlocks:
     """The manager's record of one running request."""
 
-    block_ids: tuple[BlockId, ...]  # its block table, append-only
-    num_cached_blocks: int  # how many leading blocks are registered in the hash table
+    tables: tuple[tuple[BlockId, ...], ...]  # one block table per group; the null block at skipped positions
+    num_cached_blocks: tuple[int, ...]  # per group: leading positions registered in the hash table (or null)
     num_computed_tokens: int  # tokens whose KV is (being) computed
 
 
@@ -78,7 +109,7 @@ class ManagerState:
     """The spec's KVCacheManager: one pool and the running requests."""
 
     config: ManagerConfig  # fixed at construction
-    pool: PoolState  # the block pool underneath
+    pool: PoolState  # the block pool underneath, shared by every group
     requests: tuple[tuple[str, RequestBlocks], ...]  # running requests, sorted by id
 
     def request(self, request_id: str) -> RequestBlocks | None:
@@ -89,8 +120,16 @@ class ManagerState:
         return None
 
     def snapshot(self) -> Snapshot:
-        """The pool's snapshot with every running request's block table."""
-        return self.pool.snapshot(block_tables=tuple((rid, e.block_ids) for rid, e in self.requests))
+        """The pool's snapshot with every running request's block tables (one per group) and the groups."""
+        tables = tuple(
+            sorted((table_name(rid, g), table) for rid, e in self.requests for g, table in enumerate(e.tables))
+        )
+        return self.pool.snapshot(block_tables=tables, kv_groups=snapshot_groups(self.config.groups))
+
+
+def snapshot_groups(groups: tuple[KVGroup, ...]) -> tuple[str, ...]:
+    """How a snapshot names the groups: () for the default single full-attention group."""
+    return () if groups == (FULL,) else tuple(str(g) for g in groups)
 
 
 def _holds(state: ManagerState) -> bool:
@@ -138,17 +177,36 @@ def new_manager(
     profile: str = "vllm-v1",
     hash_fn: str = DEFAULT_HASH_FN,
     seed: str = DEFAULT_SEED,
+    groups: str | Sequence[KVGroup] = (FULL,),
 ) -> ManagerState:
-    """A manager over a fresh pool.
+    """A manager over a fresh pool, with its KV cache groups (`"full,sliding:8"`, or `KVGroup` values).
 
     Raises:
-        InvalidRequest: a size is not a positive integer, or the profile or hash function is unknown.
+        InvalidRequest: a size is not a positive integer, the profile or hash function is unknown,
+            a group is malformed, or a chunk is not a multiple of the block size.
     """
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
         raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
     hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
+    kv_groups = check_groups(groups, block_size)
     pool = ops.new_pool(num_gpu_blocks, enable_caching, profile)
-    return ManagerState(ManagerConfig(block_size, hash_fn, seed), pool, ())
+    return ManagerState(ManagerConfig(block_size, hash_fn, seed, kv_groups), pool, ())
+
+
+def check_groups(groups: str | Sequence[KVGroup], block_size: int) -> tuple[KVGroup, ...]:
+    """The groups as `KVGroup` values, checked against the block size.
+
+    Raises:
+        InvalidRequest: as `new_manager`.
+    """
+    kv_groups = parse_groups(groups) if isinstance(groups, str) else parse_groups(format_groups(tuple(groups)))
+    for g in kv_groups:
+        if g.kind == "chunked" and g.size % block_size:
+            raise InvalidRequest(
+                f"KV cache group {g}: a chunk of {g.size} tokens is not a multiple of block_size={block_size} "
+                "(vLLM's chunked local attention asserts it, and its hit search relies on it)"
+            )
+    return kv_groups
 
 
 def request_block_hashes(state: ManagerState, request: Request) -> tuple[BlockHash, ...]:
@@ -163,6 +221,15 @@ def request_block_hashes(state: ManagerState, request: Request) -> tuple[BlockHa
         cfg.hash_fn,
         cfg.seed,
     )
+
+
+def _check_request_id(state: ManagerState, request: Request, op: str) -> None:
+    _check_request(request, op)
+    if len(state.config.groups) > 1 and TABLE_GROUP_MARK in request.request_id:
+        raise InvalidRequest(
+            f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
+            "group's block table in snapshots"
+        )
 
 
 def _computed_ok(
@@ -180,40 +247,130 @@ def _computed_ok(
 @icontract.ensure(lambda state, request, result: _computed_ok(state, request, result))
 @icontract.ensure(lambda state, result: result.state is state)
 def get_computed_blocks(state: ManagerState, request: Request) -> Step[ManagerState, tuple[tuple[BlockId, ...], int]]:
-    """The longest cached prefix of a new request, capped so its last token is computed.
+    """The longest cached prefix of a new request that every group can serve, its last token left to compute.
 
     Reads only; the hit blocks are touched by `allocate_slots`.
 
     Returns:
-        The state, unchanged, and as the result the hit blocks (a prefix of the
-        request's hash chain) and the tokens they cover.
+        The state, unchanged, and as the result the hit blocks, group by group
+        (each group's as many positions, the null block where its attention type
+        skips them), and the tokens they cover.
 
     Raises:
         InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
 
     raises: InvalidRequest  # the errors above, as CrossHair reads them
     """
-    _check_request(request, "get_computed_blocks")
+    _check_request_id(state, request, "get_computed_blocks")
     if state.request(request.request_id) is not None:
         raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
     if not state.pool.config.enable_caching:
         return Step(state, ((), 0))
-    block_size = state.config.block_size
     # NOTE: at most len - 1 tokens: the last prompt token must be computed to get
     # the logits that sample the first output token.
-    max_hit_blocks = (len(request.token_ids) - 1) // block_size
-    hits: list[BlockId] = []
-    for h in request_block_hashes(state, request)[:max_hit_blocks]:
-        b = ops.get_cached_block(state.pool, h).result
-        if b is None:
+    per_group, num_tokens = longest_cache_hit(state, request_block_hashes(state, request), len(request.token_ids) - 1)
+    return Step(state, (tuple(b for blocks in per_group for b in blocks), num_tokens))
+
+
+def longest_cache_hit(
+    state: ManagerState, hashes: tuple[BlockHash, ...], max_length: int
+) -> tuple[tuple[tuple[BlockId, ...], ...], int]:
+    """The hit every group agrees on: each attention type's search, to a fixed point (vLLM's coordinators).
+
+    One group: its own search. Several: groups of one attention type are
+    searched together (a position hits only if every one of them has it),
+    full attention first; each search may only shorten the candidate length,
+    and the round repeats until no type shortens it (once, for one full type
+    and one other: the second search cannot be cut again). Full attention's
+    hit is then cut to the agreed length.
+
+    Returns:
+        Each group's hit blocks and the hit length in tokens.
+    """
+    groups, block_size = state.config.groups, state.config.block_size
+    kinds: dict[KVGroup, list[int]] = {}
+    for gid, g in enumerate(groups):
+        kinds.setdefault(g, []).append(gid)
+    order = sorted(kinds.items(), key=lambda item: item[0].kind != "full")  # stable: full attention first
+    found: dict[int, tuple[BlockId, ...]] = {}
+    length = max_length
+    while True:
+        candidate = length
+        for group, ids in order:
+            if group.kind == "full" and ids[0] in found:
+                candidate = min(candidate, len(found[ids[0]]) * block_size)
+                continue
+            hits = _type_hit(state.pool, group, ids, hashes, candidate, block_size)
+            candidate = len(hits[0]) * block_size
+            found.update(zip(ids, hits))
+        if candidate >= length or len(groups) == 1:
+            length = candidate
             break
-        hits.append(b)
-    return Step(state, (tuple(hits), len(hits) * block_size))
+        length = candidate
+        if len(order) == 2 and order[0][0].kind == "full":
+            break
+    num_blocks = length // block_size
+    return tuple(found[gid][:num_blocks] for gid in range(len(groups))), length
+
+
+def _type_hit(
+    pool: PoolState, group: KVGroup, ids: list[int], hashes: tuple[BlockHash, ...], max_length: int, block_size: int
+) -> list[tuple[BlockId, ...]]:
+    """One attention type's hit within `max_length` tokens, for each of its groups (vLLM's `find_longest_cache_hit`).
+
+    - full: the longest run of cached blocks from the first, left to right;
+    - sliding:W: the rightmost run of `window_hit_blocks(W, B)` cached blocks,
+      scanned right to left, the null block before it (a hit needs only the
+      window before the next token); a shorter run that reaches the first block
+      is a hit too;
+    - chunked:C: the null block for every block before the chunk that holds
+      position max_length, then the run of cached blocks from there.
+    """
+
+    def cached(i: int) -> list[BlockId] | None:
+        blocks = [ops.get_cached_block(pool, group_key(hashes[i], gid)).result for gid in ids]
+        return None if any(b is None for b in blocks) else [BlockId(b) for b in blocks if b is not None]
+
+    max_blocks = min(max_length // block_size, len(hashes))
+    if group.kind == "sliding":
+        need = window_hit_blocks(group.size, block_size)
+        seen: dict[int, list[BlockId]] = {}
+        run_start, run_len = 0, 0
+        for i in range(max_blocks - 1, -1, -1):
+            blocks = cached(i)
+            if blocks is None:
+                run_len = 0
+                continue
+            seen[i], run_start, run_len = blocks, i, run_len + 1
+            if run_len >= need:
+                break
+        else:  # no whole window cached: the run that reaches the first block (if any) is the hit
+            run_start = 0
+        run = range(run_start, run_start + run_len)
+        return [(NULL_BLOCK_ID,) * run_start + tuple(seen[j][k] for j in run) for k in range(len(ids))]
+    start = max_length // group.size * group.size // block_size if group.kind == "chunked" and max_length > 0 else 0
+    hits: list[list[BlockId]] = []
+    for i in range(start, max_blocks):
+        blocks = cached(i)
+        if blocks is None:
+            break
+        hits.append(blocks)
+    return [(NULL_BLOCK_ID,) * start + tuple(h[k] for h in hits) for k in range(len(ids))]
 
 
 def _alloc_ok(state: ManagerState, request: Request, result: Step[ManagerState, tuple[BlockId, ...] | None]) -> bool:
     new_state, new_blocks = result.state, result.result
-    return _holds(new_state) and (new_blocks is not None or new_state == state)
+    if not _holds(new_state):
+        return False
+    if new_blocks is not None:
+        return True
+    # Refused: nothing touched or taken; only skipped blocks of a running request may have been freed.
+    before, after = state.request(request.request_id), new_state.request(request.request_id)
+    if before is None or after is None:
+        return new_state == state
+    return replace(after, tables=before.tables) == before and all(
+        a == b or a == NULL_BLOCK_ID for ta, tb in zip(after.tables, before.tables) for a, b in zip(ta, tb)
+    )
 
 
 @icontract.require(lambda state: _holds(state))
@@ -229,38 +386,48 @@ def allocate_slots(
     """Give a request slots for its next `num_new_tokens` tokens, and register the blocks they fill.
 
     On a request's first call, `new_computed_blocks` is its prefix hit (from
-    `get_computed_blocks`) and `num_external_computed_tokens` what an external
-    KV cache loads after it; both count as computed.
+    `get_computed_blocks`, group by group) and `num_external_computed_tokens`
+    what an external KV cache loads after it; both count as computed.
 
-    Five phases, one function each: validate, plan, touch the hits, take new
-    blocks, register full blocks. Only validation looks at the whole request;
-    the other four work on one pool and one block table, so several KV cache
-    groups become a loop over them (plan every group, then touch, take and
-    register in each).
+    Seven phases, one function each, every one after validation a loop over
+    the groups: validate, free skipped blocks, plan, touch the hits, take
+    blocks for external tokens, take blocks for new tokens, register full
+    blocks. Each phase runs for every group before the next starts, as vLLM's
+    coordinator does: taking blocks for one group cannot evict another
+    group's hit.
 
     Returns:
-        The new state and the newly taken blocks, or (state unchanged, None) when
-        too few blocks are free: nothing is touched and nothing taken.
+        The new state and the newly taken blocks, group by group in table
+        order, or None when too few blocks are free: nothing is touched and
+        nothing taken (skipped blocks are freed all the same; the module doc).
 
     Raises:
         InvalidRequest: a count is negative or not an integer, num_new_tokens is 0, the
             tokens exceed the request's, the hit does not match its block count, or the
             request's mm_inputs are misplaced (outside its tokens, out of order, overlapping).
-        InvalidBlock: a hit block is not registered under the request's chain.
+        InvalidBlock: a hit block is not registered under the request's chain in its group
+            (or is the null block at a position its group still reads).
 
     raises: InvalidRequest, InvalidBlock  # the errors above, as CrossHair reads them
     """
     step = _validate_allocation(
         state, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
     )
-    block_size = state.config.block_size
-    num_to_allocate = _plan_allocation(state.pool, step, block_size)
-    if num_to_allocate is None:
+    cfg = state.config
+    pool, tables = _free_skipped_blocks(state.pool, step, cfg)
+    if step.running:
+        state = _with_request(replace(state, pool=pool), request.request_id, replace(step.entry, tables=tables))
+    if not _fits(pool, step, tables, cfg):
         return Step(state, None)
-    pool = _touch_hits(state.pool, step.hits)
-    pool, new_blocks, block_ids = _take_new_blocks(pool, step, num_to_allocate)
-    pool, num_cached = _register_full_blocks(pool, step, block_ids, block_size)
-    new_entry = RequestBlocks(block_ids, num_cached, step.num_tokens)
+    pool, tables, num_cached = _touch_hits(pool, step, tables, cfg)
+    pool, tables = _take_external_blocks(pool, step, tables, cfg)
+    pool, tables = _take_new_blocks(pool, step, tables, cfg)
+    pool, num_cached = _register_full_blocks(pool, step, tables, num_cached, cfg)
+    before = step.entry.tables if step.running else tuple(() for _ in cfg.groups)
+    new_blocks = tuple(
+        b for g, table in enumerate(tables) for b in table[len(before[g]) + len(step.hits[g]) :] if b != NULL_BLOCK_ID
+    )
+    new_entry = RequestBlocks(tables, num_cached, step.num_tokens)
     return Step(_with_request(replace(state, pool=pool), request.request_id, new_entry), new_blocks)
 
 
@@ -269,8 +436,11 @@ class _AllocationStep:
     """A validated `allocate_slots` call, as the phases after validation read it."""
 
     request: Request  # the request being scheduled
-    entry: RequestBlocks  # its record before the step (empty on its first step)
-    hits: tuple[BlockId, ...]  # its prefix hit, first step only: registered blocks it starts to share
+    running: bool  # whether it ran before this step (else this is its first step)
+    entry: RequestBlocks  # its record before the step (empty tables on its first step)
+    hits: tuple[tuple[BlockId, ...], ...]  # per group, its prefix hit (first step only), null where skipped
+    num_computed: int  # tokens computed before the new ones: earlier steps, or the hit and external tokens
+    num_local_computed: int  # of those, the ones computed here (earlier steps or the hit), not loaded
     hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
     num_tokens: int  # tokens computed once the step has run: hit, external and new included
 
@@ -291,23 +461,27 @@ def _validate_allocation(
     Raises:
         InvalidRequest, InvalidBlock: as `allocate_slots`.
     """
-    _check_request(request, "allocate_slots")
+    _check_request_id(state, request, "allocate_slots")
     _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)
     entry = state.request(request.request_id)
     if entry is not None and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
         raise InvalidRequest(
             f"allocate_slots: request_id={request.request_id!r} is running; prefix hits are only for its first step"
         )
+    running = entry is not None
+    groups = state.config.groups
     if entry is None:
-        entry = RequestBlocks((), 0, 0)
-    hashes = _check_hit_blocks(state, request, num_new_computed_tokens, new_computed_blocks)
-    total = entry.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
+        entry = RequestBlocks(tuple(() for _ in groups), tuple(0 for _ in groups), 0)
+    num_computed = entry.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+    hashes, hits = _check_hit_blocks(state, request, num_new_computed_tokens, new_computed_blocks, num_computed)
+    total = num_computed + num_new_tokens
     if total > len(request.token_ids):
         raise InvalidRequest(
             f"allocate_slots: {total} tokens would be computed but request_id={request.request_id!r} "
             f"has {len(request.token_ids)}"
         )
-    return _AllocationStep(request, entry, tuple(new_computed_blocks), hashes, total)
+    num_local = entry.num_computed_tokens + num_new_computed_tokens
+    return _AllocationStep(request, running, entry, hits, num_computed, num_local, hashes, total)
 
 
 def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int) -> None:
@@ -324,108 +498,217 @@ def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_ex
 
 
 def _check_hit_blocks(
-    state: ManagerState, request: Request, num_new_computed_tokens: int, new_computed_blocks: Sequence[BlockId]
-) -> tuple[BlockHash, ...]:
-    """The hit covers its tokens in whole blocks, each registered under the request's own chain.
+    state: ManagerState,
+    request: Request,
+    num_new_computed_tokens: int,
+    new_computed_blocks: Sequence[BlockId],
+    num_computed: int,
+) -> tuple[tuple[BlockHash, ...], tuple[tuple[BlockId, ...], ...]]:
+    """The hit covers its tokens in whole blocks in every group, each registered under the request's chain.
+
+    A group that no longer reads a position (a sliding window's, once
+    `num_computed` tokens are computed) may have the null block there.
 
     Returns:
-        The request's hash chain (the registration phase needs it too).
+        The request's hash chain (the registration phase needs it too) and the hit split by group.
     """
     cfg, pool = state.config, state.pool
-    if len(new_computed_blocks) * cfg.block_size != num_new_computed_tokens:
+    num_groups = len(cfg.groups)
+    n = num_new_computed_tokens // cfg.block_size
+    if n * cfg.block_size != num_new_computed_tokens or len(new_computed_blocks) != n * num_groups:
+        per_group = f" for {num_groups} KV cache groups" if num_groups > 1 else ""
         raise InvalidRequest(
             f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
-            f"{len(new_computed_blocks)} hit blocks of block_size={cfg.block_size}"
+            f"{len(new_computed_blocks)} hit blocks of block_size={cfg.block_size}{per_group}"
         )
     if new_computed_blocks and not pool.config.enable_caching:
         raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
     hashes = request_block_hashes(state, request)
-    if len(new_computed_blocks) > len(hashes):
+    if n > len(hashes):
         raise InvalidRequest(
-            f"allocate_slots: {len(new_computed_blocks)} hit blocks but request_id={request.request_id!r} "
+            f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} "
             f"has only {len(hashes)} full blocks"
         )
-    for i, b in enumerate(new_computed_blocks):
-        in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
-        if not in_range or pool.block_hash[b] != hashes[i]:
-            raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
-    return hashes
+    hits = tuple(tuple(new_computed_blocks[g * n : (g + 1) * n]) for g in range(num_groups))
+    for g, group in enumerate(cfg.groups):
+        skipped = num_skipped_blocks(group, num_computed, cfg.block_size)
+        for i, b in enumerate(hits[g]):
+            in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
+            if in_range and b == NULL_BLOCK_ID and i < skipped:
+                continue
+            if not in_range or pool.block_hash[b] != group_key(hashes[i], g):
+                where = f" of KV cache group {g}" if num_groups > 1 else ""
+                raise InvalidBlock(
+                    f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}{where}"
+                )
+    return hashes, hits
 
 
-def _plan_allocation(pool: PoolState, step: _AllocationStep, block_size: int) -> int | None:
-    """Phase 2: how many new blocks the step needs, or None when they do not fit.
+def _free_skipped_blocks(
+    pool: PoolState, step: _AllocationStep, cfg: ManagerConfig
+) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...]]:
+    """Phase 2: a running request frees, in every group, the blocks it no longer reads (`remove_skipped_blocks`).
 
-    Planned before anything changes, so a step that cannot be served is
-    refused whole (the scheduler then waits or preempts) rather than failing
-    halfway with its hits touched.
+    Counted from the tokens computed before this step (the window of its
+    first new token); each such block is replaced by the null block, and the
+    group's freed blocks go to `free_blocks` in one call, last first, as a
+    finished request's are: its later blocks are evicted before its earlier
+    ones. The walk stops at a null block: everything before it went earlier.
+
+    Returns:
+        The pool and the request's tables, skipped positions nulled.
     """
-    num_required = -(-step.num_tokens // block_size)
-    num_to_allocate = max(num_required - len(step.entry.block_ids) - len(step.hits), 0)
-    # Hit blocks sitting in the free queue leave it when touched: they count
-    # against the free blocks just like new ones.
-    num_evictable_hits = sum(1 for b in step.hits if pool.ref_cnt[b] == 0)
-    if num_to_allocate + num_evictable_hits > len(pool.free_queue):
-        return None
-    return num_to_allocate
+    tables = step.entry.tables
+    if not step.running:
+        return pool, tables
+    new_tables = []
+    for group, table in zip(cfg.groups, tables):
+        skipped = min(num_skipped_blocks(group, step.entry.num_computed_tokens, cfg.block_size), len(table))
+        freed: list[BlockId] = []
+        for i in range(skipped - 1, -1, -1):
+            if table[i] == NULL_BLOCK_ID:
+                break
+            freed.append(table[i])
+        if freed:
+            pool = ops.free_blocks(pool, tuple(freed)).state
+        new_tables.append((NULL_BLOCK_ID,) * skipped + table[skipped:] if freed else table)
+    return pool, tuple(new_tables)
 
 
-def _touch_hits(pool: PoolState, hits: tuple[BlockId, ...]) -> PoolState:
-    """Phase 3: the request takes a reference on each hit block, so none is evicted while it runs.
+def _fits(pool: PoolState, step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...], cfg: ManagerConfig) -> bool:
+    """Phase 3: whether every group's blocks fit in the free blocks (vLLM's `get_num_blocks_to_allocate`).
 
-    A hit block nobody held leaves the free queue here (the plan counted it).
-    Touched before new blocks are taken, so taking them cannot evict a hit.
+    Planned before anything is taken or touched, so a step that cannot be
+    served is refused whole (the scheduler then waits or preempts) rather than
+    failing halfway with its hits touched. A group needs a block for every
+    position up to its last token, except those it already has (or, on a
+    first step, skips or hits); hit blocks sitting in the free queue leave it
+    when touched, so they count against the free blocks like new ones.
     """
-    return ops.touch(pool, hits).state if hits else pool
+    needed = 0
+    num_required = -(-step.num_tokens // cfg.block_size)
+    for g, group in enumerate(cfg.groups):
+        if step.running:
+            needed += max(num_required - len(tables[g]), 0)
+            continue
+        skipped = num_skipped_blocks(group, step.num_computed, cfg.block_size)
+        needed += max(num_required - max(skipped, len(step.hits[g])), 0)
+        needed += sum(1 for b in step.hits[g][skipped:] if pool.ref_cnt[b] == 0)
+    return needed <= len(pool.free_queue)
+
+
+def _touch_hits(
+    pool: PoolState, step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...], cfg: ManagerConfig
+) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...], tuple[int, ...]]:
+    """Phase 4: the request takes a reference on each hit block it still reads, so none is evicted while it runs.
+
+    A first step only. A hit block nobody held leaves the free queue here (the
+    plan counted it). Every group's hits are touched before any block is
+    taken, so taking blocks for one group cannot evict another's hit. The
+    positions the request skips from the start become the null block.
+
+    Returns:
+        The pool, the tables, and how many leading positions of each are registered (or null).
+    """
+    if step.running:
+        return pool, tables, step.entry.num_cached_blocks
+    new_tables = []
+    for group, hits in zip(cfg.groups, step.hits):
+        skipped = num_skipped_blocks(group, step.num_computed, cfg.block_size)
+        kept = hits[skipped:]
+        if kept:
+            pool = ops.touch(pool, kept).state
+        new_tables.append((NULL_BLOCK_ID,) * skipped + kept)
+    return pool, tuple(new_tables), tuple(len(t) for t in new_tables)
+
+
+def _take_external_blocks(
+    pool: PoolState, step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...], cfg: ManagerConfig
+) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...]]:
+    """Phase 5: blocks for the tokens an external KV cache loads, in every group that still reads some of them.
+
+    A first step only, after every group's hits are touched. A group that
+    skips every computed token (a chunk boundary) takes none for them.
+    """
+    num_external = step.num_computed - step.num_local_computed
+    if step.running or num_external == 0:
+        return pool, tables
+    new_tables = []
+    for group, table in zip(cfg.groups, tables):
+        skipped_tokens = num_skipped_blocks(group, step.num_computed, 1)
+        read = min(step.num_computed - skipped_tokens, num_external) if skipped_tokens else num_external
+        count = max(0, -(-step.num_computed // cfg.block_size) - len(table)) if read > 0 else 0
+        taken = ops.get_new_blocks(pool, count)
+        pool = taken.state
+        new_tables.append(table + taken.result)
+    return pool, tuple(new_tables)
 
 
 def _take_new_blocks(
-    pool: PoolState, step: _AllocationStep, num_to_allocate: int
-) -> tuple[PoolState, tuple[BlockId, ...], tuple[BlockId, ...]]:
-    """Phase 4: take the planned blocks and append them to the block table, after the hits.
+    pool: PoolState, step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...], cfg: ManagerConfig
+) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...]]:
+    """Phase 6: take the blocks the step's tokens need and append them, group by group.
 
     The table only grows while the request runs (vLLM's block tables are
-    append-only), so tokens already scheduled keep their slots.
-
-    Returns:
-        The pool, the new blocks, and the request's whole block table.
+    append-only, the null block standing in for a freed position), so tokens
+    already scheduled keep their slots.
     """
-    taken = ops.get_new_blocks(pool, num_to_allocate)
-    return taken.state, taken.result, step.entry.block_ids + step.hits + taken.result
+    num_required = -(-step.num_tokens // cfg.block_size)
+    new_tables = []
+    for table in tables:
+        taken = ops.get_new_blocks(pool, max(num_required - len(table), 0))
+        pool = taken.state
+        new_tables.append(table + taken.result)
+    return pool, tuple(new_tables)
 
 
 def _register_full_blocks(
-    pool: PoolState, step: _AllocationStep, block_ids: tuple[BlockId, ...], block_size: int
-) -> tuple[PoolState, int]:
-    """Phase 5: register (cache_full_blocks) every block the step fills, so later requests can hit it.
+    pool: PoolState,
+    step: _AllocationStep,
+    tables: tuple[tuple[BlockId, ...], ...],
+    num_cached: tuple[int, ...],
+    cfg: ManagerConfig,
+) -> tuple[PoolState, tuple[int, ...]]:
+    """Phase 7: register (cache_full_blocks) every block the step fills, so later requests can hit it.
 
-    Only full blocks: a partial block's tokens are still to come. The hit
-    blocks are registered already (that is why they hit), so the count starts
-    after them. Registered when scheduled, not after the step ran (the
-    module's design note).
+    Only full blocks: a partial block's tokens are still to come. Group g's
+    blocks are keyed by (hash, g) (`group_key`), so groups never share a
+    block; a null position is left unregistered (nothing is stored there).
+    The hit blocks are registered already (that is why they hit), so each
+    count starts after them. Registered when scheduled, not after the step
+    ran (the module's design note).
 
     Returns:
-        The pool and how many leading blocks of the table are now registered.
+        The pool and, per group, how many leading positions are now registered (or null).
     """
-    num_cached = step.entry.num_cached_blocks + len(step.hits)
     if not pool.config.enable_caching:
         return pool, num_cached
-    num_full = min(step.num_tokens, len(step.request.token_ids)) // block_size
-    if num_full <= num_cached:
-        return pool, num_cached
-    pool = ops.cache_full_blocks(pool, block_ids[num_cached:num_full], step.hashes[num_cached:num_full]).state
-    return pool, num_full
+    num_full = min(step.num_tokens, len(step.request.token_ids)) // cfg.block_size
+    counts = []
+    for g, (table, cached) in enumerate(zip(tables, num_cached)):
+        if num_full <= cached:
+            counts.append(cached)
+            continue
+        positions = [i for i in range(cached, num_full) if table[i] != NULL_BLOCK_ID]
+        if positions:
+            blocks = tuple(table[i] for i in positions)
+            pool = ops.cache_full_blocks(pool, blocks, tuple(group_key(step.hashes[i], g) for i in positions)).state
+        counts.append(num_full)
+    return pool, tuple(counts)
 
 
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda result: _holds(result.state))
 @icontract.ensure(lambda request_id, result: result.state.request(request_id) is None)
 def free(state: ManagerState, request_id: str) -> Step[ManagerState, None]:
-    """Release a finished or preempted request: its blocks are freed tail first.
+    """Release a finished or preempted request: each group's blocks are freed tail first, group by group.
 
     Tail first, because a request's last blocks are the least likely to be
     shared (the longer a prefix, the more specific): freed in reverse, they sit
     further left and are evicted before the common leading blocks. A block that
-    another request still holds only loses one reference.
+    another request still holds only loses one reference. One `free_blocks`
+    call per group in group order, as vLLM's coordinator frees its managers;
+    null positions hold nothing and are passed over.
 
     Raises:
         InvalidRequest: request_id is not running.
@@ -435,5 +718,9 @@ def free(state: ManagerState, request_id: str) -> Step[ManagerState, None]:
     entry = state.request(request_id)
     if entry is None:
         raise InvalidRequest(f"free: request_id={request_id!r} is not running (freed twice?)")
-    pool = ops.free_blocks(state.pool, tuple(reversed(entry.block_ids))).state
+    pool = state.pool
+    for table in entry.tables:
+        held = tuple(b for b in reversed(table) if b != NULL_BLOCK_ID)
+        if held:
+            pool = ops.free_blocks(pool, held).state
     return Step(_with_request(replace(state, pool=pool), request_id, None), None)

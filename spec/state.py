@@ -14,12 +14,15 @@ from typing import NewType
 
 __all__ = [
     "NULL_BLOCK_ID",
+    "TABLE_GROUP_MARK",
     "BlockHash",
     "BlockId",
     "PoolConfig",
     "PoolState",
     "Snapshot",
     "canonical_hash_to_blocks",
+    "group_key",
+    "table_name",
 ]
 
 BlockId = NewType("BlockId", int)
@@ -32,6 +35,36 @@ NULL_BLOCK_ID = BlockId(0)
 
 HashTable = tuple[tuple[BlockHash, tuple[BlockId, ...]], ...]
 BlockTables = tuple[tuple[str, tuple[BlockId, ...]], ...]
+
+# A request has one block table per KV cache group. The snapshot names group
+# 0's table by the request id, as before groups existed, and group g's by
+# `table_name(request_id, g)`; request ids may not contain the mark when a
+# manager has several groups (spec.manager checks it).
+TABLE_GROUP_MARK = "#"
+
+
+def table_name(request_id: str, group_id: int) -> str:
+    """The snapshot's name for a request's block table in one KV cache group.
+
+    >>> table_name("r1", 0), table_name("r1", 2)
+    ('r1', 'r1#2')
+    """
+    return request_id if group_id == 0 else f"{request_id}{TABLE_GROUP_MARK}{group_id}"
+
+
+def group_key(block_hash: BlockHash, group_id: int) -> BlockHash:
+    """The hash-table key of a block of KV cache group `group_id`: its hash with the group id after it.
+
+    As vLLM's `make_block_hash_with_group_id` (digest, then the group id in 4
+    bytes), so that two groups never share a block by accident: the same
+    tokens give each group its own key. Group 0's key is the bare hash, so a
+    single-group manager's states are byte for byte those of the pool level,
+    which has no groups.
+
+    >>> group_key(BlockHash(b"h"), 0), group_key(BlockHash(b"h"), 1)
+    (b'h', b'h\\x00\\x00\\x00\\x01')
+    """
+    return block_hash if group_id == 0 else BlockHash(block_hash + group_id.to_bytes(4, "big"))
 
 
 def canonical_hash_to_blocks(entries: HashTable) -> HashTable:
@@ -70,8 +103,11 @@ class Snapshot:
     block_hash: tuple[BlockHash | None, ...]  # block_hash[b]: set once b is full and registered
     free_queue: tuple[BlockId, ...]  # ref_cnt-0 blocks, left end taken first
     hash_to_blocks: HashTable  # hash -> blocks registered with it, in normal form
-    block_tables: BlockTables | None = None  # request id -> its blocks; None at the pool level
+    block_tables: BlockTables | None = None  # table_name(request, group) -> its blocks; None at the pool level
     quarantined: tuple[BlockId, ...] = ()  # blocks found corrupt: never free, hashed, held or reused
+    # The attention type of each KV cache group (spec.attention: "full", "sliding:8", ...),
+    # at the request level; () stands for one full-attention group, the default.
+    kv_groups: tuple[str, ...] = ()
 
     @property
     def num_free_blocks(self) -> int:
@@ -132,8 +168,8 @@ class PoolState:
         """The pool size, the null block included."""
         return self.config.num_gpu_blocks
 
-    def snapshot(self, block_tables: BlockTables | None = None) -> Snapshot:
-        """This state as a `Snapshot` (with the request block tables, at the request level)."""
+    def snapshot(self, block_tables: BlockTables | None = None, kv_groups: tuple[str, ...] = ()) -> Snapshot:
+        """This state as a `Snapshot` (with the request block tables and KV cache groups, at the request level)."""
         return Snapshot(
             num_gpu_blocks=self.config.num_gpu_blocks,
             enable_caching=self.config.enable_caching,
@@ -142,4 +178,5 @@ class PoolState:
             free_queue=self.free_queue,
             hash_to_blocks=self.hash_to_blocks,
             block_tables=block_tables,
+            kv_groups=kv_groups,
         )
