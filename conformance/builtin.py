@@ -87,7 +87,8 @@ class SpecManagerAdapter(_SpecState):
 
     def __init__(self, config: AdapterConfig) -> None:
         self.state = spec_manager.new_manager(
-            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed
+            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn,
+            config.seed, config.groups,
         )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
@@ -130,7 +131,8 @@ class ReferenceManagerAdapter(KVCacheManager):
 
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
-            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed
+            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn,
+            config.seed, config.groups,
         )
 
 

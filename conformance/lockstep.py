@@ -98,7 +98,8 @@ def spec_initial_state(config: AdapterConfig) -> PoolState | ManagerState:
     if config.level == "pool":
         return spec_ops.new_pool(config.num_gpu_blocks, config.enable_caching, config.profile)
     return spec_manager.new_manager(
-        config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed
+        config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed,
+        config.groups,
     )
 
 
