@@ -37,6 +37,7 @@ import hashlib
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import cbor2
 
@@ -125,7 +126,18 @@ def hash_block_tokens(
     >>> hash_block_tokens(p, [1, 2], None) == hash_block_tokens(p, [1, 2], (("lora", "a"),))
     False
     """
-    value: HashInput = (_chain_value(parent, hash_fn), tuple(token_ids), extra_keys)
+    return _block_hash(parent, tuple(token_ids), extra_keys, hash_fn)
+
+
+# A pure function of its arguments, asked again and again for the same blocks
+# (every step of a running request hashes its whole prefix again, in the spec,
+# in each implementation and in the harness): remembered, each step hashes only
+# its new full blocks.
+@lru_cache(maxsize=1 << 16)
+def _block_hash(
+    parent: BlockHash, token_ids: tuple[int, ...], extra_keys: tuple[ExtraKey, ...] | None, hash_fn: str
+) -> BlockHash:
+    value: HashInput = (_chain_value(parent, hash_fn), token_ids, extra_keys)
     return BlockHash(_hash_fn(hash_fn)(value))
 
 

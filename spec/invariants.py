@@ -348,15 +348,29 @@ def step_only_eviction_removes(before: Snapshot, after: Snapshot, op: str) -> bo
         return True
     after_entries = {(h, b) for h, blocks in after.hash_to_blocks for b in blocks}
     after_free = set(after.free_queue)
+    # A block a step freed from a position its group no longer reads (now null)
+    # may be taken again in the same step: an allocation frees before it takes.
+    nulled = _nulled_blocks(before, after)
     for h, blocks in before.hash_to_blocks:
         for b in blocks:
             # NOTE: judged from the states alone (callers name composite steps
             # freely): a block that left the free queue was taken. A touch that
             # wrongly drops a hash passes this rule; lock-step comparison catches it.
-            reallocated = b in before.free_queue and b not in after_free
+            reallocated = (b in before.free_queue or b in nulled) and b not in after_free
             if (h, b) not in after_entries and not reallocated:
                 return False
     return True
+
+
+def _nulled_blocks(before: Snapshot, after: Snapshot) -> set[int]:
+    """The blocks whose table position became the null block between two snapshots (freed as skipped)."""
+    if before.block_tables is None or after.block_tables is None:
+        return set()
+    now = dict(after.block_tables)
+    return {
+        b for name, table in before.block_tables for i, b in enumerate(table)
+        if b != NULL_BLOCK_ID and name in now and i < len(now[name]) and now[name][i] == NULL_BLOCK_ID
+    }  # fmt: skip
 
 
 def step_null_block_never_freed(before: Snapshot, after: Snapshot, op: str) -> bool:
