@@ -146,7 +146,7 @@ def _controls(args: argparse.Namespace, mutants: Sequence[Mutant]) -> list[Check
         for c in controls:
             print(
                 f"control: reference at {c.level} level, caching {'on' if c.enable_caching else 'off'}, "
-                f"profile {c.profile}: "
+                f"profile {c.profile}{'' if c.groups == 'full' else ', KV cache groups ' + c.groups}: "
                 f"{c.verdict} ({c.examples_run} examples, {c.steps_run} steps, {c.seconds:.1f} s)"
             )
     broken = [c for c in controls if c.verdict is not Verdict.CONFORMS]
