@@ -31,7 +31,7 @@ class TensorManagerAdapter(TensorKVCacheManager):
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
             config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile,
-            config.hash_fn, config.seed, config.device,
+            config.hash_fn, config.seed, config.device, groups=config.groups,
         )
 
 
