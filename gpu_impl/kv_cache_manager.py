@@ -513,7 +513,8 @@ class TensorKVCacheManager:
         step = self._validate_allocation(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
         )
-        values = self._prepare_write(step)
+        starts = [self._write_start(grp, step) for grp in self._groups]
+        values = self._prepare_write(step, starts)
         if step.running and self._skips:
             self._free_skipped_blocks(step)
         if not self._fits(step):
@@ -522,8 +523,7 @@ class TensorKVCacheManager:
         new_blocks = self._take_external_blocks(step, tables)
         table_ids = self._take_new_blocks(step, tables, new_blocks)
         rid = request.request_id
-        for grp, ids in zip(self._groups, table_ids):
-            start = self._write_start(grp, step)
+        for grp, ids, start in zip(self._groups, table_ids, starts):
             group_values = values[start - step.write_start :] if start > step.write_start else values
             if grp.group_id == 0:
                 self._write_step(rid, ids, start, group_values)
@@ -604,7 +604,7 @@ class TensorKVCacheManager:
         else:
             hits = tuple(new_computed_blocks[g * n : (g + 1) * n] for g in range(num_groups))
         for grp, group_hits in zip(self._groups, hits):
-            skipped = grp.skipped_blocks(num_computed)
+            skipped = grp.skipped_blocks(num_computed) if group_hits else 0
             for i, b in enumerate(group_hits):
                 # A bool is an int to Python but no block id (as in the spec): True would name block 1.
                 in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
@@ -626,13 +626,16 @@ class TensorKVCacheManager:
         step with external tokens they can cover some of the step's positions,
         which that group then does not write.
         """
+        if not grp.skips:
+            return step.write_start
         return max(step.write_start, grp.skipped_blocks(step.num_computed) * self.block_size)
 
-    def _prepare_write(self, step: _AllocationStep) -> torch.Tensor:
+    def _prepare_write(self, step: _AllocationStep, starts: list[int]) -> torch.Tensor:
         """Phase 2: the KV values the step writes, once they and the blocks already held to take them are checked.
 
         Everything that can refuse runs before anything changes: the freeing
-        of skipped blocks, the touch, the new blocks and the write come after it.
+        of skipped blocks, the touch, the new blocks and the write come after
+        it. `starts` is each group's first written position (`_write_start`).
 
         Raises:
             InvalidRequest: as `_kv_values`.
@@ -641,8 +644,8 @@ class TensorKVCacheManager:
         values = self._kv_values(step.request, step.write_start, step.num_tokens)
         if step.running:
             rid = step.request.request_id
-            for grp in self._groups:
-                self._check_held_blocks_writable(grp, grp.tables[rid], self._write_start(grp, step), step.num_tokens)
+            for grp, start in zip(self._groups, starts):
+                self._check_held_blocks_writable(grp, grp.tables[rid], start, step.num_tokens)
         return values
 
     def _free_skipped_blocks(self, step: _AllocationStep) -> None:
@@ -771,9 +774,10 @@ class TensorKVCacheManager:
         """Phase 8 in group 0 (the only group by default): write the step's KV through its block table.
 
         Its own method, so that a subclass can change where a step's KV lands
-        in memory (the memory mutants do).
+        in memory (the memory mutants do); `_write_group` writes the others.
         """
-        self._write_group(0, block_table, start, values)
+        if values.numel():
+            self.kv_cache.write_tokens(block_table, start, values)
 
     def _write_group(self, group_id: int, block_table: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Phase 8: write a step's KV into a group's store, through its block table (checked for writability).
