@@ -265,7 +265,7 @@ class TensorKVCacheManager:
         Raises:
             InvalidRequest: request_id is not running, or group_id names no group.
         """
-        if not isinstance(group_id, int) or not 0 <= group_id < len(self._groups):
+        if not isinstance(group_id, int) or isinstance(group_id, bool) or not 0 <= group_id < len(self._groups):
             raise InvalidRequest(f"group_id={group_id!r} names no KV cache group (0..{len(self._groups) - 1})")
         table = self._groups[group_id].tables.get(request_id)
         if table is None:
