@@ -4,8 +4,10 @@
 keys, lemma 6) in one array with two faces (`gpu_impl.mirror`): on the host,
 where a request's few blocks are handled in Python, and on the device, where
 long batches run as kernels; on the CPU the two are one memory.
-`TensorKVCacheManager` adds request block tables and the KV memory
-(`PagedKVCache`) that a prefix hit reads back;
+`TensorKVCacheManager` adds request block tables, one per KV cache group
+(full attention, sliding windows, chunked local attention), and the KV
+memory a prefix hit reads back (`PagedKVCache`, one store per group in a
+`GroupedKVCache`);
 `gpu_impl.sizing` computes a pool's size from device memory. The adapter the
 conformance harness builds (`kvspec.gpu_impl.adapter:make_adapter`) is kept
 apart: nothing here knows it is being tested.
@@ -32,12 +34,13 @@ if TYPE_CHECKING:
     from kvspec.gpu_impl.block_pool import TensorBlockPool
     from kvspec.gpu_impl.device import pick_device
     from kvspec.gpu_impl.free_queue import KeyedFreeQueue
-    from kvspec.gpu_impl.kv_cache import PagedKVCache
+    from kvspec.gpu_impl.kv_cache import GroupedKVCache, PagedKVCache
     from kvspec.gpu_impl.kv_cache_manager import KVSource, TensorKVCacheManager, prefix_kv_source
     from kvspec.gpu_impl.sizing import CapacityPlan, KVLayout, parse_size, plan_capacity
 
 __all__ = [
     "CapacityPlan",
+    "GroupedKVCache",
     "KVLayout",
     "KVSource",
     "KeyedFreeQueue",
@@ -54,6 +57,7 @@ _HOME = {
     "TensorBlockPool": "block_pool",
     "pick_device": "device",
     "KeyedFreeQueue": "free_queue",
+    "GroupedKVCache": "kv_cache",
     "PagedKVCache": "kv_cache",
     "KVSource": "kv_cache_manager",
     "TensorKVCacheManager": "kv_cache_manager",

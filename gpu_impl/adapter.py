@@ -4,7 +4,9 @@ The pool and the manager already speak vLLM's operation names, so the adapter
 only builds them from an `AdapterConfig`, on `config.device` (None: CUDA when
 present, else the CPU). The manager also speaks the KV content protocol
 (`set_kv_source`, `read_kv`), so the harness can check what a prefix hit
-reads back from device memory.
+reads back from device memory. The manager has the config's KV cache groups
+(`config.groups`); `read_kv` reads a hit's flat list group by group, each
+group's blocks from its own store, and a null position reads as [].
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class TensorManagerAdapter(TensorKVCacheManager):
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
             config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile,
-            config.hash_fn, config.seed, config.device,
+            config.hash_fn, config.seed, config.device, groups=config.groups,
         )
 
 

@@ -908,8 +908,12 @@ class TensorBlockPool:
 
     # --- observation ----------------------------------------------------------------------
 
-    def snapshot(self, block_tables: tuple[tuple[str, tuple[BlockId, ...]], ...] | None = None) -> Snapshot:
+    def snapshot(
+        self, block_tables: tuple[tuple[str, tuple[BlockId, ...]], ...] | None = None, kv_groups: tuple[str, ...] = ()
+    ) -> Snapshot:
         """The state in the spec's normal form, read from the device face (stale map entries left out).
+
+        `block_tables` and `kv_groups` are the request level's, passed through (None and () at the pool level).
 
         Cost: O(num_gpu_blocks).
         """
@@ -929,6 +933,7 @@ class TensorBlockPool:
             hash_to_blocks=canonical_hash_to_blocks(tuple((h, blocks) for h, blocks in live if blocks)),
             block_tables=block_tables,
             quarantined=tuple(BlockId(b) for b in self.quarantined),
+            kv_groups=kv_groups,
         )
 
     def check_invariants(self) -> None:

@@ -24,6 +24,16 @@ rest on wrap-around; an integer matrix-vector product is faster on the CPU
 but CUDA has none.) The
 rejected alternative, a cryptographic digest per block, is not a batched
 tensor operation and would move every hit's KV to the host.
+
+KV cache groups (spec.attention): a model's layers fall into groups, each
+with its own attention type and its own KV, all allocating blocks from one
+pool. `GroupedKVCache` keeps one `PagedKVCache` per group, each with a page
+for every block id of the pool: block b names page b of every group's store,
+and the group that holds b (a block belongs to one group at a time: its
+hash-table key carries the group id) is the only one that writes or reads
+that page. The rejected alternative, one shared store, would need the
+groups' layers to have the same KV shape and would let a block read back
+another group's KV unnoticed when it changes groups.
 """
 
 from __future__ import annotations
@@ -35,9 +45,9 @@ import torch
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.sizing import KVLayout
 from kvspec.spec.errors import InvalidBlock, InvalidRequest, NotWritable
-from kvspec.spec.state import BlockId
+from kvspec.spec.state import NULL_BLOCK_ID, BlockId
 
-__all__ = ["PagedKVCache"]
+__all__ = ["GroupedKVCache", "PagedKVCache"]
 
 _WEIGHT_MULTIPLIER = 2654435761  # Knuth's multiplicative hash constant: spreads positions over the weights
 _WEIGHT_MODULUS = 1 << 24  # weights stay below 2**24, so byte sums of blocks < 2 GiB fit in int64
@@ -252,3 +262,64 @@ class PagedKVCache:
         if not _is_int(bit) or not 0 <= bit < 8:
             raise InvalidRequest(f"inject_bit_flip: bit={bit!r} not in 0..7")
         page[byte_offset] ^= 1 << bit
+
+
+class GroupedKVCache:
+    """The KV memory of a manager's KV cache groups: one `PagedKVCache` per group, over one pool."""
+
+    def __init__(
+        self,
+        block_pool: TensorBlockPool,
+        block_size: int,
+        num_groups: int = 1,
+        slot_shape: Sequence[int] = (),
+        dtype: torch.dtype = torch.int64,
+    ) -> None:
+        """Allocate zeroed KV memory for every block of `block_pool` in each of `num_groups` groups.
+
+        Raises:
+            InvalidRequest: as `PagedKVCache`, or num_groups is not a positive integer.
+
+        Cost: O(num_groups * num_gpu_blocks * block_size * prod(slot_shape)) memory.
+        """
+        if not _is_int(num_groups) or num_groups < 1:
+            raise InvalidRequest(f"num_groups must be a positive integer; got num_groups={num_groups!r}")
+        # fixed: group g's store is stores[g]
+        self.stores = tuple(PagedKVCache(block_pool, block_size, slot_shape, dtype) for _ in range(num_groups))
+        self.block_pool = block_pool  # read only here
+        self.block_size = block_size  # fixed
+
+    def __len__(self) -> int:
+        return len(self.stores)
+
+    def __getitem__(self, group_id: int) -> PagedKVCache:
+        return self.stores[group_id]
+
+    def read_groups(self, block_ids: Sequence[BlockId]) -> list[list[int]]:
+        """The page of each block of a flat, group-by-group list (a prefix hit), each read from its group's store.
+
+        The list is split into as many equal parts as there are groups (a
+        hit's groups all have the same number of positions); part g is read
+        from group g's store. A null position (NULL_BLOCK_ID) reads as `[]`:
+        no group ever writes the null block, so it holds no group's KV. Every
+        other position reads as its page, one value per slot.
+
+        Raises:
+            InvalidBlock: an id is not a block of this pool.
+            InvalidRequest: the list does not split evenly into the groups.
+
+        Cost: one gather per group, and the pages copied to the host.
+        """
+        num_groups = len(self.stores)
+        if len(block_ids) % num_groups:
+            raise InvalidRequest(
+                f"read_kv: {len(block_ids)} block ids do not split into {num_groups} KV cache groups; "
+                "the list is read group by group, each group's part as long"
+            )
+        n = len(block_ids) // num_groups
+        pages: list[list[int]] = []
+        for g, store in enumerate(self.stores):
+            part = block_ids[g * n : (g + 1) * n]
+            rows: list[list[int]] = store.read_blocks(part).tolist() if part else []
+            pages.extend([] if b == NULL_BLOCK_ID else row for b, row in zip(part, rows))
+        return pages

@@ -1,27 +1,46 @@
 """The torch KVCacheManager: request block tables over the tensor pool, with real KV memory.
 
-The request-level behaviour is vLLM's KVCacheManager for one full-attention
-group, as the spec states it (kvspec.spec.manager): `get_computed_blocks`
-finds a new request's cached prefix (at most len - 1 tokens, whole blocks),
-`allocate_slots` touches the hit, takes new blocks and registers the blocks a
-step fills, `free` releases a request tail first.
+The request-level behaviour is vLLM's KVCacheManager as the spec states it
+(kvspec.spec.manager), KV cache groups included: a request has one block
+table per group (full attention, a sliding window, chunked local attention;
+spec.attention), all over one pool, the null block (id 0) at the positions
+a group no longer reads. `get_computed_blocks` finds a new request's cached
+prefix (each attention type's search, and with several groups the length
+every group agrees on; at most len - 1 tokens), `allocate_slots` frees the
+blocks a running request no longer reads, touches the hit, takes new blocks
+and registers the blocks a step fills, `free` releases a request tail first,
+group by group. Every phase runs over every group before the next, so the
+pool sees the spec's calls in the spec's order (the free order and the
+keyed policies' stamps depend on it). Hit blocks and new blocks cross the
+API as one flat list, group by group.
 
-What the spec has no notion of is memory. Here every step writes, inside
+What the spec has no notion of is memory. Each group's layers have their own
+KV (gpu_impl.kv_cache.GroupedKVCache: one store per group; block b names page
+b of each, and only the group holding b uses it). Every step writes, inside
 `allocate_slots`, after the blocks are taken and before the full ones are
-registered, the KV of every token it makes resident: positions from the end
-of the prefix hit to the step's last token (tokens an external connector
-loads included: they land in the same slots). The values come from a
-`KVSource`, a function of the request's whole prefix, so two different
-prefixes never write the same value and a hit can be checked by reading the
-blocks back (`read_kv`). A registered block is sealed with a checksum; a hit
+registered, the KV of every token it makes resident, in every group: the
+positions from the end of the prefix hit to the step's last token (tokens an
+external connector loads included: they land in the same slots), except
+those at a group's null positions, which no group writes. The values come
+from a `KVSource`, a function of the request's whole prefix, so two
+different prefixes never write the same value and a hit can be checked by
+reading the blocks back (`read_kv`, each group's blocks from its own store).
+A registered block is sealed with a checksum in its group's store; a hit
 re-computes it, and a block whose content changed (a flipped bit) is
 quarantined (TensorBlockPool.quarantine_blocks) and the hit stops before it,
 so corrupt KV is never served.
 
-Design choice: the write happens in `allocate_slots`, not in a separate
-forward pass, so that the content a block is registered with is the content
-it holds; the rejected alternative (register, then write later) would let a
-hit in between read a page nobody has written yet.
+Design choices:
+- The write happens in `allocate_slots`, not in a separate forward pass, so
+  that the content a block is registered with is the content it holds; the
+  rejected alternative (register, then write later) would let a hit in
+  between read a page nobody has written yet.
+- Everything that can refuse a step (the request, the counts, the hit, the
+  KV source's values, the writability of the blocks already held) is checked
+  before anything changes, even before the skipped blocks are freed (which
+  the spec does also for a step it then refuses for want of free blocks).
+- One full-attention group (the default) keeps the single-table lookup: no
+  coordinator, no null positions.
 """
 
 from __future__ import annotations
@@ -35,12 +54,13 @@ from typing import cast
 import torch
 
 from kvspec.gpu_impl.block_pool import TensorBlockPool
-from kvspec.gpu_impl.kv_cache import PagedKVCache
+from kvspec.gpu_impl.kv_cache import GroupedKVCache, PagedKVCache
+from kvspec.spec.attention import FULL, KVGroup, format_groups, parse_groups
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import check_all
 from kvspec.spec.manager import Request
-from kvspec.spec.state import BlockHash, BlockId, Snapshot
+from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
 
 __all__ = ["KVSource", "TensorKVCacheManager", "prefix_kv_source"]
 
@@ -114,20 +134,72 @@ def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_ex
         raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
 
 
+
+def _check_groups(groups: str | Sequence[KVGroup], block_size: int) -> tuple[KVGroup, ...]:
+    """The KV cache groups as `KVGroup` values (`"full,sliding:8"` or the values themselves), checked.
+
+    Raises:
+        InvalidRequest: a group is malformed, there are none or more than three, or a chunk is
+            not a multiple of the block size (the spec's messages).
+    """
+    kv_groups = parse_groups(groups if isinstance(groups, str) else format_groups(tuple(groups)))
+    for g in kv_groups:
+        if g.kind == "chunked" and g.size % block_size:
+            raise InvalidRequest(
+                f"KV cache group {g}: a chunk of {g.size} tokens is not a multiple of block_size={block_size} "
+                "(vLLM's chunked local attention asserts it, and its hit search relies on it)"
+            )
+    return kv_groups
+
+
+class _Group:
+    """One KV cache group: its attention type, its KV store and its block tables over the shared pool."""
+
+    __slots__ = ("block_size", "group", "group_id", "kv", "num_cached", "skips", "tables")
+
+    def __init__(self, group: KVGroup, group_id: int, kv: PagedKVCache, block_size: int) -> None:
+        self.group = group  # the attention type; fixed
+        self.group_id = group_id  # its index: part of every hash-table key of its blocks; fixed
+        self.kv = kv  # its KV store: page b holds block b's KV while this group holds b
+        self.block_size = block_size  # fixed
+        self.skips = group.skips  # fixed: whether it ever stops reading a token
+        self.tables: dict[str, list[BlockId]] = {}  # request id -> block table; NULL_BLOCK_ID where skipped
+        self.num_cached: dict[str, int] = {}  # request id -> leading positions registered (or null)
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        """Leading tokens the group no longer reads once `num_computed` tokens are computed. Cost: O(1)."""
+        kind, size = self.group.kind, self.group.size
+        if kind == "sliding":
+            # The next token (position num_computed) reads the W positions ending at itself.
+            return num_computed - size + 1 if num_computed >= size else 0
+        if kind == "chunked":
+            return num_computed - num_computed % size  # the start of the chunk the next token is in
+        return 0
+
+    def skipped_blocks(self, num_computed: int) -> int:
+        """Leading blocks holding only skipped tokens: the ones the group frees and nulls. Cost: O(1)."""
+        return self.skipped_tokens(num_computed) // self.block_size if self.skips else 0
+
+    def key(self, block_hash: BlockHash) -> BlockHash:
+        """The hash-table key of this group's block for `block_hash` (spec.state.group_key)."""
+        return group_key(block_hash, self.group_id)
+
+
 @dataclass(frozen=True, slots=True)
 class _AllocationStep:
     """A validated `allocate_slots` call, as the phases after validation read it."""
 
     request: Request  # the request being scheduled
-    table: list[BlockId]  # its block table before the step (empty on its first step); not changed in place
-    hits: Sequence[BlockId]  # its prefix hit, first step only: registered blocks it starts to share
+    running: bool  # whether it ran before this step (else this is its first step)
+    hits: tuple[Sequence[BlockId], ...]  # per group, its prefix hit (first step only), null where skipped
     hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
+    num_computed: int  # tokens computed before the new ones: earlier steps, or the hit and external tokens
     write_start: int  # the first token position the step writes: its KV follows the prefix hit
     num_tokens: int  # tokens resident once the step has run: hit, external and new included
 
 
 class TensorKVCacheManager:
-    """Block tables of running requests over one `TensorBlockPool`, and the KV memory behind them."""
+    """Block tables of running requests, one per KV cache group, over one `TensorBlockPool`, and their KV memory."""
 
     def __init__(
         self,
@@ -140,34 +212,65 @@ class TensorKVCacheManager:
         device: str | torch.device | None = None,
         kv_source: KVSource = prefix_kv_source,
         key_capacity: int | None = None,
+        groups: str | Sequence[KVGroup] = (FULL,),
     ) -> None:
-        """Build a manager over a fresh pool, with one KV value per token slot.
+        """Build a manager over a fresh pool, with its KV cache groups and one KV value per token slot in each.
+
+        Args:
+            groups: the KV cache groups, as `"full,sliding:8"` or `KVGroup` values, in vLLM's
+                group order (spec.attention.parse_groups); one full-attention group by default.
 
         Raises:
             InvalidRequest: a size is not a positive integer, the profile or hash function is
-                unknown, or the device cannot be used.
+                unknown, a group is malformed, a chunk is not a multiple of the block size, or
+                the device cannot be used.
 
-        Cost: O(num_gpu_blocks * block_size).
+        Cost: O(num_groups * num_gpu_blocks * block_size).
         """
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
         hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
-        # The pool owns the blocks; the KV memory is one int64 per token slot.
+        kv_groups = _check_groups(groups, block_size)
+        # The pool owns the blocks; the KV memory is one int64 per token slot, per group.
         self.block_pool = TensorBlockPool(num_gpu_blocks, enable_caching, profile, device, key_capacity)
-        self.kv_cache = PagedKVCache(self.block_pool, block_size)
+        self.kv_memory = GroupedKVCache(self.block_pool, block_size, len(kv_groups))
+        self.kv_cache = self.kv_memory[0]  # group 0's store: the only one with the default single group
         self.block_size = block_size  # fixed
         self.enable_caching = self.block_pool.enable_caching  # fixed
         self.hash_fn = hash_fn  # fixed
         self.seed = seed  # fixed
+        self.groups = kv_groups  # fixed
+        self._groups = [_Group(g, i, self.kv_memory[i], block_size) for i, g in enumerate(kv_groups)]  # fixed
+        self._single_full = kv_groups == (FULL,)  # fixed: one table, no null positions, no coordinator
+        self._skips = any(g.skips for g in kv_groups)  # fixed: some group frees blocks it no longer reads
+        # How snapshots name the groups: () for the default single full-attention group, as the spec.
+        self._snapshot_groups = () if self._single_full else tuple(str(g) for g in kv_groups)
         self.kv_source: KVSource = kv_source  # what a step writes; set_kv_source replaces it
-        self.req_to_blocks: dict[str, list[BlockId]] = {}  # request id -> block table (append-only)
-        self.num_cached_block: dict[str, int] = {}  # request id -> leading blocks registered
+        self.req_to_blocks = self._groups[0].tables  # group 0's block tables (the only ones by default)
         self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens resident so far
 
     @property
     def device(self) -> torch.device:
         """The device the pool and the KV memory live on."""
         return self.block_pool.device
+
+    @property
+    def kv_caches(self) -> tuple[PagedKVCache, ...]:
+        """Each KV cache group's KV store, in group order."""
+        return self.kv_memory.stores
+
+    def block_table(self, request_id: str, group_id: int = 0) -> list[BlockId]:
+        """A running request's block table in one group (a copy; NULL_BLOCK_ID where skipped).
+
+        Raises:
+            InvalidRequest: request_id is not running, or group_id names no group.
+        """
+        if not isinstance(group_id, int) or isinstance(group_id, bool) or not 0 <= group_id < len(self._groups):
+            raise InvalidRequest(f"group_id={group_id!r} names no KV cache group (0..{len(self._groups) - 1})")
+        table = self._groups[group_id].tables.get(request_id)
+        if table is None:
+            raise InvalidRequest(f"request_id={request_id!r} is not running")
+        return list(table)
 
     def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
         return hash_request_blocks(
@@ -180,6 +283,14 @@ class TensorKVCacheManager:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return torch.frombuffer(array.array("q", block_ids), dtype=torch.int64).to(self.device)
 
+    def _check_request(self, request: Request, op: str) -> None:
+        _check_request(request, op)
+        if len(self._groups) > 1 and TABLE_GROUP_MARK in request.request_id:
+            raise InvalidRequest(
+                f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
+                "group's block table in snapshots"
+            )
+
     # --- the KV content protocol --------------------------------------------------------------
 
     def set_kv_source(self, source: KVSource) -> None:
@@ -189,34 +300,58 @@ class TensorKVCacheManager:
     def read_kv(self, block_ids: Sequence[BlockId]) -> list[list[int]]:
         """The value in every slot of each block, read back from the KV memory on the device.
 
+        `block_ids` is read as a prefix hit is returned: group by group, each
+        group's part as long, part g from group g's store (with one group,
+        any list of blocks). A null position (NULL_BLOCK_ID, where a group's
+        attention type skips a block) reads as `[]`, an empty page: no group
+        ever writes the null block. Every other entry is its page, one value
+        per slot, in the order given.
+
         Raises:
             InvalidBlock: an id is not a block of this pool.
+            InvalidRequest: with several groups, the list does not split evenly into them.
         """
-        return cast("list[list[int]]", self.kv_cache.read_blocks(block_ids).tolist())
+        return self.kv_memory.read_groups(block_ids)
 
     # --- the request level --------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        """The longest cached, intact prefix of a new request: at most len - 1 tokens, in whole blocks.
+        """The longest cached, intact prefix of a new request every group can serve: at most len - 1 tokens.
 
         Each hit block's content is checked against the checksum it was sealed
-        with; a block that fails is quarantined and the lookup goes on from it
-        (another block registered under the same hash may still be intact).
+        with in its group's store; a block that fails is quarantined and the
+        lookup goes on without it (another block registered under the same
+        hash may still be intact).
+
+        Returns:
+            The hit blocks, group by group (each group's as many positions, the null block
+            where its attention type skips them), and the tokens they cover.
 
         Raises:
-            InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
+            InvalidRequest: the request has no tokens, misplaced mm_inputs, is already running,
+                or (with several groups) its id contains the table-name mark.
 
-        Cost: O(tokens) for the hashes, O(1) host work per hit block, one checksum pass over the hit.
+        Cost: O(tokens) for the hashes, O(1) host work per position looked up, one checksum
+        pass over the hit per group.
         """
-        _check_request(request, "get_computed_blocks")
-        if request.request_id in self.req_to_blocks:
+        self._check_request(request, "get_computed_blocks")
+        if request.request_id in self.num_computed_tokens:
             raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
         if not self.enable_caching:
             return [], 0
         # NOTE: at most len - 1 tokens: the last prompt token must be computed to
         # produce the logits that sample the first output token.
-        max_hit_blocks = (len(request.token_ids) - 1) // self.block_size
-        hashes = self._block_hashes(request)[:max_hit_blocks]
+        max_length = len(request.token_ids) - 1
+        if self._single_full:
+            return self._full_hit(self._block_hashes(request)[: max_length // self.block_size])
+        hashes = self._block_hashes(request)
+        while True:
+            per_group, length = self._agreed_hit(hashes, max_length)
+            if not self._quarantine_corrupt(per_group):
+                return [b for blocks in per_group for b in blocks], length
+
+    def _full_hit(self, hashes: Sequence[BlockHash]) -> tuple[list[BlockId], int]:
+        """One full-attention group's hit: cached blocks from the first, each intact."""
         hits: list[BlockId] = []
         while True:
             for h in hashes[len(hits):]:
@@ -224,21 +359,125 @@ class TensorKVCacheManager:
                 if b is None:
                     break
                 hits.append(b)
-            num_intact = self._num_intact(hits)
+            num_intact = self._num_intact(self.kv_cache, hits)
             if num_intact == len(hits):
                 return hits, len(hits) * self.block_size
             hits = hits[:num_intact]
 
-    def _num_intact(self, hits: list[BlockId]) -> int:
-        """How many leading hit blocks pass their checksum; quarantine every one that fails."""
+    def _num_intact(self, kv: PagedKVCache, hits: list[BlockId]) -> int:
+        """How many leading hit blocks pass their checksum in `kv`; quarantine every one that fails."""
         if not hits:
             return 0
         ids = self._table(hits)
-        intact = self.kv_cache.intact(ids)
+        intact = kv.intact(ids)
         if bool(intact.all()):
             return len(hits)
         self.block_pool.quarantine_blocks(ids[~intact])
         return int(torch.nonzero(~intact)[0])
+
+    def _quarantine_corrupt(self, per_group: list[list[BlockId]]) -> bool:
+        """Check every group's hit blocks (null positions hold nothing) in its store; quarantine the corrupt ones.
+
+        Returns:
+            Whether any block was quarantined (the hit must then be searched again).
+        """
+        found = False
+        for grp, blocks in zip(self._groups, per_group):
+            held = [b for b in blocks if b != NULL_BLOCK_ID]
+            if held and self._num_intact(grp.kv, held) < len(held):
+                found = True
+        return found
+
+    def _agreed_hit(self, hashes: tuple[BlockHash, ...], max_length: int) -> tuple[list[list[BlockId]], int]:
+        """The hit every group agrees on, each attention type searched in turn (vLLM's coordinators).
+
+        Groups of one attention type are searched together (a position hits
+        only if each of them has it cached), full attention first. Each
+        search may only shorten the candidate length; rounds repeat until
+        none does (a single round for one full type and one other, whose
+        search the full one cannot cut again). Each group's hit is then cut
+        to the agreed length.
+
+        Returns:
+            Each group's hit blocks and the hit length in tokens.
+        """
+        block_size = self.block_size
+        kinds: dict[KVGroup, list[_Group]] = {}
+        for grp in self._groups:
+            kinds.setdefault(grp.group, []).append(grp)
+        order = sorted(kinds.items(), key=lambda item: item[0].kind != "full")  # stable: full attention first
+        found: dict[int, list[BlockId]] = {}
+        length = max_length
+        while True:
+            candidate = length
+            for group, members in order:
+                if group.kind == "full" and members[0].group_id in found:
+                    candidate = min(candidate, len(found[members[0].group_id]) * block_size)
+                    continue
+                hits = self._type_hit(group, members, hashes, candidate)
+                candidate = len(hits[0]) * block_size
+                for grp, blocks in zip(members, hits):
+                    found[grp.group_id] = blocks
+            done = candidate >= length or len(self._groups) == 1 or (len(order) == 2 and order[0][0].kind == "full")
+            length = candidate
+            if done:
+                break
+        num_blocks = length // block_size
+        return [found[grp.group_id][:num_blocks] for grp in self._groups], length
+
+    def _type_hit(
+        self, group: KVGroup, members: list[_Group], hashes: tuple[BlockHash, ...], max_length: int
+    ) -> list[list[BlockId]]:
+        """One attention type's hit within `max_length` tokens, for each of its groups (`find_longest_cache_hit`).
+
+        - full: the cached blocks from the first, left to right;
+        - sliding:W: scanned right to left for a run of cdiv(W - 1, B) cached
+          blocks (what the next token's window reads), the null block before
+          it; a shorter run that reaches the first block is a hit too;
+        - chunked:C: the null block before the chunk that holds position
+          max_length, then the cached blocks from there, left to right.
+
+        Cost: O(positions scanned) lookups.
+        """
+        block_size, lookup = self.block_size, self.block_pool.get_cached_block
+        max_blocks = min(max_length // block_size, len(hashes))
+
+        def cached(i: int) -> list[BlockId] | None:
+            blocks: list[BlockId] = []
+            for grp in members:
+                b = lookup(grp.key(hashes[i]))
+                if b is None:
+                    return None
+                blocks.append(b)
+            return blocks
+
+        if group.kind == "sliding":
+            need = -(-(group.size - 1) // block_size)
+            run: list[list[BlockId]] = []  # the current run of cached positions, rightmost first
+            first = 0
+            for i in range(max_blocks - 1, -1, -1):
+                blocks = cached(i)
+                if blocks is None:
+                    run = []
+                    continue
+                run.append(blocks)
+                first = i
+                if len(run) >= need:
+                    break
+            else:  # no whole window cached: only a run that reaches the first block is a hit
+                first = 0
+            return [[NULL_BLOCK_ID] * first + [r[k] for r in reversed(run)] for k in range(len(members))]
+        start = 0
+        if group.kind == "chunked" and max_length > 0:
+            start = (max_length - max_length % group.size) // block_size
+        out: list[list[BlockId]] = [[NULL_BLOCK_ID] * start for _ in members]
+        for i in range(start, max_blocks):
+            blocks_at = cached(i)
+            if blocks_at is None:
+                break
+            for hit, b in zip(out, blocks_at):
+                hit.append(b)
+        return out
 
     def allocate_slots(
         self,
@@ -250,37 +489,49 @@ class TensorKVCacheManager:
     ) -> list[BlockId] | None:
         """Give a request slots for its next tokens, write their KV, register the blocks they fill.
 
-        Phases, one method each: validate, plan, prepare the write, touch the
-        hits, take new blocks, write, register full blocks. Only validation
-        looks at the whole request; the others work on one pool and one block
-        table, so several KV cache groups become a loop over them.
+        Phases, one method each, every one after validation a loop over the
+        groups that ends before the next begins (as the spec and vLLM's
+        coordinator): validate, prepare the write, free skipped blocks (a
+        running request's; even when the step is then refused), plan, touch
+        the hits, take blocks for external tokens, take blocks for new
+        tokens, write, register full blocks.
 
         Returns:
-            The newly taken blocks, or None (and no change) when too few blocks are free.
+            The newly taken blocks, group by group in table order, or None (nothing taken or
+            touched; skipped blocks freed all the same) when too few blocks are free.
 
         Raises:
             InvalidRequest: a bad count, a hit on a running request, more tokens than the request
-                has, misplaced mm_inputs, or a KV source that returns the wrong number of values or
-                values beyond int64.
-            InvalidBlock: a hit block is not registered under the request's chain.
+                has, misplaced mm_inputs, a request id with the table-name mark (several groups),
+                or a KV source that returns the wrong number of values or values beyond int64.
+            InvalidBlock: a hit block is not registered under the request's chain in its group.
             NotWritable: a block the step writes is shared or registered; nothing changes.
 
-        Cost: O(new blocks + hit blocks + new tokens) in a constant number of kernels, plus
-        hashing of new full blocks.
+        Cost: O(new blocks + hit blocks + new tokens) in a constant number of kernels per group,
+        plus hashing of new full blocks.
         """
         step = self._validate_allocation(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
         )
-        num_to_allocate = self._plan_allocation(step)
-        if num_to_allocate is None:
+        starts = [self._write_start(grp, step) for grp in self._groups]
+        values = self._prepare_write(step, starts)
+        if step.running and self._skips:
+            self._free_skipped_blocks(step)
+        if not self._fits(step):
             return None
-        values = self._prepare_write(step)
-        self._touch_hits(step)
-        new_blocks, table_ids = self._take_new_blocks(step, num_to_allocate)
-        self._write_step(request.request_id, table_ids, step.write_start, values)
-        self._register_full_blocks(step, table_ids)
-        self.num_computed_tokens[request.request_id] = step.num_tokens
-        return new_blocks
+        tables, num_cached = self._touch_hits(step)
+        new_blocks = self._take_external_blocks(step, tables)
+        table_ids = self._take_new_blocks(step, tables, new_blocks)
+        rid = request.request_id
+        for grp, ids, start in zip(self._groups, table_ids, starts):
+            group_values = values[start - step.write_start :] if start > step.write_start else values
+            if grp.group_id == 0:
+                self._write_step(rid, ids, start, group_values)
+            else:
+                self._write_group(grp.group_id, ids, start, group_values)
+        self._register_full_blocks(step, table_ids, num_cached)
+        self.num_computed_tokens[rid] = step.num_tokens
+        return new_blocks[0] if len(new_blocks) == 1 else [b for blocks in new_blocks for b in blocks]
 
     def _validate_allocation(
         self,
@@ -298,126 +549,269 @@ class TensorKVCacheManager:
         Raises:
             InvalidRequest, InvalidBlock: as `allocate_slots`.
         """
-        _check_request(request, "allocate_slots")
+        self._check_request(request, "allocate_slots")
         _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)
         rid = request.request_id
-        running = rid in self.req_to_blocks
+        running = rid in self.num_computed_tokens
         if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
             raise InvalidRequest(
                 f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step"
             )
-        hashes = self._check_hit_blocks(request, num_new_computed_tokens, new_computed_blocks)
-        table = self.req_to_blocks.get(rid, [])
-        num_computed = self.num_computed_tokens.get(rid, 0)
-        total = num_computed + num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
+        num_local = self.num_computed_tokens.get(rid, 0) + num_new_computed_tokens
+        num_computed = num_local + num_external_computed_tokens
+        hashes, hits = self._check_hit_blocks(request, num_new_computed_tokens, new_computed_blocks, num_computed)
+        total = num_computed + num_new_tokens
         if total > len(request.token_ids):
             raise InvalidRequest(
                 f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
             )
-        write_start = num_computed + num_new_computed_tokens
-        return _AllocationStep(request, table, new_computed_blocks, hashes, write_start, total)
+        return _AllocationStep(request, running, hits, hashes, num_computed, num_local, total)
 
     def _check_hit_blocks(
-        self, request: Request, num_new_computed_tokens: int, new_computed_blocks: Sequence[BlockId]
-    ) -> tuple[BlockHash, ...]:
-        """The hit covers its tokens in whole blocks, each registered under the request's own chain.
+        self,
+        request: Request,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Sequence[BlockId],
+        num_computed: int,
+    ) -> tuple[tuple[BlockHash, ...], tuple[Sequence[BlockId], ...]]:
+        """The hit covers its tokens in whole blocks in every group, each registered under the request's chain.
+
+        A group may have the null block at a position it no longer reads once
+        `num_computed` tokens are computed.
 
         Returns:
-            The request's hash chain (registration needs it too).
+            The request's hash chain (registration needs it too) and the hit split by group.
         """
-        if len(new_computed_blocks) * self.block_size != num_new_computed_tokens:
+        num_groups = len(self._groups)
+        n = num_new_computed_tokens // self.block_size
+        if n * self.block_size != num_new_computed_tokens or len(new_computed_blocks) != n * num_groups:
+            per_group = f" for {num_groups} KV cache groups" if num_groups > 1 else ""
             raise InvalidRequest(
                 f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
-                f"{len(new_computed_blocks)} hit blocks of block_size={self.block_size}"
+                f"{len(new_computed_blocks)} hit blocks of block_size={self.block_size}{per_group}"
             )
         if new_computed_blocks and not self.enable_caching:
             raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
         pool = self.block_pool
         hashes = self._block_hashes(request)
-        if len(new_computed_blocks) > len(hashes):
+        if n > len(hashes):
             raise InvalidRequest(
-                f"allocate_slots: {len(new_computed_blocks)} hit blocks but request_id={request.request_id!r} "
+                f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} "
                 f"has only {len(hashes)} full blocks"
             )
-        for i, b in enumerate(new_computed_blocks):
-            # A bool is an int to Python but no block id (as in the spec): True would name block 1.
-            in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
-            if not in_range or pool.get_block_hash(b) != hashes[i]:
-                raise InvalidBlock(f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}")
-        return hashes
+        if num_groups == 1:
+            hits: tuple[Sequence[BlockId], ...] = (new_computed_blocks,)
+        else:
+            hits = tuple(new_computed_blocks[g * n : (g + 1) * n] for g in range(num_groups))
+        for grp, group_hits in zip(self._groups, hits):
+            skipped = grp.skipped_blocks(num_computed) if group_hits else 0
+            for i, b in enumerate(group_hits):
+                # A bool is an int to Python but no block id (as in the spec): True would name block 1.
+                in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
+                if in_range and b == NULL_BLOCK_ID and i < skipped:
+                    continue
+                if not in_range or pool.get_block_hash(b) != grp.key(hashes[i]):
+                    where = f" of KV cache group {grp.group_id}" if num_groups > 1 else ""
+                    raise InvalidBlock(
+                        f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}{where}"
+                    )
+        return hashes, hits
 
-    def _plan_allocation(self, step: _AllocationStep) -> int | None:
-        """Phase 2: how many new blocks the step needs, or None when they do not fit.
+    def _write_start(self, grp: _Group, step: _AllocationStep) -> int:
+        """The first position the step writes in a group: after the hit, and past the group's null positions.
 
-        Planned before anything changes, so a step that cannot be served is
-        refused whole rather than failing halfway with its hits touched.
+        A group's null positions are its leading `skipped_blocks(num_computed)`
+        ones (a running request's were nulled by earlier steps and this one's
+        phase 3; a first step's are nulled as its hit is touched); on a first
+        step with external tokens they can cover some of the step's positions,
+        which that group then does not write.
         """
-        num_required = -(-step.num_tokens // self.block_size)
-        num_to_allocate = max(num_required - len(step.table) - len(step.hits), 0)
-        pool = self.block_pool
-        hit_ids = self._table(step.hits)
-        # Hit blocks sitting in the free queue leave it when touched: they use up free blocks too.
-        num_evictable_hits = int((pool.ref_cnt[hit_ids] == 0).sum()) if step.hits else 0
-        if num_to_allocate + num_evictable_hits > pool.get_num_free_blocks():
-            return None
-        return num_to_allocate
+        if not grp.skips:
+            return step.write_start
+        return max(step.write_start, grp.skipped_blocks(step.num_computed) * self.block_size)
 
-    def _prepare_write(self, step: _AllocationStep) -> torch.Tensor:
-        """Phase 3: the KV values the step writes, once they and the blocks already held to take them are checked.
+    def _prepare_write(self, step: _AllocationStep, starts: list[int]) -> torch.Tensor:
+        """Phase 2: the KV values the step writes, once they and the blocks already held to take them are checked.
 
-        Everything that can refuse runs before anything changes: the touch,
-        the new blocks and the write come after it.
+        Everything that can refuse runs before anything changes: the freeing
+        of skipped blocks, the touch, the new blocks and the write come after
+        it. `starts` is each group's first written position (`_write_start`).
 
         Raises:
             InvalidRequest: as `_kv_values`.
             NotWritable: as `_check_held_blocks_writable`.
         """
         values = self._kv_values(step.request, step.write_start, step.num_tokens)
-        self._check_held_blocks_writable(step.table, step.write_start, step.num_tokens)
+        if step.running:
+            rid = step.request.request_id
+            for grp, start in zip(self._groups, starts):
+                self._check_held_blocks_writable(grp, grp.tables[rid], start, step.num_tokens)
         return values
 
-    def _touch_hits(self, step: _AllocationStep) -> None:
-        """Phase 4: take a reference on each hit block, so none is evicted while the request runs.
+    def _free_skipped_blocks(self, step: _AllocationStep) -> None:
+        """Phase 3: a running request frees, in every group, the blocks it no longer reads (`remove_skipped_blocks`).
 
-        Before new blocks are taken: a hit block still in the free queue could
-        otherwise be the one they take.
-        """
-        if step.hits:
-            self.block_pool.touch(list(step.hits))
-
-    def _take_new_blocks(self, step: _AllocationStep, num_to_allocate: int) -> tuple[list[BlockId], torch.Tensor]:
-        """Phase 5: take the planned blocks and append them, after the hits, to the block table.
-
-        The table only grows while the request runs (append-only, as vLLM's),
-        so tokens already scheduled keep their slots.
-
-        Returns:
-            The new blocks, and the request's whole block table as a device tensor (what the write reads).
-        """
-        new_ids = self.block_pool.get_new_blocks_tensor(num_to_allocate)
-        new_blocks = cast("list[BlockId]", new_ids.tolist())
-        table = step.table + list(step.hits) + new_blocks
-        self.req_to_blocks[step.request.request_id] = table
-        table_ids = torch.cat((self._table(table[: len(table) - len(new_blocks)]), new_ids))
-        return new_blocks, table_ids
-
-    def _register_full_blocks(self, step: _AllocationStep, table_ids: torch.Tensor) -> None:
-        """Phase 7: register (cache_full_blocks) and seal every block the step fills, so later requests can hit it.
-
-        Registered after the write (phase 6), so the checksum a block is sealed
-        with is of the content it holds.
+        Counted from the tokens computed before this step (the window of its
+        first new token); each freed block becomes the null block in the
+        table, and the group's freed blocks go to `free_blocks` in one call,
+        last first, as a finished request's do. The walk stops at a null
+        position: everything before it went in an earlier step.
         """
         rid = step.request.request_id
-        # The hit blocks are registered already (that is why they hit).
-        num_cached = self.num_cached_block.get(rid, 0) + len(step.hits)
+        for grp in self._groups:
+            if not grp.skips:
+                continue
+            table = grp.tables[rid]
+            freed: list[BlockId] = []
+            for i in range(min(grp.skipped_blocks(step.num_computed), len(table)) - 1, -1, -1):
+                if table[i] == NULL_BLOCK_ID:
+                    break
+                freed.append(table[i])
+                table[i] = NULL_BLOCK_ID
+            if freed:
+                self.block_pool.free_blocks(freed)
+
+    def _fits(self, step: _AllocationStep) -> bool:
+        """Phase 4: whether every group's new blocks fit in the free blocks (vLLM's `get_num_blocks_to_allocate`).
+
+        Planned before anything is taken or touched, so a step that cannot be
+        served is refused whole rather than failing halfway with its hits
+        touched. A group needs a block for every position up to the step's
+        last token except those it already has (or, on a first step, skips
+        or hits); hit blocks sitting in the free queue leave it when touched,
+        so they use up free blocks too.
+        """
+        pool, rid = self.block_pool, step.request.request_id
+        num_required = -(-step.num_tokens // self.block_size)
+        needed = 0
+        for grp, hits in zip(self._groups, step.hits):
+            if step.running:
+                needed += max(num_required - len(grp.tables[rid]), 0)
+                continue
+            skipped = grp.skipped_blocks(step.num_computed)
+            needed += max(num_required - max(skipped, len(hits)), 0)
+            kept = hits[skipped:] if skipped else hits
+            if kept:
+                needed += int((pool.ref_cnt[self._table(kept)] == 0).sum())
+        return needed <= pool.get_num_free_blocks()
+
+    def _touch_hits(self, step: _AllocationStep) -> tuple[list[list[BlockId]], list[int]]:
+        """Phase 5: take a reference on each hit block a group still reads, so none is evicted while the request runs.
+
+        A first step only, every group's before any block is taken: a hit
+        block still in the free queue could otherwise be the one they take.
+        The positions the request skips from the start become the null block.
+
+        Returns:
+            Each group's block table (a running request's own, to be extended in place), and
+            how many leading positions of each are registered (or null).
+        """
+        rid = step.request.request_id
+        if step.running:
+            return [grp.tables[rid] for grp in self._groups], [grp.num_cached[rid] for grp in self._groups]
+        tables: list[list[BlockId]] = []
+        for grp, hits in zip(self._groups, step.hits):
+            skipped = grp.skipped_blocks(step.num_computed)
+            kept = list(hits[skipped:] if skipped else hits)
+            if kept:
+                self.block_pool.touch(kept)
+            tables.append([NULL_BLOCK_ID] * skipped + kept if skipped else kept)
+        return tables, [len(t) for t in tables]
+
+    def _take_external_blocks(self, step: _AllocationStep, tables: list[list[BlockId]]) -> list[list[BlockId]]:
+        """Phase 6: blocks for the tokens an external KV cache loads, in every group that still reads some of them.
+
+        A first step only, after every group's hits are touched. A group that
+        skips every computed token (a chunk boundary) takes none for them.
+
+        Returns:
+            Each group's blocks taken (its table extended by them).
+        """
+        taken: list[list[BlockId]] = [[] for _ in self._groups]
+        num_external = step.num_computed - step.write_start
+        if num_external == 0:
+            return taken
+        num_blocks = -(-step.num_computed // self.block_size)
+        for grp, table, new in zip(self._groups, tables, taken):
+            skipped_tokens = grp.skipped_tokens(step.num_computed)
+            if skipped_tokens and min(step.num_computed - skipped_tokens, num_external) <= 0:
+                continue
+            count = max(0, num_blocks - len(table))
+            if count:
+                new += self.block_pool.get_new_blocks(count)
+                table += new
+        return taken
+
+    def _take_new_blocks(
+        self, step: _AllocationStep, tables: list[list[BlockId]], new_blocks: list[list[BlockId]]
+    ) -> list[torch.Tensor]:
+        """Phase 7: take the blocks the step's tokens need and append them, group by group.
+
+        The table only grows while the request runs (as vLLM's, the null
+        block standing in for a freed position), so tokens already scheduled
+        keep their slots.
+
+        Returns:
+            Each group's whole block table as a device tensor (what the write reads); `tables`
+            and `new_blocks` are extended by the blocks taken.
+        """
+        num_required = -(-step.num_tokens // self.block_size)
+        rid = step.request.request_id
+        table_ids: list[torch.Tensor] = []
+        for grp, table, new in zip(self._groups, tables, new_blocks):
+            new_ids = self.block_pool.get_new_blocks_tensor(max(num_required - len(table), 0))
+            held = self._table(table)
+            if new_ids.numel():
+                taken = cast("list[BlockId]", new_ids.tolist())
+                table += taken
+                new += taken
+                held = torch.cat((held, new_ids))
+            table_ids.append(held)
+            grp.tables[rid] = table
+        return table_ids
+
+    def _write_step(self, request_id: str, block_table: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """Phase 8 in group 0 (the only group by default): write the step's KV through its block table.
+
+        Its own method, so that a subclass can change where a step's KV lands
+        in memory (the memory mutants do); `_write_group` writes the others.
+        """
+        if values.numel():
+            self.kv_cache.write_tokens(block_table, start, values)
+
+    def _write_group(self, group_id: int, block_table: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """Phase 8: write a step's KV into a group's store, through its block table (checked for writability).
+
+        `start` is past the group's null positions (`_write_start`): no write lands in the null block.
+        """
+        if values.numel():
+            self._groups[group_id].kv.write_tokens(block_table, start, values)
+
+    def _register_full_blocks(
+        self, step: _AllocationStep, table_ids: list[torch.Tensor], num_cached: list[int]
+    ) -> None:
+        """Phase 9: register (cache_full_blocks) and seal every block the step fills, so later requests can hit it.
+
+        Registered after the write (phase 8), so the checksum a block is
+        sealed with is of the content it holds, in its group's store. Group
+        g's blocks are keyed by (hash, g) (spec.state.group_key), so groups
+        never share a block. No null position is ever among them: a group's
+        null positions all lie before its registered count (those skipped
+        when the request started, or by a step whose tokens were counted).
+        """
+        rid = step.request.request_id
         if self.enable_caching:
             # Only a full block is registered: a partial one's tokens are still to come.
             num_full = min(step.num_tokens, len(step.request.token_ids)) // self.block_size
-            if num_full > num_cached:
-                self.block_pool.cache_full_blocks(table_ids[num_cached:num_full], step.hashes[num_cached:num_full])
-                self.kv_cache.seal(table_ids[num_cached:num_full])
-                num_cached = num_full
-        self.num_cached_block[rid] = num_cached
+            for g, (grp, ids, cached) in enumerate(zip(self._groups, table_ids, num_cached)):
+                if num_full > cached:
+                    chain = step.hashes[cached:num_full]
+                    full = ids[cached:num_full]
+                    self.block_pool.cache_full_blocks(full, chain if g == 0 else [grp.key(h) for h in chain])
+                    grp.kv.seal(full)
+                    num_cached[g] = num_full
+        for grp, cached in zip(self._groups, num_cached):
+            grp.num_cached[rid] = cached
 
     def _kv_values(self, request: Request, start: int, end: int) -> torch.Tensor:
         """The source's values for positions [start, end), checked, as an int64 device tensor.
@@ -444,8 +838,8 @@ class TensorKVCacheManager:
             ) from None
         return torch.frombuffer(host, dtype=torch.int64).to(self.device)
 
-    def _check_held_blocks_writable(self, table: list[BlockId], start: int, end: int) -> None:
-        """Refuse a step whose first tokens land in a block already held that is not writable.
+    def _check_held_blocks_writable(self, grp: _Group, table: list[BlockId], start: int, end: int) -> None:
+        """Refuse a step whose first tokens land in a block a group already holds that is not writable.
 
         Blocks taken by this step are writable by construction; only the
         request's own last block can already hold tokens of the step.
@@ -457,37 +851,42 @@ class TensorKVCacheManager:
             return
         first, last = start // self.block_size, min((end - 1) // self.block_size, len(table) - 1)
         if first <= last:
-            self.kv_cache.check_writable(self._table(table[first : last + 1]))
-
-    def _write_step(self, request_id: str, block_table: torch.Tensor, start: int, values: torch.Tensor) -> None:
-        """Phase 6: write a step's KV into its slots through the request's block table (checked for writability)."""
-        if values.numel():
-            self.kv_cache.write_tokens(block_table, start, values)
+            grp.kv.check_writable(self._table(table[first : last + 1]))
 
     def free(self, request_id: str) -> None:
-        """Release a finished or preempted request; its blocks are freed tail first.
+        """Release a finished or preempted request: each group's blocks tail first, group by group.
+
+        One `free_blocks` call per group in group order, as vLLM's coordinator
+        frees its managers; null positions hold nothing and are passed over.
 
         Raises:
             InvalidRequest: request_id is not running.
 
-        Cost: O(blocks of the request) in a constant number of kernels.
+        Cost: O(blocks of the request) in a constant number of kernels per group.
         """
-        table = self.req_to_blocks.get(request_id)
-        if table is None:
+        if request_id not in self.num_computed_tokens:
             raise InvalidRequest(f"free: request_id={request_id!r} is not running (freed twice?)")
         # Tail first: a request's last blocks are the most specific (least likely
         # to be shared), so they go first in the batch and are evicted first.
-        self.block_pool.free_blocks(table[::-1])
-        del self.req_to_blocks[request_id]
-        del self.num_cached_block[request_id]
+        for grp in self._groups:
+            table = grp.tables.pop(request_id)
+            del grp.num_cached[request_id]
+            held = [b for b in reversed(table) if b != NULL_BLOCK_ID] if grp.skips else table[::-1]
+            if held:
+                self.block_pool.free_blocks(held)
         del self.num_computed_tokens[request_id]
 
     # --- observation --------------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
-        """The pool's snapshot with every running request's block table. Cost: O(blocks)."""
-        tables = tuple(sorted((rid, tuple(BlockId(b) for b in blocks)) for rid, blocks in self.req_to_blocks.items()))
-        return self.block_pool.snapshot(block_tables=tables)
+        """The pool's snapshot with every running request's block tables, named by table_name, and the groups.
+
+        Cost: O(blocks).
+        """
+        tables = tuple(sorted(
+            (table_name(rid, grp.group_id), tuple(blocks)) for grp in self._groups for rid, blocks in grp.tables.items()
+        ))  # fmt: skip
+        return self.block_pool.snapshot(block_tables=tables, kv_groups=self._snapshot_groups)
 
     def check_invariants(self) -> None:
         """Check every state invariant via the spec's predicates, and the pool's own representation.
