@@ -55,6 +55,13 @@ the default):
   seed, so the machine compares block hash values exactly. Otherwise hash
   values are compared as names (an equality relation), and the values are
   checked separately against golden vectors (`kvspec hashes`).
+- `kv_cache_groups: bool` (on the adapter; default False): the manager
+  builds the KV cache groups `config.groups` names (spec.attention: "full",
+  "full,sliding:8", ...; hits and new blocks then cross the API group by
+  group, the null block at skipped positions). Without it an adapter is
+  checked with one full-attention group only, and a campaign with another
+  layout is "n/a"; a factory may raise `LevelNotProvided` for a layout it
+  cannot build.
 - the `KVContentAdapter` methods: the machine has the adapter write, for
   every computed token, a value that names the token's whole prefix, and
   reads every prefix hit back (invariant hit_content_intact).

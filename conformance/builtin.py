@@ -84,6 +84,7 @@ class SpecManagerAdapter(_SpecState):
     """The spec's KVCacheManager functions behind the adapter protocol."""
 
     uses_kvspec_hash_chain = True  # it is kvspec's chain: hash values are compared exactly
+    kv_cache_groups = True  # it builds the layout config.groups names
 
     def __init__(self, config: AdapterConfig) -> None:
         self.state = spec_manager.new_manager(
@@ -128,6 +129,7 @@ class ReferenceManagerAdapter(KVCacheManager):
     """The reference KVCacheManager, built from a config."""
 
     uses_kvspec_hash_chain = True  # it hashes with kvspec.spec.hashing: hash values are compared exactly
+    kv_cache_groups = True  # it builds the layout config.groups names
 
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(

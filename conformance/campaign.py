@@ -88,8 +88,9 @@ def plan_problem(level: str, profile: str, max_examples: object, cover_rounds: o
     return None
 
 
-def _probe(factory: Factory, config: AdapterConfig) -> tuple[Verdict, str] | None:
-    """Why no campaign runs on this factory at this level (n/a: a level it does not provide), or None."""
+def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> tuple[Verdict, str] | None:
+    """Why no campaign runs on this factory at this level (n/a: a level, profile or layout it does not
+    provide), or None. `groups`: the campaign's KV cache groups ("drawn": any)."""
     level, declared = config.level, getattr(factory, "levels", None)
     if declared is not None and level not in declared:
         return Verdict.NOT_APPLICABLE, f"the factory declares levels={tuple(declared)}"
@@ -105,6 +106,11 @@ def _probe(factory: Factory, config: AdapterConfig) -> tuple[Verdict, str] | Non
     declared = getattr(adapter, "levels", None)
     if declared is not None and level not in declared:
         return Verdict.NOT_APPLICABLE, f"{type(adapter).__name__} declares levels={tuple(declared)}"
+    if level == "manager" and groups != "full" and not getattr(adapter, "kv_cache_groups", False):
+        return Verdict.NOT_APPLICABLE, (
+            f"{type(adapter).__name__} does not declare kv_cache_groups = True: it is checked with one "
+            f"full-attention KV cache group only, not groups={groups}"
+        )
     missing = [m for m in required_methods(level) if not callable(getattr(adapter, m, None))]
     if not missing:
         return None
@@ -132,7 +138,7 @@ def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, he
         try:
             config = AdapterConfig(plan.level, 8, plan.enable_caching, plan.profile, device=plan.device,  # type: ignore[arg-type]
                                    groups="full" if plan.groups == "drawn" else plan.groups)
-            why = _probe(factory, config)
+            why = _probe(factory, config, plan.groups)
         finally:
             watch.impl_finished()
         if why is not None:

@@ -29,6 +29,7 @@ class TensorManagerAdapter(TensorKVCacheManager):
     """The tensor KVCacheManager with KV memory, built from a config."""
 
     uses_kvspec_hash_chain = True  # it hashes with kvspec.spec.hashing: hash values are compared exactly
+    kv_cache_groups = True  # it builds the layout config.groups names, one KV store per group
 
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(

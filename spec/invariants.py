@@ -89,6 +89,8 @@ def snapshot_groups(s: Snapshot) -> tuple[KVGroup, ...]:
 
 def _table_group(name: str, num_groups: int) -> int | None:
     """The group of a block table named by `spec.state.table_name`; None for a name no group has."""
+    if num_groups == 1:
+        return 0  # one group: every table is its own (a request id may then hold the mark)
     _, mark, group = name.rpartition(TABLE_GROUP_MARK)
     if not mark:
         return 0

@@ -1,0 +1,122 @@
+"""KV cache groups in the harness: `--groups`, the group branches, traces, the demo and the benchmark."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvspec.benchmarks import harness_bench
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.builtin import make_reference
+from kvspec.conformance.cli import main
+from kvspec.conformance.coverage import expected_branches
+from kvspec.conformance.groups_demo import run_groups_demo
+from kvspec.conformance.results import Verdict
+from kvspec.conformance.runner import replay, run_check
+from kvspec.conformance.trace import dumps_trace, parse_trace, read_trace
+from kvspec.mutants.groups import KeyWithoutGroupId
+from kvspec.reference.kv_cache_manager import KVCacheManager
+from kvspec.spec.manager import Request
+
+GROUP_BRANCHES = (
+    "allocate_slots: skipped blocks freed",
+    "allocate_slots: admitted with skipped positions",
+    "allocate_slots: refused after freeing skipped blocks",
+    "get_computed_blocks: sliding-window hit",
+    "get_computed_blocks: hit cut by the coordinator",
+)
+
+
+@pytest.mark.parametrize("impl", ["reference", "spec"])
+def test_two_groups_conform_and_reach_every_group_branch(impl: str) -> None:
+    r = run_check(impl, level="manager", max_examples=100, isolate=False, groups="full,sliding:8", cover_rounds=3)
+    assert r.verdict is Verdict.CONFORMS, r.message
+    assert r.groups == "full,sliding:8"
+    for branch in GROUP_BRANCHES:
+        assert branch in r.branches and r.coverage[branch] > 0, branch
+    assert not r.unreached
+
+
+def test_chunked_local_attention_reaches_its_hit() -> None:
+    r = run_check("reference", level="manager", max_examples=100, isolate=False, groups="full,chunked:8",
+                  cover_rounds=3)  # fmt: skip
+    assert r.verdict is Verdict.CONFORMS and r.coverage["get_computed_blocks: chunked-local hit"] > 0
+    assert not r.unreached
+
+
+def test_drawn_layouts_conform() -> None:
+    r = run_check("reference", level="manager", max_examples=60, isolate=False, groups="drawn")
+    assert r.verdict is Verdict.CONFORMS, r.message
+
+
+def test_a_layout_expects_only_its_own_branches() -> None:
+    full = expected_branches("manager", True, "vllm-v1")
+    assert not set(GROUP_BRANCHES) & set(full)  # one full-attention group: exactly the branches of before
+    window = expected_branches("manager", True, "vllm-v1", "sliding:4")
+    assert "get_computed_blocks: sliding-window hit" in window
+    assert "get_computed_blocks: hit cut by the coordinator" not in window  # one attention type: nothing to cut
+    assert "get_computed_blocks: chunked-local hit" not in window
+
+
+def test_a_bad_layout_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for layout in ("full,sliding:1", "full,window:8", "full,full,full,full", ""):
+        assert main(["check", "--impl", "reference", "--groups", layout]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    r = run_check("reference", level="manager", groups="sliding:x", isolate=False)
+    assert r.verdict is Verdict.COULD_NOT_RUN and "sliding:x" in r.message
+
+
+def test_a_chunk_not_a_multiple_of_the_block_size_is_refused_and_changes_nothing() -> None:
+    with pytest.raises(ValueError, match=r"chunk of 6 tokens is not a multiple of block_size=4"):
+        make_reference(AdapterConfig("manager", 9, block_size=4, groups="full,chunked:6"))
+
+
+def _undeclared(config: AdapterConfig) -> KVCacheManager:
+    """The reference manager without the adapter's declarations: it never says it builds groups."""
+    return KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_caching)
+
+
+def test_an_adapter_that_does_not_declare_groups_is_not_applicable() -> None:
+    r = run_check(_undeclared, level="manager", max_examples=10, isolate=False, groups="full,sliding:8")
+    assert r.verdict is Verdict.NOT_APPLICABLE and "kv_cache_groups = True" in r.message
+    assert run_check(_undeclared, level="manager", max_examples=10, isolate=False).verdict is Verdict.CONFORMS
+
+
+def test_a_trace_records_its_groups_and_replays_with_them(tmp_path) -> None:
+    r = run_check(KeyWithoutGroupId, level="manager", max_examples=100, isolate=False, groups="full,sliding:8",
+                  trace_dir=tmp_path)  # fmt: skip
+    assert r.verdict is Verdict.DIVERGES and r.failure is not None and r.failure.trace_path is not None
+    text = Path(r.failure.trace_path).read_text(encoding="utf-8")
+    assert '"groups": "full,sliding:8"' in text.splitlines()[0]
+    trace = read_trace(r.failure.trace_path)
+    assert trace.config.groups == "full,sliding:8"
+    assert parse_trace(dumps_trace(trace).splitlines()) == trace
+    assert replay(trace, KeyWithoutGroupId, isolate=False).verdict is Verdict.DIVERGES
+    assert replay(trace, make_reference, isolate=False).verdict is Verdict.CONFORMS
+
+
+def test_the_demo_nulls_what_the_window_left_and_agrees_with_the_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    steps = run_groups_demo(make_reference, "full,sliding:8")
+    assert all(not s.broken and s.agrees for s in steps)
+    tables = dict(steps[-1].snapshot.block_tables or ())
+    assert tables["B#1"][:3] == (0, 0, 0) and 0 not in tables["B"]
+    assert main(["demo", "--groups", "full,sliding:8"]) == 0
+    out = capsys.readouterr().out
+    assert "sliding:8 [null null" in out and "every state holds every invariant and equals the spec's" in out
+
+
+def test_the_harness_benchmark_prints_a_row_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert harness_bench.main(["--groups", "full", "full,sliding:8", "--max-examples", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "full,sliding:8" in out and "steps/s" in out and "target: at least 1000" in out
+
+
+def test_the_spec_request_ids_of_several_groups_may_not_name_a_table() -> None:
+    from kvspec.spec import manager as spec_manager
+    from kvspec.spec.errors import InvalidRequest
+
+    state = spec_manager.new_manager(9, 4, groups="full,sliding:8")
+    with pytest.raises(InvalidRequest, match="contains '#'"):
+        spec_manager.allocate_slots(state, Request("a#1", (1, 2, 3)), 3)
