@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvspec.spec.state import Snapshot
+from kvspec.spec.invariants import snapshot_groups
+from kvspec.spec.state import NULL_BLOCK_ID, Snapshot
 
 __all__ = [
     "freed_blocks",
@@ -135,19 +136,36 @@ def reached_nothing(args: Sequence[Any], before: Snapshot, after: Snapshot, resu
 
 
 def reached_get_computed_blocks(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:
-    """A miss or a hit (and whether a hit block is free); the cap is named by the lock-step core."""
+    """A miss or a hit (and whether a hit block is free, and a group's null positions before its window or
+    chunk); the cap and the coordinator's cut are named by the lock-step core."""
     hit = result[0]
     ev = ["get_computed_blocks: hit" if hit else "get_computed_blocks: miss"]
     if any(b in before.free_queue for b in hit):
         ev.append("get_computed_blocks: hit a free block")
+    groups = snapshot_groups(before)
+    n = len(hit) // len(groups)
+    for g, group in enumerate(groups):
+        if group.skips and NULL_BLOCK_ID in hit[g * n : (g + 1) * n]:
+            ev.append(f"get_computed_blocks: {'sliding-window' if group.kind == 'sliding' else 'chunked-local'} hit")
     return ev
 
 
 def reached_allocate_slots(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:
-    """Refused for lack of blocks, or what the allocation did to the hash table."""
+    """Refused for lack of blocks, or what the allocation did to the hash table; with groups that skip, the
+    blocks freed and nulled (on a refused step too) and a new table that starts with skipped positions."""
+    tables_before = dict(before.block_tables or ())
+    nulled = any(
+        b != NULL_BLOCK_ID and table[i] == NULL_BLOCK_ID
+        for name, table in (after.block_tables or ())
+        for i, b in enumerate(tables_before.get(name, ()))
+    )
     if result is None:
-        return ["allocate_slots: too few free blocks"]
-    ev: list[str] = []
+        return ["allocate_slots: too few free blocks"] + (
+            ["allocate_slots: refused after freeing skipped blocks"] if nulled else []
+        )
+    ev: list[str] = ["allocate_slots: skipped blocks freed"] if nulled else []
+    if any(name not in tables_before and table[:1] == (NULL_BLOCK_ID,) for name, table in after.block_tables or ()):
+        ev.append("allocate_slots: admitted with skipped positions")
     pairs = list(zip(before.block_hash, after.block_hash))
     if any(h0 is not None and h1 != h0 for h0, h1 in pairs):
         ev.append("allocate_slots: evicted a cached block")

@@ -51,6 +51,7 @@ class CampaignPlan:
     device: str | None = None
     shrink: bool = True
     cover_rounds: int = 0
+    groups: str = "full"  # the KV cache groups at the manager level, or "drawn"
 
 
 def _probe(factory: Factory, config: AdapterConfig) -> tuple[Verdict, str] | None:
@@ -95,7 +96,8 @@ def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, he
     try:
         watch.impl_started()
         try:
-            config = AdapterConfig(plan.level, 8, plan.enable_caching, plan.profile, device=plan.device)  # type: ignore[arg-type]
+            config = AdapterConfig(plan.level, 8, plan.enable_caching, plan.profile, device=plan.device,  # type: ignore[arg-type]
+                                   groups="full" if plan.groups == "drawn" else plan.groups)
             why = _probe(factory, config)
         finally:
             watch.impl_finished()
@@ -112,7 +114,7 @@ def _chunks(
 ) -> tuple[tuple[Failure, LockStep | None] | None, str, int]:
     """Run chunks until the examples (and cover rounds) are done, the budget is spent, or a failure is found."""
     deadline = start + plan.time_budget_s if plan.time_budget_s is not None else None
-    branches = expected_branches(plan.level, plan.enable_caching, plan.profile)
+    branches = expected_branches(plan.level, plan.enable_caching, plan.profile, plan.groups)
     remaining, chunk_seed, extra_rounds, message = plan.max_examples, plan.seed, 0, ""
     found: tuple[Failure, LockStep | None] | None = None
     while found is None:
@@ -178,7 +180,8 @@ def _run_chunk(
 ) -> tuple[tuple[Failure, LockStep | None] | None, str]:
     """One Hypothesis run of the machine; the failure it found (shrunk unless the plan says not) and a note."""
     machine = conformance_machine(
-        factory, plan.level, plan.enable_caching, plan.profile, observer, device=plan.device, watch=watch
+        factory, plan.level, plan.enable_caching, plan.profile, observer, device=plan.device, watch=watch,
+        groups=plan.groups,
     )
     hypothesis_seed(seed)(machine)
     try:

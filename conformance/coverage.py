@@ -28,13 +28,21 @@ __all__ = [
 ]
 
 
-def expected_branches(level: str, enable_caching: bool, profile: str) -> tuple[str, ...]:
+def expected_branches(level: str, enable_caching: bool, profile: str, groups: str = "full") -> tuple[str, ...]:
     """The spec branches and events a campaign at this configuration should reach.
+
+    A branch of KV cache groups is expected only of a layout that has it
+    (`groups`: the manager's layout, or "drawn": every layout).
 
     >>> "get_cached_block: hit" in expected_branches("pool", False, "vllm-v1")
     False
+    >>> "allocate_slots: skipped blocks freed" in expected_branches("manager", True, "vllm-v1", "full,sliding:8")
+    True
     """
-    names = tuple(b for op in level_operations(level) for b in op.all_branches())
+    names = tuple(
+        b for op in level_operations(level) for b in op.all_branches()
+        if b not in op.layout_only or groups == "drawn" or op.layout_only[b](groups)
+    )  # fmt: skip
     if is_profile(profile) and profile_rule(profile).keyed:  # first fit and keys: a freed block may land anywhere
         caching_only = {b for op in level_operations(level) for b in op.caching_only}
         return names if enable_caching else tuple(n for n in names if n not in caching_only)

@@ -57,7 +57,7 @@ from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.invariants import INVARIANTS, STEP_RULES, check_all, check_hit, check_step, hit_content_intact
 from kvspec.spec.manager import ManagerState, Request
-from kvspec.spec.state import BlockHash, BlockId, PoolState, Snapshot
+from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, PoolState, Snapshot
 
 __all__ = [
     "NOT_EXERCISED_WHY",
@@ -197,11 +197,13 @@ class _Pending:
     reaction: Reaction | None = None  # the declared reaction to check, on a step that made a caller mistake
     # A replica's state before and after, and whether its free count or usage changed, when the mistake went there.
     replica: tuple[Snapshot, Snapshot, bool] | None = None
+    hit_cut: bool = False  # the spec's agreed hit is shorter than some group's own (the coordinator cut it)
 
 
-# check_hit evaluates hit_within_cap and hit_prefix_closed; hit_content_intact is
-# checked on adapters with KV memory; salt isolation follows from prefix closure.
-_NUM_HIT_RULES_CHECKED = 2
+# check_hit evaluates hit_within_cap, hit_same_length, hit_prefix_closed and
+# hit_window_shape; hit_content_intact is checked on adapters with KV memory;
+# salt isolation follows from prefix closure.
+_NUM_HIT_RULES_CHECKED = 4
 
 
 class LockStep:
@@ -356,9 +358,10 @@ class LockStep:
             ignored = self._reaction(mistake)
             if ignored is not None and ignored.kind == "ignores":
                 good_state = self._good_part(operation, without)
-        hit_hashes = None
+        hit_hashes, hit_cut = None, False
         if op == "get_computed_blocks" and isinstance(self.spec_state, ManagerState) and spec.error is None:
             hit_hashes = spec_manager.request_block_hashes(self.spec_state, args[0])
+            hit_cut = self._hit_cut(self.spec_state, args[0], hit_hashes, spec)
         self.watch.stream_step(index, op, args)
         self._inflight = (index, op, tuple(args), spec, mistake)
         reaction = self._reaction(mistake)
@@ -379,9 +382,17 @@ class LockStep:
         self.spec_snapshot = new_state.snapshot()
         self._pending = _Pending(
             index, op, tuple(args), spec, impl, before, hit_hashes, hit_content, mistake,
-            None if without is None else tuple(without), reaction, replica,
+            None if without is None else tuple(without), reaction, replica, hit_cut,
         )  # fmt: skip
         return spec
+
+    @staticmethod
+    def _hit_cut(state: ManagerState, request: Request, hashes: tuple[BlockHash, ...], spec: Outcome) -> bool:
+        """Whether some group alone would hit more than the length every group agreed on (several groups)."""
+        if len(state.config.groups) == 1 or not state.pool.config.enable_caching:
+            return False
+        alone = spec_manager.hit_lengths_alone(state, hashes, len(request.token_ids) - 1)
+        return max(alone) > spec.result[1]
 
     def _good_part(self, operation: Operation, without: Sequence[Any] | None) -> PoolState | ManagerState:
         """The spec's state after a mistaken call's good part alone (what ignoring the mistake leaves)."""
@@ -721,7 +732,12 @@ class LockStep:
         bs = self.config.block_size
         if len(content) != len(blocks):
             return f"read_kv({list(blocks)}) returned {len(content)} blocks, not {len(blocks)}"
-        for i, (b, actual) in enumerate(zip(blocks, content)):
+        # The hit is group by group, as many positions each; a null position holds nothing to read.
+        n = len(blocks) // max(len(self.spec_snapshot.kv_groups), 1)
+        for j, (b, actual) in enumerate(zip(blocks, content)):
+            if b == NULL_BLOCK_ID:
+                continue
+            i = j % n
             expected = self.kv_source(request, i * bs, (i + 1) * bs)
             if not hit_content_intact(expected, actual):
                 slot = next(
@@ -749,6 +765,8 @@ class LockStep:
         reached = step_branches(p.op, p.args, p.spec_before, spec_snap, p.spec)
         if p.hit_hashes is not None:
             reached += self._cap_branch(p)
+        if p.hit_cut:
+            reached.append("get_computed_blocks: hit cut by the coordinator")
         reached += self._tags
         self._tags = []
         self.reached.update(reached)

@@ -52,8 +52,10 @@ from kvspec.conformance.lockstep import Factory, LockStep, Observer, StepWatch
 from kvspec.conformance.report import render_story
 from kvspec.conformance.results import Outcome
 from kvspec.spec import manager as spec_manager
+from kvspec.spec.attention import format_groups, parse_groups
+from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.manager import ManagerState, Request
-from kvspec.spec.state import PoolState
+from kvspec.spec.state import NULL_BLOCK_ID, PoolState
 
 __all__ = [
     "ManagerMachine",
@@ -74,6 +76,7 @@ class _LockStepMachine(RuleBasedStateMachine):
     observer: ClassVar[Observer]  # what the campaign reached, across examples
     watch: ClassVar[StepWatch]  # the step time limit, the heartbeat and the step stream
     device: ClassVar[str | None] = None  # AdapterConfig.device for every adapter built
+    groups: ClassVar[str] = "full"  # the KV cache groups (manager level), or "drawn": one layout drawn per example
 
     def __init__(self) -> None:
         super().__init__()
@@ -102,13 +105,15 @@ class _LockStepMachine(RuleBasedStateMachine):
         """The caller mistakes of `op` this adapter is checked on (see `LockStep.exercises`)."""
         return tuple(m for m in mistakes if self._lock.exercises(f"{op}: {m}"))
 
-    def _config(self, level: Literal["pool", "manager"], num_gpu_blocks: int, block_size: int = 4) -> AdapterConfig:
+    def _config(
+        self, level: Literal["pool", "manager"], num_gpu_blocks: int, block_size: int = 4, groups: str = "full"
+    ) -> AdapterConfig:
         cls = type(self)
         # A factory may name the smallest pool it can build (a vLLM release
         # without a null block cannot build a pool of the null block alone).
         num_gpu_blocks = max(num_gpu_blocks, getattr(cls.factory, "min_num_gpu_blocks", 1))
         return AdapterConfig(
-            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.device
+            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.device, groups=groups
         )
 
     @invariant()
@@ -496,6 +501,7 @@ class ManagerMachine(_LockStepMachine):
     def __init__(self) -> None:
         super().__init__()
         self.block_size = 1
+        self.num_groups = 1  # KV cache groups: a hit has this many blocks per position
         self.shared: tuple[tuple[int, ...], ...] = ()
         self.requests: dict[str, _Running] = {}
         self.waiting: dict[str, Request] = {}
@@ -504,9 +510,18 @@ class ManagerMachine(_LockStepMachine):
 
     @initialize(num_gpu_blocks=strat.manager_pool_sizes(), block_size=strat.block_sizes(), data=st.data())
     def new_manager(self, num_gpu_blocks: int, block_size: int, data: st.DataObject) -> None:
+        groups = type(self).groups
+        if groups == "drawn":
+            groups = data.draw(strat.group_layouts(block_size), label="KV cache groups")
+        elif any(g.kind == "chunked" and g.size % block_size for g in parse_groups(groups)):
+            # A chunk must be a multiple of the block size: draw one that divides it.
+            block_size = data.draw(strat.block_sizes_for(parse_groups(groups)), label="block_size")
         self.block_size = block_size
+        self.num_groups = len(parse_groups(groups))
         self.shared = data.draw(strat.system_prompts(block_size), label="system prompts")
-        self._start(self._config("manager", num_gpu_blocks, block_size))
+        # Every group takes its own blocks from the one pool: as many requests' worth per group.
+        num_gpu_blocks = 1 + (num_gpu_blocks - 1) * self.num_groups
+        self._start(self._config("manager", num_gpu_blocks, block_size, groups))
 
     def _new_id(self) -> str:
         self.num_ids += 1
@@ -645,8 +660,9 @@ class ManagerMachine(_LockStepMachine):
         request = replace(prompt, request_id=self._new_id())
         state = self._state
         hits, _ = spec_manager.get_computed_blocks(state, request).result
-        num_evictable = sum(1 for b in hits if state.pool.ref_cnt[b] == 0)
-        need = -(-len(request.token_ids) // self.block_size) - len(hits)
+        held = [b for b in hits if b != NULL_BLOCK_ID]
+        num_evictable = sum(1 for b in held if state.pool.ref_cnt[b] == 0)
+        need = -(-len(request.token_ids) // self.block_size) * self.num_groups - len(hits)
         num_filler = len(state.pool.free_queue) - (need + num_evictable - 1)
         if num_evictable == 0 or num_filler < 1:
             return multiple()
@@ -674,7 +690,8 @@ class ManagerMachine(_LockStepMachine):
         elif kind == "hit longer than the request":
             # One hit block more than the request has full blocks (any ids: the length is checked first).
             num_hits = len(fresh.token_ids) // bs + 1
-            blocks = data.draw(st.lists(st.integers(1, max(n - 1, 1)), min_size=num_hits, max_size=num_hits),
+            size = num_hits * self.num_groups  # every group's positions
+            blocks = data.draw(st.lists(st.integers(1, max(n - 1, 1)), min_size=size, max_size=size),
                                label="hit blocks")
             call(fresh, 1, num_hits * bs, blocks, 0)
         elif kind == "no tokens scheduled":
@@ -697,7 +714,7 @@ class ManagerMachine(_LockStepMachine):
         elif kind == "hit on a running request":
             rid = data.draw(_sampled(sorted(self.requests)), label="running request")
             block = data.draw(st.integers(1, max(n - 1, 1)), label="hit block")
-            call(self.requests[rid].request, 1, bs, [block], 0)
+            call(self.requests[rid].request, 1, bs, [block] * self.num_groups, 0)
         else:
             # One full block and a token after it, so that only the hit block is wrong.
             request = replace(fresh, token_ids=fresh.token_ids + (0,) * max(bs + 1 - len(fresh.token_ids), 0))
@@ -708,7 +725,7 @@ class ManagerMachine(_LockStepMachine):
                 pool = self._state.pool
                 wrong = [b for b in range(-1, n + 1) if not (0 <= b < n and pool.block_hash[b] == chain[0])]
                 block = data.draw(_sampled(wrong), label="hit block")
-            call(request, 1, bs, [block], 0)
+            call(request, 1, bs, [block] * self.num_groups, 0)  # group 0's is checked first
 
     @rule(request_id=running, data=st.data())
     def allocate_slots_step(self, request_id: str, data: st.DataObject) -> None:
@@ -774,6 +791,7 @@ def conformance_machine(
     observer: Observer | None = None,
     device: str | None = None,
     watch: StepWatch | None = None,
+    groups: str = "full",
 ) -> type[_LockStepMachine]:
     """A state machine class that checks `factory`'s adapters against the spec.
 
@@ -781,13 +799,19 @@ def conformance_machine(
     in a test suite or under a fuzzing engine (HypoFuzz). `device` becomes
     every `AdapterConfig.device` (None: the adapter picks). `observer` adds up
     what the campaign reached, `watch` times the implementation's calls (a
-    fresh one of each when not given).
+    fresh one of each when not given). `groups`: the KV cache groups of every
+    manager built ("full,sliding:8"), or "drawn" for a layout drawn per example.
 
     Raises:
-        ValueError: level is not "pool" or "manager".
+        ValueError: level is not "pool" or "manager", or groups names no layout.
     """
     if level not in ("pool", "manager"):
         raise ValueError(f"level must be 'pool' or 'manager'; got level={level!r}")
+    if groups != "drawn":
+        try:
+            groups = format_groups(parse_groups(groups))
+        except InvalidRequest as e:
+            raise ValueError(str(e)) from None
     base: type[_LockStepMachine] = PoolMachine if level == "pool" else ManagerMachine
     name = f"{base.__name__}_{'caching' if enable_caching else 'no_caching'}"
     attrs = {
@@ -797,6 +821,7 @@ def conformance_machine(
         "observer": observer if observer is not None else Observer(),
         "watch": watch if watch is not None else StepWatch(),
         "device": device,
+        "groups": groups,
         "__module__": __name__,
     }
     return type(name, (base,), attrs)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
 from kvspec.conformance import branches as br
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
+from kvspec.spec.attention import parse_groups
 from kvspec.spec.state import Snapshot
 from kvspec.spec.step import Step
 
@@ -130,6 +131,8 @@ class Operation:
     mistakes: tuple[str, ...] = ()  # the caller mistakes the machine makes ("<name>: <mistake>")
     is_optional: bool = False  # an adapter may lack it (an old vLLM has no evict_blocks)
     same_result: Callable[[Any, Any], bool] = operator.eq  # spec and implementation results in normal form
+    # Branches only some KV cache group layouts reach: branch -> whether a layout ("full,sliding:8") does.
+    layout_only: Mapping[str, Callable[[str], bool]] = field(default_factory=lambda: MappingProxyType({}))
 
     def all_branches(self) -> tuple[str, ...]:
         """Every branch of the operation: its outcomes, then one per error type."""
@@ -138,6 +141,29 @@ class Operation:
 
 def _branches(name: str, *outcomes: str) -> tuple[str, ...]:
     return tuple(f"{name}: {o}" for o in outcomes)
+
+
+def _with_kind(*kinds: str) -> Callable[[str], bool]:
+    """Whether a layout has a group of one of these attention types."""
+    return lambda groups: any(g.kind in kinds for g in parse_groups(groups))
+
+
+def _hybrid(groups: str) -> bool:
+    """Whether a layout has two attention types, one of them skipping: the coordinator can cut a hit."""
+    kinds = set(parse_groups(groups))
+    return len(kinds) > 1 and any(g.skips for g in kinds)
+
+
+_GROUP_HITS = MappingProxyType({
+    "get_computed_blocks: sliding-window hit": _with_kind("sliding"),
+    "get_computed_blocks: chunked-local hit": _with_kind("chunked"),
+    "get_computed_blocks: hit cut by the coordinator": _hybrid,
+})  # fmt: skip
+_GROUP_STEPS = MappingProxyType({
+    "allocate_slots: skipped blocks freed": _with_kind("sliding", "chunked"),
+    "allocate_slots: admitted with skipped positions": _with_kind("sliding", "chunked"),
+    "allocate_slots: refused after freeing skipped blocks": _with_kind("sliding", "chunked"),
+})  # fmt: skip
 
 
 _TABLE: tuple[Operation, ...] = (
@@ -266,11 +292,15 @@ _TABLE: tuple[Operation, ...] = (
         ("request",),
         spec_manager.get_computed_blocks,
         _as_hit,
-        _branches("get_computed_blocks", "miss", "hit", "hit a free block", "hit capped at len - 1"),
+        (
+            *_branches("get_computed_blocks", "miss", "hit", "hit a free block", "hit capped at len - 1"),
+            *_GROUP_HITS,
+        ),
         ("InvalidRequest",),
         br.reached_get_computed_blocks,
-        frozenset(_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1")),
+        frozenset((*_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS)),
         ("no tokens", "no id", "misplaced images", "already running"),
+        layout_only=_GROUP_HITS,
     ),
     Operation(
         "allocate_slots",
@@ -289,7 +319,7 @@ _TABLE: tuple[Operation, ...] = (
             "duplicate hash kept",
             "evicted a cached block",
             "too few free blocks",
-        ),
+        ) + tuple(_GROUP_STEPS),
         ("InvalidRequest", "InvalidBlock"),
         br.reached_allocate_slots,
         frozenset(
@@ -315,6 +345,7 @@ _TABLE: tuple[Operation, ...] = (
             "wrong hit block",
             "hit without caching",
         ),
+        layout_only=_GROUP_STEPS,
     ),
     Operation(
         "free",

@@ -278,6 +278,7 @@ class CheckResult:
     spec_branches: tuple[str, ...] = ()  # every branch the spec has at this configuration, provided or not
     absent_ops: tuple[str, ...] = ()  # optional operations the implementation does not provide (or excuses)
     examples_asked: int | None = None  # max_examples as asked for; None for a replay
+    groups: str = "full"  # the KV cache groups at the manager level ("drawn": a layout per example)
 
     @property
     def exit_code(self) -> int:

@@ -40,6 +40,8 @@ from kvspec.conformance.replaying import replay_example
 from kvspec.conformance.report import render_story
 from kvspec.conformance.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
 from kvspec.conformance.trace import Trace, dumps_trace, read_trace
+from kvspec.spec.attention import format_groups, parse_groups
+from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.ordering import is_profile, known_profiles
 
 __all__ = [
@@ -76,6 +78,7 @@ class _Where:
     step_timeout_s: float | None = None
     minimize_s: float = 0.0
     max_examples: int | None = None  # what a campaign was asked for; None for a replay
+    groups: str = "full"  # the KV cache groups at the manager level, or "drawn"
 
 
 # --- results ------------------------------------------------------------------------------
@@ -105,7 +108,7 @@ def _reported(trace: Trace, where: _Where, is_shrunk: bool) -> Failure:
 
 
 def _check_result(report: CampaignReport, where: _Where, failure: Failure | None, seconds: float) -> CheckResult:
-    branches = expected_branches(where.level, where.enable_caching, where.profile)
+    branches = expected_branches(where.level, where.enable_caching, where.profile, where.groups)
     coverage = {b: 0 for b in branches}
     coverage.update(report.coverage)
     expected = reachable_branches(where.level, branches, coverage, report.not_exercised, report.absent_ops)
@@ -128,6 +131,7 @@ def _check_result(report: CampaignReport, where: _Where, failure: Failure | None
         states_reached=report.states,
         invariants_checked=report.invariants_checked,
         branches=expected,
+        groups=where.groups,
         message=message,
         seed=where.seed,
         not_exercised=report.not_exercised,
@@ -171,7 +175,7 @@ def _result(raw: CampaignReport | Death, factory: Factory, where: _Where, starte
 
 def _could_not_run(message: str, where: _Where) -> CheckResult:
     branches = (
-        expected_branches(where.level, where.enable_caching, where.profile)
+        expected_branches(where.level, where.enable_caching, where.profile, where.groups)
         if where.level in ("pool", "manager")
         else ()
     )
@@ -189,16 +193,35 @@ def _could_not_run(message: str, where: _Where) -> CheckResult:
         branches=branches,
         message=message,
         seed=where.seed,
+        groups=where.groups,
     )
 
 
 # --- the entry points ---------------------------------------------------------------------
 
 
-def _plan_problem(level: str, profile: str, max_examples: object, cover_rounds: object) -> str | None:
+DRAWN = "drawn"  # `groups`: one layout drawn per example
+
+
+def _layout(groups: object) -> str:
+    """`groups` in normal form ("full, sliding:8" -> "full,sliding:8"), as given when it names no layout."""
+    if groups == DRAWN or not isinstance(groups, str):
+        return str(groups)
+    try:
+        return format_groups(parse_groups(groups))
+    except InvalidRequest:
+        return groups
+
+
+def _plan_problem(level: str, profile: str, max_examples: object, cover_rounds: object, groups: object) -> str | None:
     """Why these campaign arguments cannot run, or None."""
     if level not in ("pool", "manager"):
         return f"level must be 'pool' or 'manager'; got level={level!r}"
+    if groups != DRAWN:
+        try:
+            parse_groups(groups if isinstance(groups, str) else repr(groups))
+        except InvalidRequest as e:
+            return f"{e}, or {DRAWN!r} for a layout drawn per example"
     if not is_profile(profile):
         return f"unknown profile={profile!r}; known profiles: {known_profiles()}"
     if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
@@ -229,6 +252,7 @@ def run_check(
     shrink: bool = True,
     cover_rounds: int = 0,
     progress: Progress | None = None,
+    groups: str = "full",
 ) -> CheckResult:
     """Check one implementation at one level against the spec.
 
@@ -257,6 +281,8 @@ def run_check(
             more rounds of `max_examples` each, on the next seeds (within the time budget).
         progress: called every few seconds with (examples started, steps checked) while the campaign
             runs in its child process.
+        groups: the KV cache groups of the manager level ("full", "full,sliding:8", ...; spec.attention),
+            or "drawn": one to three groups drawn per example. The pool level has no groups.
 
     Returns:
         The verdict, what ran and was reached, and the failure with its saved trace and story.
@@ -266,13 +292,16 @@ def run_check(
         impl = impl or factory
     shrink_s = minimize_s if shrink else 0.0
     asked = max_examples if isinstance(max_examples, int) else None
-    where = _Where(level, enable_caching, profile, impl, seed, device, trace_dir, step_timeout_s, shrink_s, asked)
+    layout = _layout(groups) if level == "manager" else "full"
+    where = _Where(
+        level, enable_caching, profile, impl, seed, device, trace_dir, step_timeout_s, shrink_s, asked, layout
+    )
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)
         except FactoryError as e:
             return _could_not_run(str(e), where)
-    problem = _plan_problem(level, profile, max_examples, cover_rounds)
+    problem = _plan_problem(level, profile, max_examples, cover_rounds, groups)
     if problem is not None:
         return _could_not_run(problem, where)
     chosen: Factory = factory
@@ -291,6 +320,7 @@ def run_check(
         device,
         shrink,
         cover_rounds,
+        layout,
     )
     raw = run_isolated(lambda fd, hb: run_campaign(chosen, plan, fd, hb), step_timeout_s, isolate, progress)
     return _result(raw, chosen, where, started)
@@ -320,7 +350,7 @@ def replay(
     if isinstance(factory, str):
         impl = impl or factory
     c = t.config
-    where = _Where(c.level, c.enable_caching, c.profile, impl, 0, c.device, trace_dir, step_timeout_s)
+    where = _Where(c.level, c.enable_caching, c.profile, impl, 0, c.device, trace_dir, step_timeout_s, groups=c.groups)
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)

@@ -23,6 +23,7 @@ from functools import lru_cache
 
 from hypothesis import strategies as st
 
+from kvspec.spec.attention import FULL, KVGroup, format_groups
 from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash
@@ -38,9 +39,11 @@ __all__ = [
     "bad_hashes",
     "bad_mm_inputs",
     "block_sizes",
+    "block_sizes_for",
     "cache_salts",
     "chat_turns",
     "external_tokens",
+    "group_layouts",
     "hash_values",
     "lora_names",
     "manager_pool_sizes",
@@ -79,6 +82,29 @@ def manager_pool_sizes() -> st.SearchStrategy[int]:
 def block_sizes() -> st.SearchStrategy[int]:
     """Tokens per block, 1 to 16 (vLLM's default is 16); small sizes first, they shrink best."""
     return st.one_of(st.sampled_from((1, 2, 4)), st.integers(1, 16))
+
+
+def block_sizes_for(groups: tuple[KVGroup, ...]) -> st.SearchStrategy[int]:
+    """Block sizes a layout allows: those that divide every chunk (vLLM asserts it); any, without chunks."""
+    chunks = [g.size for g in groups if g.kind == "chunked"]
+    if not chunks:
+        return block_sizes()
+    divisors = [b for b in range(1, 17) if all(c % b == 0 for c in chunks)]
+    return st.sampled_from(divisors)
+
+
+@lru_cache(maxsize=32)
+def group_layouts(block_size: int) -> st.SearchStrategy[str]:
+    """One to three KV cache groups: full attention, sliding windows of sizes that are and are not
+    multiples of the block size, chunks that are (as vLLM requires); one full-attention group shrinks first."""
+    b = block_size
+    windows = sorted({w for w in (2, b + 1, 2 * b, 2 * b + 1, 3 * b - 1, 4 * b) if w >= 2})
+    group = st.one_of(
+        st.just(FULL),
+        st.sampled_from(windows).map(lambda w: KVGroup("sliding", w)),
+        st.sampled_from((b, 2 * b, 4 * b)).map(lambda c: KVGroup("chunked", c)),
+    )
+    return st.lists(group, min_size=1, max_size=3).map(lambda gs: format_groups(tuple(gs)))
 
 
 def hash_values() -> st.SearchStrategy[BlockHash]:

@@ -34,8 +34,10 @@ from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.operations import OPERATIONS
 from kvspec.conformance.results import Failure, Outcome, Verdict
 from kvspec.spec import errors as spec_errors
+from kvspec.spec.attention import format_groups
+from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.hashing import HASH_FUNCTIONS, MultiModalInput
-from kvspec.spec.manager import Request
+from kvspec.spec.manager import Request, check_groups
 from kvspec.spec.ordering import is_profile, known_profiles
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
@@ -190,6 +192,7 @@ def snapshot_to_json(s: Snapshot) -> dict[str, Any]:
         if s.block_tables is None
         else [[rid, [int(b) for b in blocks]] for rid, blocks in s.block_tables],
         "quarantined": [int(b) for b in s.quarantined],
+        **({"kv_groups": list(s.kv_groups)} if s.kv_groups else {}),
     }
 
 
@@ -211,8 +214,11 @@ def snapshot_from_json(obj: Any) -> Snapshot:
         "block_tables",
         "quarantined",
     }
-    if set(obj) != want:
-        raise ValueError(f"a snapshot has the keys {sorted(want)}; got {sorted(obj)}")
+    if set(obj) - {"kv_groups"} != want:  # kv_groups: only with several KV cache groups (or one that skips)
+        raise ValueError(f"a snapshot has the keys {sorted(want)} (and kv_groups); got {sorted(obj)}")
+    groups = obj.get("kv_groups", [])
+    if not isinstance(groups, list) or not all(isinstance(g, str) for g in groups):
+        raise ValueError("snapshot kv_groups must be a list of group names")
 
     def ids(v: Any, what: str) -> tuple[BlockId, ...]:
         if not isinstance(v, list) or not all(_is_int(b) for b in v):
@@ -245,6 +251,7 @@ def snapshot_from_json(obj: Any) -> Snapshot:
         hash_to_blocks=tuple((digest(h, "hash_to_blocks"), ids(b, "hash_to_blocks")) for h, b in obj["hash_to_blocks"]),
         block_tables=None if tables is None else tuple((rid, ids(b, "block_tables")) for rid, b in tables),
         quarantined=ids(obj["quarantined"], "quarantined"),
+        kv_groups=tuple(groups),
     )
 
 
@@ -260,6 +267,7 @@ def _config_to_json(c: AdapterConfig) -> dict[str, Any]:
         "hash_fn": c.hash_fn,
         "seed": c.seed,
         "device": c.device,
+        **({"groups": c.groups} if c.groups != "full" else {}),
     }
 
 
@@ -363,6 +371,13 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
         raise ValueError(f"header config hash_fn={cfg['hash_fn']!r} is not one of {', '.join(sorted(HASH_FUNCTIONS))}")
     if not is_profile(cfg["profile"]):
         raise ValueError(f"header config profile={cfg['profile']!r} is not a profile ({known_profiles()})")
+    groups = cfg.get("groups", "full")  # traces before KV cache groups have none: one full-attention group
+    try:
+        groups = format_groups(check_groups(groups, cfg["block_size"])) if isinstance(groups, str) else None
+    except InvalidRequest as e:
+        raise ValueError(f"header config groups: {e}") from None
+    if groups is None:
+        raise ValueError("header config groups must be a string such as 'full,sliding:8'")
     impl = obj.get("impl")
     config = AdapterConfig(
         level=level,
@@ -373,6 +388,7 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
         hash_fn=cfg["hash_fn"],
         seed=cfg["seed"],
         device=cfg["device"] if isinstance(cfg["device"], str) else None,
+        groups=groups,
     )
     return config, impl if isinstance(impl, str) else None
 

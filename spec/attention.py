@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeVar, cast
 
 from kvspec.spec.errors import InvalidRequest
-from kvspec.spec.ordering import PY, Backend
+from kvspec.spec.ordering import PY, Backend  # noqa: F401 (PY is the doctests' backend)
 
 __all__ = [
     "FULL",
@@ -44,6 +44,7 @@ __all__ = [
     "window_hit_blocks",
     "window_hit_blocks_rule",
     "window_skip_rule",
+    "window_start_rule",
 ]
 
 T = TypeVar("T")  # a boolean of the backend
@@ -148,6 +149,24 @@ def window_hit_blocks(window: int, block_size: int) -> int:
 
 
 # --- the same arithmetic as division rules, for z3 --------------------------------------------
+
+
+def window_start_rule(num_computed: N, window: N, start: N, logic: Backend[T]) -> T:
+    """Whether `start == max(0, num_computed - window + 1)`: the first position the next token reads.
+
+    It is also how many tokens a `sliding:W` group skips (`num_skipped_tokens`).
+
+    >>> [s for s in range(0, 20) if window_start_rule(16, 8, s, PY)], num_skipped_tokens(KVGroup("sliding", 8), 16)
+    ([9], 9)
+    >>> [s for s in range(0, 20) if window_start_rule(5, 8, s, PY)], num_skipped_tokens(KVGroup("sliding", 8), 5)
+    ([0], 0)
+    """
+    c, w, s = (cast(int, v) for v in (num_computed, window, start))
+    first = c - w + 1  # the oldest of the W tokens the next one (position c) reads, before clamping at 0
+    return logic.or_(
+        logic.and_(cast(T, first <= 0), cast(T, s == 0)),
+        logic.and_(cast(T, first > 0), cast(T, s == first)),
+    )
 
 
 def window_skip_rule(num_computed: N, window: N, block_size: N, skipped_blocks: N, logic: Backend[T]) -> T:

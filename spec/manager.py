@@ -313,6 +313,14 @@ def longest_cache_hit(
     return tuple(found[gid][:num_blocks] for gid in range(len(groups))), length
 
 
+def hit_lengths_alone(state: ManagerState, hashes: tuple[BlockHash, ...], max_length: int) -> tuple[int, ...]:
+    """Each group's hit length searched alone, as if no other group had to agree (vLLM's
+    `find_longest_cache_hit_per_group`): where one exceeds the agreed length, the coordinator cut it."""
+    groups, block_size = state.config.groups, state.config.block_size
+    return tuple(len(_type_hit(state.pool, g, [gid], hashes, max_length, block_size)[0]) * block_size
+                 for gid, g in enumerate(groups))  # fmt: skip
+
+
 def _type_hit(
     pool: PoolState, group: KVGroup, ids: list[int], hashes: tuple[BlockHash, ...], max_length: int, block_size: int
 ) -> list[tuple[BlockId, ...]]:

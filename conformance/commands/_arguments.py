@@ -22,6 +22,8 @@ __all__ = [
     "DEFAULT_TRACE_DIR",
     "OneLineParser",
     "fraction",
+    "group_layout",
+    "group_layout_or_drawn",
     "json_output",
     "memory_size",
     "non_negative_float",
@@ -211,6 +213,22 @@ def profile_name(text: str) -> str:
     if not is_profile(text):
         raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {known_profiles()}")
     return text
+
+
+def group_layout(text: str) -> str:
+    """KV cache groups for the manager level: `full,sliding:8`, `chunked:16`, ... (spec.attention)."""
+    from kvspec.spec.attention import format_groups, parse_groups
+    from kvspec.spec.errors import InvalidRequest
+
+    try:
+        return format_groups(parse_groups(text))
+    except InvalidRequest as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def group_layout_or_drawn(text: str) -> str:
+    """`group_layout`, or `drawn`: one to three groups drawn per example."""
+    return text if text == runner.DRAWN else group_layout(text)
 
 
 def port(text: str) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 
 from kvspec.conformance.commands._arguments import (
     DEFAULT_TRACE_DIR,
+    group_layout_or_drawn,
     json_output,
     non_negative_int,
     output_dir,
@@ -94,6 +95,15 @@ def register(subparsers: Any) -> None:
         default="vllm-v1",
         help=f"eviction policy claimed ({known_profiles()}; default vllm-v1), "
         "or auto: find which vLLM profiles the implementation conforms to",
+    )
+    p.add_argument(
+        "--groups",
+        type=group_layout_or_drawn,
+        default="full",
+        metavar="LAYOUT",
+        help="the KV cache groups of the manager level, in vLLM's group order: full, sliding:W (a window of W "
+        "tokens), chunked:C (chunked local attention), comma-separated, e.g. full,sliding:8 (default full); "
+        "or drawn: one to three groups drawn per example",
     )
     p.add_argument(
         "--device",
@@ -217,7 +227,11 @@ def run(args: argparse.Namespace) -> int:
 
         database = DirectoryBasedExampleDatabase(args.database)
     per = "time budget" if args.time_budget else f"{max_examples} examples"
-    print(f"kvspec check: profile {args.profile}, seed {args.seed}, {per} x up to {args.steps} steps per configuration")
+    layout = f", KV cache groups {args.groups}" if args.groups != "full" and "manager" in levels else ""
+    print(
+        f"kvspec check: profile {args.profile}, seed {args.seed}{layout}, {per} x up to {args.steps} steps "
+        "per configuration"
+    )
     for note in notes:
         print(f"  {note}")
     if args.profile == AUTO:
@@ -263,6 +277,7 @@ def _run_configs(
             database=database,
             device=args.device,
             cover_rounds=args.cover_rounds,
+            groups=args.groups,
             progress=_progress_line(f"{impl} {lv} caching {'on' if caching else 'off'}", budget),
         )
         _clear_progress_line()

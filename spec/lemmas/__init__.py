@@ -36,6 +36,12 @@ report says "bounded (n <= N)", never "proved".
 8. lemma_fewer_accesses_evicted_first (lfu; every other keyed policy breaks
    it): of two free cached blocks, the one with fewer accesses is evicted
    first.
+9. lemma_sliding_window_frees_only_unread (every profile): for all c >= 0,
+   W >= 2, B >= 1, L >= 1, a sliding:W group skips q = max(0, c - W + 1) // B
+   blocks and the first position read, max(0, c - W + 1), lies in block q;
+   q never decreases as c grows, so a freed block is never read again; a hit
+   of n <= (L - 1) // B blocks whose last cdiv(W - 1, B) are real holds
+   every token its first computed token reads.
 
 Lemmas 2 and 3 speak of the queue's ends and positions, which a keyed
 policy (seed 002) does not have: they apply to the queue profiles only, and
@@ -56,6 +62,7 @@ from kvspec.spec.lemmas import (
     hit_cap,
     invariants_inductive,
     key_encoding,
+    sliding_window,
     tail_first,
     touched_free_mru,
     unhashed_free_first,
@@ -227,6 +234,22 @@ LEMMAS: tuple[Lemma, ...] = (
         fewer_accesses_first.twin_obligations,
         applies_to=_keyed_policies,
         applies_to_text="keyed profiles (queue profiles keep no access counts)",
+    ),
+    Lemma(
+        9,
+        sliding_window.NAME,
+        "for every computed count c >= 0, window W >= 2, block size B >= 1 and prompt length L >= 1, "
+        "a sliding-window group frees only blocks before the window (q * B <= max(0, c - W + 1) for "
+        "q = max(0, c - W + 1) // B, and for every later c' too), and a hit of n <= (L - 1) // B blocks "
+        "whose last cdiv(W - 1, B) are real holds every token its first computed token reads",
+        _every_profile,
+        "every profile",
+        False,
+        lambda rule: sliding_window.obligations(),
+        "a hit needing only (W - 1) // B real blocks holds the first computed token's window",
+        lambda rule: sliding_window.twin_obligations(),
+        cites=(hit_cap.NAME,),
+        twin_profile_sensitive=False,
     ),
 )
 

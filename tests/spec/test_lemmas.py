@@ -47,7 +47,7 @@ def test_every_false_twin_is_refuted_with_a_readable_pool_state(report):
     for r in twins:
         assert r.verdict.status == "refuted", (r.lemma.name, r.profile, r.verdict)
         text = r.verdict.counterexample or ""
-        if r.lemma.number != 5:  # the hit cap's counterexample is three numbers, not a pool
+        if r.lemma.number not in (5, 9):  # the hit cap's and the window's counterexamples are numbers, not a pool
             assert "num_gpu_blocks=" in text and "free_queue" in text and "ref_cnt" in text, text
 
 
@@ -87,6 +87,8 @@ def test_twin_counterexamples_show_the_broken_claim(report):
     assert "freed without a hash" in text and "[profile vllm-v1-tail]" in text
     (cap_twin,) = _results(report, 5, "twin")
     assert "num_tokens=" in (cap_twin.verdict.counterexample or "")
+    (window_twin,) = _results(report, 9, "twin")
+    assert "window=" in (window_twin.verdict.counterexample or "")
     double_free = _results(report, 7, "twin")
     assert all("no ref_cnt check" in (r.verdict.counterexample or "") for r in double_free)
 
@@ -94,7 +96,7 @@ def test_twin_counterexamples_show_the_broken_claim(report):
 def test_registry_lists_design_lemmas_one_module_each():
     import kvspec.spec.lemmas as package
 
-    assert [lem.number for lem in LEMMAS] == list(range(1, 9))
+    assert [lem.number for lem in LEMMAS] == list(range(1, 10))
     assert len({lem.name for lem in LEMMAS}) == len(LEMMAS)
     for lem in LEMMAS:
         assert lem.name.startswith("lemma_")
