@@ -133,7 +133,9 @@ class VllmManagerAdapter:
             )
         self.release = release
         self.config = config
-        self.mistake_reactions: dict[str, Reaction] = manager_reactions(release.version, config.enable_caching)
+        self.mistake_reactions: dict[str, Reaction] = manager_reactions(
+            release.version, config.enable_caching, config.groups
+        )
         mod = release.module
         manager_mod = mod("vllm.v1.core.kv_cache_manager")
         manager_cls = manager_mod.KVCacheManager
