@@ -214,6 +214,17 @@ class VllmManagerAdapter:
                 f"{release.label}'s KVCacheManager is built with num_preallocate_tokens=0 (its scheduler "
                 "used 64), so allocate_slots takes the blocks asked for; the pre-allocation branch is not run"
             )
+        retention = "prefix_cache_retention_interval"
+        interface = self.release.module("vllm.v1.kv_cache_interface") if self.constructor != "sizes" else None
+        if any(g.kind == "sliding" for g in self.groups) and retention in getattr(
+            getattr(interface, "KVCacheConfig", None), "__dataclass_fields__", {}
+        ):
+            not_applicable["sparse prefix-cache retention"] = (
+                f"{release.label}'s KVCacheConfig is built with {retention}=None (dense: a sliding-window group "
+                "registers every full block, as the spec does); its engine resolves 0 by default, under which "
+                "a sliding-window group registers only the blocks a hit at the prompt's replay boundary or at a "
+                "shared-prefix junction reads; that branch is not run"
+            )
         if self._scheduler_caps_hit:
             not_applicable["get_computed_blocks: len-1 cap in the manager"] = (
                 f"{release.label}'s manager returns the whole hit and its scheduler drops the last block "
@@ -320,6 +331,9 @@ class VllmManagerAdapter:
             wanted["kv_cache_config"] = cfg_cls(**_kwargs_for(cfg_cls, {
                 "num_blocks": num_blocks, "kv_cache_tensors": [], "tensors": {},
                 "kv_cache_groups": self._kv_cache_groups(interface, block_size),
+                # Dense retention, the spec's: every full block of every group is registered
+                # (0.33's engine resolves 0 by default; see _not_applicable).
+                "prefix_cache_retention_interval": None,
             }))  # fmt: skip
         if not self._grouped:
             return manager_cls(**_kwargs_for(manager_cls, wanted))

@@ -599,10 +599,10 @@ def _notes(row: ReleaseRow) -> list[str]:
         if on and off and off.status == "ran" and got and off.conforms_to() and set(got) != set(off.conforms_to()):
             notes.append(f"free order flips when caching is off: on conforms to {', '.join(got)}, "
                          f"off to {', '.join(off.conforms_to())}")  # fmt: skip
-    for key in ("manager/on", "manager/off"):
-        cell = row.cells.get(key)
+    for key in ("manager/on", "manager/off", "hybrid"):
+        cell = row.hybrid if key == "hybrid" else row.cells.get(key)
         for entry in cell.not_applicable if cell is not None and cell.status == "ran" else ():
-            note = f"request level: {entry}"
+            note = f"request level{f' with groups {HYBRID_GROUPS}' if key == 'hybrid' else ''}: {entry}"
             if note not in notes:
                 notes.append(note)
     if is_v0_only(row.version):
