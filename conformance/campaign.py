@@ -29,8 +29,11 @@ from kvspec.conformance.machine import conformance_machine
 from kvspec.conformance.operations import required_methods
 from kvspec.conformance.results import CampaignReport, Failure, FailureKind, Verdict
 from kvspec.conformance.watch import StepWatch
+from kvspec.spec.attention import format_groups, parse_groups
+from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.ordering import is_profile, known_profiles
 
-__all__ = ["CampaignPlan", "run_campaign"]
+__all__ = ["DRAWN", "CampaignPlan", "layout_name", "plan_problem", "run_campaign"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,37 @@ class CampaignPlan:
     shrink: bool = True
     cover_rounds: int = 0
     groups: str = "full"  # the KV cache groups at the manager level, or "drawn"
+
+
+DRAWN = "drawn"  # `groups`: one layout drawn per example
+
+
+def layout_name(groups: object) -> str:
+    """`groups` in normal form ("full, sliding:8" -> "full,sliding:8"), as given when it names no layout."""
+    if groups == DRAWN or not isinstance(groups, str):
+        return str(groups)
+    try:
+        return format_groups(parse_groups(groups))
+    except InvalidRequest:
+        return groups
+
+
+def plan_problem(level: str, profile: str, max_examples: object, cover_rounds: object, groups: object) -> str | None:
+    """Why these campaign arguments cannot run, or None."""
+    if level not in ("pool", "manager"):
+        return f"level must be 'pool' or 'manager'; got level={level!r}"
+    if groups != DRAWN:
+        try:
+            parse_groups(groups if isinstance(groups, str) else repr(groups))
+        except InvalidRequest as e:
+            return f"{e}, or {DRAWN!r} for a layout drawn per example"
+    if not is_profile(profile):
+        return f"unknown profile={profile!r}; known profiles: {known_profiles()}"
+    if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
+        return f"max_examples must be a positive integer; got max_examples={max_examples!r}"
+    if isinstance(cover_rounds, bool) or not isinstance(cover_rounds, int) or cover_rounds < 0:
+        return f"cover_rounds must be a non-negative integer; got cover_rounds={cover_rounds!r}"
+    return None
 
 
 def _probe(factory: Factory, config: AdapterConfig) -> tuple[Verdict, str] | None:

@@ -310,7 +310,7 @@ def describe_state(state: Any) -> str:
         f"hashed {', '.join(map(str, hashed)) or '-'}"
     )
     if isinstance(state, ManagerState):
-        running = ", ".join(f"{rid} {list(e.block_ids)}" for rid, e in state.requests) or "-"
+        running = ", ".join(f"{rid} {list(e.tables[0])}" for rid, e in state.requests) or "-"  # one group
         text = f"block_size={state.config.block_size}, {text}; running {running}"
     return text
 

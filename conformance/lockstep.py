@@ -392,7 +392,7 @@ class LockStep:
         if len(state.config.groups) == 1 or not state.pool.config.enable_caching:
             return False
         alone = spec_manager.hit_lengths_alone(state, hashes, len(request.token_ids) - 1)
-        return max(alone) > spec.result[1]
+        return bool(max(alone) > spec.result[1])
 
     def _good_part(self, operation: Operation, without: Sequence[Any] | None) -> PoolState | ManagerState:
         """The spec's state after a mistaken call's good part alone (what ignoring the mistake leaves)."""

@@ -76,7 +76,7 @@ class _LockStepMachine(RuleBasedStateMachine):
     observer: ClassVar[Observer]  # what the campaign reached, across examples
     watch: ClassVar[StepWatch]  # the step time limit, the heartbeat and the step stream
     device: ClassVar[str | None] = None  # AdapterConfig.device for every adapter built
-    groups: ClassVar[str] = "full"  # the KV cache groups (manager level), or "drawn": one layout drawn per example
+    kv_groups: ClassVar[str] = "full"  # the KV cache groups (manager level), or "drawn": one layout drawn per example
 
     def __init__(self) -> None:
         super().__init__()
@@ -510,7 +510,7 @@ class ManagerMachine(_LockStepMachine):
 
     @initialize(num_gpu_blocks=strat.manager_pool_sizes(), block_size=strat.block_sizes(), data=st.data())
     def new_manager(self, num_gpu_blocks: int, block_size: int, data: st.DataObject) -> None:
-        groups = type(self).groups
+        groups = type(self).kv_groups
         if groups == "drawn":
             groups = data.draw(strat.group_layouts(block_size), label="KV cache groups")
         elif any(g.kind == "chunked" and g.size % block_size for g in parse_groups(groups)):
@@ -746,6 +746,69 @@ class ManagerMachine(_LockStepMachine):
         if out.error is None and out.result is not None:
             run.num_computed_tokens += num
 
+    @rule(target=running, prompt=prompts, data=st.data())
+    def prefill_in_chunks(self, prompt: Request, data: st.DataObject) -> Any:
+        """A new request prefilled in two to four equal chunks, then one decode step.
+
+        Each chunk moves a sliding window or a chunk boundary past several
+        blocks at once, so the next step frees several in one call (their
+        order is then the free order); one token at a time frees one.
+        """
+        request = replace(prompt, request_id=self._new_id())
+        hit = self._call("get_computed_blocks", request)
+        self._lock.check()
+        if hit.error is not None:
+            return multiple()
+        blocks, num_hit = hit.result
+        left = len(request.token_ids) - num_hit
+        size = -(-left // data.draw(st.integers(2, 4), label="chunks"))
+        out = self._call("allocate_slots", request, size, num_hit, blocks, 0)
+        if out.error is not None or out.result is None:
+            return multiple()
+        self._lock.tag("allocate_slots: admitted")
+        self.requests[request.request_id] = run = _Running(request, num_hit + size)
+        while run.num_computed_tokens < len(request.token_ids):
+            self._lock.check()
+            num = min(size, len(request.token_ids) - run.num_computed_tokens)
+            out = self._call("allocate_slots", request, num, 0, [], 0)
+            if out.error is not None or out.result is None:
+                return request.request_id
+            self._lock.tag("allocate_slots: chunked prefill")
+            run.num_computed_tokens += num
+        self._lock.check()
+        run.request = strat.continue_chat(request, (0,))
+        if self._call("allocate_slots", run.request, 1, 0, [], 0).result is not None:
+            self._lock.tag("allocate_slots: decode")
+            run.num_computed_tokens += 1
+        return request.request_id
+
+    @rule(request_id=running, data=st.data())
+    def decode_run(self, request_id: str, data: st.DataObject) -> None:
+        """A running request finishes its prompt, then decodes token after token, each a step of its own.
+
+        Long runs are where a sliding window or a chunk moves past block after
+        block (each step frees the blocks the window left); independent decode
+        rules rarely string enough steps together. One draw for the run: the
+        output tokens follow from its first.
+        """
+        run = self.requests[request_id]
+        num_steps = data.draw(st.integers(2, 6 * self.block_size + 2), label="decode steps")
+        first = data.draw(st.integers(0, strat.VOCABULARY_SIZE - 1), label="first output token")
+        remaining = len(run.request.token_ids) - run.num_computed_tokens
+        for k in range(num_steps):
+            decode = remaining == 0
+            if decode:
+                run.request = strat.continue_chat(run.request, ((first + k) % strat.VOCABULARY_SIZE,))
+                remaining = 1
+            out = self._call("allocate_slots", run.request, remaining, 0, [], 0)
+            if out.error is not None or out.result is None:
+                return
+            if decode:
+                self._lock.tag("allocate_slots: decode")
+            run.num_computed_tokens += remaining
+            remaining = 0
+            self._lock.check()
+
     @rule(request_id=consumes(running))
     def free_finished(self, request_id: str) -> None:
         self._call("free", request_id)
@@ -821,7 +884,7 @@ def conformance_machine(
         "observer": observer if observer is not None else Observer(),
         "watch": watch if watch is not None else StepWatch(),
         "device": device,
-        "groups": groups,
+        "kv_groups": groups,
         "__module__": __name__,
     }
     return type(name, (base,), attrs)

@@ -60,6 +60,7 @@ class Mutant:
     kind: str  # the kind of bug (kvspec.mutants REQUIRED_KINDS, or a further kind)
     enable_caching: bool = True  # run with prefix caching on (False: a bug only visible without it)
     profile: str = "vllm-v1"  # the eviction policy it claims (a policy mutant claims the one it breaks)
+    groups: str = "full"  # the KV cache groups it runs with (manager level; a group mutant needs its layout)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum() or self.name != self.name.lower():
@@ -174,6 +175,7 @@ def run_mutants(
                 time_budget_s=time_budget_per_mutant_s,
                 trace_dir=None if trace_dir is None else trace_dir / mutant.name,
                 impl=factory_name(mutant),
+                groups=mutant.groups,
             )
         except Exception as e:  # noqa: BLE001 - one broken run must not hide the others' results
             seconds = time.perf_counter() - start
@@ -200,14 +202,15 @@ def run_mutants(
 def run_control(
     mutants: Sequence[Mutant], max_examples: int = 200, seed: int = 0, time_budget_s: float | None = None
 ) -> list[CheckResult]:
-    """Check the unmutated reference under every (level, enable_caching, profile) the mutants run with.
+    """Check the unmutated reference under every (level, enable_caching, profile, groups) the mutants run with.
 
     Returns:
-        One check result per configuration, pool before manager, caching on before off, vllm-v1 first.
+        One check result per configuration, pool before manager, caching on before off, vllm-v1 first,
+        one full-attention group first.
     """
     configurations = sorted(
-        {(m.level, m.enable_caching, m.profile) for m in mutants},
-        key=lambda c: (c[0] != "pool", not c[1], c[2] != "vllm-v1", c[2]),
+        {(m.level, m.enable_caching, m.profile, m.groups) for m in mutants},
+        key=lambda c: (c[0] != "pool", not c[1], c[2] != "vllm-v1", c[2], c[3] != "full", c[3]),
     )
     return [
         run_check(
@@ -218,8 +221,9 @@ def run_control(
             max_examples=max_examples,
             seed=seed,
             time_budget_s=time_budget_s,
+            groups=groups,
         )
-        for level, enable_caching, profile in configurations
+        for level, enable_caching, profile, groups in configurations
     ]
 
 

@@ -298,7 +298,9 @@ _TABLE: tuple[Operation, ...] = (
         ),
         ("InvalidRequest",),
         br.reached_get_computed_blocks,
-        frozenset((*_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS)),
+        frozenset(
+            (*_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS)
+        ),
         ("no tokens", "no id", "misplaced images", "already running"),
         layout_only=_GROUP_HITS,
     ),

@@ -31,7 +31,7 @@ from typing import Any
 
 from hypothesis import settings
 
-from kvspec.conformance.campaign import CampaignPlan, run_campaign
+from kvspec.conformance.campaign import CampaignPlan, layout_name, plan_problem, run_campaign
 from kvspec.conformance.coverage import expected_branches, reachable_branches
 from kvspec.conformance.isolation import Death, Progress, run_isolated
 from kvspec.conformance.minimize import shrink_by_replay, trace_from_death
@@ -40,9 +40,6 @@ from kvspec.conformance.replaying import replay_example
 from kvspec.conformance.report import render_story
 from kvspec.conformance.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
 from kvspec.conformance.trace import Trace, dumps_trace, read_trace
-from kvspec.spec.attention import format_groups, parse_groups
-from kvspec.spec.errors import InvalidRequest
-from kvspec.spec.ordering import is_profile, known_profiles
 
 __all__ = [
     "BUILTIN_IMPLS",
@@ -200,37 +197,6 @@ def _could_not_run(message: str, where: _Where) -> CheckResult:
 # --- the entry points ---------------------------------------------------------------------
 
 
-DRAWN = "drawn"  # `groups`: one layout drawn per example
-
-
-def _layout(groups: object) -> str:
-    """`groups` in normal form ("full, sliding:8" -> "full,sliding:8"), as given when it names no layout."""
-    if groups == DRAWN or not isinstance(groups, str):
-        return str(groups)
-    try:
-        return format_groups(parse_groups(groups))
-    except InvalidRequest:
-        return groups
-
-
-def _plan_problem(level: str, profile: str, max_examples: object, cover_rounds: object, groups: object) -> str | None:
-    """Why these campaign arguments cannot run, or None."""
-    if level not in ("pool", "manager"):
-        return f"level must be 'pool' or 'manager'; got level={level!r}"
-    if groups != DRAWN:
-        try:
-            parse_groups(groups if isinstance(groups, str) else repr(groups))
-        except InvalidRequest as e:
-            return f"{e}, or {DRAWN!r} for a layout drawn per example"
-    if not is_profile(profile):
-        return f"unknown profile={profile!r}; known profiles: {known_profiles()}"
-    if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
-        return f"max_examples must be a positive integer; got max_examples={max_examples!r}"
-    if isinstance(cover_rounds, bool) or not isinstance(cover_rounds, int) or cover_rounds < 0:
-        return f"cover_rounds must be a non-negative integer; got cover_rounds={cover_rounds!r}"
-    return None
-
-
 def run_check(
     factory: Factory | str,
     *,
@@ -292,7 +258,7 @@ def run_check(
         impl = impl or factory
     shrink_s = minimize_s if shrink else 0.0
     asked = max_examples if isinstance(max_examples, int) else None
-    layout = _layout(groups) if level == "manager" else "full"
+    layout = layout_name(groups) if level == "manager" else "full"
     where = _Where(
         level, enable_caching, profile, impl, seed, device, trace_dir, step_timeout_s, shrink_s, asked, layout
     )
@@ -301,7 +267,7 @@ def run_check(
             factory = load_factory(factory)
         except FactoryError as e:
             return _could_not_run(str(e), where)
-    problem = _plan_problem(level, profile, max_examples, cover_rounds, groups)
+    problem = plan_problem(level, profile, max_examples, cover_rounds, groups)
     if problem is not None:
         return _could_not_run(problem, where)
     chosen: Factory = factory

@@ -144,6 +144,8 @@ class ManagerOverNullCountingPool(ReferenceManagerAdapter):
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(config)
         self.block_pool = NumFreeCountsNullBlock(config)  # MUTANT: the miscounting pool
+        for manager in self.managers:
+            manager.pool = self.block_pool  # every group allocates from it
 
 
 MUTANTS: list[Mutant] = [

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from kvspec.conformance.builtin import ReferenceManagerAdapter
 from kvspec.conformance.mutants import Mutant
-from kvspec.reference.kv_cache_manager import _AllocationStep, _check_request
+from kvspec.reference.kv_cache_manager import _AllocationStep, _check_request, _GroupManager
 from kvspec.spec.hashing import block_extra_keys, hash_block_tokens, none_hash
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
@@ -28,7 +28,7 @@ class HitCapOffByOne(ReferenceManagerAdapter):
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
         _check_request(request, "get_computed_blocks")  # the reference's own request checks
-        if request.request_id in self.req_to_blocks or not self.enable_caching:
+        if request.request_id in self.num_computed_tokens or not self.enable_caching:
             return super().get_computed_blocks(request)  # the already-running refusal, and the caching-off answer
         max_hit_blocks = len(request.token_ids) // self.block_size  # MUTANT: `len - 1`
         hits: list[BlockId] = []
@@ -50,16 +50,11 @@ class PartialBlockHashed(ReferenceManagerAdapter):
     """
 
     def _register_full_blocks(self, step: _AllocationStep) -> None:
-        rid = step.request.request_id
-        num_cached = self.num_cached_block.get(rid, 0) + len(step.hits)
         if self.enable_caching:
             num_tokens = min(step.num_tokens, len(step.request.token_ids))
             num_full = -(-num_tokens // self.block_size)  # MUTANT: cdiv
-            if num_full > num_cached:
-                table = self.req_to_blocks[rid]
-                self.block_pool.cache_full_blocks(table[num_cached:num_full], step.hashes[num_cached:num_full])
-                num_cached = num_full
-        self.num_cached_block[rid] = num_cached
+            for manager in self.managers:
+                manager.cache_blocks(step, num_full)
 
     def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
         full = super()._block_hashes(request)
@@ -97,6 +92,16 @@ class FailedAllocationLeavesTouched(ReferenceManagerAdapter):
         return result
 
 
+class _NoEvictableHits(_GroupManager):
+    def blocks_needed(self, step: _AllocationStep, hits: Sequence[BlockId]) -> int:
+        num_required = -(-step.num_tokens // self.block_size)
+        table = self.req_to_blocks.get(step.request.request_id)
+        if table is not None:
+            return max(num_required - len(table), 0)
+        skipped = self.skipped_blocks(step.num_computed)
+        return max(num_required - max(skipped, len(hits)), 0)  # MUTANT: `+ evictable` is missing
+
+
 class CapacityIgnoresEvictableHits(ReferenceManagerAdapter):
     """The capacity check counts only the new blocks, not the hit blocks that still sit in the free queue.
 
@@ -105,12 +110,13 @@ class CapacityIgnoresEvictableHits(ReferenceManagerAdapter):
     step, after the touch, instead of the step being refused cleanly.
     """
 
-    def _plan_allocation(self, step: _AllocationStep) -> int | None:
-        num_required = -(-step.num_tokens // self.block_size)
-        num_to_allocate = max(num_required - len(step.table) - len(step.hits), 0)
-        if num_to_allocate > self.block_pool.get_num_free_blocks():  # MUTANT: `+ num_evictable_hits` is missing
-            return None
-        return num_to_allocate
+    group_manager_cls = _NoEvictableHits
+
+
+class _HitsNotCounted(_GroupManager):
+    def add_hits(self, request_id: str, hits: Sequence[BlockId], num_computed: int) -> None:
+        super().add_hits(request_id, hits, num_computed)
+        self.num_cached_block[request_id] = 0  # MUTANT: the hit positions are not counted as registered
 
 
 class HitBlocksReregistered(ReferenceManagerAdapter):
@@ -120,16 +126,7 @@ class HitBlocksReregistered(ReferenceManagerAdapter):
     (AlreadyCached) after the hits were touched and new blocks taken.
     """
 
-    def _register_full_blocks(self, step: _AllocationStep) -> None:
-        rid = step.request.request_id
-        num_cached = self.num_cached_block.get(rid, 0)  # MUTANT: `+ len(step.hits)` is missing
-        if self.enable_caching:
-            num_full = min(step.num_tokens, len(step.request.token_ids)) // self.block_size
-            if num_full > num_cached:
-                table = self.req_to_blocks[rid]
-                self.block_pool.cache_full_blocks(table[num_cached:num_full], step.hashes[num_cached:num_full])
-                num_cached = num_full
-        self.num_cached_block[rid] = num_cached
+    group_manager_cls = _HitsNotCounted
 
 
 class PreemptionDropsSharedBlock(ReferenceManagerAdapter):

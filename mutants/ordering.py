@@ -14,7 +14,8 @@ from kvspec.conformance.builtin import ReferenceManagerAdapter, ReferencePoolAda
 from kvspec.conformance.mutants import Mutant
 from kvspec.mutants._base import is_count
 from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
-from kvspec.spec.state import BlockId
+from kvspec.reference.kv_cache_manager import _GroupManager
+from kvspec.spec.state import NULL_BLOCK_ID, BlockId
 
 __all__ = ["MUTANTS"]
 
@@ -98,6 +99,15 @@ class LeftBatchReversed(ReferencePoolAdapter):
         self.free_block_queue.append_n(block for block in self.blocks if not block.is_null)
 
 
+class _HeadFirstGroup(_GroupManager):
+    def free(self, request_id: str) -> None:
+        table = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        held = [b for b in table or () if b != NULL_BLOCK_ID]
+        if held:
+            self.pool.free_blocks(held)  # MUTANT: not reversed
+
+
 class FreeHeadFirst(ReferenceManagerAdapter):
     """`free` passes the block table as is (`req_blocks`) where `reversed(req_blocks)` was meant.
 
@@ -105,15 +115,7 @@ class FreeHeadFirst(ReferenceManagerAdapter):
     right of its common leading blocks and outlive them in the cache.
     """
 
-    def free(self, request_id: str) -> None:
-        table = self.req_to_blocks.get(request_id)
-        if table is None:
-            super().free(request_id)  # the reference refuses an unknown request
-            return
-        self.block_pool.free_blocks(table)  # MUTANT: not reversed
-        del self.req_to_blocks[request_id]
-        del self.num_cached_block[request_id]
-        del self.num_computed_tokens[request_id]
+    group_manager_cls = _HeadFirstGroup
 
 
 MUTANTS: list[Mutant] = [

@@ -100,6 +100,11 @@ class _GroupManager:
         """The hash-table key of this group's block for `block_hash`."""
         return group_key(block_hash, self.group_id)
 
+    def blocks_for_window_hit(self) -> int:
+        """How many contiguous cached blocks a sliding-window hit needs: those holding the W - 1 tokens before
+        the next (vLLM's `_contiguous_blocks_for_hit`, no EAGLE). Cost: O(1)."""
+        return -(-(self.group.size - 1) // self.block_size)
+
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Free, last first, the blocks a running request no longer reads; null them in its table.
 
@@ -165,9 +170,7 @@ class _GroupManager:
             table = self.req_to_blocks[rid]
             positions = [i for i in range(num_cached, num_full) if table[i] != NULL_BLOCK_ID]
             if positions:
-                keys = [self.key(step.hashes[i]) for i in positions] if self.group_id else [
-                    step.hashes[i] for i in positions
-                ]
+                keys = [self.key(step.hashes[i]) for i in positions]
                 self.pool.cache_full_blocks([table[i] for i in positions], keys)
             num_cached = num_full
         self.num_cached_block[rid] = num_cached
@@ -197,6 +200,8 @@ class _AllocationStep:
 
 class KVCacheManager:
     """Block tables of running requests, one per KV cache group, over one `BlockPool`."""
+
+    group_manager_cls: type[_GroupManager] = _GroupManager  # what keeps each group's tables
 
     def __init__(
         self,
@@ -232,7 +237,9 @@ class KVCacheManager:
         self.hash_fn = hash_fn  # fixed
         self.seed = seed  # fixed
         self.groups = kv_groups  # fixed
-        self.managers = [_GroupManager(g, i, self.block_pool, block_size) for i, g in enumerate(kv_groups)]
+        self.managers = [
+            self.group_manager_cls(g, i, self.block_pool, block_size) for i, g in enumerate(kv_groups)
+        ]
         self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens computed so far (running requests)
 
     def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
@@ -265,7 +272,7 @@ class KVCacheManager:
         hashes = self._block_hashes(request)
         max_length = len(request.token_ids) - 1
         if len(self.managers) == 1:
-            hit = _find_hit(self.managers[0].group, [0], hashes, max_length, self)
+            hit = _find_hit(self.managers, hashes, max_length)
             return hit[0], len(hit[0]) * self.block_size
         per_group, length = _agreed_hit(self, hashes, max_length)
         return [b for blocks in per_group for b in blocks], length
@@ -298,29 +305,82 @@ class KVCacheManager:
         step = self._validate_allocation(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
         )
-        rid = request.request_id
+        self._free_skipped_blocks(step)
+        if not self._plan_allocation(step):
+            return None
+        self._touch_hits(step)
+        new_blocks = self._take_external_blocks(step)
+        for new, more in zip(new_blocks, self._take_new_blocks(step)):
+            new += more
+        self._register_full_blocks(step)
+        self.num_computed_tokens[request.request_id] = step.num_tokens
+        return new_blocks[0] if len(new_blocks) == 1 else [b for new in new_blocks for b in new]
+
+    def _free_skipped_blocks(self, step: _AllocationStep) -> None:
+        """Phase 2: a running request frees, in every group, the blocks it no longer reads. Cost: O(blocks freed)."""
         if step.running:
             for manager in self.managers:
-                manager.remove_skipped_blocks(rid, step.num_computed)
+                manager.remove_skipped_blocks(step.request.request_id, step.num_computed)
+
+    def _plan_allocation(self, step: _AllocationStep) -> bool:
+        """Phase 3: whether every group's new blocks and evictable hits fit in the free blocks.
+
+        Planned before anything is taken or touched, so a step that cannot be
+        served is refused whole rather than failing halfway with its hits touched.
+        Cost: O(hit blocks).
+        """
         needed = sum(m.blocks_needed(step, hits) for m, hits in zip(self.managers, step.hits))
-        if needed > self.block_pool.get_num_free_blocks():
-            return None
-        new_blocks: list[list[BlockId]] = [[] for _ in self.managers]
+        return needed <= self.block_pool.get_num_free_blocks()
+
+    def _touch_hits(self, step: _AllocationStep) -> None:
+        """Phase 4: a first step takes a reference on every group's hit blocks before any block is taken.
+
+        A hit block still in the free queue could otherwise be the one a group
+        takes. Cost: O(hit blocks).
+        """
         if not step.running:
             for manager, hits in zip(self.managers, step.hits):
-                manager.add_hits(rid, hits, step.num_computed)
-            if step.num_external:
-                for manager, new in zip(self.managers, new_blocks):
-                    new += manager.add_external_blocks(rid, step.num_computed, step.num_external)
-        for manager, new in zip(self.managers, new_blocks):
-            new += manager.add_new_blocks(rid, step.num_tokens)
+                manager.add_hits(step.request.request_id, hits, step.num_computed)
+
+    def _take_external_blocks(self, step: _AllocationStep) -> list[list[BlockId]]:
+        """Phase 5: blocks for externally loaded tokens, group by group (a first step only). Cost: O(new blocks).
+
+        Returns:
+            Per group, the blocks taken.
+        """
+        if step.running or not step.num_external:
+            return [[] for _ in self.managers]
+        rid = step.request.request_id
+        return [m.add_external_blocks(rid, step.num_computed, step.num_external) for m in self.managers]
+
+    def _take_new_blocks(self, step: _AllocationStep) -> list[list[BlockId]]:
+        """Phase 6: blocks for the step's tokens, appended to each group's table (append-only, as vLLM's).
+
+        Returns:
+            Per group, the blocks taken. Cost: O(new blocks).
+        """
+        return [m.add_new_blocks(step.request.request_id, step.num_tokens) for m in self.managers]
+
+    def _register_full_blocks(self, step: _AllocationStep) -> None:
+        """Phase 7: register (cache_full_blocks) every block the step fills, group by group.
+
+        Only a full block is registered: a partial one's tokens are still to
+        come. Cost: O(newly full blocks); their hashes were computed in validation.
+        """
         if self.enable_caching:
-            # Only full blocks are registered: a partial one's tokens are still to come.
-            num_full = min(step.num_tokens, len(request.token_ids)) // self.block_size
+            num_full = min(step.num_tokens, len(step.request.token_ids)) // self.block_size
             for manager in self.managers:
                 manager.cache_blocks(step, num_full)
-        self.num_computed_tokens[rid] = step.num_tokens
-        return new_blocks[0] if len(new_blocks) == 1 else [b for new in new_blocks for b in new]
+
+    @property
+    def req_to_blocks(self) -> dict[str, list[BlockId]]:
+        """Group 0's block tables (the only ones, with one KV cache group): request id -> table."""
+        return self.managers[0].req_to_blocks
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """Group 0's count of leading registered (or null) positions, per request."""
+        return self.managers[0].num_cached_block
 
     def _validate_allocation(
         self,
@@ -440,31 +500,33 @@ class KVCacheManager:
 
 
 def _find_hit(
-    group: KVGroup, group_ids: list[int], hashes: tuple[BlockHash, ...], max_length: int, mgr: KVCacheManager
+    managers: list[_GroupManager], hashes: tuple[BlockHash, ...], max_length: int
 ) -> list[list[BlockId]]:
     """One attention type's hit within `max_length` tokens, for each of its groups (vLLM's `find_longest_cache_hit`).
 
-    Full attention: cached blocks from the first, left to right. A sliding
-    window: scanned right to left for a run of cdiv(W - 1, B) cached blocks
+    A position hits only if every one of the groups has it cached. Full
+    attention: cached blocks from the first, left to right. A sliding window:
+    scanned right to left for a run of `blocks_for_window_hit()` cached blocks
     (or a shorter run that reaches the first block), the null block before
     it. Chunked local attention: the null block before the chunk that holds
     position max_length, then cached blocks left to right. Cost: O(positions scanned).
     """
-    pool, block_size = mgr.block_pool, mgr.block_size
+    first_manager = managers[0]
+    pool, block_size, group = first_manager.pool, first_manager.block_size, first_manager.group
     max_blocks = min(max_length // block_size, len(hashes))
 
     def lookup(i: int) -> list[BlockId] | None:
         found = []
-        for gid in group_ids:
-            b = pool.get_cached_block(group_key(hashes[i], gid))
+        for m in managers:
+            b = pool.get_cached_block(m.key(hashes[i]))
             if b is None:
                 return None
             found.append(b)
         return found
 
-    out: list[list[BlockId]] = [[] for _ in group_ids]
+    out: list[list[BlockId]] = [[] for _ in managers]
     if group.kind == "sliding":
-        need = -(-(group.size - 1) // block_size)
+        need = first_manager.blocks_for_window_hit()
         run: list[list[BlockId]] = []  # the current run, rightmost first
         first = 0
         for i in range(max_blocks - 1, -1, -1):
@@ -506,21 +568,21 @@ def _agreed_hit(
     until none does (a single round for one full type and one other).
     Full attention's blocks are cut to the agreed length. Cost: O(positions scanned).
     """
-    kinds: dict[KVGroup, list[int]] = {}
+    kinds: dict[KVGroup, list[_GroupManager]] = {}
     for m in mgr.managers:
-        kinds.setdefault(m.group, []).append(m.group_id)
+        kinds.setdefault(m.group, []).append(m)
     order = sorted(kinds.items(), key=lambda item: item[0].kind != "full")
     found: dict[int, list[BlockId]] = {}
     length = max_length
     while True:
         candidate = length
-        for group, ids in order:
-            if group.kind == "full" and ids[0] in found:
-                candidate = min(candidate, len(found[ids[0]]) * mgr.block_size)
+        for group, managers in order:
+            if group.kind == "full" and managers[0].group_id in found:
+                candidate = min(candidate, len(found[managers[0].group_id]) * mgr.block_size)
                 continue
-            hits = _find_hit(group, ids, hashes, candidate, mgr)
+            hits = _find_hit(managers, hashes, candidate)
             candidate = len(hits[0]) * mgr.block_size
-            found.update(zip(ids, hits))
+            found.update(zip((m.group_id for m in managers), hits))
         done = candidate >= length or (len(order) == 2 and order[0][0].kind == "full")
         length = candidate
         if done:

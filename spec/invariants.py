@@ -96,7 +96,7 @@ def _table_group(name: str, num_groups: int) -> int | None:
 
 
 def inv_null_only_where_skipped(s: Snapshot) -> bool:
-    """The null block stands in a block table only for positions its group no longer reads: in a sliding-window or chunked-local group, before every block the table still holds."""
+    """The null block stands in a table only for what a sliding or chunked group no longer reads, before its blocks."""
     if s.block_tables is None:
         return True
     groups = snapshot_groups(s)
@@ -158,7 +158,7 @@ def inv_caching_off_no_hash(s: Snapshot) -> bool:
 
 
 def inv_block_tables_hold_refs(s: Snapshot) -> bool:
-    """Each block's ref_cnt is the number of block tables that hold it, across every request and KV cache group, and no table holds a block twice."""
+    """A block's ref_cnt is the number of tables (of every request and group) holding it; none holds it twice."""
     if s.block_tables is None:
         return True
     holders: Counter[int] = Counter()
@@ -249,14 +249,15 @@ def hit_within_cap(num_tokens: int, num_hit_tokens: int, block_size: int) -> boo
 def hit_prefix_closed(
     s: Snapshot, request_hashes: Sequence[BlockHash], hit_blocks: Sequence[BlockId], group_id: int = 0
 ) -> bool:
-    """The blocks a request hits are a contiguous prefix of its own hash chain: hit i is registered under hash i (in its group), or is the null block where the group no longer reads."""
+    """A hit is a prefix of the request's own chain: hit i is registered under hash i in its group, or is null."""
     return len(hit_blocks) <= len(request_hashes) and all(
-        b == NULL_BLOCK_ID or s.block_hash[b] == group_key(request_hashes[i], group_id) for i, b in enumerate(hit_blocks)
+        b == NULL_BLOCK_ID or s.block_hash[b] == group_key(request_hashes[i], group_id)
+        for i, b in enumerate(hit_blocks)
     )
 
 
 def hit_window_shape(group: KVGroup, hit_blocks: Sequence[BlockId], block_size: int) -> bool:
-    """A group's hit is what its attention type reads: full attention every block; a sliding window only the blocks of the window before the next token, the null block before them; chunked local attention only the next token's chunk."""
+    """A group's hit holds what its attention type reads (all, the window, the chunk), the null block before it."""
     n = len(hit_blocks)
     if group.kind == "sliding":
         num_null = n - min(n, window_hit_blocks(group.size, block_size))

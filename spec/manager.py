@@ -377,7 +377,7 @@ def _alloc_ok(state: ManagerState, request: Request, result: Step[ManagerState, 
     if before is None or after is None:
         return new_state == state
     return replace(after, tables=before.tables) == before and all(
-        a == b or a == NULL_BLOCK_ID for ta, tb in zip(after.tables, before.tables) for a, b in zip(ta, tb)
+        a in (b, NULL_BLOCK_ID) for ta, tb in zip(after.tables, before.tables) for a, b in zip(ta, tb)
     )
 
 

@@ -228,7 +228,9 @@ def group_layout(text: str) -> str:
 
 def group_layout_or_drawn(text: str) -> str:
     """`group_layout`, or `drawn`: one to three groups drawn per example."""
-    return text if text == runner.DRAWN else group_layout(text)
+    from kvspec.conformance.campaign import DRAWN
+
+    return text if text == DRAWN else group_layout(text)
 
 
 def port(text: str) -> int:

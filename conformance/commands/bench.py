@@ -2,7 +2,9 @@
 
 `reference` times the reference model's operations on pools of 1e3 to 1e6
 blocks and prints how each grows with the pool (flat is the claim of its
-`Cost:` lines); `gpu` runs gpu_impl's benchmark. Every argument after the
+`Cost:` lines); `gpu` runs gpu_impl's benchmark; `harness` times the
+request-level campaign against the reference, one KV cache group layout per
+row. Every argument after the
 target goes to that benchmark (`kvspec bench reference --sizes 1000 10000`).
 A benchmark is imported only when it is asked for, so `gpu` (and torch) is
 never loaded by `reference`.
@@ -22,6 +24,7 @@ from kvspec.conformance.cli import EXIT_COULD_NOT_RUN
 TARGETS = {
     "reference": "kvspec.benchmarks.reference_bench",
     "gpu": "kvspec.benchmarks.gpu_bench",
+    "harness": "kvspec.benchmarks.harness_bench",
 }
 
 

@@ -52,11 +52,17 @@ MAX_SHRUNK_STEPS = 16
 
 
 def _first_failure(
-    factory, level: str, enable_caching: bool, max_examples: int, seed: int = 0, profile: str = "vllm-v1"
+    factory,
+    level: str,
+    enable_caching: bool,
+    max_examples: int,
+    seed: int = 0,
+    profile: str = "vllm-v1",
+    groups: str = "full",
 ) -> str | None:
     """Run the conformance machine in this process, unshrunk; what it caught first, or None."""
     watch = StepWatch(step_timeout_s=10.0)
-    machine = conformance_machine(factory, level, enable_caching, profile, watch=watch)
+    machine = conformance_machine(factory, level, enable_caching, profile, watch=watch, groups=groups)
     hypothesis_seed(seed)(machine)
     undo = watch.install_alarm()
     try:
@@ -111,7 +117,9 @@ def test_unmutated_bases_conform(factory, level, enable_caching):
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_harness_kills_the_mutant(mutant: Mutant):
-    caught = _first_failure(mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, 0, mutant.profile)
+    caught = _first_failure(
+        mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, 0, mutant.profile, mutant.groups
+    )
     assert caught is not None, f"{mutant.name} survived {FAST_EXAMPLES} examples: {mutant.description}"
 
 
@@ -127,6 +135,7 @@ def test_the_runner_kills_the_mutant_with_a_short_story(mutant: Mutant, tmp_path
         seed=0,
         time_budget_s=60.0,
         trace_dir=tmp_path,
+        groups=mutant.groups,
     )
     assert result.verdict in KILLING_VERDICTS, f"{mutant.name} survived: {result.message}"
     assert result.failure is not None and result.failure.trace_path is not None
@@ -137,7 +146,9 @@ def test_the_runner_kills_the_mutant_with_a_short_story(mutant: Mutant, tmp_path
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_harness_kills_the_mutant_under_other_seeds(mutant: Mutant, seed: int):
-    caught = _first_failure(mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, seed, mutant.profile)
+    caught = _first_failure(
+        mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, seed, mutant.profile, mutant.groups
+    )
     assert caught is not None, f"{mutant.name} survived {FAST_EXAMPLES} examples with seed={seed}"
 
 

@@ -50,8 +50,10 @@ class Steps:
         enable_caching: bool = True,
         block_size: int = 4,
         profile: str = "vllm-v1",
+        groups: str = "full",
     ) -> None:
-        self.adapter = factory(AdapterConfig(level, num_gpu_blocks, enable_caching, profile, block_size=block_size))
+        config = AdapterConfig(level, num_gpu_blocks, enable_caching, profile, block_size=block_size, groups=groups)
+        self.adapter = factory(config)
         self.num_steps = 0
         self._check_invariants("construction")
 
@@ -512,6 +514,48 @@ def first_fit_highest_id(factory: Factory) -> None:
     s.do("get_new_blocks", 2, expect=_ids(1, 2))
 
 
+# --- KV cache groups: full attention and a sliding window of 8 tokens over one pool ---
+
+_LAYOUT = "full,sliding:8"
+
+
+def _window_steps(factory: Factory) -> Steps:
+    """A's 14 tokens scheduled whole: each group takes 4 blocks (full 1-4, the window 5-8), 3 registered each."""
+    s = Steps(factory, "manager", num_gpu_blocks=13, groups=_LAYOUT)
+    s.do("allocate_slots", Request("a", _tokens(0, 14)), 14, expect=_ids(*range(1, 9)))
+    s.state(tables={"a": [1, 2, 3, 4], "a#1": [5, 6, 7, 8]})
+    return s
+
+
+def skipped_block_not_freed(factory: Factory) -> None:
+    s = _window_steps(factory)
+    # 14 computed: the next token reads 7..14, so the window's block 0 (tokens 0..3) is freed and nulled.
+    s.do("allocate_slots", Request("a", _tokens(0, 15)), 1, expect=[])
+    s.state(tables={"a": [1, 2, 3, 4], "a#1": [0, 6, 7, 8]}, free_queue=[9, 10, 11, 12, 5])
+
+
+def skipped_freed_head_first(factory: Factory) -> None:
+    s = Steps(factory, "manager", num_gpu_blocks=13, groups=_LAYOUT)
+    a = Request("a", _tokens(0, 17))
+    s.do("allocate_slots", a, 4, expect=_ids(1, 2))
+    s.do("allocate_slots", a, 12, expect=_ids(3, 4, 5, 6, 7, 8))
+    s.state(tables={"a": [1, 3, 4, 5], "a#1": [2, 6, 7, 8]})
+    # 16 computed: the window's blocks 1 and 0 go, last first, to the right end; then one block per group.
+    s.do("allocate_slots", a, 1, expect=_ids(9, 10))
+    s.state(tables={"a": [1, 3, 4, 5, 9], "a#1": [0, 0, 7, 8, 10]}, free_queue=[11, 12, 6, 2])
+
+
+def hit_longer_than_window_allows(factory: Factory) -> None:
+    s = _window_steps(factory)
+    s.do("free", "a")
+    # B's first token to compute is 12: it reads 5..12, so the window's hit needs blocks 1 and 2 (cdiv(7, 4)).
+    s.do("get_computed_blocks", Request("b", _tokens(0, 13)), expect=(_ids(1, 2, 3, 0, 6, 7), 12))
+
+
+def key_without_group_id(factory: Factory) -> None:
+    _window_steps(factory).state(hash_groups=[[1], [2], [3], [5], [6], [7]])  # one key per group and hash
+
+
 # Mutant name -> its scenario, and where (a regex on the Deviation's first line) the mutant must
 # depart: the step its bug first shows, so a mutant that fails for another reason fails the test.
 SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
@@ -575,6 +619,14 @@ SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
     "hit_not_counted": (hit_not_counted, r"state after step 9: free_queue=\[3, 4, 5, 1, 2\]"),
     "free_keeps_timestamp": (free_keeps_timestamp, r"state after step 3: free_queue=\[4, 5, 1, 2, 3\]"),
     "first_fit_highest_id": (first_fit_highest_id, r"step 1 get_new_blocks\(2,\) returned \[5, 4\]"),
+    "skipped_block_not_freed": (skipped_block_not_freed, r"state after step 2: free_queue=\[9, 10, 11, 12\], "),
+    "skipped_freed_head_first": (skipped_freed_head_first, r"state after step 3: free_queue=\[11, 12, 2, 6\]"),
+    "window_off_by_one_block": (skipped_block_not_freed, r"state after step 2: free_queue=\[9, 10, 11, 12, 6, 5\]"),
+    "hit_longer_than_window_allows": (
+        hit_longer_than_window_allows,
+        r"step 3 get_computed_blocks.* returned \(\[1, 2, 3, 0, 0, 7\], 12\)",
+    ),
+    "key_without_group_id": (key_without_group_id, r"state after step 1: blocks by hash \[\[1, 5\]"),
 }
 
 # Mutant modules of other packages' implementations (gpu_*) bring their own scenarios.

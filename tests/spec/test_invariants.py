@@ -16,7 +16,9 @@ from dataclasses import replace
 
 import pytest
 
+from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops
+from kvspec.spec.attention import FULL, KVGroup
 from kvspec.spec.errors import InvariantViolation
 from kvspec.spec.invariants import (
     HIT_RULES,
@@ -29,9 +31,11 @@ from kvspec.spec.invariants import (
     failing,
     hit_content_intact,
     hit_prefix_closed,
+    hit_window_shape,
     hit_within_cap,
     is_block_writable,
 )
+from kvspec.spec.manager import Request
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
 H1, H2, H3, H4 = (BlockHash(b"h1"), BlockHash(b"h2"), BlockHash(b"h3"), BlockHash(b"h4"))
@@ -40,6 +44,7 @@ H1, H2, H3, H4 = (BlockHash(b"h1"), BlockHash(b"h2"), BlockHash(b"h3"), BlockHas
 DESIGN_IDS = {
     "free-has-zero-ref", "writable", "hash-table-consistent", "only-eviction-removes", "hit-cap",
     "prefix-closed", "conservation", "null-block", "no-shared-write", "salt-isolation", "content-integrity",
+    "tables-hold-refs", "null-where-skipped", "groups-disjoint", "hit-per-attention-type", "hit-agreed",
 }
 
 
@@ -123,7 +128,18 @@ def _reachable() -> list[Snapshot]:
     return [ops.new_pool(1).snapshot(), after_touch.snapshot(), after_free.snapshot(), s.snapshot()]
 
 
+def two_groups() -> Snapshot:
+    """Full attention and a window of 8 tokens: A's 15 tokens computed, the window's first block freed and nulled."""
+    state = spec_manager.new_manager(13, 4, groups="full,sliding:8")
+    state = spec_manager.allocate_slots(state, Request("a", tuple(range(14))), 14).state
+    state = spec_manager.allocate_slots(state, Request("a", tuple(range(15))), 1).state
+    snap = state.snapshot()
+    assert snap.block_tables == (("a", (1, 2, 3, 4)), ("a#1", (0, 6, 7, 8))) and snap.kv_groups == ("full", "sliding:8")
+    return snap
+
+
 HOLDING: dict[str, Callable[[], Snapshot]] = {
+    "two KV cache groups, the window's null position": two_groups,
     "manager level, shared and duplicate cached blocks": base,
     "pool level": pool_base,
     "a quarantined block": quarantined_6,
@@ -188,10 +204,6 @@ BROKEN: dict[str, list[tuple[str, Callable[[], Snapshot], list[str]]]] = {
          lambda: with_table(with_block_hash(base(), 0, H4), (H1, (1, 5)), (H2, (2,)), (H3, (6,)), (H4, (0,))),
          ["inv_null_block_isolated"]),
         ("the null block has a reference count", lambda: with_ref_cnt(pool_base(), 0, 1), ["inv_null_block_isolated"]),
-        ("a block table holds the null block",
-         lambda: replace(base(), block_tables=(("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(0))),
-                                               ("B", (BlockId(1), BlockId(2), BlockId(4))))),
-         ["inv_null_block_isolated"]),
         # Queued, the null block is also one free block too many.
         ("the null block is in the free queue",
          lambda: replace(base(), free_queue=(BlockId(0), BlockId(5), BlockId(6))),
@@ -254,6 +266,27 @@ BROKEN: dict[str, list[tuple[str, Callable[[], Snapshot], list[str]]]] = {
          lambda: with_ref_cnt(replace(base(), block_tables=(("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(3))),
                                                             ("B", (BlockId(1), BlockId(2), BlockId(4))))), 3, 2),
          ["inv_block_tables_hold_refs"]),
+    ],
+    "inv_null_only_where_skipped": [
+        ("a full-attention table holds the null block",
+         lambda: replace(base(), block_tables=(("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(0))),
+                                               ("B", (BlockId(1), BlockId(2), BlockId(4))))),
+         ["inv_null_only_where_skipped"]),
+        ("the window's null block after a block it still holds",
+         lambda: replace(two_groups(), block_tables=(("a", (BlockId(1), BlockId(2), BlockId(3), BlockId(4))),
+                                                     ("a#1", (BlockId(6), BlockId(0), BlockId(7), BlockId(8))))),
+         ["inv_null_only_where_skipped"]),
+        ("a table named for a group the manager does not have",
+         lambda: replace(two_groups(), block_tables=(*(two_groups().block_tables or ()), ("a#2", ()))),
+         ["inv_null_only_where_skipped"]),
+    ],
+    "inv_groups_disjoint": [
+        # Held by both groups' tables, block 6's count is 2 where 1 is recorded.
+        ("block 6 in full attention's table and the window's",
+         lambda: with_ref_cnt(replace(two_groups(), block_tables=(
+             ("a", (BlockId(1), BlockId(2), BlockId(3), BlockId(4), BlockId(6))),
+             ("a#1", (BlockId(0), BlockId(6), BlockId(7), BlockId(8))))), 6, 2),
+         ["inv_groups_disjoint"]),
     ],
 }
 
@@ -399,8 +432,8 @@ def test_a_hit_across_tenants_is_not_prefix_closed() -> None:
 
 
 def test_hit_rules_registry() -> None:
-    assert [r.name for r in HIT_RULES] == ["hit_within_cap", "hit_prefix_closed", "hit_content_intact",
-                                           "hit_salt_isolated"]
+    assert [r.name for r in HIT_RULES] == ["hit_within_cap", "hit_prefix_closed", "hit_window_shape",
+                                           "hit_same_length", "hit_content_intact", "hit_salt_isolated"]
     for rule in HIT_RULES:
         assert rule.design_id in DESIGN_IDS and rule.rule.endswith(".")
     assert HIT_RULES[0].rule == (hit_within_cap.__doc__ or "").strip()
@@ -462,3 +495,49 @@ def test_every_step_rule_has_a_failing_example() -> None:
     assert {r.name for r in STEP_RULES} == tested
     for rule in STEP_RULES:
         assert rule.design_id in DESIGN_IDS and rule.rule.endswith(".")
+
+
+# --- hit rules with KV cache groups ------------------------------------------------------------
+
+
+def _hit_state() -> tuple[Snapshot, tuple[BlockHash, ...], Request]:
+    """A's 17 tokens computed whole on full attention (blocks 1-5) and a window of 8 (6-10), A freed: B, with
+    A's tokens, may hit 4 positions."""
+    state = spec_manager.new_manager(13, 4, groups="full,sliding:8")
+    a = Request("a", tuple(range(17)))
+    state = spec_manager.free(spec_manager.allocate_slots(state, a, 17).state, "a").state
+    b = Request("b", a.token_ids)
+    return state.snapshot(), spec_manager.request_block_hashes(state, b), b
+
+
+def test_the_spec_hit_over_two_groups_holds_every_hit_rule() -> None:
+    snap, hashes, b = _hit_state()
+    assert snap.kv_groups == ("full", "sliding:8")
+    blocks = (1, 2, 3, 4, 0, 0, 8, 9)  # full attention all four; the window only the two before token 16
+    check_hit(snap, len(b.token_ids), 4, hashes, tuple(map(BlockId, blocks)), 16)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "num_tokens", "rule"),
+    [
+        ((1, 2, 3, 4, 0, 0, 8), 16, "hit_same_length"),  # the window has a position fewer
+        ((1, 2, 3, 4, 6, 7, 8, 9), 16, "hit_window_shape"),  # the window hits blocks before its window
+        ((1, 2, 3, 4, 0, 0, 0, 9), 16, "hit_window_shape"),  # the window lacks a block its first token reads
+        ((1, 0, 3, 4, 0, 0, 8, 9), 16, "hit_window_shape"),  # full attention with the null block
+        ((1, 2, 3, 4, 0, 0, 3, 4), 16, "hit_prefix_closed"),  # full attention's blocks in the window's positions
+    ],
+)
+def test_a_bad_hit_over_two_groups_is_named(blocks: tuple[int, ...], num_tokens: int, rule: str) -> None:
+    snap, hashes, b = _hit_state()
+    with pytest.raises(InvariantViolation, match=rf"^invariant {rule} violated: "):
+        check_hit(snap, len(b.token_ids), 4, hashes, tuple(map(BlockId, blocks)), num_tokens)
+
+
+def test_hit_window_shape_per_attention_type() -> None:
+    window, chunk = KVGroup("sliding", 8), KVGroup("chunked", 8)
+    assert hit_window_shape(window, tuple(map(BlockId, (0, 0, 7, 8))), 4)
+    assert hit_window_shape(window, tuple(map(BlockId, (5,))), 4)  # a run from the first block, shorter than W
+    assert not hit_window_shape(window, tuple(map(BlockId, (0, 6, 7, 8))), 4)
+    assert hit_window_shape(chunk, tuple(map(BlockId, (0, 0, 7))), 4)  # the chunk of token 12 starts at 8
+    assert not hit_window_shape(chunk, tuple(map(BlockId, (0, 6, 7))), 4)
+    assert not hit_window_shape(FULL, tuple(map(BlockId, (0, 6))), 4)
