@@ -62,6 +62,29 @@ never admitted, for which there is no vLLM ``Request`` to pass, is refused.
 Hash values are vLLM's own (``sha256``/``sha256_cbor`` from 0.10.1, else the
 manager's ``caching_hash_algo``, else builtin ``hash()``); the harness
 compares them as an equality relation, and ``kvspec hashes`` checks the values.
+
+KV cache groups (``AdapterConfig.groups``, e.g. ``"full,sliding:8"``): the
+``KVCacheConfig`` holds one ``KVCacheGroupSpec`` per group, in order
+(``FullAttentionSpec``, ``SlidingWindowSpec(sliding_window=W)``,
+``ChunkedLocalAttentionSpec(attention_chunk_size=C)``, each with the config's
+block size), with dense prefix-cache retention (``None``, the spec's; 0.33's
+engine resolves 0, declared not applicable). Hits and new blocks cross the
+API as one flat list, group by group (``get_block_ids()`` gives one list per
+group; the null block, id 0, stands at a skipped position); a hit goes back
+to vLLM as a ``KVCacheBlocks`` of per-group lists, and the blocks taken for
+external tokens are read per group from vLLM's tables. The snapshot names
+group g's table ``table_name(request_id, g)`` and lists the groups; a
+hash-table key keeps its group id (with one full-attention group it is left
+out, as before groups existed). A request runs from a successful
+``allocate_slots`` to its ``free`` by the adapter's own bookkeeping: vLLM's
+``remove_skipped_blocks`` runs at the start of ``allocate_slots`` and indexes
+a defaultdict, so a new request whose allocation fails may leave an empty
+table in vLLM. A release without the groups is declared, never faked
+(``LevelNotProvided`` with why): 0.8.x (one table per request), no spec class
+for an attention type (``ChunkedLocalAttentionSpec`` before 0.10), no
+``HybridKVCacheCoordinator``, an assertion of its own when built (0.10.2's
+coordinator takes one full-attention type and one other), or a group run by
+another attention type's manager.
 """
 
 from __future__ import annotations
