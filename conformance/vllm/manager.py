@@ -81,7 +81,7 @@ out, as before groups existed). A request runs from a successful
 a defaultdict, so a new request whose allocation fails may leave an empty
 table in vLLM. A release without the groups is declared, never faked
 (``LevelNotProvided`` with why): 0.8.x (one table per request), no spec class
-for an attention type (``ChunkedLocalAttentionSpec`` before 0.10), no
+for an attention type (0.9.2 has no ``ChunkedLocalAttentionSpec``), no
 ``HybridKVCacheCoordinator``, an assertion of its own when built (0.10.2's
 coordinator takes one full-attention type and one other), or a group run by
 another attention type's manager.
