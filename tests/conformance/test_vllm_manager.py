@@ -434,12 +434,13 @@ _NO_CHUNKED = {"verdict": "n/a", "why": "has no ChunkedLocalAttentionSpec"}
 # is given (null_on_free "decrements_ref_cnt", releases.py), so freeing A (whose sliding window or
 # chunk left nulls) takes the null block's ref_cnt below 0 (inv_ref_cnt_nonnegative).
 _NULL_FREED = {"verdict": "invariant", "step": 8, "op": "free", "message": "negative number of requests"}
-# Before 0.24 the hit's null positions are touched too (ref_cnt + 1 per null): B's admission
-# leaves the null block held (inv_null_block_isolated).
+# In 0.9.2 and 0.10.2 (not 0.24.0) the hit's null positions are touched too (ref_cnt + 1 per
+# null): B's admission leaves the null block held (inv_null_block_isolated).
 _NULL_TOUCHED = {"verdict": "invariant", "step": 5, "op": "allocate_slots", "message": "never held"}
-# Before 0.24 allocate_slots takes no num_external_computed_tokens: the scheduler passed external
-# tokens as new ones, so vLLM wants blocks for all of C's 20 tokens (5) where the spec, counting the
-# 12 external tokens as computed, leaves the two blocks outside the window of 4 null and takes 3.
+# In 0.9.2 and 0.10.2 (not 0.24.0) allocate_slots takes no num_external_computed_tokens: the
+# scheduler passed external tokens as new ones, so vLLM wants blocks for all of C's 20 tokens (5)
+# where the spec, counting the 12 external tokens as computed, leaves the two blocks outside the
+# window of 4 null and takes 3.
 _EXTERNAL_AS_NEW = {"verdict": "diverges", "step": 7, "op": "allocate_slots",
                     "message": "returned None; the spec returned [11, 3, 2]"}  # fmt: skip
 _CONFORMS_EVERY_LAYOUT = {f"{g}/{c}": _CONFORMS for g in _LAYOUTS for c in ("on", "off")}
