@@ -62,6 +62,29 @@ never admitted, for which there is no vLLM ``Request`` to pass, is refused.
 Hash values are vLLM's own (``sha256``/``sha256_cbor`` from 0.10.1, else the
 manager's ``caching_hash_algo``, else builtin ``hash()``); the harness
 compares them as an equality relation, and ``kvspec hashes`` checks the values.
+
+KV cache groups (``AdapterConfig.groups``, e.g. ``"full,sliding:8"``): the
+``KVCacheConfig`` holds one ``KVCacheGroupSpec`` per group, in order
+(``FullAttentionSpec``, ``SlidingWindowSpec(sliding_window=W)``,
+``ChunkedLocalAttentionSpec(attention_chunk_size=C)``, each with the config's
+block size), with dense prefix-cache retention (``None``, the spec's; 0.33's
+engine resolves 0, declared not applicable). Hits and new blocks cross the
+API as one flat list, group by group (``get_block_ids()`` gives one list per
+group; the null block, id 0, stands at a skipped position); a hit goes back
+to vLLM as a ``KVCacheBlocks`` of per-group lists, and the blocks taken for
+external tokens are read per group from vLLM's tables. The snapshot names
+group g's table ``table_name(request_id, g)`` and lists the groups; a
+hash-table key keeps its group id (with one full-attention group it is left
+out, as before groups existed). A request runs from a successful
+``allocate_slots`` to its ``free`` by the adapter's own bookkeeping: vLLM's
+``remove_skipped_blocks`` runs at the start of ``allocate_slots`` and indexes
+a defaultdict, so a new request whose allocation fails may leave an empty
+table in vLLM. A release without the groups is declared, never faked
+(``LevelNotProvided`` with why): 0.8.x (one table per request), no spec class
+for an attention type (0.9.2 has no ``ChunkedLocalAttentionSpec``), no
+``HybridKVCacheCoordinator``, an assertion of its own when built (0.10.2's
+coordinator takes one full-attention type and one other), or a group run by
+another attention type's manager.
 """
 
 from __future__ import annotations
@@ -69,6 +92,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig, KVCacheManagerAdapter, LevelNotProvided
@@ -76,13 +100,24 @@ from kvspec.conformance.reactions import NotExpressible, Reaction
 from kvspec.conformance.vllm.adapter import VllmRelease, has_null_block, pool_snapshot
 from kvspec.conformance.vllm.hashes import hash_seed_env
 from kvspec.conformance.vllm.reactions import manager_reactions
-from kvspec.spec.manager import Request
-from kvspec.spec.state import BlockHash, BlockId, Snapshot
+from kvspec.spec.attention import FULL, KVGroup, format_groups, parse_groups
+from kvspec.spec.manager import Request, snapshot_groups
+from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, table_name
 
 __all__ = ["VllmManagerAdapter", "make_manager_adapter"]
 
 # Large enough that vLLM's max_model_len never caps a harness request.
 _MAX_MODEL_LEN = 1 << 16
+
+# Each attention type's KVCacheSpec (vllm/v1/kv_cache_interface.py), the parameter that
+# sizes it, and the single-type manager vLLM must pick for it (single_type_kv_cache_manager.py).
+_SPEC_CLASS = {"full": "FullAttentionSpec", "sliding": "SlidingWindowSpec", "chunked": "ChunkedLocalAttentionSpec"}
+_SPEC_SIZE = {"sliding": "sliding_window", "chunked": "attention_chunk_size"}
+_MANAGER_CLASS = {
+    "full": "FullAttentionManager",
+    "sliding": "SlidingWindowManager",
+    "chunked": "ChunkedLocalAttentionManager",
+}
 
 
 def _kwargs_for(fn: Any, wanted: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +156,9 @@ class VllmManagerAdapter:
             )
         self.release = release
         self.config = config
-        self.mistake_reactions: dict[str, Reaction] = manager_reactions(release.version, config.enable_caching)
+        self.mistake_reactions: dict[str, Reaction] = manager_reactions(
+            release.version, config.enable_caching, config.groups
+        )
         mod = release.module
         manager_mod = mod("vllm.v1.core.kv_cache_manager")
         manager_cls = manager_mod.KVCacheManager
@@ -145,7 +182,14 @@ class VllmManagerAdapter:
         # vLLM's block k is the spec's block k + 1 (see kvspec.conformance.vllm.adapter).
         self.has_null_block = has_null_block(release, config)
         self._offset = 0 if self.has_null_block else 1
+        # The KV cache groups; one full-attention group is the manager as before groups existed.
+        self.groups: tuple[KVGroup, ...] = parse_groups(config.groups)
+        self._grouped = self.groups != (FULL,)
+        if self._grouped:
+            self._check_groups_supported()
         self.manager: Any = self._build_manager(manager_cls, config.num_gpu_blocks - self._offset)
+        if self._grouped:
+            self._check_group_managers()
         self._pool: Any = self.manager.block_pool
         self._block_hasher: Any = None
         if self.hashes == "request":
@@ -193,6 +237,17 @@ class VllmManagerAdapter:
                 f"{release.label}'s KVCacheManager is built with num_preallocate_tokens=0 (its scheduler "
                 "used 64), so allocate_slots takes the blocks asked for; the pre-allocation branch is not run"
             )
+        retention = "prefix_cache_retention_interval"
+        interface = self.release.module("vllm.v1.kv_cache_interface") if self.constructor != "sizes" else None
+        if any(g.kind == "sliding" for g in self.groups) and retention in getattr(
+            getattr(interface, "KVCacheConfig", None), "__dataclass_fields__", {}
+        ):
+            not_applicable["sparse prefix-cache retention"] = (
+                f"{release.label}'s KVCacheConfig is built with {retention}=None (dense: a sliding-window group "
+                "registers every full block, as the spec does); its engine resolves 0 by default, under which "
+                "a sliding-window group registers only the blocks a hit at the prompt's replay boundary or at a "
+                "shared-prefix junction reads; that branch is not run"
+            )
         if self._scheduler_caps_hit:
             not_applicable["get_computed_blocks: len-1 cap in the manager"] = (
                 f"{release.label}'s manager returns the whole hit and its scheduler drops the last block "
@@ -200,13 +255,87 @@ class VllmManagerAdapter:
             )
         return not_applicable
 
+    def _groups_text(self) -> str:
+        return format_groups(self.groups)
+
+    def _check_groups_supported(self) -> None:
+        """Refuse, before building anything, KV cache groups the loaded code cannot take.
+
+        Raises:
+            LevelNotProvided: the release builds its manager from the pool's sizes or returns plain
+                lists (0.8.x: one table), lacks an attention type's spec class, or has no hybrid
+                coordinator for several groups.
+        """
+        label, groups = self.release.label, self._groups_text()
+        if self.constructor == "sizes" or self.blocks == "list":
+            raise LevelNotProvided(
+                f"{label}: its KVCacheManager keeps one block table per request (no KVCacheBlocks per "
+                f"group), so it has no KV cache groups; groups={groups!r} is not provided (only 'full')"
+            )
+        interface = self.release.module("vllm.v1.kv_cache_interface")
+        for kind in sorted({g.kind for g in self.groups}):
+            if not hasattr(interface, _SPEC_CLASS[kind]):
+                raise LevelNotProvided(
+                    f"{label}: vllm.v1.kv_cache_interface has no {_SPEC_CLASS[kind]}, so its manager has no "
+                    f"{kind} attention group; groups={groups!r} is not provided"
+                )
+        if len(self.groups) > 1:
+            try:
+                coordinator = self.release.module("vllm.v1.core.kv_cache_coordinator")
+            except ImportError:
+                coordinator = None
+            if not hasattr(coordinator, "HybridKVCacheCoordinator"):
+                raise LevelNotProvided(
+                    f"{label}: no HybridKVCacheCoordinator (vllm.v1.core.kv_cache_coordinator), so its "
+                    f"manager takes one KV cache group; groups={groups!r} is not provided"
+                )
+
+    def _check_group_managers(self) -> None:
+        """The built manager runs each group with its attention type's own manager, never another one.
+
+        Raises:
+            LevelNotProvided: vLLM picked another single-type manager for a group (or has no
+                coordinator to ask), so the layout would run as something else.
+        """
+        coordinator = getattr(self.manager, "coordinator", None)
+        managers = list(getattr(coordinator, "single_type_managers", ()))
+        got = [type(m).__name__ for m in managers]
+        want = [_MANAGER_CLASS[g.kind] for g in self.groups]
+        if got != want:
+            raise LevelNotProvided(
+                f"{self.release.label}: groups={self._groups_text()!r} ran as {got or 'no per-group managers'} "
+                f"where each attention type's own manager ({want}) is needed; not provided"
+            )
+
+    def _kv_cache_groups(self, interface: Any, block_size: int) -> list[Any]:
+        """One ``KVCacheGroupSpec`` per group, each with its attention type's spec and ``block_size``."""
+        import torch  # the installed vLLM depends on it; its attention spec names a dtype
+
+        out = []
+        for i, group in enumerate(self.groups):
+            spec_cls = getattr(interface, _SPEC_CLASS[group.kind])
+            wanted: dict[str, Any] = {
+                "block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32,
+                "use_mla": False,
+            }  # fmt: skip
+            if group.kind in _SPEC_SIZE:
+                wanted[_SPEC_SIZE[group.kind]] = group.size
+            spec = spec_cls(**_kwargs_for(spec_cls, wanted))
+            out.append(interface.KVCacheGroupSpec([f"layer.{i}"], spec))
+        return out
+
     def _build_manager(self, manager_cls: Any, num_blocks: int) -> Any:
         """vLLM's KVCacheManager over ``num_blocks`` blocks, with the arguments its generation takes.
 
         Parameters are passed by name where the loaded code takes them:
         ``num_preallocate_tokens=0`` (0.8.0 to 0.8.4, see the module NOTE), the
-        sizes (0.8.0 to 0.8.2) or a ``KVCacheConfig`` of one full-attention
-        group (0.8.3 on), and 0.33's ``scheduler_block_size``/``hash_block_size``.
+        sizes (0.8.0 to 0.8.2) or a ``KVCacheConfig`` of one ``KVCacheGroupSpec``
+        per KV cache group (0.8.3 on; ``FullAttentionSpec``, ``SlidingWindowSpec``,
+        ``ChunkedLocalAttentionSpec``, every one with the config's block size),
+        and 0.33's ``scheduler_block_size``/``hash_block_size``.
+
+        Raises:
+            LevelNotProvided: the release refuses the groups when building (an assertion of its own).
         """
         block_size = self.config.block_size
         wanted: dict[str, Any] = {
@@ -220,20 +349,24 @@ class VllmManagerAdapter:
         if self.constructor == "sizes":
             wanted.update(block_size=block_size, num_gpu_blocks=num_blocks, sliding_window=None)
         else:
-            import torch  # the installed vLLM depends on it; its attention spec names a dtype
-
             interface = self.release.module("vllm.v1.kv_cache_interface")
-            spec_cls = interface.FullAttentionSpec
-            spec = spec_cls(**_kwargs_for(spec_cls, {
-                "block_size": block_size, "num_kv_heads": 1, "head_size": 1, "dtype": torch.float32,
-                "use_mla": False,
-            }))  # fmt: skip
-            group = interface.KVCacheGroupSpec(["layer.0"], spec)
             cfg_cls = interface.KVCacheConfig
             wanted["kv_cache_config"] = cfg_cls(**_kwargs_for(cfg_cls, {
-                "num_blocks": num_blocks, "kv_cache_tensors": [], "tensors": {}, "kv_cache_groups": [group],
+                "num_blocks": num_blocks, "kv_cache_tensors": [], "tensors": {},
+                "kv_cache_groups": self._kv_cache_groups(interface, block_size),
+                # Dense retention, the spec's: every full block of every group is registered
+                # (0.33's engine resolves 0 by default; see _not_applicable).
+                "prefix_cache_retention_interval": None,
             }))  # fmt: skip
-        return manager_cls(**_kwargs_for(manager_cls, wanted))
+        if not self._grouped:
+            return manager_cls(**_kwargs_for(manager_cls, wanted))
+        try:
+            return manager_cls(**_kwargs_for(manager_cls, wanted))
+        except (AssertionError, NotImplementedError, ValueError, KeyError, TypeError) as e:
+            raise LevelNotProvided(
+                f"{self.release.label}: its KVCacheManager refuses groups={self._groups_text()!r} "
+                f"({type(e).__name__}: {str(e)[:200]}); not provided"
+            ) from e
 
     # -- requests ------------------------------------------------------------
 
@@ -308,11 +441,30 @@ class VllmManagerAdapter:
 
     # -- translation ---------------------------------------------------------
 
-    def _ids(self, blocks: Any) -> list[BlockId]:
-        """Block ids of what the manager returned: KVCacheBlocks (group 0) or a plain list."""
+    def _group_ids(self, blocks: Any) -> list[list[BlockId]]:
+        """Block ids of what the manager returned, one list per group: KVCacheBlocks or (0.8.x) a plain list."""
         if self._kv_cache_blocks_cls is not None:
-            return [BlockId(b + self._offset) for b in blocks.get_block_ids()[0]]
-        return [BlockId(b.block_id + self._offset) for b in blocks]
+            return [[BlockId(b + self._offset) for b in group] for group in blocks.get_block_ids()]
+        return [[BlockId(b.block_id + self._offset) for b in blocks]]
+
+    def _ids(self, blocks: Any) -> list[BlockId]:
+        """Block ids of what the manager returned, as the harness's one flat list: group by group."""
+        return [b for group in self._group_ids(blocks) for b in group]
+
+    def _split(self, block_ids: Sequence[BlockId], op: str) -> list[list[BlockId]]:
+        """A flat list of hit blocks, group by group, split into one list per group (each as many).
+
+        Raises:
+            NotExpressible: the list does not split evenly over the groups, so no group's share is known.
+        """
+        num_groups = len(self.groups)
+        n, rest = divmod(len(block_ids), num_groups)
+        if rest:
+            raise NotExpressible(
+                f"{op}: {len(block_ids)} hit blocks do not split evenly over {num_groups} KV cache groups "
+                f"({self._groups_text()}): vLLM takes one list per group"
+            )
+        return [list(block_ids[g * n : (g + 1) * n]) for g in range(num_groups)]
 
     def _block(self, block_id: BlockId) -> Any:
         """vLLM's ``KVCacheBlock`` for a harness block id; an id that names none cannot be passed."""
@@ -336,8 +488,11 @@ class VllmManagerAdapter:
             return last
         if not block_ids:
             return None
-        blocks = [self._block(b) for b in block_ids]
-        return blocks if self._kv_cache_blocks_cls is None else self._kv_cache_blocks_cls((blocks,))
+        if self._kv_cache_blocks_cls is None:
+            return [self._block(b) for b in block_ids]
+        # One list per group; the null block (id 0) at a skipped position is vLLM's own null block.
+        per_group = self._split(block_ids, "allocate_slots")
+        return self._kv_cache_blocks_cls(tuple([self._block(b) for b in group] for group in per_group))
 
     # -- the protocol --------------------------------------------------------
 
@@ -373,7 +528,8 @@ class VllmManagerAdapter:
         (0.8.x) the manager counted the hit from the blocks it was given.
         """
         vreq = self._vllm_request(request)
-        table_before = self._block_table(request.request_id) if request.request_id in self._requests else ()
+        running = request.request_id in self._requests
+        tables_before = self._block_tables(request.request_id) if running else tuple(() for _ in self.groups)
         num_tokens = num_new_tokens
         if "num_external_computed_tokens" not in self._allocate_params:
             num_tokens += num_external_computed_tokens
@@ -390,17 +546,23 @@ class VllmManagerAdapter:
         self._requests[request.request_id] = vreq
         self._freed.pop(request.request_id, None)
         vreq.num_computed_tokens += num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
-        returned = self._ids(new_blocks)
+        returned = self._group_ids(new_blocks)
         if not num_external_computed_tokens:
-            return returned
+            return [b for group in returned for b in group]
         # NOTE: newer releases (0.33) take the blocks for external tokens in a
         # separate stage and return only those for the tokens to compute; the
-        # scheduler reads the table instead. The table is append-only, so the
+        # scheduler reads the table instead. A table is append-only (a skipped
+        # position turns into the null block in place), so in each group the
         # blocks taken for external tokens are the ones between the hit and the
-        # returned blocks: vLLM's own table, not a guess.
-        table = self._block_table(request.request_id)
-        start = len(table_before) + len(new_computed_blocks)
-        return [*table[start : len(table) - len(returned)], *returned]
+        # returned blocks, nulls left out: vLLM's own table, not a guess.
+        tables = self._block_tables(request.request_id)
+        hits = self._split(new_computed_blocks, "allocate_slots")
+        out: list[BlockId] = []
+        for table, before, hit, new in zip(tables, tables_before, hits, returned, strict=True):
+            start = len(before) + len(hit)
+            out += [b for b in table[start : len(table) - len(new)] if b != NULL_BLOCK_ID]
+            out += new
+        return out
 
     def free(self, request_id: str) -> None:
         """vLLM's ``free``; the request stops running, its Request kept as on preemption (see the module doc).
@@ -428,22 +590,45 @@ class VllmManagerAdapter:
         self._freed[request_id] = vreq
 
     def _raw(self, key: Any) -> BlockHash:
-        if isinstance(key, bytes):
-            return BlockHash(bytes(key[:-4]))  # digest + 4-byte group id
-        value: int = key.block_hash.hash_value if hasattr(key, "block_hash") else key.hash_value
-        return BlockHash(value.to_bytes(max(1, (value.bit_length() + 8) // 8), "big", signed=True))
+        """A hash-table key (or a block's hash) as bytes: with its group id where there are groups.
 
-    def _block_table(self, request_id: str) -> tuple[BlockId, ...]:
+        Hashes are compared as names (an equality relation): with one
+        full-attention group the group id, always 0, is left out as before
+        groups existed; with several it is kept, so that the same tokens in two
+        groups are two keys, as the spec's ``group_key`` makes them.
+        """
+        if isinstance(key, bytes):  # digest + 4-byte group id
+            return BlockHash(bytes(key) if self._grouped else bytes(key[:-4]))
+        value: int = key.block_hash.hash_value if hasattr(key, "block_hash") else key.hash_value
+        raw = value.to_bytes(max(1, (value.bit_length() + 8) // 8), "big", signed=True)
+        if self._grouped and hasattr(key, "group_id"):
+            raw += int(key.group_id).to_bytes(4, "big")
+        return BlockHash(raw)
+
+    def _block_tables(self, request_id: str) -> tuple[tuple[BlockId, ...], ...]:
+        """The request's block table in every group (0.8.x: its one table)."""
         if hasattr(self.manager, "get_block_ids"):
-            return tuple(BlockId(b + self._offset) for b in self.manager.get_block_ids(request_id)[0])
+            return tuple(
+                tuple(BlockId(b + self._offset) for b in group) for group in self.manager.get_block_ids(request_id)
+            )
         # 0.8.x: the manager's own table (a defaultdict: read without inserting)
-        return tuple(BlockId(b.block_id + self._offset) for b in self.manager.req_to_blocks.get(request_id, ()))
+        return (tuple(BlockId(b.block_id + self._offset) for b in self.manager.req_to_blocks.get(request_id, ())),)
 
     def snapshot(self) -> Snapshot:
-        """The pool's state and every running request's block table."""
-        tables = tuple((rid, self._block_table(rid)) for rid in sorted(self._requests))
-        return pool_snapshot(self._pool, self.config.num_gpu_blocks, self.config.enable_caching, self._raw,
+        """The pool's state and every running request's block tables, one per group, with the groups.
+
+        "Running" is the adapter's own bookkeeping (a successful ``allocate_slots``,
+        no ``free`` since), not vLLM's tables: vLLM's ``remove_skipped_blocks``
+        indexes a defaultdict, so a new request whose allocation failed can leave
+        an empty table there.
+        """
+        tables = tuple(sorted(
+            (table_name(rid, g), table)
+            for rid in self._requests for g, table in enumerate(self._block_tables(rid))
+        ))  # fmt: skip
+        snap = pool_snapshot(self._pool, self.config.num_gpu_blocks, self.config.enable_caching, self._raw,
                              self._offset, block_tables=tables)  # fmt: skip
+        return replace(snap, kv_groups=snapshot_groups(self.groups)) if self._grouped else snap
 
 
 def make_manager_adapter(release: VllmRelease, config: AdapterConfig) -> KVCacheManagerAdapter:

@@ -59,6 +59,9 @@ __all__ = [
 
 # The spec profiles a vLLM v1 release can conform to.
 PROFILES: tuple[str, ...] = ("vllm-v1", "vllm-v1-tail")
+# The KV cache groups of the request level's hybrid answer: one full-attention
+# group and one sliding window, vLLM's simple hybrid (one coordinator round).
+HYBRID_GROUPS = "full,sliding:8"
 
 # Pinned: the CPU build on the registry; an unpinned torch is a multi-GB CUDA download.
 TORCH_PIN = "torch==2.13.0+cpu"
@@ -337,6 +340,10 @@ class ReleaseRow:
     hashes: str = ""  # the hash-compatibility summary
     probes: list[ProbeResult] = field(default_factory=list)  # the directed probes (pool level)
     notes: list[str] = field(default_factory=list)  # findings in words
+    # The request level with KV cache groups HYBRID_GROUPS, caching on, under the profile the
+    # release's request level conforms to: "ran" with that one profile's verdict, or "n/a" with why
+    # (a release without the spec classes or a hybrid coordinator declares it). None: not run.
+    hybrid: Cell | None = None
 
 
 def _result_json(result: Any) -> dict[str, Any]:
@@ -398,7 +405,29 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         probe_profile = conforming[0] if conforming else PROFILES[0]
         probes = run_probes(factory, probe_profile, trace_dir, impl_name, num_gpu_blocks=8, level="manager")
         row["probes"] = [{**asdict(r), "name": f"request level: {r.name}"} for r in probes]
+        if args.caching != "off":
+            row["hybrid"] = asdict(_hybrid_cell(impl_name, probe_profile, args.max_examples, budget, trace_dir))
     return row
+
+
+def _hybrid_cell(impl_name: str, profile: str, max_examples: int, time_budget_s: float | None, trace_dir: str) -> Cell:
+    """The request level with KV cache groups ``HYBRID_GROUPS`` (caching on) under one profile.
+
+    A release whose adapter declares the groups not provided (no
+    ``SlidingWindowSpec``, no hybrid coordinator, KVCacheBlocks of one group
+    only) is "n/a" with the adapter's reason, never a divergence.
+    """
+    from kvspec.conformance.runner import run_check
+
+    start = time.monotonic()
+    result = run_check(impl_name, level="manager", enable_caching=True, profile=profile, groups=HYBRID_GROUPS,
+                       max_examples=max_examples, time_budget_s=time_budget_s, trace_dir=trace_dir)  # fmt: skip
+    if result.verdict is Verdict.NOT_APPLICABLE:
+        return Cell("n/a", getattr(result, "message", "") or "the adapter does not provide these groups")
+    elapsed = time.monotonic() - start
+    steps = getattr(result, "steps_run", 0) or 0
+    absent = sorted(m for m in result.not_exercised if ": not applicable, " in m)
+    return Cell("ran", "", {profile: _result_json(result)}, steps / elapsed if elapsed > 0 else None, absent)
 
 
 def is_v0_only(version: str) -> bool:
@@ -570,10 +599,10 @@ def _notes(row: ReleaseRow) -> list[str]:
         if on and off and off.status == "ran" and got and off.conforms_to() and set(got) != set(off.conforms_to()):
             notes.append(f"free order flips when caching is off: on conforms to {', '.join(got)}, "
                          f"off to {', '.join(off.conforms_to())}")  # fmt: skip
-    for key in ("manager/on", "manager/off"):
-        cell = row.cells.get(key)
+    for key in ("manager/on", "manager/off", "hybrid"):
+        cell = row.hybrid if key == "hybrid" else row.cells.get(key)
         for entry in cell.not_applicable if cell is not None and cell.status == "ran" else ():
-            note = f"request level: {entry}"
+            note = f"request level{f' with groups {HYBRID_GROUPS}' if key == 'hybrid' else ''}: {entry}"
             if note not in notes:
                 notes.append(note)
     if is_v0_only(row.version):
@@ -581,6 +610,15 @@ def _notes(row: ReleaseRow) -> list[str]:
         held = [p.name for p in row.probes if p.verdict == Verdict.CONFORMS]
         if held:
             notes.append(f"probes that found nothing (v0 as the spec under lru-timestamp): {'; '.join(held)}")
+    hybrid = row.hybrid
+    if hybrid is not None and hybrid.status != "ran":
+        notes.append(f"request level with groups {HYBRID_GROUPS}: {hybrid.status}: {hybrid.why}")
+    elif hybrid is not None:
+        for profile, r in hybrid.profiles.items():
+            if r["verdict"] != Verdict.CONFORMS:
+                notes.append(f"request level with groups {HYBRID_GROUPS} under {profile}: {r['verdict']} at step "
+                             f"{r.get('step')} ({r.get('op')}): {str(r.get('message', ''))[:160]}; "
+                             f"trace {r.get('trace')}")  # fmt: skip
     for p in row.probes:
         if p.verdict != Verdict.CONFORMS:
             notes.append(f"{p.name} (step {p.step} {p.op}: {p.message[:120]}; trace {p.trace_path})")
@@ -636,6 +674,8 @@ def run_oracle(
             for key, cell in data["cells"].items():
                 row.cells[key] = Cell(**cell)
             row.probes += [ProbeResult(**p) for p in data["probes"]]
+            if data.get("hybrid"):
+                row.hybrid = Cell(**data["hybrid"])
             if level == "pool":
                 row.hashes = data["hashes"]
         row.notes = _notes(row)
@@ -664,12 +704,14 @@ def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: S
     """The matrix as text: one line per release, footnotes for every divergence and every cell that did not run."""
     footnotes: list[str] = []
     keys = [f"{lv}/{c}" for lv in levels for c in cachings]
-    header = ["version", *[k.replace("manager", "request") for k in keys], "hashes"]
+    # The hybrid answer (KV cache groups HYBRID_GROUPS) gets a column where some row has one.
+    hybrid = any(row.hybrid is not None for row in rows)
+    header = ["version", *[k.replace("manager", "request") for k in keys], *(["request/hybrid"] if hybrid else []),
+              "hashes"]  # fmt: skip
     table: list[list[str]] = []
     for row in rows:
         cells = []
-        for k in keys:
-            cell = row.cells.get(k)
+        for k, cell in [*((k, row.cells.get(k)) for k in keys), *([("request/hybrid", row.hybrid)] if hybrid else [])]:
             if cell is not None and cell.status != "ran":
                 footnotes.append(f"{row.version} {k}: {cell.status}: {cell.why}")
                 cells.append(f"{cell.status}[{len(footnotes)}]")

@@ -176,14 +176,34 @@ def pool_reactions(version: str) -> dict[str, Reaction]:
     return _declared(_POOL_REACTIONS, version, True)
 
 
-def manager_reactions(version: str, enable_caching: bool) -> dict[str, Reaction]:
+def manager_reactions(version: str, enable_caching: bool, groups: str = "full") -> dict[str, Reaction]:
     """What the release's KVCacheManager does with each request-level caller mistake, as declared above.
+
+    ``groups`` is the layout of KV cache groups (``"full,sliding:8"``): the
+    ValueError for an empty prompt comes from the full-attention search
+    (``itertools.islice`` of the hashes up to ``(len - 1) // block_size``, -1
+    here); a layout without a full-attention group searches with the sliding
+    window's and chunked local attention's loops, which take the negative
+    length as no blocks and return normally, changing nothing.
 
     >>> manager_reactions("0.33.0", True)["get_computed_blocks: no tokens"].describe()
     'raises ValueError'
+    >>> manager_reactions("0.33.0", True, "sliding:4")["get_computed_blocks: no tokens"].kind
+    'ignores'
     >>> "free: not running" in manager_reactions("0.8.4", False)
     False
     """
     if not enable_caching and version_key(version) < version_key(_MEASURED_WITHOUT_CACHING_FROM):
         return {}
-    return _declared(_MANAGER_REACTIONS, version, enable_caching)
+    found = _declared(_MANAGER_REACTIONS, version, enable_caching)
+    empty = found.get("get_computed_blocks: no tokens")
+    if empty is not None and empty.kind == "raises" and not _has_full_attention(groups):
+        found["get_computed_blocks: no tokens"] = ignores(
+            "an empty prompt: no full-attention group, and the sliding-window and chunked searches find no block"
+        )
+    return found
+
+
+def _has_full_attention(groups: str) -> bool:
+    """Whether a layout of KV cache groups (``"full,sliding:8"``) has a full-attention group."""
+    return any(name.strip() == "full" for name in groups.split(","))

@@ -358,3 +358,207 @@ def test_simulate_counts_the_hits_vllm_0_33_s_own_manager_gives_on_the_same_work
         assert got == ref, (name, block_size, pool)
     assert rows[0][3][2] > 0, "the small pool preempts: the comparison covers recomputation"
     assert all(ref[1] > 0 for *_, ref, _ in rows)
+
+
+# KV cache groups at the request level (AdapterConfig.groups): vLLM's KVCacheManager built from a
+# KVCacheConfig of one KVCacheGroupSpec per group, driven through the harness's lock-step on one
+# scenario per layout and caching setting (block size 4, 12 blocks a group). Steps, counted as the
+# lock-step counts them: 1-2 admit A (16 tokens); 3 A decodes one token, so a sliding window or a
+# chunk boundary frees A's skipped blocks; 4-5 admit B (A's 16 tokens and 3 more), whose hit has the
+# null block where a group no longer reads; 6-7 admit C (20 other tokens, 12 of them external);
+# 8-9 free A and B (those admitted); 10-11 admit D (A's tokens and one more).
+_GROUPS_SCRIPT = r"""
+import json, logging, sys
+logging.disable(logging.WARNING)
+from kvspec.conformance.adapter import AdapterConfig, LevelNotProvided
+from kvspec.conformance.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.vllm.adapter import make_installed_adapter
+from kvspec.spec.manager import Request
+
+A = Request("A", tuple(range(16)))
+B = Request("B", tuple(range(16)) + (90, 91, 92))
+C = Request("C", tuple(range(100, 120)))
+D = Request("D", tuple(range(17)))
+
+
+def scenario(profile, groups, caching):
+    config = AdapterConfig(level="manager", num_gpu_blocks=12 * len(groups.split(",")), block_size=4,
+                           profile=profile, enable_caching=caching, groups=groups)
+    try:
+        make_installed_adapter(config)
+    except LevelNotProvided as e:
+        return {"verdict": "n/a", "why": str(e)}
+    lock = LockStep(make_installed_adapter, config)
+    out = {"steps": []}
+    admitted = set()
+
+    def step(op, *args):
+        spec = lock.call(op, *args)
+        lock.check()
+        out["steps"].append([op, spec.result])
+        return spec.result
+
+    def admit(r, external=0):
+        blocks, n = step("get_computed_blocks", r)
+        if step("allocate_slots", r, len(r.token_ids) - n - external, n, blocks, external) is not None:
+            admitted.add(r.request_id)
+
+    try:
+        lock.check()
+        admit(A)
+        step("allocate_slots", Request("A", A.token_ids + (7,)), 1, 0, [], 0)
+        admit(B)
+        admit(C, external=12)
+        for rid in ("A", "B"):
+            if rid in admitted:
+                step("free", rid)
+        admit(D)
+        out["tables"] = [name for name, _ in lock.impl_snapshot.block_tables]
+        out["kv_groups"] = list(lock.impl_snapshot.kv_groups)
+        out["verdict"] = "conforms"
+    except ConformanceFailure as f:
+        e = f.failure
+        out.update(verdict=e.kind.value, step=e.step, op=e.op, message=e.message)
+    return out
+
+
+profile, layouts = sys.argv[1], sys.argv[2].split(";")
+print(json.dumps({f"{g}/{c}": scenario(profile, g, c == "on") for g in layouts for c in ("on", "off")}))
+"""
+
+_LAYOUTS = ("full,sliding:8", "full,chunked:16", "sliding:4", "full,sliding:6,chunked:8")
+_ONE_TABLE = {"verdict": "n/a", "why": "keeps one block table per request"}
+_NO_CHUNKED = {"verdict": "n/a", "why": "has no ChunkedLocalAttentionSpec"}
+# Before 0.33 the null block's ref_cnt is not kept at 0 at the request level: vLLM's free passes a
+# request's whole table, null positions included, to free_blocks, which decrements every block it
+# is given (null_on_free "decrements_ref_cnt", releases.py), so freeing A (whose sliding window or
+# chunk left nulls) takes the null block's ref_cnt below 0 (inv_ref_cnt_nonnegative).
+_NULL_FREED = {"verdict": "invariant", "step": 8, "op": "free", "message": "negative number of requests"}
+# In 0.9.2 and 0.10.2 (not 0.24.0) the hit's null positions are touched too (ref_cnt + 1 per
+# null): B's admission leaves the null block held (inv_null_block_isolated).
+_NULL_TOUCHED = {"verdict": "invariant", "step": 5, "op": "allocate_slots", "message": "never held"}
+# In 0.9.2 and 0.10.2 (not 0.24.0) allocate_slots takes no num_external_computed_tokens: the
+# scheduler passed external tokens as new ones, so vLLM wants blocks for all of C's 20 tokens (5)
+# where the spec, counting the 12 external tokens as computed, leaves the two blocks outside the
+# window of 4 null and takes 3.
+_EXTERNAL_AS_NEW = {"verdict": "diverges", "step": 7, "op": "allocate_slots",
+                    "message": "returned None; the spec returned [11, 3, 2]"}  # fmt: skip
+_CONFORMS_EVERY_LAYOUT = {f"{g}/{c}": _CONFORMS for g in _LAYOUTS for c in ("on", "off")}
+
+# Per release, per layout and caching setting, as measured.
+GROUPS_EXPECTED: dict[str, dict[str, dict[str, Any]]] = {
+    # 0.8.x: get_computed_blocks returns a plain list, one table per request: no KV cache groups.
+    "0.8.0": {f"{g}/{c}": _ONE_TABLE for g in _LAYOUTS for c in ("on", "off")},
+    "0.8.4": {f"{g}/{c}": _ONE_TABLE for g in _LAYOUTS for c in ("on", "off")},
+    "0.9.2": {
+        "full,sliding:8/on": _NULL_TOUCHED,
+        "full,sliding:8/off": _NULL_FREED,
+        "full,chunked:16/on": _NO_CHUNKED,
+        "full,chunked:16/off": _NO_CHUNKED,
+        "sliding:4/on": _NULL_TOUCHED,
+        "sliding:4/off": _EXTERNAL_AS_NEW,
+        "full,sliding:6,chunked:8/on": _NO_CHUNKED,
+        "full,sliding:6,chunked:8/off": _NO_CHUNKED,
+    },
+    "0.10.2": {
+        "full,sliding:8/on": _NULL_TOUCHED,
+        "full,sliding:8/off": _NULL_FREED,
+        # ChunkedLocalAttentionManager.remove_skipped_blocks keeps the last cached block ("to get
+        # the previous hash key"): A's decode at the chunk boundary frees 3 of its 4 chunked
+        # blocks where the spec frees all 4 (block 8 stays held).
+        "full,chunked:16/on": {
+            "verdict": "diverges",
+            "step": 3,
+            "op": "allocate_slots",
+            "message": "block_tables: spec (('A', (1, 2, 3, 4, 9)), ('A#1', (0, 0, 0, 0, 10)))",
+        },
+        "full,chunked:16/off": _NULL_FREED,
+        "sliding:4/on": _NULL_TOUCHED,
+        "sliding:4/off": _EXTERNAL_AS_NEW,
+        # With caching on HybridKVCacheCoordinator asserts one full-attention type and one other.
+        "full,sliding:6,chunked:8/on": {"verdict": "n/a", "why": "assumes exactly one other type of groups"},
+        "full,sliding:6,chunked:8/off": _NULL_FREED,
+    },
+    "0.24.0": {f"{g}/{c}": _NULL_FREED for g in _LAYOUTS for c in ("on", "off")},
+    "0.33.0": _CONFORMS_EVERY_LAYOUT,
+}
+
+
+@pytest.mark.parametrize("version", list(GROUPS_EXPECTED))
+def test_kv_cache_groups_at_the_request_level(version: str) -> None:
+    python = ensure_venv(version, lambda msg: print(msg, file=sys.stderr))
+    profile = "vllm-v1" if facts_for(version).matches_seed_order else "vllm-v1-tail"
+    proc = subprocess.run([str(python), "-c", _GROUPS_SCRIPT, profile, ";".join(_LAYOUTS)], capture_output=True,
+                          text=True, timeout=600, check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for key, want in GROUPS_EXPECTED[version].items():
+        got = out[key]
+        assert got["verdict"] == want["verdict"], (key, got)
+        if want["verdict"] == "n/a":
+            assert want["why"] in got["why"], (key, got)
+        elif want["verdict"] != "conforms":
+            assert (got["step"], got["op"]) == (want["step"], want["op"]), (key, got)
+            assert want["message"] in got["message"], (key, got)
+    if version != "0.33.0":
+        return
+    # Every group's table under its own name, the groups named in the snapshot.
+    three = out["full,sliding:6,chunked:8/on"]
+    assert three["tables"] == ["C", "C#1", "C#2", "D", "D#1", "D#2"], three
+    assert three["kv_groups"] == ["full", "sliding:6", "chunked:8"], three
+    # B's hit, group by group: full attention's 4 blocks; the window of 8 reads the last 2 blocks
+    # (the first 2 are the null block, freed by A's decode); the chunk of 8 at 16 tokens reads none.
+    assert three["steps"][3] == ["get_computed_blocks", [[1, 2, 3, 4, 0, 0, 7, 8, 0, 0, 0, 0], 16]], three
+    sliding = out["sliding:4/on"]
+    assert sliding["steps"][3] == ["get_computed_blocks", [[0, 0, 0, 4], 16]], sliding
+    # C's new blocks, group by group, its external tokens' blocks included: the full group's 5
+    # (13, 14, 15 for the external tokens, taken in the first phase, then 16, 17) ...
+    assert out["full,sliding:8/on"]["steps"][6] == ["allocate_slots", [13, 14, 15, 18, 19, 16, 17, 20, 21]]
+
+
+# A short campaign per layout and caching setting on vLLM 0.33 (the harness's own machine, its
+# shrinking, its caller mistakes), seed 0: each conforms. A failure whose shrunk trace makes the
+# spec's own adapter fail the same way is kvspec's, not vLLM's, and is told apart: the step rule
+# step_only_eviction_removes judges from the states alone that a block's hash may only go when the
+# block left the free queue, but a sliding window's skipped block freed by remove_skipped_blocks and
+# taken again by the same allocate_slots (the free queue otherwise empty) loses its hash while it was
+# held before the call and is held after it (spec, reference and vLLM alike).
+_GROUPS_CAMPAIGN_SCRIPT = r"""
+import json, logging, sys, tempfile
+logging.disable(logging.WARNING)
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.builtin import make_spec
+from kvspec.conformance.runner import replay, run_check
+from kvspec.conformance.vllm.adapter import make_installed_adapter
+
+# vLLM's first import takes longer than a step may: build one manager before the campaign times steps.
+make_installed_adapter(AdapterConfig(level="manager", num_gpu_blocks=4))
+out = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for groups in sys.argv[1].split(";"):
+        for caching in ("on", "off"):
+            r = run_check(make_installed_adapter, level="manager", enable_caching=caching == "on",
+                          profile="vllm-v1", groups=groups, max_examples=30, isolate=False, trace_dir=tmp)
+            got = [str(r.verdict), r.failure.message if r.failure else None]
+            if r.failure is not None and r.failure.trace_path:
+                spec = replay(r.failure.trace_path, make_spec, impl="spec", isolate=False, trace_dir=tmp)
+                if spec.failure is not None and spec.failure.message == r.failure.message:
+                    got[0] = "the spec's adapter fails it too"
+            out[f"{groups}/{caching}"] = got
+print(json.dumps(out))
+"""
+
+
+def test_kv_cache_groups_campaigns_on_vllm_0_33_conform() -> None:
+    python = ensure_venv("0.33.0", lambda msg: print(msg, file=sys.stderr))
+    layouts = (*_LAYOUTS, "chunked:8", "sliding:5,full")
+    proc = subprocess.run([str(python), "-c", _GROUPS_CAMPAIGN_SCRIPT, ";".join(layouts)], capture_output=True,
+                          text=True, timeout=600, check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # The step rule's blind spot (above): until it is fixed, sliding:4 with caching on meets it.
+    blind_spot = ["the spec's adapter fails it too", "A hash-table entry disappears only when its block is "
+                  "reallocated, evicted by id, or the cache is reset."]  # fmt: skip
+    for key, got in out.items():
+        assert got in (["conforms", None], blind_spot), (key, got)
+    assert sum(got == ["conforms", None] for got in out.values()) >= len(out) - 2, out
