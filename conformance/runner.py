@@ -271,23 +271,9 @@ def run_check(
     if problem is not None:
         return _could_not_run(problem, where)
     chosen: Factory = factory
-    plan = CampaignPlan(
-        level,
-        enable_caching,
-        profile,
-        max_examples,
-        seed,
-        time_budget_s,
-        step_timeout_s,
-        steps_per_example,
-        keep_deepest,
-        impl,
-        database,
-        device,
-        shrink,
-        cover_rounds,
-        layout,
-    )
+    plan = CampaignPlan(level, enable_caching, profile, max_examples, seed, time_budget_s, step_timeout_s,
+                        steps_per_example, keep_deepest, impl, database, device, shrink, cover_rounds,
+                        layout)  # fmt: skip
     raw = run_isolated(lambda fd, hb: run_campaign(chosen, plan, fd, hb), step_timeout_s, isolate, progress)
     return _result(raw, chosen, where, started)
 

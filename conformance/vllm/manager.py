@@ -146,6 +146,7 @@ class VllmManagerAdapter:
     """
 
     validates_bad_input = False
+    kv_cache_groups = True  # it builds config.groups as vLLM's KV cache groups (LevelNotProvided where it has none)
     rejected_mistakes: frozenset[str] = frozenset()
 
     def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
@@ -182,14 +183,7 @@ class VllmManagerAdapter:
         # vLLM's block k is the spec's block k + 1 (see kvspec.conformance.vllm.adapter).
         self.has_null_block = has_null_block(release, config)
         self._offset = 0 if self.has_null_block else 1
-        # The KV cache groups; one full-attention group is the manager as before groups existed.
-        self.groups: tuple[KVGroup, ...] = parse_groups(config.groups)
-        self._grouped = self.groups != (FULL,)
-        if self._grouped:
-            self._check_groups_supported()
-        self.manager: Any = self._build_manager(manager_cls, config.num_gpu_blocks - self._offset)
-        if self._grouped:
-            self._check_group_managers()
+        self.manager: Any = self._layout_manager(manager_cls, config.num_gpu_blocks - self._offset)
         self._pool: Any = self.manager.block_pool
         self._block_hasher: Any = None
         if self.hashes == "request":
@@ -214,6 +208,18 @@ class VllmManagerAdapter:
         # The sizes generation's scheduler, not its manager, holds the len-1 cap (see the module doc).
         self._scheduler_caps_hit = self.constructor == "sizes"
         self.not_applicable = self._not_applicable(release, manager_params)
+
+    def _layout_manager(self, manager_cls: Any, num_blocks: int) -> Any:
+        """vLLM's manager for the layout, checked to have the groups asked for (LevelNotProvided where not)."""
+        # The KV cache groups; one full-attention group is the manager as before groups existed.
+        self.groups: tuple[KVGroup, ...] = parse_groups(self.config.groups)
+        self._grouped = self.groups != (FULL,)
+        if self._grouped:
+            self._check_groups_supported()
+        self.manager = self._build_manager(manager_cls, num_blocks)
+        if self._grouped:
+            self._check_group_managers()
+        return self.manager
 
     def _hash_fn(self, release: VllmRelease, config: AdapterConfig, manager_params: Any) -> str:
         """The manager's hash function: the request's (0.10.1+), the manager's caching_hash_algo

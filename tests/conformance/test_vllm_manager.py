@@ -517,18 +517,12 @@ def test_kv_cache_groups_at_the_request_level(version: str) -> None:
 
 
 # A short campaign per layout and caching setting on vLLM 0.33 (the harness's own machine, its
-# shrinking, its caller mistakes), seed 0: each conforms. A failure whose shrunk trace makes the
-# spec's own adapter fail the same way is kvspec's, not vLLM's, and is told apart: the step rule
-# step_only_eviction_removes judges from the states alone that a block's hash may only go when the
-# block left the free queue, but a sliding window's skipped block freed by remove_skipped_blocks and
-# taken again by the same allocate_slots (the free queue otherwise empty) loses its hash while it was
-# held before the call and is held after it (spec, reference and vLLM alike).
+# shrinking, its caller mistakes), seed 0: each conforms.
 _GROUPS_CAMPAIGN_SCRIPT = r"""
 import json, logging, sys, tempfile
 logging.disable(logging.WARNING)
 from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import make_spec
-from kvspec.conformance.runner import replay, run_check
+from kvspec.conformance.runner import run_check
 from kvspec.conformance.vllm.adapter import make_installed_adapter
 
 # vLLM's first import takes longer than a step may: build one manager before the campaign times steps.
@@ -539,12 +533,7 @@ with tempfile.TemporaryDirectory() as tmp:
         for caching in ("on", "off"):
             r = run_check(make_installed_adapter, level="manager", enable_caching=caching == "on",
                           profile="vllm-v1", groups=groups, max_examples=30, isolate=False, trace_dir=tmp)
-            got = [str(r.verdict), r.failure.message if r.failure else None]
-            if r.failure is not None and r.failure.trace_path:
-                spec = replay(r.failure.trace_path, make_spec, impl="spec", isolate=False, trace_dir=tmp)
-                if spec.failure is not None and spec.failure.message == r.failure.message:
-                    got[0] = "the spec's adapter fails it too"
-            out[f"{groups}/{caching}"] = got
+            out[f"{groups}/{caching}"] = [str(r.verdict), r.failure.message if r.failure else r.message]
 print(json.dumps(out))
 """
 
@@ -556,9 +545,5 @@ def test_kv_cache_groups_campaigns_on_vllm_0_33_conform() -> None:
                           text=True, timeout=600, check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    # The step rule's blind spot (above): until it is fixed, sliding:4 with caching on meets it.
-    blind_spot = ["the spec's adapter fails it too", "A hash-table entry disappears only when its block is "
-                  "reallocated, evicted by id, or the cache is reset."]  # fmt: skip
-    for key, got in out.items():
-        assert got in (["conforms", None], blind_spot), (key, got)
-    assert sum(got == ["conforms", None] for got in out.values()) >= len(out) - 2, out
+    for key, (verdict, message) in out.items():
+        assert verdict == "conforms", (key, message)
