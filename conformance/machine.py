@@ -564,7 +564,7 @@ class ManagerMachine(_LockStepMachine):
         Independent prompts are short, so without this that case is rare.
         """
         extra = self._state.pool.num_gpu_blocks * self.block_size
-        tail = data.draw(strat.token_ids(extra, extra + self.block_size), label="long continuation")
+        tail = data.draw(strat.long_tokens(extra, extra + self.block_size), label="long continuation")
         return replace(prompt, token_ids=prompt.token_ids + tail)
 
     @rule(target=prompts, prompt=prompts, data=st.data())

@@ -18,6 +18,7 @@ strategy object each time cost more than the step itself.
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from functools import lru_cache
 
@@ -45,6 +46,7 @@ __all__ = [
     "external_tokens",
     "group_layouts",
     "hash_values",
+    "long_tokens",
     "lora_names",
     "manager_pool_sizes",
     "mm_inputs",
@@ -116,6 +118,19 @@ def hash_values() -> st.SearchStrategy[BlockHash]:
 def token_ids(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
     """Tokens from the small vocabulary."""
     return st.lists(st.integers(0, VOCABULARY_SIZE - 1), min_size=min_size, max_size=max_size).map(tuple)
+
+
+def long_tokens(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
+    """Many tokens from the small vocabulary in two draws: a length and a seed that picks them.
+
+    For tails longer than the pool holds: drawn one by one they cost the
+    campaign a draw per token (most of its time, once pools grow with KV cache
+    groups), and a shrunk failure never needs their exact values; it shrinks
+    to the shortest tail of seed 0.
+    """
+    return st.tuples(st.integers(min_size, max_size), st.integers(0, 2**32 - 1)).map(
+        lambda n_seed: tuple(random.Random(n_seed[1]).choices(range(VOCABULARY_SIZE), k=n_seed[0]))
+    )
 
 
 @lru_cache(maxsize=512)

@@ -27,6 +27,7 @@ tests/spec/test_attention.py tie the two together.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, TypeVar, cast
 
 from kvspec.spec.errors import InvalidRequest
@@ -73,6 +74,7 @@ class KVGroup:
 FULL = KVGroup("full")
 
 
+@lru_cache(maxsize=256)
 def parse_groups(text: str) -> tuple[KVGroup, ...]:
     """The groups named by `full,sliding:8,chunked:16` (one to three groups, in order).
 
