@@ -792,7 +792,7 @@ class ManagerMachine(_LockStepMachine):
         output tokens follow from its first.
         """
         run = self.requests[request_id]
-        num_steps = data.draw(st.integers(2, 3 * self.block_size + 2), label="decode steps")
+        num_steps = data.draw(st.integers(2, 4 * max(self.block_size, 8) + 2), label="decode steps")
         first = data.draw(st.integers(0, strat.VOCABULARY_SIZE - 1), label="first output token")
         remaining = len(run.request.token_ids) - run.num_computed_tokens
         for k in range(num_steps):

@@ -115,11 +115,13 @@ def hash_values() -> st.SearchStrategy[BlockHash]:
 
 
 @lru_cache(maxsize=512)
+@lru_cache(maxsize=1024)
 def token_ids(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
     """Tokens from the small vocabulary."""
     return st.lists(st.integers(0, VOCABULARY_SIZE - 1), min_size=min_size, max_size=max_size).map(tuple)
 
 
+@lru_cache(maxsize=1024)
 def long_tokens(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
     """Many tokens from the small vocabulary in two draws: a length and a seed that picks them.
 
@@ -139,11 +141,13 @@ def system_prompts(block_size: int) -> st.SearchStrategy[tuple[tuple[int, ...], 
     return st.lists(token_ids(0, 2 * block_size + 1), min_size=1, max_size=3).map(tuple)
 
 
+@lru_cache(maxsize=1)
 def lora_names() -> st.SearchStrategy[str | None]:
     """No LoRA (shrinks to this), or one of two adapters."""
     return st.one_of(st.none(), st.sampled_from(LORA_NAMES))
 
 
+@lru_cache(maxsize=1)
 def cache_salts() -> st.SearchStrategy[str | None]:
     """No salt (shrinks to this), or one of two tenants."""
     return st.one_of(st.none(), st.sampled_from(CACHE_SALTS))
@@ -169,6 +173,7 @@ def _images(draw: st.DrawFn, num_tokens: int, block_size: int, most: int) -> tup
 
 
 @lru_cache(maxsize=512)
+@lru_cache(maxsize=1024)
 def mm_inputs(num_tokens: int, block_size: int) -> st.SearchStrategy[tuple[MultiModalInput, ...]]:
     """Mostly none; else one or two images placed inside the prompt, possibly spanning blocks."""
     if num_tokens == 0:

@@ -205,6 +205,26 @@ def hash_request_blocks(
     """
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
+    args = (tuple(token_ids), block_size, lora_name, tuple(mm_inputs), cache_salt, hash_fn, seed, lora_path)
+    try:
+        return _request_chain(*args)
+    except TypeError:  # a key that cannot be remembered (unhashable): computed without the memo
+        return _request_chain.__wrapped__(*args)
+
+
+# The same request's chain is asked for by the spec, the implementation and the harness at every
+# step: remembered whole (and block by block, `_block_hash`, for the chain of a request that grew).
+@lru_cache(maxsize=4096)
+def _request_chain(
+    token_ids: tuple[int, ...],
+    block_size: int,
+    lora_name: str | None,
+    mm_inputs: tuple[MultiModalInput, ...],
+    cache_salt: str | None,
+    hash_fn: str,
+    seed: str,
+    lora_path: str | None,
+) -> tuple[BlockHash, ...]:
     parent = none_hash(hash_fn, seed)
     hashes: list[BlockHash] = []
     for i in range(len(token_ids) // block_size):

@@ -61,14 +61,12 @@ def inv_ref_cnt_nonnegative(s: Snapshot) -> bool:
 
 def inv_free_queue_has_zero_ref(s: Snapshot) -> bool:
     """A block is in the free queue exactly once iff it is not the null block, not quarantined, and its ref_cnt is 0."""
-    counts: Counter[int] = Counter(s.free_queue)
+    queued = set(s.free_queue)
     # NOTE: a quarantined block has ref_cnt 0 but must never be reused, so it is
     # the one ref-0 block (besides the null block) that stays out of the queue.
     quarantined = set(s.quarantined)
-    return all(
-        counts[b] == (1 if b != NULL_BLOCK_ID and b not in quarantined and s.ref_cnt[b] == 0 else 0)
-        for b in range(s.num_gpu_blocks)
-    ) and all(0 <= b < s.num_gpu_blocks for b in counts)
+    free = {b for b, r in enumerate(s.ref_cnt) if r == 0 and b != NULL_BLOCK_ID and b not in quarantined}
+    return len(queued) == len(s.free_queue) and queued == free
 
 
 def inv_null_block_isolated(s: Snapshot) -> bool:

@@ -697,9 +697,10 @@ def _take_new_blocks(
     num_required = -(-step.num_tokens // cfg.block_size)
     new_tables = []
     for table in tables:
-        taken = _get_new_blocks(pool, max(num_required - len(table), 0))
-        pool = taken.state
-        new_tables.append(table + taken.result)
+        if len(table) < num_required:
+            taken = _get_new_blocks(pool, num_required - len(table))
+            pool, table = taken.state, table + taken.result
+        new_tables.append(table)
     return pool, tuple(new_tables)
 
 
