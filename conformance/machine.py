@@ -788,8 +788,9 @@ class ManagerMachine(_LockStepMachine):
 
         Long runs are where a sliding window or a chunk moves past block after
         block (each step frees the blocks the window left); independent decode
-        rules rarely string enough steps together. One draw for the run: the
-        output tokens follow from its first.
+        rules rarely string enough steps together. Up to 4 x max(block_size, 8)
+        + 2 steps, so a run moves past several blocks at any block size; one
+        draw for the run's tokens: the output tokens follow from its first.
         """
         run = self.requests[request_id]
         num_steps = data.draw(st.integers(2, 4 * max(self.block_size, 8) + 2), label="decode steps")
