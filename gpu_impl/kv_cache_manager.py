@@ -55,11 +55,11 @@ import torch
 
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.kv_cache import GroupedKVCache, PagedKVCache
-from kvspec.spec.attention import FULL, KVGroup, format_groups, parse_groups
+from kvspec.spec.attention import FULL, KVGroup
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import check_all
-from kvspec.spec.manager import Request
+from kvspec.spec.manager import Request, check_groups
 from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
 
 __all__ = ["KVSource", "TensorKVCacheManager", "prefix_kv_source"]
@@ -133,23 +133,6 @@ def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_ex
     if num_new_tokens == 0:
         raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
 
-
-
-def _check_groups(groups: str | Sequence[KVGroup], block_size: int) -> tuple[KVGroup, ...]:
-    """The KV cache groups as `KVGroup` values (`"full,sliding:8"` or the values themselves), checked.
-
-    Raises:
-        InvalidRequest: a group is malformed, there are none or more than three, or a chunk is
-            not a multiple of the block size (the spec's messages).
-    """
-    kv_groups = parse_groups(groups if isinstance(groups, str) else format_groups(tuple(groups)))
-    for g in kv_groups:
-        if g.kind == "chunked" and g.size % block_size:
-            raise InvalidRequest(
-                f"KV cache group {g}: a chunk of {g.size} tokens is not a multiple of block_size={block_size} "
-                "(vLLM's chunked local attention asserts it, and its hit search relies on it)"
-            )
-    return kv_groups
 
 
 class _Group:
@@ -230,7 +213,7 @@ class TensorKVCacheManager:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
         hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
-        kv_groups = _check_groups(groups, block_size)
+        kv_groups = check_groups(groups, block_size)
         # The pool owns the blocks; the KV memory is one int64 per token slot, per group.
         self.block_pool = TensorBlockPool(num_gpu_blocks, enable_caching, profile, device, key_capacity)
         self.kv_memory = GroupedKVCache(self.block_pool, block_size, len(kv_groups))

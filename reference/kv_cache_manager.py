@@ -21,11 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvspec.reference.block_pool import BlockPool
-from kvspec.spec.attention import FULL, KVGroup, format_groups, parse_groups
+from kvspec.spec.attention import FULL, KVGroup
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import check_all
-from kvspec.spec.manager import Request
+from kvspec.spec.manager import Request, check_groups
 from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
 
 __all__ = ["KVCacheManager"]
@@ -224,13 +224,7 @@ class KVCacheManager:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
         hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
-        kv_groups = parse_groups(groups if isinstance(groups, str) else format_groups(tuple(groups)))
-        for g in kv_groups:
-            if g.kind == "chunked" and g.size % block_size:
-                raise InvalidRequest(
-                    f"KV cache group {g}: a chunk of {g.size} tokens is not a multiple of block_size={block_size} "
-                    "(vLLM's chunked local attention asserts it, and its hit search relies on it)"
-                )
+        kv_groups = check_groups(groups, block_size)  # what a layout is: part of the contract, as the chain
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, profile)  # owns every block
         self.block_size = block_size  # fixed
         self.enable_caching = self.block_pool.enable_caching  # fixed
