@@ -85,7 +85,7 @@ _MLX_FINDINGS: tuple[Finding, ...] = (
             "a block's prefix-cache key survives the block's reallocation (eviction clears only the chained hash, "
             "which the request path never sets), so the old key hits the block while it holds another request's "
             "KV; vLLM and the spec drop a block's hash when it is reallocated", "KV reuse", is_bug=True),
-    Finding("extra-keys-ignored", "get_computed_blocks", r"contiguous prefix of its own hash chain",
+    Finding("extra-keys-ignored", "get_computed_blocks", r"a prefix of the request.s own chain",
             "the prefix cache's key leaves out the LoRA adapter (and cache_salt and images), so a request under "
             "one adapter hits blocks computed under another; vLLM and the spec put them in the block hash",
             "KV reuse", is_bug=True),
