@@ -385,6 +385,8 @@ def _config_line(doc: Mapping[str, Any]) -> str:
     if c["level"] == "manager" or doc["kind"] == "walkthrough":
         parts.append(f"block_size={c['block_size']}")
     parts += [f"caching {'on' if c['enable_caching'] else 'off'}", f"profile {c['profile']}"]
+    if c.get("groups"):  # r1#1 is r1's table in group 1; 0 in a table: a position the group no longer reads
+        parts.append(f"KV cache groups {c['groups']} (r#g: a request's table in group g; 0: a skipped position)")
     if doc.get("impl") and doc["kind"] == "trace":
         parts.append(f"implementation {doc['impl']}")
     return ", ".join(parts)

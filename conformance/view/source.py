@@ -93,6 +93,7 @@ def trace_to_page_data(trace: Trace) -> dict[str, Any]:
             "block_size": c.block_size,
             "enable_caching": c.enable_caching,
             "profile": c.profile,
+            **({"groups": c.groups} if c.groups != "full" else {}),
         },
         "impl": trace.impl,
         "verdict": None if trace.verdict is None else trace.verdict.value,

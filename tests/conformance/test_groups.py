@@ -15,6 +15,7 @@ from kvspec.conformance.groups_demo import run_groups_demo
 from kvspec.conformance.results import Verdict
 from kvspec.conformance.runner import replay, run_check
 from kvspec.conformance.trace import dumps_trace, parse_trace, read_trace
+from kvspec.conformance.view import build_view, trace_to_page_data
 from kvspec.mutants.groups import KeyWithoutGroupId
 from kvspec.reference.kv_cache_manager import KVCacheManager
 from kvspec.spec.manager import Request
@@ -95,6 +96,8 @@ def test_a_trace_records_its_groups_and_replays_with_them(tmp_path) -> None:
     assert parse_trace(dumps_trace(trace).splitlines()) == trace
     assert replay(trace, KeyWithoutGroupId, isolate=False).verdict is Verdict.DIVERGES
     assert replay(trace, make_reference, isolate=False).verdict is Verdict.CONFORMS
+    page = build_view(trace_to_page_data(trace))  # the step-through page names the layout
+    assert "KV cache groups full,sliding:8" in page["config_line"]
 
 
 def test_the_demo_nulls_what_the_window_left_and_agrees_with_the_spec(capsys: pytest.CaptureFixture[str]) -> None:
