@@ -93,13 +93,8 @@ class FailedAllocationLeavesTouched(ReferenceManagerAdapter):
 
 
 class _NoEvictableHits(_GroupManager):
-    def blocks_needed(self, step: _AllocationStep, hits: Sequence[BlockId]) -> int:
-        num_required = -(-step.num_tokens // self.block_size)
-        table = self.req_to_blocks.get(step.request.request_id)
-        if table is not None:
-            return max(num_required - len(table), 0)
-        skipped = self.skipped_blocks(step.num_computed)
-        return max(num_required - max(skipped, len(hits)), 0)  # MUTANT: `+ evictable` is missing
+    def evictable_hits(self, hits: Sequence[BlockId]) -> int:
+        return 0  # MUTANT: hit blocks in the free queue are not counted against the free blocks
 
 
 class CapacityIgnoresEvictableHits(ReferenceManagerAdapter):

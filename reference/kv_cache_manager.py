@@ -131,9 +131,12 @@ class _GroupManager:
         if table is not None:
             return max(num_required - len(table), 0)
         skipped = self.skipped_blocks(step.num_computed)
+        return max(num_required - max(skipped, len(hits)), 0) + self.evictable_hits(hits[skipped:])
+
+    def evictable_hits(self, hits: Sequence[BlockId]) -> int:
+        """Hit blocks the step keeps that sit in the free queue: touching them takes them out. Cost: O(hits)."""
         blocks = self.pool.blocks
-        evictable = sum(1 for b in hits[skipped:] if blocks[b].ref_cnt == 0)
-        return max(num_required - max(skipped, len(hits)), 0) + evictable
+        return sum(1 for b in hits if blocks[b].ref_cnt == 0)
 
     def add_hits(self, request_id: str, hits: Sequence[BlockId], num_computed: int) -> None:
         """A first step's hit: touch the blocks still read; the skipped positions become null. Cost: O(hits)."""
