@@ -357,6 +357,33 @@ class PoolMachine(_LockStepMachine):
         self._call("touch", ids, mistake=kind, without=(_good_part(ids, ok, kind),))
         return multiple()
 
+    @precondition(lambda self: self.lock is not None and self.enable_caching)
+    @rule(data=st.data())
+    def popular_block(self, data: st.DataObject) -> None:
+        """A cached free block hit and freed two or three times (a prefix served to request after request), then
+        another hit once.
+
+        A keyed policy reads how often and how lately each block was used; one
+        touch at a time rarely leaves two free cached blocks whose counts and
+        ages disagree: here the popular block has more accesses but the older
+        last access, which an LFU order and a recency order rank apart (and a
+        hit that forgets to count shows).
+        """
+        s = self._state
+        cached = [b for b in s.free_queue if s.block_hash[b] is not None]
+        if not cached:
+            return
+        popular = data.draw(_sampled(cached), label="popular block")
+        others = [b for b in cached if b != popular]
+        other = data.draw(_sampled(others), label="hit once") if others else None
+        for block in [popular] * data.draw(st.integers(2, 3), label="hits") + ([other] if other is not None else []):
+            if self._call("touch", [block]).error is not None:
+                return
+            self._lock.check()
+            if self._call("free_blocks", [block]).error is not None:
+                return
+            self._lock.check()
+
     @precondition(lambda self: self.lock is not None and (not self.enable_caching or bool(self._held())))
     @rule(data=st.data())
     def cache_full_blocks(self, data: st.DataObject) -> None:
