@@ -601,10 +601,14 @@ class LockStep:
         self, p: _Pending, spec_snap: Snapshot, impl_snap: Snapshot, prev: Snapshot | None
     ) -> tuple[FailureKind, str, str | None] | None:
         """The first check of the step that fails, as (kind, message, rule name), or None."""
+        pairs = self.hash_names.local_pairs(spec_snap, impl_snap)
         return (
             (self._mistake_problem(p, impl_snap, prev) if p.mistake is not None else self._result_problem(p))
+            # Before the step rules: they compare the implementation's own snapshots, which only
+            # means something while a prefix keeps its hash's name from one step to the next.
+            or self._renaming_problem(spec_snap, pairs)
             or _state_problem(p, impl_snap, prev)
-            or self._snapshot_problem(spec_snap, impl_snap)
+            or self._snapshot_problem(spec_snap, impl_snap, pairs)
         )
 
     def _crash_is_a_reaction(self, p: _Pending) -> bool:
@@ -689,10 +693,28 @@ class LockStep:
                 return FailureKind.INVARIANT, problem, "hit_content_intact"
         return None
 
-    def _snapshot_problem(self, spec_snap: Snapshot, impl_snap: Snapshot) -> tuple[FailureKind, str, None] | None:
-        """The whole state against the spec's, hash values as names fixed across the example."""
+    def _renaming_problem(
+        self, spec_snap: Snapshot, pairs: dict[BlockHash, BlockHash] | None
+    ) -> tuple[FailureKind, str, None] | None:
+        """A hash the implementation named differently at an earlier step for the same prefix, or None."""
+        clash = None if pairs is None else self.hash_names.conflict(spec_snap, pairs)
+        if clash is None:
+            return None  # a step whose hashes do not pair one to one is the state comparison's to report
+        return (
+            FailureKind.DIVERGES,
+            (
+                f"block {clash}'s hash is not the one the implementation used for the same prefix earlier "
+                "(hash values are compared as names: the same spec hash must keep the same name)"
+            ),
+            None,
+        )
+
+    def _snapshot_problem(
+        self, spec_snap: Snapshot, impl_snap: Snapshot, pairs: dict[BlockHash, BlockHash] | None
+    ) -> tuple[FailureKind, str, None] | None:
+        """The whole state against the spec's, hash values as names fixed across the example
+        (`pairs`: this step's spec-to-implementation hash pairs, None where not one to one)."""
         names = self.hash_names
-        pairs = names.local_pairs(spec_snap, impl_snap)
         if pairs is None or names.as_spec(impl_snap, pairs) != spec_snap:
             spec_n, impl_n = names.named(spec_snap, impl_snap)
             return (
@@ -713,16 +735,6 @@ class LockStep:
                 None,
             )
         self.observer.states.add(hash(spec_snap.with_canonical_hashes()))
-        clash = names.conflict(spec_snap, pairs)
-        if clash is not None:
-            return (
-                FailureKind.DIVERGES,
-                (
-                    f"block {clash}'s hash is not the one the implementation used for the same prefix earlier "
-                    "(hash values are compared as names: the same spec hash must keep the same name)"
-                ),
-                None,
-            )
         names.learn(pairs)
         return None
 
