@@ -6,10 +6,12 @@ and `kvspec invariants` prints). The spec's contracts, the reference model's
 `check_invariants()`, gpu_impl and the conformance machine all call these and
 never restate them.
 
-Three kinds:
+Four kinds:
 - state invariants (`INVARIANTS`): hold in every reachable state;
 - hit rules (`HIT_RULES`): hold for every prefix-cache hit a request gets;
-- step rules (`STEP_RULES`): relate the state before an operation to the one after.
+- step rules (`STEP_RULES`): relate the state before an operation to the one after;
+- event rules (`EVENT_RULES`): relate the KV cache events a step publishes to
+  what a router that mirrors them held before and the state after (spec.events).
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from dataclasses import dataclass
 
 from kvspec.spec.attention import FULL, KVGroup, parse_groups, window_hit_blocks
 from kvspec.spec.errors import InvariantViolation
+from kvspec.spec.events import BlockStored, EventMirror, KVCacheEvent
 from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key
 
 __all__ = [
+    "EVENT_RULES",
+    "EventRule",
+    "check_events",
     "HIT_RULES",
     "INVARIANTS",
     "STEP_RULES",
@@ -407,3 +413,61 @@ def check_step(before: Snapshot, after: Snapshot, op: str) -> None:
     for rule in STEP_RULES:
         if not rule.check(before, after, op):
             raise InvariantViolation(rule.name, rule.rule, f"op={op}\nbefore: {before}\nafter:  {after}")
+
+
+# --- event rules ----------------------------------------------------------------------------
+
+
+def event_mirror_exact(before: EventMirror, events: Sequence[KVCacheEvent], after: Snapshot) -> bool:
+    """A router that reference-counts the events holds exactly the hash table's keys, one count per block."""
+    return before.apply(events).matches(after.hash_to_blocks)
+
+
+def event_parent_known(before: EventMirror, events: Sequence[KVCacheEvent], after: Snapshot) -> bool:
+    """A full-attention group's stored blocks name as parent nothing, or a key the stream announced before."""
+    # NOTE: "announced", not "held": a parent evicted by id while its request still
+    # held it (a failed external load) is gone when the child is stored. A sliding or
+    # chunked group's parent is the position before, which that group may never have
+    # registered (it was null there): vLLM names it all the same, so the rule leaves
+    # those groups out; `spec.events.orphaned_stores` reports both as a router sees them.
+    groups = snapshot_groups(after)
+    mirror = before
+    for event in events:
+        if isinstance(event, BlockStored) and event.parent_block_hash is not None:
+            full = not (0 <= event.group_idx < len(groups)) or groups[event.group_idx].kind == "full"
+            if full and event.parent_block_hash not in mirror.known:
+                return False
+        mirror = mirror.apply([event])
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class EventRule:
+    """A named rule relating a step's KV cache events to the router's mirror before them and the state after."""
+
+    name: str
+    design_id: str
+    check: Callable[[EventMirror, Sequence[KVCacheEvent], Snapshot], bool]
+
+    @property
+    def rule(self) -> str:
+        """The rule in plain words."""
+        return (self.check.__doc__ or "").strip()
+
+
+EVENT_RULES: tuple[EventRule, ...] = (
+    EventRule("event_mirror_exact", "mirror-exact", event_mirror_exact),
+    EventRule("event_parent_known", "parent-known", event_parent_known),
+)
+
+
+def check_events(before: EventMirror, events: Sequence[KVCacheEvent], after: Snapshot) -> None:
+    """Check one step's events against every event rule.
+
+    Raises:
+        InvariantViolation: naming the first event rule broken.
+    """
+    for rule in EVENT_RULES:
+        if not rule.check(before, events, after):
+            detail = f"events: {list(events)}\nmirror before: {dict(before.counts)}\nafter: {after}"
+            raise InvariantViolation(rule.name, rule.rule, detail)

@@ -49,8 +49,9 @@ import icontract
 from kvspec.spec import ops
 from kvspec.spec.attention import FULL, KVGroup, format_groups, num_skipped_blocks, parse_groups, window_hit_blocks
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
+from kvspec.spec.events import BlockStored, EventMirror, KVCacheEvent, event_extra_keys, table_counts
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
-from kvspec.spec.invariants import all_hold, check_hit
+from kvspec.spec.invariants import all_hold, check_hit, event_mirror_exact
 from kvspec.spec.state import (
     NULL_BLOCK_ID,
     TABLE_GROUP_MARK,
@@ -61,6 +62,7 @@ from kvspec.spec.state import (
     group_key,
     table_name,
 )
+from kvspec.spec.stats import PrefixCacheStats
 from kvspec.spec.step import Step
 
 __all__ = [
@@ -69,10 +71,12 @@ __all__ = [
     "Request",
     "RequestBlocks",
     "allocate_slots",
+    "evict_blocks",
     "free",
     "get_computed_blocks",
     "new_manager",
     "request_block_hashes",
+    "reset_prefix_cache",
 ]
 
 # Inside a manager operation the pool operations run without their own
@@ -94,6 +98,8 @@ _get_new_blocks = _unchecked(ops.get_new_blocks)
 _touch = _unchecked(ops.touch)
 _free_blocks = _unchecked(ops.free_blocks)
 _cache_full_blocks = _unchecked(ops.cache_full_blocks)
+_evict_blocks = _unchecked(ops.evict_blocks)
+_reset_prefix_cache = _unchecked(ops.reset_prefix_cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +111,8 @@ class Request:
     lora_name: str | None = None  # the LoRA adapter, if any: part of every block's hash
     cache_salt: str | None = None  # a tenant's salt: part of the first block's hash
     mm_inputs: tuple[MultiModalInput, ...] = ()  # multimodal inputs: part of the blocks they overlap
+    # Times the scheduler preempted it: a re-admission's hits are counted apart (spec.stats).
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +141,7 @@ class ManagerState:
     config: ManagerConfig  # fixed at construction
     pool: PoolState  # the block pool underneath, shared by every group
     requests: tuple[tuple[str, RequestBlocks], ...]  # running requests, sorted by id
+    stats: PrefixCacheStats = PrefixCacheStats()  # hit statistics since construction; grown by admissions and resets
 
     def request(self, request_id: str) -> RequestBlocks | None:
         """The record of a running request, or None."""
@@ -169,6 +178,12 @@ def _holds(state: ManagerState) -> bool:
     return True
 
 
+def _events_explain(state: ManagerState, step: Step[ManagerState, object]) -> bool:
+    """The step's events account for its change to the hash table, key by key (what a router mirrors)."""
+    mirror = EventMirror(table_counts(state.pool.hash_to_blocks))
+    return event_mirror_exact(mirror, step.events, step.state.pool.snapshot())
+
+
 def _with_request(state: ManagerState, request_id: str, entry: RequestBlocks | None) -> ManagerState:
     others = tuple((rid, e) for rid, e in state.requests if rid != request_id)
     if entry is not None:
@@ -181,6 +196,11 @@ def _check_request(request: Request, op: str) -> None:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
     if len(request.token_ids) == 0:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
+    if not _is_count(request.num_preemptions):
+        raise InvalidRequest(
+            f"{op}: request_id={request.request_id!r} has num_preemptions={request.num_preemptions!r}; "
+            "it counts the times the scheduler preempted it, a non-negative integer"
+        )
     end = 0  # where the previous multimodal input ends
     for mm in request.mm_inputs:
         if not (
@@ -278,11 +298,18 @@ def _computed_ok(
 
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda state, request, result: _computed_ok(state, request, result))
+@icontract.ensure(
+    lambda max_cache_hit_length, result: max_cache_hit_length is None or result.result[1] <= max_cache_hit_length
+)
 @icontract.ensure(lambda state, result: result.state is state)
-def get_computed_blocks(state: ManagerState, request: Request) -> Step[ManagerState, tuple[tuple[BlockId, ...], int]]:
+def get_computed_blocks(
+    state: ManagerState, request: Request, max_cache_hit_length: int | None = None
+) -> Step[ManagerState, tuple[tuple[BlockId, ...], int]]:
     """The longest cached prefix of a new request that every group can serve, its last token left to compute.
 
-    Reads only; the hit blocks are touched by `allocate_slots`.
+    Reads only; the hit blocks are touched by `allocate_slots`. The scheduler
+    may cap the hit (`max_cache_hit_length`: what an external connector lets
+    the local cache serve, 0 included); the cap never reaches the last token.
 
     Returns:
         The state, unchanged, and as the result the hit blocks, group by group
@@ -290,18 +317,28 @@ def get_computed_blocks(state: ManagerState, request: Request) -> Step[ManagerSt
         skips them), and the tokens they cover.
 
     Raises:
-        InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
+        InvalidRequest: the request has no tokens, misplaced mm_inputs, a bad
+            num_preemptions, or is already running; the cap is not None or a
+            non-negative integer.
 
     raises: InvalidRequest  # the errors above, as CrossHair reads them
     """
     _check_request_id(state, request, "get_computed_blocks")
+    if max_cache_hit_length is not None and not _is_count(max_cache_hit_length):
+        raise InvalidRequest(
+            f"get_computed_blocks: max_cache_hit_length={max_cache_hit_length!r} must be None or a non-negative "
+            "integer (tokens the local cache may serve)"
+        )
     if state.request(request.request_id) is not None:
         raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
     if not state.pool.config.enable_caching:
         return Step(state, ((), 0))
     # NOTE: at most len - 1 tokens: the last prompt token must be computed to get
     # the logits that sample the first output token.
-    per_group, num_tokens = longest_cache_hit(state, request_block_hashes(state, request), len(request.token_ids) - 1)
+    limit = len(request.token_ids) - 1
+    if max_cache_hit_length is not None:
+        limit = min(limit, max_cache_hit_length)
+    per_group, num_tokens = longest_cache_hit(state, request_block_hashes(state, request), limit)
     return Step(state, (tuple(b for blocks in per_group for b in blocks), num_tokens))
 
 
@@ -416,6 +453,8 @@ def _alloc_ok(state: ManagerState, request: Request, result: Step[ManagerState, 
 
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda state, request, result: _alloc_ok(state, request, result))
+@icontract.ensure(lambda state, result: _events_explain(state, result))
+@icontract.ensure(lambda state, result: result.result is not None or result.state.stats == state.stats)
 def allocate_slots(
     state: ManagerState,
     request: Request,
@@ -437,10 +476,15 @@ def allocate_slots(
     coordinator does: taking blocks for one group cannot evict another
     group's hit.
 
+    A request's first step that is served is its admission: the hit
+    statistics count it then (spec.stats), local hit and external tokens apart.
+
     Returns:
         The new state and the newly taken blocks, group by group in table
         order, or None when too few blocks are free: nothing is touched and
         nothing taken (skipped blocks are freed all the same; the module doc).
+        Its events: a `BlockRemoved` per cached key a taken block loses, then
+        one `BlockStored` per group that registers blocks (spec.events).
 
     Raises:
         InvalidRequest: a count is negative or not an integer, num_new_tokens is 0, the
@@ -461,15 +505,21 @@ def allocate_slots(
     if not _fits(pool, step, tables, cfg):
         return Step(state, None)
     pool, tables, num_cached = _touch_hits(pool, step, tables, cfg)
-    pool, tables = _take_external_blocks(pool, step, tables, cfg)
-    pool, tables = _take_new_blocks(pool, step, tables, cfg)
-    pool, num_cached = _register_full_blocks(pool, step, tables, num_cached, cfg)
+    pool, tables, removed_external = _take_external_blocks(pool, step, tables, cfg)
+    pool, tables, removed = _take_new_blocks(pool, step, tables, cfg)
+    pool, num_cached, stored = _register_full_blocks(pool, step, tables, num_cached, cfg)
     before = step.entry.tables if step.running else tuple(() for _ in cfg.groups)
     new_blocks = tuple(
         b for g, table in enumerate(tables) for b in table[len(before[g]) + len(step.hits[g]) :] if b != NULL_BLOCK_ID
     )
     new_entry = RequestBlocks(tables, num_cached, step.num_tokens)
-    return Step(_with_request(replace(state, pool=pool), request.request_id, new_entry), new_blocks)
+    stats = state.stats
+    if not step.running:  # admitted: counted now, not at the lookup (a refused step is retried, not recounted)
+        num_external = step.num_computed - step.num_local_computed
+        preempted = request.num_preemptions > 0
+        stats = stats.admitted(len(request.token_ids), step.num_local_computed, num_external, preempted)
+    new_state = _with_request(replace(state, pool=pool, stats=stats), request.request_id, new_entry)
+    return Step(new_state, new_blocks, removed_external + removed + stored)
 
 
 @dataclass(frozen=True, slots=True)
@@ -665,43 +715,51 @@ def _touch_hits(
 
 def _take_external_blocks(
     pool: PoolState, step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...], cfg: ManagerConfig
-) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...]]:
+) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...], tuple[KVCacheEvent, ...]]:
     """Phase 5: blocks for the tokens an external KV cache loads, in every group that still reads some of them.
 
     A first step only, after every group's hits are touched. A group that
     skips every computed token (a chunk boundary) takes none for them.
+
+    Returns:
+        The pool, the tables, and the events of the blocks taken (a cached block taken is evicted).
     """
     num_external = step.num_computed - step.num_local_computed
     if step.running or num_external == 0:
-        return pool, tables
+        return pool, tables, ()
     new_tables = []
+    events: tuple[KVCacheEvent, ...] = ()
     for group, table in zip(cfg.groups, tables):
         skipped_tokens = num_skipped_blocks(group, step.num_computed, 1)
         read = min(step.num_computed - skipped_tokens, num_external) if skipped_tokens else num_external
         count = max(0, -(-step.num_computed // cfg.block_size) - len(table)) if read > 0 else 0
         taken = _get_new_blocks(pool, count)
-        pool = taken.state
+        pool, events = taken.state, events + taken.events
         new_tables.append(table + taken.result)
-    return pool, tuple(new_tables)
+    return pool, tuple(new_tables), events
 
 
 def _take_new_blocks(
     pool: PoolState, step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...], cfg: ManagerConfig
-) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...]]:
+) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...], tuple[KVCacheEvent, ...]]:
     """Phase 6: take the blocks the step's tokens need and append them, group by group.
 
     The table only grows while the request runs (vLLM's block tables are
     append-only, the null block standing in for a freed position), so tokens
     already scheduled keep their slots.
+
+    Returns:
+        The pool, the tables, and the events of the blocks taken (a cached block taken is evicted).
     """
     num_required = -(-step.num_tokens // cfg.block_size)
     new_tables = []
+    events: tuple[KVCacheEvent, ...] = ()
     for table in tables:
         if len(table) < num_required:
             taken = _get_new_blocks(pool, num_required - len(table))
-            pool, table = taken.state, table + taken.result
+            pool, table, events = taken.state, table + taken.result, events + taken.events
         new_tables.append(table)
-    return pool, tuple(new_tables)
+    return pool, tuple(new_tables), events
 
 
 def _register_full_blocks(
@@ -710,7 +768,7 @@ def _register_full_blocks(
     tables: tuple[tuple[BlockId, ...], ...],
     num_cached: tuple[int, ...],
     cfg: ManagerConfig,
-) -> tuple[PoolState, tuple[int, ...]]:
+) -> tuple[PoolState, tuple[int, ...], tuple[KVCacheEvent, ...]]:
     """Phase 7: register (cache_full_blocks) every block the step fills, so later requests can hit it.
 
     Only full blocks: a partial block's tokens are still to come. Group g's
@@ -720,28 +778,59 @@ def _register_full_blocks(
     count starts after them. Registered when scheduled, not after the step
     ran (the module's design note).
 
+    Each group that registers publishes one `BlockStored` (vLLM's
+    `cache_full_blocks` does, even for a group whose new positions are all
+    null): its keys, the key of the position before as parent (None from the
+    first block), the tokens of every new position, and the request's keys.
+
     Returns:
-        The pool and, per group, how many leading positions are now registered (or null).
+        The pool, per group how many leading positions are now registered (or null), and the events.
     """
     if not pool.config.enable_caching:
-        return pool, num_cached
+        return pool, num_cached, ()
     num_full = min(step.num_tokens, len(step.request.token_ids)) // cfg.block_size
     counts = []
+    events: list[KVCacheEvent] = []
     for g, (table, cached) in enumerate(zip(tables, num_cached)):
         if num_full <= cached:
             counts.append(cached)
             continue
         positions = [i for i in range(cached, num_full) if table[i] != NULL_BLOCK_ID]
+        keys = tuple(group_key(step.hashes[i], g) for i in positions)
         if positions:
-            blocks = tuple(table[i] for i in positions)
-            pool = _cache_full_blocks(pool, blocks, tuple(group_key(step.hashes[i], g) for i in positions)).state
+            pool = _cache_full_blocks(pool, tuple(table[i] for i in positions), keys).state
+        events.append(_stored(step, cfg, g, cached, num_full, positions, keys))
         counts.append(num_full)
-    return pool, tuple(counts)
+    return pool, tuple(counts), tuple(events)
+
+
+def _stored(
+    step: _AllocationStep,
+    cfg: ManagerConfig,
+    group_id: int,
+    num_cached: int,
+    num_full: int,
+    positions: Sequence[int],
+    keys: tuple[BlockHash, ...],
+) -> BlockStored:
+    """The `BlockStored` of one group's registration of positions [num_cached, num_full) (the non-null `positions`)."""
+    request, block_size = step.request, cfg.block_size
+    parent = group_key(step.hashes[num_cached - 1], group_id) if num_cached else None
+    return BlockStored(
+        block_hashes=keys,
+        parent_block_hash=parent,
+        token_ids=request.token_ids[num_cached * block_size : num_full * block_size],
+        block_size=block_size,
+        lora_name=request.lora_name,
+        extra_keys=event_extra_keys(positions, block_size, request.lora_name, request.mm_inputs, request.cache_salt),
+        group_idx=group_id,
+    )
 
 
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda result: _holds(result.state))
 @icontract.ensure(lambda request_id, result: result.state.request(request_id) is None)
+@icontract.ensure(lambda state, result: _events_explain(state, result) and result.state.stats == state.stats)
 def free(state: ManagerState, request_id: str) -> Step[ManagerState, None]:
     """Release a finished or preempted request: each group's blocks are freed tail first, group by group.
 
@@ -766,3 +855,52 @@ def free(state: ManagerState, request_id: str) -> Step[ManagerState, None]:
         if held:
             pool = _free_blocks(pool, held).state
     return Step(_with_request(replace(state, pool=pool), request_id, None), None)
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(lambda state, result: result.state.requests == state.requests and result.state.stats == state.stats)
+@icontract.ensure(lambda state, result: _events_explain(state, result))
+def evict_blocks(state: ManagerState, block_ids: Sequence[BlockId]) -> Step[ManagerState, None]:
+    """Drop the cached hash of each block, held or free (vLLM's `KVCacheManager.evict_blocks`).
+
+    The external connector reports the blocks whose load failed: their
+    content is not what their hash says, so no request may hit them again,
+    but whoever holds them keeps them. A cached chain can then have a hole,
+    and every hit search stops at it (a prefix hit is contiguous). A block
+    without a hash is left alone; each key dropped publishes a `BlockRemoved`.
+
+    Raises:
+        InvalidBlock: an id is out of range or the null block.
+        InvalidRequest: an id is named twice.
+
+    raises: InvalidBlock, InvalidRequest  # the errors above, as CrossHair reads them
+    """
+    step = _evict_blocks(state.pool, block_ids)
+    return Step(replace(state, pool=step.state), None, step.events)
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(lambda state, result: result.result == (len(state.requests) == 0 or _holds_nothing(state)))
+@icontract.ensure(lambda state, result: result.result or result.state == state)
+@icontract.ensure(lambda state, result: _events_explain(state, result))
+def reset_prefix_cache(state: ManagerState) -> Step[ManagerState, bool]:
+    """Forget every cached hash when no block is held, and record the reset (vLLM's `KVCacheManager`).
+
+    Refused (False, nothing changes, nothing recorded) while any block is held,
+    as the pool's reset is (spec.ops.reset_prefix_cache).
+
+    Returns:
+        The new state, and whether the reset happened.
+    """
+    step = _reset_prefix_cache(state.pool)
+    if not step.result:
+        return Step(state, False)
+    stats = replace(state.stats, num_resets=state.stats.num_resets + 1)
+    return Step(replace(state, pool=step.state, stats=stats), True, step.events)
+
+
+def _holds_nothing(state: ManagerState) -> bool:
+    """Whether no running request holds a block (every table position is the null block)."""
+    return all(b == NULL_BLOCK_ID for _, entry in state.requests for table in entry.tables for b in table)

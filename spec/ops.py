@@ -26,7 +26,8 @@ from kvspec.spec.errors import (
     InvalidRequest,
     PoolExhausted,
 )
-from kvspec.spec.invariants import all_hold
+from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored, EventMirror, KVCacheEvent, table_counts
+from kvspec.spec.invariants import all_hold, event_mirror_exact
 from kvspec.spec.invariants import is_block_writable as _writable
 from kvspec.spec.ordering import (
     ProfileRule,
@@ -64,6 +65,16 @@ __all__ = [
 
 def _holds(state: PoolState) -> bool:
     return all_hold(state.snapshot()) and _in_policy_order(state)
+
+
+def _events_explain(state: PoolState, step: Step[PoolState, object]) -> bool:
+    """The step's events account for its change to the hash table, key by key (what a router mirrors)."""
+    return event_mirror_exact(EventMirror(table_counts(state.hash_to_blocks)), step.events, step.state.snapshot())
+
+
+def _removed(state: PoolState, block_ids: Sequence[BlockId]) -> tuple[KVCacheEvent, ...]:
+    """One `BlockRemoved` per block of `block_ids` that has a hash, in the given order."""
+    return tuple(BlockRemoved((h,)) for h in (state.block_hash[b] for b in block_ids) if h is not None)
 
 
 def _rule(state: PoolState) -> ProfileRule:
@@ -174,6 +185,7 @@ def new_pool(num_gpu_blocks: int, enable_caching: bool = True, profile: str = "v
 
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(lambda state, result: _events_explain(state, result))
 @icontract.ensure(lambda num_blocks, result: len(result.result) == num_blocks)
 @icontract.ensure(lambda state, result: result.result == state.free_queue[: len(result.result)])
 @icontract.ensure(
@@ -234,7 +246,7 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[B
             last_access=_stamp(state.last_access, taken, state.clock),
             num_accesses=tuple(accesses),
         )
-    return Step(new_state, taken)
+    return Step(new_state, taken, _removed(state, taken))
 
 
 @icontract.require(lambda state: _holds(state))
@@ -243,6 +255,7 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[B
     lambda state, block_ids, result: all(result.state.ref_cnt[b] == state.ref_cnt[b] + 1 for b in block_ids)
 )
 @icontract.ensure(lambda block_ids, result: not set(block_ids) & set(result.state.free_queue))
+@icontract.ensure(lambda state, result: _events_explain(state, result))
 def touch(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Take a hit on cached blocks: each leaves the free queue if it was there, and its ref_cnt grows by one.
 
@@ -298,6 +311,7 @@ def touch(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, Non
 )
 @icontract.ensure(lambda state, result: result.state.hash_to_blocks == state.hash_to_blocks)
 @icontract.ensure(lambda state, block_ids, result: _freed_as_the_policy_says(state, block_ids, result.state))
+@icontract.ensure(lambda state, result: _events_explain(state, result))
 def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Drop one reference to each block, in the given (eviction-priority) order.
 
@@ -355,6 +369,7 @@ def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolStat
 @icontract.ensure(
     lambda state, result: result.state.free_queue == state.free_queue and result.state.ref_cnt == state.ref_cnt
 )
+@icontract.ensure(lambda state, result: _events_explain(state, result))
 def cache_full_blocks(
     state: PoolState, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]
 ) -> Step[PoolState, None]:
@@ -406,7 +421,9 @@ def cache_full_blocks(
             clock=state.clock + len(block_ids),
             registered_at=_stamp(state.registered_at, block_ids, state.clock),
         )
-    return Step(new_state, None)
+    # Told blocks and hashes only, the pool level publishes the keys; the request
+    # level (spec.manager) publishes the parent, tokens and keys it knows instead.
+    return Step(new_state, None, (BlockStored(tuple(block_hashes), None),) if block_ids else ())
 
 
 @icontract.require(lambda state: _holds(state))
@@ -438,6 +455,7 @@ def get_cached_block(state: PoolState, block_hash: BlockHash) -> Step[PoolState,
 @icontract.ensure(lambda block_ids, result: all(result.state.block_hash[b] is None for b in block_ids))
 @icontract.ensure(lambda state, result: _same_free_blocks(state, result.state))
 @icontract.ensure(lambda state, result: result.state.ref_cnt == state.ref_cnt)
+@icontract.ensure(lambda state, result: _events_explain(state, result))
 def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
     """Drop the cached hash of each block (held or free); blocks without a hash are left alone.
 
@@ -455,7 +473,7 @@ def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolSta
     dropped = set(block_ids)
     block_hash = tuple(None if b in dropped else h for b, h in enumerate(state.block_hash))
     new_state = replace(state, block_hash=block_hash, hash_to_blocks=_without_blocks(state.hash_to_blocks, dropped))
-    return Step(_reordered(new_state), None)
+    return Step(_reordered(new_state), None, _removed(state, block_ids))
 
 
 @icontract.require(lambda state: _holds(state))
@@ -463,6 +481,7 @@ def evict_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolSta
 @icontract.ensure(lambda state, result: result.result == (len(state.free_queue) == state.num_gpu_blocks - 1))
 @icontract.ensure(lambda state, result: result.result or result.state == state)
 @icontract.ensure(lambda result: not result.result or not result.state.hash_to_blocks)
+@icontract.ensure(lambda state, result: _events_explain(state, result))
 def reset_prefix_cache(state: PoolState) -> Step[PoolState, bool]:
     """Forget every cached hash, but only when no request holds a block.
 
@@ -476,7 +495,8 @@ def reset_prefix_cache(state: PoolState) -> Step[PoolState, bool]:
     """
     if len(state.free_queue) != state.num_gpu_blocks - 1:
         return Step(state, False)
-    return Step(_reordered(replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=())), True)
+    cleared = replace(state, block_hash=(None,) * state.num_gpu_blocks, hash_to_blocks=())
+    return Step(_reordered(cleared), True, (AllBlocksCleared(),))
 
 
 @icontract.ensure(lambda state, result: result.result == len(state.free_queue) and result.state is state)

@@ -4,7 +4,7 @@ Every operation of the spec, at the pool level (`kvspec.spec.ops`) and at the
 request level (`kvspec.spec.manager`), returns a `Step`: the state after the
 call, the call's result (None for an operation that returns nothing in vLLM,
 such as `touch`), and what the world sees of the call besides its result
-(`events`, empty until the spec models vLLM's KV cache events). A query
+(`events`: the KV cache events vLLM publishes for it, spec.events). A query
 (`get_cached_block`, `get_usage`) returns the state it was given.
 
 Design choice: one shape, rather than each operation returning what vLLM's
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from kvspec.spec.events import KVCacheEvent
 
 __all__ = ["Step"]
 
@@ -35,4 +37,4 @@ class Step(Generic[S, R]):
 
     state: S  # the state after the call (the same object for a query)
     result: R  # the value vLLM's method returns; None where it returns nothing
-    events: tuple[object, ...] = ()  # what the call publishes besides its result (none modelled yet)
+    events: tuple[KVCacheEvent, ...] = ()  # the KV cache events the call publishes, in order (spec.events)
