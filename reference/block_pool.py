@@ -8,6 +8,11 @@ paths carry no contracts; every
 state invariant is checked by `check_invariants()`, which builds a `Snapshot`
 and calls the spec's predicates (none is restated here).
 
+With `enable_kv_cache_events`, the pool publishes what vLLM's does
+(kvspec.spec.events): a `BlockRemoved` per key a block loses when evicted,
+a `BlockStored` per registration, `AllBlocksCleared` per reset; `take_events`
+drains them.
+
 Every operation validates all its arguments before it changes anything (touch
 takes each reference as it checks the id and gives them back if a later check
 fails), so a caller's mistake raises the spec's error type and leaves the pool
@@ -29,6 +34,7 @@ from kvspec.spec.errors import (
     InvalidRequest,
     PoolExhausted,
 )
+from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvspec.spec.invariants import check_all
 from kvspec.spec.ordering import profile_rule
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
@@ -43,8 +49,14 @@ def _is_int(value: object) -> bool:
 class BlockPool:
     """A pool of `num_gpu_blocks` KV blocks with prefix caching."""
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool = True, profile: str = "vllm-v1") -> None:
-        """Build the pool; block 0 becomes the null block.
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool = True,
+        profile: str = "vllm-v1",
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        """Build the pool; block 0 becomes the null block; with `enable_kv_cache_events` it publishes events.
 
         Raises:
             InvalidRequest: num_gpu_blocks is not an integer >= 1, or the profile is unknown.
@@ -76,6 +88,8 @@ class BlockPool:
         # Cached blocks get_new_blocks has reallocated (their hash dropped), for `kvspec simulate`;
         # not part of the state the spec compares.
         self.num_evictions = 0
+        # Events published and not yet taken; None when events are off (nothing is kept).
+        self.kv_event_queue: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
         # NOTE: the null block is a placeholder for slots that need no memory;
         # its ref_cnt is never maintained, so it leaves the queue for good here.
         self.null_block = self.free_block_queue.popleft()
@@ -157,6 +171,8 @@ class BlockPool:
         del entry[block.block_id]
         if not entry:
             del self.cached_block_hash_to_block[block.block_hash]
+        if self.kv_event_queue is not None:
+            self.kv_event_queue.append(BlockRemoved((block.block_hash,)))
         block.block_hash = None
 
     def touch(self, block_ids: Sequence[BlockId]) -> None:
@@ -268,12 +284,18 @@ class BlockPool:
                 )
         self.free_blocks([BlockId(int(b)) for b in ordered_block_ids])  # checked: plain ints pass the first pass
 
-    def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
+    def cache_full_blocks(
+        self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash], stored: BlockStored | None = None
+    ) -> None:
         """Register full, held blocks under their hashes.
 
         NOTE: a hash already registered gets this block added after the others
         rather than replacing the request's block with the existing one: block
         tables are append-only, so identical full blocks are not merged.
+
+        With events on, publishes `stored` (the request level knows the parent,
+        tokens and keys, as vLLM's pool reads them off the request), or else a
+        `BlockStored` of the keys alone when any block is registered.
 
         Raises:
             InvalidRequest: caching is off, lengths differ, an id is named twice, a hash is not bytes.
@@ -306,6 +328,8 @@ class BlockPool:
             self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
         if self._keyed is not None:
             self._keyed.registered(blocks)
+        if self.kv_event_queue is not None and (stored is not None or blocks):
+            self.kv_event_queue.append(stored or BlockStored(tuple(block_hashes), None))
 
     def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
         """The first block registered under `block_hash`, or None. Cost: O(1).
@@ -347,7 +371,16 @@ class BlockPool:
             block.block_hash = None
         if self._keyed is not None:
             self._keyed.rebuild()
+        if self.kv_event_queue is not None:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events published since the last call, and none kept (none at all with events off). Cost: O(events)."""
+        if not self.kv_event_queue:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
 
     def is_block_writable(self, block_id: BlockId) -> bool:
         """Whether a request may write into `block_id`: not null, held once, not hashed.

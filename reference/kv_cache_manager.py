@@ -12,7 +12,10 @@ touches the hit, takes new blocks and registers the blocks a step fills,
 by the spec's `Request` value; hashes come from the spec's chain
 (`kvspec.spec.hashing`) and group keys from `spec.state.group_key`, which are
 part of the contract, not of the implementation; the window arithmetic is
-this module's own.
+this module's own. With `enable_kv_cache_events` the pool publishes vLLM's
+KV cache events (each group's registration as one `BlockStored` with its
+parent, tokens and keys); the hit statistics (`prefix_cache_stats`) count
+each request at its admission, local hits and the connector's apart.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from dataclasses import dataclass
 from kvspec.reference.block_pool import BlockPool
 from kvspec.spec.attention import FULL, KVGroup
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
+from kvspec.spec.events import BlockStored, KVCacheEvent, event_extra_keys
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import check_all
 from kvspec.spec.manager import Request, check_groups
 from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
+from kvspec.spec.stats import PrefixCacheStats
 
 __all__ = ["KVCacheManager"]
 
@@ -40,6 +45,11 @@ def _check_request(request: Request, op: str) -> None:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
     if len(request.token_ids) == 0:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
+    if not _is_count(request.num_preemptions):
+        raise InvalidRequest(
+            f"{op}: request_id={request.request_id!r} has num_preemptions={request.num_preemptions!r}; "
+            "it counts the times the scheduler preempted it, a non-negative integer"
+        )
     end = 0  # where the previous multimodal input ends
     for mm in request.mm_inputs:
         if not (
@@ -166,17 +176,39 @@ class _GroupManager:
         return new
 
     def cache_blocks(self, step: _AllocationStep, num_full: int) -> None:
-        """Register the newly full blocks under this group's keys; null positions stay out. Cost: O(new full)."""
+        """Register the newly full blocks under this group's keys; null positions stay out. Cost: O(new full).
+
+        With events on, the registration publishes one `BlockStored` (even if
+        every new position is null, as vLLM's does): the keys, the key of the
+        position before as parent, the tokens of every new position, the keys.
+        """
         rid = step.request.request_id
         num_cached = self.num_cached_block.get(rid, 0)
         if num_full > num_cached:
             table = self.req_to_blocks[rid]
             positions = [i for i in range(num_cached, num_full) if table[i] != NULL_BLOCK_ID]
-            if positions:
-                keys = [self.key(step.hashes[i]) for i in positions]
-                self.pool.cache_full_blocks([table[i] for i in positions], keys)
+            keys = [self.key(step.hashes[i]) for i in positions]
+            publishes = self.pool.kv_event_queue is not None
+            stored = self._stored(step, num_cached, num_full, positions, keys) if publishes else None
+            if positions or stored is not None:
+                self.pool.cache_full_blocks([table[i] for i in positions], keys, stored)
             num_cached = num_full
         self.num_cached_block[rid] = num_cached
+
+    def _stored(
+        self, step: _AllocationStep, num_cached: int, num_full: int, positions: list[int], keys: list[BlockHash]
+    ) -> BlockStored:
+        """The event of registering positions [num_cached, num_full) (the non-null `positions`). Cost: O(new full)."""
+        request, bs = step.request, self.block_size
+        return BlockStored(
+            block_hashes=tuple(keys),
+            parent_block_hash=self.key(step.hashes[num_cached - 1]) if num_cached else None,
+            token_ids=request.token_ids[num_cached * bs : num_full * bs],
+            block_size=bs,
+            lora_name=request.lora_name,
+            extra_keys=event_extra_keys(positions, bs, request.lora_name, request.mm_inputs, request.cache_salt),
+            group_idx=self.group_id,
+        )
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks in this group, last first; null positions hold nothing. Cost: O(blocks)."""
@@ -215,8 +247,10 @@ class KVCacheManager:
         hash_fn: str = DEFAULT_HASH_FN,
         seed: str = DEFAULT_SEED,
         groups: str | Sequence[KVGroup] = (FULL,),
+        enable_kv_cache_events: bool = False,
     ) -> None:
-        """Build a manager over a fresh pool, with its KV cache groups (`"full,sliding:8"` or `KVGroup` values).
+        """Build a manager over a fresh pool, with its KV cache groups (`"full,sliding:8"` or `KVGroup` values);
+        with `enable_kv_cache_events` the pool publishes events.
 
         Raises:
             InvalidRequest: a size is not a positive integer, the profile or hash function is unknown,
@@ -228,7 +262,7 @@ class KVCacheManager:
             raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
         hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
         kv_groups = check_groups(groups, block_size)  # what a layout is: part of the contract, as the chain
-        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, profile)  # owns every block
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching, profile, enable_kv_cache_events)  # owns every block
         self.block_size = block_size  # fixed
         self.enable_caching = self.block_pool.enable_caching  # fixed
         self.hash_fn = hash_fn  # fixed
@@ -238,6 +272,7 @@ class KVCacheManager:
             self.group_manager_cls(g, i, self.block_pool, block_size) for i, g in enumerate(kv_groups)
         ]
         self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens computed so far (running requests)
+        self.stats = PrefixCacheStats()  # hit statistics since construction: grown at each admission and reset
 
     def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
         return hash_request_blocks(
@@ -253,21 +288,31 @@ class KVCacheManager:
                 "group's block table in snapshots"
             )
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        """The longest cached prefix every group can serve, at most len - 1 tokens, group by group.
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[list[BlockId], int]:
+        """The longest cached prefix every group can serve, at most len - 1 tokens (and the scheduler's cap).
 
         Raises:
-            InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running.
+            InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running;
+                the cap is not None or a non-negative integer.
 
         Cost: O(tokens) for the hashes, O(1) per position looked up.
         """
         self._check_request(request, "get_computed_blocks")
+        if max_cache_hit_length is not None and not _is_count(max_cache_hit_length):
+            raise InvalidRequest(
+                f"get_computed_blocks: max_cache_hit_length={max_cache_hit_length!r} must be None or a non-negative "
+                "integer (tokens the local cache may serve)"
+            )
         if request.request_id in self.num_computed_tokens:
             raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
         if not self.enable_caching:
             return [], 0
         hashes = self._block_hashes(request)
         max_length = len(request.token_ids) - 1
+        if max_cache_hit_length is not None:
+            max_length = min(max_length, max_cache_hit_length)
         if len(self.managers) == 1:
             hit = _find_hit(self.managers, hashes, max_length)
             return hit[0], len(hit[0]) * self.block_size
@@ -311,7 +356,18 @@ class KVCacheManager:
             new += more
         self._register_full_blocks(step)
         self.num_computed_tokens[request.request_id] = step.num_tokens
+        if not step.running:
+            self._record_admission(request, num_new_computed_tokens, step.num_external)
         return new_blocks[0] if len(new_blocks) == 1 else [b for new in new_blocks for b in new]
+
+    def _record_admission(self, request: Request, num_local_hits: int, num_external: int) -> None:
+        """Count an admitted request in the hit statistics: its local hit, then the connector's tokens. Cost: O(1).
+
+        Counted at admission, not at the lookup: a lookup whose step is refused
+        is retried by the scheduler, and must not be counted twice.
+        """
+        preempted = request.num_preemptions > 0
+        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits, num_external, preempted)
 
     def _free_skipped_blocks(self, step: _AllocationStep) -> None:
         """Phase 2: a running request frees, in every group, the blocks it no longer reads. Cost: O(blocks freed)."""
@@ -476,6 +532,30 @@ class KVCacheManager:
         for manager in self.managers:
             manager.free(request_id)
         del self.num_computed_tokens[request_id]
+
+    def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        """Drop the cached hash of each block (the connector's failed loads); holders keep them. Cost: O(blocks).
+
+        Raises:
+            InvalidBlock: an id is out of range or the null block.
+            InvalidRequest: an id is named twice.
+        """
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash if no block is held, and count the reset; False otherwise. Cost: O(blocks)."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.stats = PrefixCacheStats(self.stats.local, self.stats.connector, self.stats.num_resets + 1)
+        return True
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The hit statistics since the manager was built. Cost: O(1)."""
+        return self.stats
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events published since the last call. Cost: O(events)."""
+        return self.block_pool.take_events()
 
     def snapshot(self) -> Snapshot:
         """The pool's snapshot with every running request's block tables (one per group). Cost: O(blocks)."""
