@@ -62,6 +62,22 @@ the default):
   checked with one full-attention group only, and a campaign with another
   layout is "n/a"; a factory may raise `LevelNotProvided` for a layout it
   cannot build.
+- `take_events() -> list[KVCacheEvent]` (with `config.events`): the KV cache
+  events the implementation published since the last call, as the spec's
+  types (kvspec.spec.events), keys as its hash table holds them; drained
+  after every call and compared with the spec's, and the router's mirror
+  rules (`EVENT_RULES`) checked on them. Absent: the campaign checks the
+  state and says "not provided: take_events".
+- `prefix_cache_stats() -> PrefixCacheStats` (request level, with
+  `config.events`): the hit counters since the manager was built
+  (kvspec.spec.stats), compared after every step. Counters its
+  implementation does not keep are declared `not_applicable["connector
+  statistics"]` (the external connector's) or `not_applicable["reset
+  count"]`; BlockStored fields it does not publish, `not_applicable[
+  "BlockStored.<field>"]` (kvspec.conformance.kv_events.EVENT_FIELDS).
+- `get_computed_blocks(request, max_cache_hit_length=None)`: an adapter
+  whose method takes the cap (the scheduler's, from an external connector)
+  gets caps drawn; one written before it is called with the request alone.
 - the `KVContentAdapter` methods: the machine has the adapter write, for
   every computed token, a value that names the token's whole prefix, and
   reads every prefix hit back (invariant hit_content_intact).
@@ -116,6 +132,10 @@ class AdapterConfig:
     device: str | None = None  # for device-backed implementations: "cpu", "cuda:0", None = pick
     # The KV cache groups (manager level; spec.attention): "full", "full,sliding:8", ...
     groups: str = "full"
+    # Check what the pool tells the world: its KV cache events (take_events) and, at the
+    # manager level, its prefix-cache hit statistics (prefix_cache_stats). An adapter
+    # builds its implementation with both on (vLLM: enable_kv_cache_events, log_stats).
+    events: bool = False
 
 
 @runtime_checkable
@@ -167,7 +187,8 @@ class KVCacheManagerAdapter(Protocol):
     """
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        """A new request's cached prefix and the tokens it covers."""
+        """A new request's cached prefix and the tokens it covers (an adapter may take
+        `max_cache_hit_length=None` after the request: the module doc)."""
         ...
 
     def allocate_slots(

@@ -15,8 +15,10 @@ from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCac
 from kvspec.reference import BlockPool, KVCacheManager
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
+from kvspec.spec.events import KVCacheEvent
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
+from kvspec.spec.stats import PrefixCacheStats
 from kvspec.spec.step import Step
 
 __all__ = [
@@ -30,17 +32,24 @@ __all__ = [
 
 
 class _SpecState:
-    """Holds a spec state value and steps it: every spec operation returns a `Step` (state, result)."""
+    """Holds a spec state value and steps it: every spec operation returns a `Step` (state, result, events)."""
 
     state: Any
+    _events: list[KVCacheEvent]
 
     def _apply(self, operation: Callable[..., Step[Any, Any]], *args: Any) -> Any:
         step = operation(self.state, *args)
         self.state = step.state
+        self._events.extend(step.events)
         return step.result
 
     def snapshot(self) -> Snapshot:
         return cast(Snapshot, self.state.snapshot())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events published since the last call (every Step's events, in order)."""
+        events, self._events = self._events, []
+        return events
 
 
 class SpecPoolAdapter(_SpecState):
@@ -48,6 +57,7 @@ class SpecPoolAdapter(_SpecState):
 
     def __init__(self, config: AdapterConfig) -> None:
         self.state = spec_ops.new_pool(config.num_gpu_blocks, config.enable_caching, config.profile)
+        self._events = []
 
     def get_new_blocks(self, num_blocks: int) -> list[BlockId]:
         return list(self._apply(spec_ops.get_new_blocks, num_blocks))
@@ -91,9 +101,12 @@ class SpecManagerAdapter(_SpecState):
             config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn,
             config.seed, config.groups,
         )
+        self._events = []
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        blocks, num_tokens = self._apply(spec_manager.get_computed_blocks, request)
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[list[BlockId], int]:
+        blocks, num_tokens = self._apply(spec_manager.get_computed_blocks, request, max_cache_hit_length)
         return list(blocks), num_tokens
 
     def allocate_slots(
@@ -117,12 +130,22 @@ class SpecManagerAdapter(_SpecState):
     def free(self, request_id: str) -> None:
         self._apply(spec_manager.free, request_id)
 
+    def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        self._apply(spec_manager.evict_blocks, block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self._apply(spec_manager.reset_prefix_cache))
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The hit statistics since the manager was built."""
+        return cast(PrefixCacheStats, self.state.stats)
+
 
 class ReferencePoolAdapter(BlockPool):
     """The reference BlockPool already speaks the protocol; this only builds it from a config."""
 
     def __init__(self, config: AdapterConfig) -> None:
-        super().__init__(config.num_gpu_blocks, config.enable_caching, config.profile)
+        super().__init__(config.num_gpu_blocks, config.enable_caching, config.profile, config.events)
 
 
 class ReferenceManagerAdapter(KVCacheManager):
@@ -134,7 +157,7 @@ class ReferenceManagerAdapter(KVCacheManager):
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
             config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn,
-            config.seed, config.groups,
+            config.seed, config.groups, config.events,
         )
 
 

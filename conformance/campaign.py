@@ -55,6 +55,7 @@ class CampaignPlan:
     shrink: bool = True
     cover_rounds: int = 0
     groups: str = "full"  # the KV cache groups at the manager level, or "drawn"
+    events: bool = False  # check the KV cache events and hit statistics too (AdapterConfig.events)
 
 
 DRAWN = "drawn"  # `groups`: one layout drawn per example
@@ -137,7 +138,7 @@ def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, he
         watch.impl_started()
         try:
             config = AdapterConfig(plan.level, 8, plan.enable_caching, plan.profile, device=plan.device,  # type: ignore[arg-type]
-                                   groups="full" if plan.groups == "drawn" else plan.groups)
+                                   groups="full" if plan.groups == "drawn" else plan.groups, events=plan.events)
             why = _probe(factory, config, plan.groups)
         finally:
             watch.impl_finished()
@@ -154,7 +155,7 @@ def _chunks(
 ) -> tuple[tuple[Failure, LockStep | None] | None, str, int]:
     """Run chunks until the examples (and cover rounds) are done, the budget is spent, or a failure is found."""
     deadline = start + plan.time_budget_s if plan.time_budget_s is not None else None
-    branches = expected_branches(plan.level, plan.enable_caching, plan.profile, plan.groups)
+    branches = expected_branches(plan.level, plan.enable_caching, plan.profile, plan.groups, plan.events)
     remaining, chunk_seed, extra_rounds, message = plan.max_examples, plan.seed, 0, ""
     found: tuple[Failure, LockStep | None] | None = None
     while found is None:
@@ -221,7 +222,7 @@ def _run_chunk(
     """One Hypothesis run of the machine; the failure it found (shrunk unless the plan says not) and a note."""
     machine = conformance_machine(
         factory, plan.level, plan.enable_caching, plan.profile, observer, device=plan.device, watch=watch,
-        groups=plan.groups,
+        groups=plan.groups, events=plan.events,
     )
     hypothesis_seed(seed)(machine)
     try:

@@ -22,6 +22,8 @@ from kvspec.spec.ordering import is_profile, profile_rule
 from kvspec.spec.state import Snapshot
 
 __all__ = [
+    "EVENT_BRANCHES",
+    "MANAGER_EVENT_BRANCHES",
     "branch_operation",
     "expected_branches",
     "is_error_branch",
@@ -30,17 +32,54 @@ __all__ = [
 ]
 
 
-def expected_branches(level: str, enable_caching: bool, profile: str, groups: str = "full") -> tuple[str, ...]:
+# What the pool tells the world, when a campaign checks it (AdapterConfig.events): each kind of event,
+# the two ways a router that does not count references misreads the stream, and the hit statistics.
+EVENT_BRANCHES = (
+    "events: BlockStored",
+    "events: BlockRemoved",
+    "events: AllBlocksCleared",
+    "events: a key removed while another block still holds it",
+)
+MANAGER_EVENT_BRANCHES = (
+    "events: a stored block's parent not held",
+    "stats: local hit counted",
+    "stats: preempted request counted apart",
+    "stats: external tokens counted apart",
+    "stats: reset recorded",
+)
+_EVENTS_CACHING_ONLY = frozenset({
+    "events: BlockStored", "events: BlockRemoved", "events: a key removed while another block still holds it",
+    "events: a stored block's parent not held", "stats: local hit counted",
+})  # fmt: skip
+# The adapter method each of them is read through: absent, its branches cannot be reached.
+_READ_THROUGH = {"events": "take_events", "stats": "prefix_cache_stats"}
+
+
+def expected_branches(
+    level: str, enable_caching: bool, profile: str, groups: str = "full", events: bool = False
+) -> tuple[str, ...]:
     """The spec branches and events a campaign at this configuration should reach.
 
     A branch of KV cache groups is expected only of a layout that has it
-    (`groups`: the manager's layout, or "drawn": every layout).
+    (`groups`: the manager's layout, or "drawn": every layout); the events'
+    and statistics' only when they are checked (`events`).
 
     >>> "get_cached_block: hit" in expected_branches("pool", False, "vllm-v1")
     False
     >>> "allocate_slots: skipped blocks freed" in expected_branches("manager", True, "vllm-v1", "full,sliding:8")
     True
+    >>> "events: AllBlocksCleared" in expected_branches("pool", False, "vllm-v1", events=True)
+    True
     """
+    names = _operation_branches(level, enable_caching, profile, groups)
+    if not events:
+        return names
+    extra = EVENT_BRANCHES + (MANAGER_EVENT_BRANCHES if level == "manager" else ())
+    return names + tuple(b for b in extra if enable_caching or b not in _EVENTS_CACHING_ONLY)
+
+
+def _operation_branches(level: str, enable_caching: bool, profile: str, groups: str) -> tuple[str, ...]:
+    """The operations' branches a configuration should reach (`expected_branches` without the events)."""
     if groups != "drawn" and not _is_layout(groups):
         groups = "full"  # a run refused for its layout expects what one full-attention group reaches
     names = tuple(
@@ -80,10 +119,11 @@ def step_branches(op: str, args: Sequence[Any], before: Snapshot, after: Snapsho
 def branch_operation(branch: str, level: str) -> str | None:
     """The operation a branch belongs to, or None.
 
-    >>> branch_operation("readmitted after preemption", "manager")
-    'free'
+    >>> branch_operation("readmitted after preemption", "manager"), branch_operation("events: BlockStored", "pool")
+    ('free', 'take_events')
     """
-    return next((op.name for op in level_operations(level) if branch in op.all_branches()), None)
+    owner = next((op.name for op in level_operations(level) if branch in op.all_branches()), None)
+    return owner or _READ_THROUGH.get(branch.partition(": ")[0])
 
 
 def is_error_branch(branch: str, level: str) -> bool:

@@ -160,7 +160,10 @@ def _manager_call(*params: str) -> Callable[[Fields], tuple[Any, tuple[Any, ...]
     return build
 
 
-_REQUEST = {"caching": True, "running": False, "request_id": "r", "token_ids": _PROMPT, "mm_inputs": ()}
+_REQUEST = {
+    "caching": True, "running": False, "request_id": "r", "token_ids": _PROMPT, "mm_inputs": (),
+    "max_cache_hit_length": None,
+}  # fmt: skip
 _BAD_ID = 8  # one past the pool's last block
 # Request-level mistakes shared by get_computed_blocks and allocate_slots.
 _REQUEST_MISTAKES = {
@@ -232,8 +235,8 @@ _CASES: tuple[Cases, ...] = (
     Cases(
         "get_computed_blocks",
         _REQUEST,
-        _manager_call("request"),
-        {**_REQUEST_MISTAKES, "already running": _set(running=True)},
+        _manager_call(*OPERATIONS["get_computed_blocks"].params),
+        {**_REQUEST_MISTAKES, "already running": _set(running=True), "bad hit cap": _set(max_cache_hit_length=-1)},
     ),
     Cases(
         "allocate_slots",
@@ -491,7 +494,7 @@ def _operation_contract(cases: Cases) -> OperationContract:
     rows.sort(key=lambda r: (tuple(int(p) for p in r.order.split(".")), r.mistake))
     return OperationContract(
         op.name,
-        op.level,
+        ", ".join(op.levels),
         op.params,
         describe_state(valid_state),
         f"{op.name}({', '.join(_show(a) for a in valid_args)})",
@@ -518,7 +521,7 @@ def build_contract() -> Contract:
                 f"{op.name}: the operations table lists mistakes {sorted(listed)}, the cases {sorted(covered)}"
             )
         if cases is None:
-            out.append(OperationContract(op.name, op.level, op.params, "", "", (), ()))
+            out.append(OperationContract(op.name, ", ".join(op.levels), op.params, "", "", (), ()))
         else:
             out.append(_operation_contract(cases))
     return Contract(tuple(out))

@@ -19,10 +19,12 @@ state (an evicted key), and two namings of the same thing drift.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
+from kvspec.conformance.kv_events import events_as
 from kvspec.conformance.trace import TraceStep
+from kvspec.spec.events import BlockStored, KVCacheEvent
 from kvspec.spec.state import BlockHash, Snapshot, canonical_hash_to_blocks
 
 __all__ = ["HashNames"]
@@ -121,6 +123,24 @@ class HashNames:
             self._s2i[hs] = hi
             self._i2s[hi] = hs
             self.name(hs)
+
+    def events_as_spec(
+        self, spec_events: Sequence[KVCacheEvent], impl_events: Sequence[KVCacheEvent]
+    ) -> tuple[KVCacheEvent, ...]:
+        """The implementation's events with each key replaced by the spec key it is paired with.
+
+        Keys come from the state, where the pairing is learnt; a parent that no
+        table ever held (a group's null position) is paired here, event by
+        event, when both streams name one no pairing has seen. A key paired
+        with nothing stays as it is, and so differs from the spec's.
+        """
+        if len(spec_events) == len(impl_events):
+            for es, ei in zip(spec_events, impl_events):
+                if isinstance(es, BlockStored) and isinstance(ei, BlockStored):
+                    ps, pi = es.parent_block_hash, ei.parent_block_hash
+                    if ps is not None and pi is not None and ps not in self._s2i and pi not in self._i2s:
+                        self.learn({ps: pi})
+        return events_as(impl_events, lambda h: self._i2s.get(h, h))
 
     def as_spec(self, impl: Snapshot, pairs: dict[BlockHash, BlockHash]) -> Snapshot:
         """The implementation's snapshot with each hash replaced by the spec hash it is paired with."""

@@ -12,7 +12,11 @@ this order, naming what failed:
 5. every state invariant of its snapshot (`check_all`) and every step rule
    between its snapshots before and after (`check_step`);
 6. its whole snapshot equals the spec's, hash values compared as names
-   (`HashNames`: the same renaming from the first step to the last).
+   (`HashNames`: the same renaming from the first step to the last);
+7. with `config.events`: the events it published obey every event rule
+   (`check_events`, against the mirror its earlier events built), equal the
+   spec's (kvspec.conformance.kv_events says what is compared), and at the
+   request level its hit statistics equal the spec's.
 
 Design choice: the spec itself, contracts included, is the oracle, rather than
 the reference model: an implementation that agrees with the reference but not
@@ -29,16 +33,25 @@ replay` drives it from a trace.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 from kvspec.conformance.adapter import AdapterConfig, KVContentAdapter, capabilities
 from kvspec.conformance.coverage import step_branches
 from kvspec.conformance.hash_names import HashNames
+from kvspec.conformance.kv_events import (
+    EVENT_FIELDS,
+    MalformedEvents,
+    comparable,
+    describe_events,
+    same_events,
+    take_events_result,
+)
 from kvspec.conformance.kv_source import PrefixKVSource
 from kvspec.conformance.operations import OPERATIONS, BadResult, Operation, optional_operations
 from kvspec.conformance.reactions import (
@@ -55,9 +68,20 @@ from kvspec.conformance.watch import StepTimeout, StepWatch
 from kvspec.spec import errors as spec_errors
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
-from kvspec.spec.invariants import INVARIANTS, STEP_RULES, check_all, check_hit, check_step, hit_content_intact
+from kvspec.spec.events import EventMirror, KVCacheEvent, naive_misreads, orphaned_stores
+from kvspec.spec.invariants import (
+    EVENT_RULES,
+    INVARIANTS,
+    STEP_RULES,
+    check_all,
+    check_events,
+    check_hit,
+    check_step,
+    hit_content_intact,
+)
 from kvspec.spec.manager import ManagerState, Request
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, PoolState, Snapshot
+from kvspec.spec.stats import CacheCounters, PrefixCacheStats
 
 __all__ = [
     "NOT_EXERCISED_WHY",
@@ -198,6 +222,10 @@ class _Pending:
     # A replica's state before and after, and whether its free count or usage changed, when the mistake went there.
     replica: tuple[Snapshot, Snapshot, bool] | None = None
     hit_cut: bool = False  # the spec's agreed hit is shorter than some group's own (the coordinator cut it)
+    # The events the implementation must have published: the spec's, or, for a mistake it
+    # ignores, its good part's (a refused call publishes nothing).
+    expected_events: tuple[KVCacheEvent, ...] = ()
+    stats_before: PrefixCacheStats | None = None  # the spec's hit statistics before the step (request level)
 
 
 # check_hit evaluates hit_within_cap, hit_same_length, hit_prefix_closed and
@@ -286,6 +314,7 @@ class LockStep:
         self.not_applicable: dict[str, str] = dict(getattr(adapter, "not_applicable", None) or {})
         for feature, why in self.not_applicable.items():
             obs.not_exercised.add(f"{feature}: not applicable, {why}")
+        self._read_event_declarations(adapter)
         # Whether its hashes are kvspec's own chain, and what it does with each caller mistake.
         self.uses_kvspec_hash_chain = bool(getattr(adapter, "uses_kvspec_hash_chain", False))
         self.reactions: dict[str, Reaction] = {}
@@ -299,6 +328,28 @@ class LockStep:
         except ReactionDeclarationError as e:
             return Outcome(crashed=True, message=f"the adapter's declarations are wrong: {e}")
         return None
+
+    def _read_event_declarations(self, adapter: Any) -> None:
+        """What of the pool's events and statistics is checked (config.events), and what the summary says is not."""
+        obs, events_on = self.observer, self.config.events and adapter is not None
+        self.checks_events = events_on and callable(getattr(adapter, "take_events", None))
+        self.checks_stats = events_on and self.level == "manager" and callable(
+            getattr(adapter, "prefix_cache_stats", None)
+        )
+        if events_on and not self.checks_events:
+            obs.absent_ops.add("take_events")
+        if events_on and self.level == "manager" and not self.checks_stats:
+            obs.absent_ops.add("prefix_cache_stats")
+        self.fields_not_reported = {f for f in EVENT_FIELDS if f"BlockStored.{f}" in self.not_applicable}
+        self.impl_mirror = EventMirror()  # what a router holds from the implementation's stream
+        self.spec_mirror = EventMirror()  # and from the spec's
+        # Whether the adapter's get_computed_blocks takes the scheduler's cap on the hit.
+        method = getattr(adapter, "get_computed_blocks", None)
+        self.takes_hit_cap = self.level == "manager" and callable(method) and _takes(method, "max_cache_hit_length")
+        if self.level == "manager" and adapter is not None and not self.takes_hit_cap:
+            obs.not_exercised.add(
+                "connector hit cap: not applicable, the adapter's get_computed_blocks takes no max_cache_hit_length"
+            )
 
     def exercises(self, mistake: str) -> bool:
         """Whether the machine may make this caller mistake ("<op>: <mistake>") against the adapter.
@@ -341,9 +392,13 @@ class LockStep:
         assert self._pending is None, f"call({op}) before the previous step ({self._pending.op}) was checked"
         operation = OPERATIONS[op]
         # Every argument, defaults included: a trace records them all, and a replay reads them back.
+        missing = len(operation.params) - len(args)
+        if 0 < missing <= len(operation.defaults):  # trailing parameters with defaults may be left out
+            args = (*args, *operation.defaults[len(operation.defaults) - missing :])
         assert len(args) == len(operation.params), f"{op} takes {operation.params}; the machine passed {len(args)}"
         index = len(self.records) + 1
         before = self.spec_snapshot
+        stats_before = self.spec_state.stats if isinstance(self.spec_state, ManagerState) else None
         self.hash_names.name_values(args)
         try:
             new_state, spec = _spec_step(operation, self.spec_state, args)
@@ -353,11 +408,12 @@ class LockStep:
             self.watch.failed = self
             raise self.failure from e
         good_state: PoolState | ManagerState | None = None
+        expected_events = spec.events
         if mistake is not None:
             mistake = self._spec_rejected(index, op, args, spec, mistake)
             ignored = self._reaction(mistake)
             if ignored is not None and ignored.kind == "ignores":
-                good_state = self._good_part(operation, without)
+                good_state, expected_events = self._good_part(operation, without)
         hit_hashes, hit_cut = None, False
         if op == "get_computed_blocks" and isinstance(self.spec_state, ManagerState) and spec.error is None:
             hit_hashes = spec_manager.request_block_hashes(self.spec_state, args[0])
@@ -374,6 +430,8 @@ class LockStep:
             impl = self._impl_call(operation, args, mistake is None)
         if good_state is not None and impl.not_sent is None:
             new_state = good_state  # the implementation ignores the mistake: its good part applies
+        if impl.not_sent is not None or impl.replica:
+            expected_events = ()  # the adapter itself was not called
         hit_content = None
         if hit_hashes is not None and self.kv_source is not None:
             impl, hit_content = self._read_hit(impl)
@@ -382,7 +440,7 @@ class LockStep:
         self.spec_snapshot = new_state.snapshot()
         self._pending = _Pending(
             index, op, tuple(args), spec, impl, before, hit_hashes, hit_content, mistake,
-            None if without is None else tuple(without), reaction, replica, hit_cut,
+            None if without is None else tuple(without), reaction, replica, hit_cut, expected_events, stats_before,
         )  # fmt: skip
         return spec
 
@@ -394,13 +452,15 @@ class LockStep:
         alone = spec_manager.hit_lengths_alone(state, hashes, len(request.token_ids) - 1)
         return bool(max(alone) > spec.result[1])
 
-    def _good_part(self, operation: Operation, without: Sequence[Any] | None) -> PoolState | ManagerState:
-        """The spec's state after a mistaken call's good part alone (what ignoring the mistake leaves)."""
+    def _good_part(
+        self, operation: Operation, without: Sequence[Any] | None
+    ) -> tuple[PoolState | ManagerState, tuple[KVCacheEvent, ...]]:
+        """The spec's state and events after a mistaken call's good part alone (what ignoring the mistake leaves)."""
         if without is None:
-            return self.spec_state
+            return self.spec_state, ()
         state, outcome = _spec_step(operation, self.spec_state, without)
         assert outcome.error is None, f"the good part of a mistaken {operation.name} call is itself rejected"
-        return state  # type: ignore[no-any-return]
+        return state, outcome.events
 
     def _reaction(self, mistake: str | None) -> Reaction | None:
         """The reaction to check for `mistake` (when surveying: a placeholder, nothing is checked)."""
@@ -527,7 +587,7 @@ class LockStep:
             return Outcome(crashed=True, message=f"the adapter has no method {operation.name}()")
         # Each side gets its own lists: an implementation that keeps or mutates its
         # argument must not change what the spec saw.
-        impl_args = [list(a) if isinstance(a, (list, tuple)) else a for a in args]
+        impl_args = [list(a) if isinstance(a, (list, tuple)) else a for a in _without_defaults(operation, args)]
         self.watch.impl_started()
         try:
             value = fn(*impl_args)
@@ -537,7 +597,7 @@ class LockStep:
                 return Outcome(
                     crashed=True, message=f"raised {type(e).__name__}, a BlockManagerError of no spec type: {e}"
                 )
-            return Outcome(error=name, message=str(e), raised_types=_type_names(e))
+            return self._with_events(Outcome(error=name, message=str(e), raised_types=_type_names(e)), adapter)
         except NotExpressible as e:
             if adapter is self.adapter:
                 self._sent.pop()
@@ -549,11 +609,26 @@ class LockStep:
         finally:
             self.watch.impl_finished()
         if operation.normalize is None:
-            return Outcome(result=None)
+            return self._with_events(Outcome(result=None), adapter)
         try:
-            return Outcome(result=operation.normalize(value))
+            return self._with_events(Outcome(result=operation.normalize(value)), adapter)
         except BadResult as e:
             return Outcome(result={"malformed": f"{type(value).__name__}: {e}"})
+
+    def _with_events(self, outcome: Outcome, adapter: Any) -> Outcome:
+        """The outcome with the events the call published (drained from the adapter; a replica's are dropped)."""
+        if not self.checks_events:
+            return outcome
+        self.watch.impl_started()
+        try:
+            events = take_events_result(adapter.take_events())
+        except MalformedEvents as e:
+            return Outcome(crashed=True, message=str(e))
+        except Exception as e:
+            return Outcome(crashed=True, message=f"take_events() failed: {_crash_message(e)}")
+        finally:
+            self.watch.impl_finished()
+        return replace(outcome, events=events) if adapter is self.adapter else outcome
 
     # --- checking --------------------------------------------------------------------------
 
@@ -609,6 +684,8 @@ class LockStep:
             or self._renaming_problem(spec_snap, pairs)
             or _state_problem(p, impl_snap, prev)
             or self._snapshot_problem(spec_snap, impl_snap, pairs)
+            or self._events_problem(p, impl_snap)
+            or self._stats_problem(p)
         )
 
     def _crash_is_a_reaction(self, p: _Pending) -> bool:
@@ -738,6 +815,53 @@ class LockStep:
         names.learn(pairs)
         return None
 
+    def _events_problem(self, p: _Pending, impl_snap: Snapshot) -> tuple[FailureKind, str, str | None] | None:
+        """The event rules on the implementation's stream, then its events against the spec's (kv_events)."""
+        if not self.checks_events:
+            return None
+        impl_events = p.impl.events
+        try:
+            check_events(self.impl_mirror, impl_events, impl_snap)
+        except spec_errors.InvariantViolation as e:
+            shown = describe_events(impl_events, self.hash_names.impl_name)
+            return FailureKind.INVARIANT, f"{e.rule} (the implementation published: {shown})", e.name
+        renamed = self.hash_names.events_as_spec(p.expected_events, impl_events)
+        level, dropped = self.level, self.fields_not_reported
+        spec_side = tuple(comparable(e, level, dropped) for e in p.expected_events)
+        if not same_events(spec_side, tuple(comparable(e, level, dropped) for e in renamed)):
+            return (
+                FailureKind.DIVERGES,
+                (
+                    f"published {describe_events(impl_events, self.hash_names.impl_name)}; the spec published "
+                    f"{describe_events(p.expected_events, self.hash_names.name)}"
+                ),
+                None,
+            )
+        return None
+
+    def _stats_problem(self, p: _Pending) -> tuple[FailureKind, str, str | None] | None:
+        """The implementation's hit statistics against the spec's (request level, with events)."""
+        if not self.checks_stats or p.impl.replica or p.impl.not_sent is not None:
+            return None
+        self.watch.impl_started()
+        try:
+            impl = self.adapter.prefix_cache_stats()
+        except Exception as e:
+            return FailureKind.CRASHED, f"prefix_cache_stats() failed: {_crash_message(e)}", None
+        finally:
+            self.watch.impl_finished()
+        if not isinstance(impl, PrefixCacheStats):
+            what = f"prefix_cache_stats() returned {type(impl).__name__}, not PrefixCacheStats"
+            return FailureKind.DIVERGES, what, None
+        spec = cast(ManagerState, self.spec_state).stats
+        if "connector statistics" in self.not_applicable:
+            impl, spec = replace(impl, connector=CacheCounters()), replace(spec, connector=CacheCounters())
+        if "reset count" in self.not_applicable:
+            impl, spec = replace(impl, num_resets=0), replace(spec, num_resets=0)
+        if impl != spec:
+            return FailureKind.DIVERGES, f"the hit statistics differ from the spec's: {_stats_diff(spec, impl)}", None
+        return None
+
     def _content_problem(self, request: Request, blocks: Sequence[int], content: list[Any]) -> str | None:
         """What is wrong with the KV read back from a hit's blocks, or None (hit_content_intact)."""
         assert self.kv_source is not None, "content read without a KV source"
@@ -771,6 +895,7 @@ class LockStep:
         obs.invariants_checked += (
             len(INVARIANTS)
             + len(STEP_RULES)
+            + (len(EVENT_RULES) if self.checks_events else 0)
             + (_NUM_HIT_RULES_CHECKED if p.hit_hashes is not None else 0)
             + (1 if p.hit_content is not None else 0)
         )
@@ -781,9 +906,25 @@ class LockStep:
             reached.append("get_computed_blocks: hit cut by the coordinator")
         reached += self._tags
         self._tags = []
+        if self.config.events:
+            reached += self._event_branches(p)
         self.reached.update(reached)
         obs.coverage.update(reached)
         self.watch.progress(obs.examples, obs.steps)
+
+    def _event_branches(self, p: _Pending) -> list[str]:
+        """What the step's events reached (the spec's), and the mirrors moved past them."""
+        events = p.expected_events
+        reached = sorted({f"events: {type(e).__name__}" for e in events})
+        if naive_misreads(self.spec_mirror, events):
+            reached.append("events: a key removed while another block still holds it")
+        if orphaned_stores(self.spec_mirror, events):
+            reached.append("events: a stored block's parent not held")
+        self.spec_mirror = self.spec_mirror.apply(events)
+        self.impl_mirror = self.impl_mirror.apply(p.impl.events)
+        if p.stats_before is not None:
+            reached += _stats_branches(p.stats_before, cast(ManagerState, self.spec_state).stats)
+        return reached
 
     def _cap_branch(self, p: _Pending) -> list[str]:
         request: Request = p.args[0]
@@ -862,6 +1003,49 @@ def _state_problem(
     except spec_errors.InvariantViolation as e:
         return FailureKind.INVARIANT, e.rule, e.name
     return None
+
+
+def _takes(method: Callable[..., Any], param: str) -> bool:
+    """Whether a method takes a parameter of this name (or any keyword)."""
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    return param in params or any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values())
+
+
+def _without_defaults(operation: Operation, args: Sequence[Any]) -> Sequence[Any]:
+    """The arguments an adapter is called with: trailing ones at their default left out (an adapter written
+    before the parameter existed keeps working; the machine sends another value only where it is taken)."""
+    n = len(args)
+    for value in reversed(operation.defaults):
+        if n == 0 or not (args[n - 1] is None if value is None else args[n - 1] == value):
+            break
+        n -= 1
+    return args[:n]
+
+
+def _stats_branches(before: PrefixCacheStats, after: PrefixCacheStats) -> list[str]:
+    """What a request-level step recorded in the spec's hit statistics, as coverage names it."""
+    grew = [
+        (after.local.hits > before.local.hits, "stats: local hit counted"),
+        (after.local.preempted_requests > before.local.preempted_requests, "stats: preempted request counted apart"),
+        (after.connector.hits > before.connector.hits, "stats: external tokens counted apart"),
+        (after.num_resets > before.num_resets, "stats: reset recorded"),
+    ]
+    return [name for changed, name in grew if changed]
+
+
+def _stats_diff(spec: PrefixCacheStats, impl: PrefixCacheStats) -> str:
+    parts = []
+    for side in ("local", "connector"):
+        a, b = getattr(spec, side), getattr(impl, side)
+        for f in ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits"):
+            if getattr(a, f) != getattr(b, f):
+                parts.append(f"{side}.{f}: spec {getattr(a, f)} vs implementation {getattr(b, f)}")
+    if spec.num_resets != impl.num_resets:
+        parts.append(f"num_resets: spec {spec.num_resets} vs implementation {impl.num_resets}")
+    return "; ".join(parts)
 
 
 def run_spec(config: AdapterConfig, steps: Sequence[tuple[str, Sequence[Any]]]) -> list[tuple[Outcome, Snapshot]]:

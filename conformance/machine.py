@@ -77,6 +77,7 @@ class _LockStepMachine(RuleBasedStateMachine):
     watch: ClassVar[StepWatch]  # the step time limit, the heartbeat and the step stream
     device: ClassVar[str | None] = None  # AdapterConfig.device for every adapter built
     kv_groups: ClassVar[str] = "full"  # the KV cache groups (manager level), or "drawn": one layout drawn per example
+    events: ClassVar[bool] = False  # AdapterConfig.events: check the KV cache events and hit statistics
 
     def __init__(self) -> None:
         super().__init__()
@@ -113,8 +114,9 @@ class _LockStepMachine(RuleBasedStateMachine):
         # without a null block cannot build a pool of the null block alone).
         num_gpu_blocks = max(num_gpu_blocks, getattr(cls.factory, "min_num_gpu_blocks", 1))
         return AdapterConfig(
-            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.device, groups=groups
-        )
+            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.device, groups=groups,
+            events=cls.events,
+        )  # fmt: skip
 
     @invariant()
     def conforms(self) -> None:
@@ -617,11 +619,13 @@ class ManagerMachine(_LockStepMachine):
                         "no id",
                         *(["misplaced images"] if self._images else []),
                         *(["already running"] if self.requests else []),
+                        *(["bad hit cap"] if self._lock.takes_hit_cap else []),
                     )
                 )
             ),
             label="call",
         )
+        cap: object = self._hit_cap(prompt, data)
         if kind == "already running":
             request = self.requests[data.draw(_sampled(sorted(self.requests)), label="running request")].request
         elif kind == "no id":
@@ -631,13 +635,24 @@ class ManagerMachine(_LockStepMachine):
         elif kind == "misplaced images":
             images = data.draw(strat.bad_mm_inputs(len(prompt.token_ids)), label="misplaced images")
             request = replace(prompt, request_id=self._new_id(), mm_inputs=images)
+        elif kind == "bad hit cap":
+            request = replace(prompt, request_id=self._new_id())
+            cap = data.draw(strat.bad_hit_caps(), label="max_cache_hit_length")
         else:
             request = replace(prompt, request_id=self._new_id())
-        self._call("get_computed_blocks", request, mistake=kind)
+        self._call("get_computed_blocks", request, cap, mistake=kind)
 
-    def _admit(self, request: Request, data: st.DataObject, whole: bool = False) -> Any:
-        """The scheduler's admission: look up the prefix hit, then allocate the first chunk (`whole`: all of it)."""
-        hit = self._call("get_computed_blocks", request)
+    def _hit_cap(self, request: Request, data: st.DataObject) -> int | None:
+        """The scheduler's cap on the local hit (an external connector's), where the adapter takes one."""
+        if not self._lock.takes_hit_cap:
+            return None
+        return data.draw(strat.hit_caps(len(request.token_ids)), label="max_cache_hit_length")
+
+    def _admit(self, request: Request, data: st.DataObject, whole: bool = False, capped: bool = True) -> Any:
+        """The scheduler's admission: look up the prefix hit, then allocate the first chunk (`whole`: all of it;
+        `capped`: a cap on the hit may be drawn)."""
+        cap = self._hit_cap(request, data) if capped and not whole else None
+        hit = self._call("get_computed_blocks", request, cap)
         self._lock.check()
         if hit.error is not None:
             return multiple()
@@ -698,7 +713,7 @@ class ManagerMachine(_LockStepMachine):
         if not isinstance(self._admit(filler, data, whole=True), str):
             return multiple()
         self._lock.check()
-        admitted = self._admit(request, data)
+        admitted = self._admit(request, data, capped=False)  # the edge above is the uncapped hit's
         return multiple(filler.request_id, *([admitted] if isinstance(admitted, str) else []))
 
     def _allocate_slots_mistake(self, kind: str, fresh: Request, data: st.DataObject) -> None:
@@ -782,7 +797,7 @@ class ManagerMachine(_LockStepMachine):
         order is then the free order); one token at a time frees one.
         """
         request = replace(prompt, request_id=self._new_id())
-        hit = self._call("get_computed_blocks", request)
+        hit = self._call("get_computed_blocks", request, None)
         self._lock.check()
         if hit.error is not None:
             return multiple()
@@ -850,7 +865,9 @@ class ManagerMachine(_LockStepMachine):
         # with the request, which is re-admitted later with its grown prompt.
         self._call("free", request_id)
         self._lock.tag("free: request preempted")
-        self.waiting[request_id] = self.requests.pop(request_id).request
+        # The scheduler counts the preemption: the re-admission's hits are counted apart (spec.stats).
+        request = self.requests.pop(request_id).request
+        self.waiting[request_id] = replace(request, num_preemptions=request.num_preemptions + 1)
         return request_id
 
     @rule(target=running, request_id=consumes(preempted), data=st.data())
@@ -859,6 +876,53 @@ class ManagerMachine(_LockStepMachine):
         if isinstance(result, str):
             self._lock.tag("readmitted after preemption")
         return result
+
+    @precondition(
+        lambda self: self._has("evict_blocks") and (not self.enable_caching or bool(self._state.pool.hash_to_blocks))
+    )
+    @rule(data=st.data())
+    def evict_blocks(self, data: st.DataObject) -> None:
+        """The connector reports blocks whose external load failed: their hashes go, held or free.
+
+        Mostly cached blocks of a running request's chain, so its next
+        registration names a parent that is gone and the next lookup meets a
+        hole in the chain.
+        """
+        n = self._state.pool.num_gpu_blocks
+        mistakes = self._mistakes("evict_blocks", "bad id", "named twice")
+        kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
+        hashed = [b for b, h in enumerate(self._state.pool.block_hash) if h is not None]
+        any_id = st.integers(1, n - 1)
+        ids_strategy = _one_of(_sampled(hashed), any_id) if hashed else any_id
+        ids = data.draw(st.lists(ids_strategy, min_size=1, max_size=3, unique=True), label="block_ids")
+        if kind == VALID:
+            self._call("evict_blocks", ids)
+            return
+        bad: Any = (
+            data.draw(_sampled(ids), label="named twice")
+            if kind == "named twice"
+            else data.draw(strat.bad_block_ids(n), label="bad block id")
+        )
+        with_bad = _insert(data, ids, bad)
+        self._call("evict_blocks", with_bad, mistake=kind, without=(_good_part(with_bad, ids, kind),))
+
+    # As at the pool level: a reset of an empty cache changes nothing whatever the answer.
+    @precondition(
+        lambda self: self._has("reset_prefix_cache")
+        and (not self.enable_caching or bool(self._state.pool.hash_to_blocks))
+    )
+    @rule(data=st.data())
+    def reset_prefix_cache(self, data: st.DataObject) -> None:
+        """A reset (as before a weight update): refused while requests run, unless every one finishes first."""
+        finish = bool(self.requests) and data.draw(st.booleans(), label="finish every request first")
+        if finish:
+            for request_id in data.draw(st.permutations(sorted(self.requests)), label="finishing order"):
+                self._call("free", request_id)
+                self._lock.check()
+                del self.requests[request_id]
+                self.finished.append(request_id)
+            self.bundle("running").clear()
+        self._call("reset_prefix_cache")
 
     # NOTE: only once a request has finished. A rule that is enabled from the
     # first step and changes nothing is what the shrinker leaves in place of
@@ -883,6 +947,7 @@ def conformance_machine(
     device: str | None = None,
     watch: StepWatch | None = None,
     groups: str = "full",
+    events: bool = False,
 ) -> type[_LockStepMachine]:
     """A state machine class that checks `factory`'s adapters against the spec.
 
@@ -891,7 +956,8 @@ def conformance_machine(
     every `AdapterConfig.device` (None: the adapter picks). `observer` adds up
     what the campaign reached, `watch` times the implementation's calls (a
     fresh one of each when not given). `groups`: the KV cache groups of every
-    manager built ("full,sliding:8"), or "drawn" for a layout drawn per example.
+    manager built ("full,sliding:8"), or "drawn" for a layout drawn per example. `events`: check the
+    KV cache events every call publishes and, at the request level, the hit statistics.
 
     Raises:
         ValueError: level is not "pool" or "manager", or groups names no layout.
@@ -913,6 +979,7 @@ def conformance_machine(
         "watch": watch if watch is not None else StepWatch(),
         "device": device,
         "kv_groups": groups,
+        "events": events,
         "__module__": __name__,
     }
     return type(name, (base,), attrs)

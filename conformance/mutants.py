@@ -61,6 +61,7 @@ class Mutant:
     enable_caching: bool = True  # run with prefix caching on (False: a bug only visible without it)
     profile: str = "vllm-v1"  # the eviction policy it claims (a policy mutant claims the one it breaks)
     groups: str = "full"  # the KV cache groups it runs with (manager level; a group mutant needs its layout)
+    events: bool = False  # checked with the KV cache events and hit statistics (an event mutant's bug is there)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").isalnum() or self.name != self.name.lower():
@@ -176,6 +177,7 @@ def run_mutants(
                 trace_dir=None if trace_dir is None else trace_dir / mutant.name,
                 impl=factory_name(mutant),
                 groups=mutant.groups,
+                events=mutant.events,
             )
         except Exception as e:  # noqa: BLE001 - one broken run must not hide the others' results
             seconds = time.perf_counter() - start
@@ -202,15 +204,15 @@ def run_mutants(
 def run_control(
     mutants: Sequence[Mutant], max_examples: int = 200, seed: int = 0, time_budget_s: float | None = None
 ) -> list[CheckResult]:
-    """Check the unmutated reference under every (level, enable_caching, profile, groups) the mutants run with.
+    """Check the unmutated reference under every (level, caching, profile, groups, events) the mutants run with.
 
     Returns:
         One check result per configuration, pool before manager, caching on before off, vllm-v1 first,
         one full-attention group first.
     """
     configurations = sorted(
-        {(m.level, m.enable_caching, m.profile, m.groups) for m in mutants},
-        key=lambda c: (c[0] != "pool", not c[1], c[2] != "vllm-v1", c[2], c[3] != "full", c[3]),
+        {(m.level, m.enable_caching, m.profile, m.groups, m.events) for m in mutants},
+        key=lambda c: (c[0] != "pool", not c[1], c[2] != "vllm-v1", c[2], c[3] != "full", c[3], c[4]),
     )
     return [
         run_check(
@@ -222,8 +224,9 @@ def run_control(
             seed=seed,
             time_budget_s=time_budget_s,
             groups=groups,
+            events=events,
         )
-        for level, enable_caching, profile, groups in configurations
+        for level, enable_caching, profile, groups, events in configurations
     ]
 
 

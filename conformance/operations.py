@@ -120,9 +120,11 @@ class Operation:
     """One adapter method, as the harness drives, records, compares and covers it."""
 
     name: str  # the adapter method, vLLM's name
-    level: Level  # "pool" (BlockPool) or "manager" (KVCacheManager)
+    # "pool" (BlockPool), "manager" (KVCacheManager), or both: vLLM's KVCacheManager has some
+    # of its pool's operations under the same names (evict_blocks, reset_prefix_cache).
+    levels: tuple[Level, ...]
     params: tuple[str, ...]  # parameter names in call order; a trace step records one argument for each
-    spec: Callable[..., Step[Any, Any]]  # the spec's definition: (state, *args) -> Step
+    spec: Callable[..., Step[Any, Any]]  # the spec's definition: (state, *args) -> Step, for a state of each level
     normalize: Callable[[Any], Any] | None  # a returned value in normal (JSON) form; None: nothing to compare
     branches: tuple[str, ...]  # the outcomes the spec distinguishes, as coverage names them
     errors: tuple[str, ...] = ()  # the spec error types a caller mistake raises ("<name>: <error>" branches)
@@ -133,10 +135,24 @@ class Operation:
     same_result: Callable[[Any, Any], bool] = operator.eq  # spec and implementation results in normal form
     # Branches only some KV cache group layouts reach: branch -> whether a layout ("full,sliding:8") does.
     layout_only: Mapping[str, Callable[[str], bool]] = field(default_factory=lambda: MappingProxyType({}))
+    # Values of trailing parameters a trace written before they existed leaves out (read back as these).
+    defaults: tuple[Any, ...] = ()
 
     def all_branches(self) -> tuple[str, ...]:
         """Every branch of the operation: its outcomes, then one per error type."""
         return self.branches + tuple(f"{self.name}: {e}" for e in self.errors)
+
+
+def _by_level(pool_op: Callable[..., Step[Any, Any]], manager_op: Callable[..., Step[Any, Any]]) -> Callable[..., Any]:
+    """One spec definition for an operation of both levels: the pool's on a pool state, the manager's on a manager's."""
+
+    def spec(state: Any, *args: Any) -> Step[Any, Any]:
+        operation = manager_op if isinstance(state, spec_manager.ManagerState) else pool_op
+        return operation(state, *args)
+
+    spec.__name__ = spec.__qualname__ = pool_op.__name__
+    spec.__doc__ = pool_op.__doc__
+    return spec
 
 
 def _branches(name: str, *outcomes: str) -> tuple[str, ...]:
@@ -169,7 +185,7 @@ _GROUP_STEPS = MappingProxyType({
 _TABLE: tuple[Operation, ...] = (
     Operation(
         "get_new_blocks",
-        "pool",
+        ("pool",),
         ("num_blocks",),
         spec_ops.get_new_blocks,
         as_ids,
@@ -181,7 +197,7 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "touch",
-        "pool",
+        ("pool",),
         ("block_ids",),
         spec_ops.touch,
         None,
@@ -193,7 +209,7 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "free_blocks",
-        "pool",
+        ("pool",),
         ("block_ids",),
         spec_ops.free_blocks,
         None,
@@ -205,7 +221,7 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "cache_full_blocks",
-        "pool",
+        ("pool",),
         ("block_ids", "block_hashes"),
         spec_ops.cache_full_blocks,
         None,
@@ -217,7 +233,7 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "get_cached_block",
-        "pool",
+        ("pool",),
         ("block_hash",),
         spec_ops.get_cached_block,
         _as_id_or_none,
@@ -229,9 +245,9 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "evict_blocks",
-        "pool",
+        ("pool", "manager"),  # the manager's: the blocks whose external load failed (KVCacheManager.evict_blocks)
         ("block_ids",),
-        spec_ops.evict_blocks,
+        _by_level(spec_ops.evict_blocks, spec_manager.evict_blocks),
         None,
         _branches("evict_blocks", "dropped a held block's hash", "dropped a free block's hash", "nothing cached"),
         ("InvalidBlock", "InvalidRequest"),
@@ -242,9 +258,9 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "reset_prefix_cache",
-        "pool",
+        ("pool", "manager"),  # the manager's also records the reset in its statistics
         (),
-        spec_ops.reset_prefix_cache,
+        _by_level(spec_ops.reset_prefix_cache, spec_manager.reset_prefix_cache),
         _as_bool,
         _branches("reset_prefix_cache", "accepted", "accepted, hashes dropped", "refused, blocks held"),
         (),
@@ -255,7 +271,7 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "is_block_writable",
-        "pool",
+        ("pool",),
         ("block_id",),
         spec_ops.is_block_writable,
         _as_bool,
@@ -267,7 +283,7 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "get_num_free_blocks",
-        "pool",
+        ("pool",),
         (),
         spec_ops.get_num_free_blocks,
         as_id,
@@ -277,7 +293,7 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "get_usage",
-        "pool",
+        ("pool",),
         (),
         spec_ops.get_usage,
         _as_float,
@@ -288,8 +304,8 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "get_computed_blocks",
-        "manager",
-        ("request",),
+        ("manager",),
+        ("request", "max_cache_hit_length"),
         spec_manager.get_computed_blocks,
         _as_hit,
         (
@@ -301,12 +317,13 @@ _TABLE: tuple[Operation, ...] = (
         frozenset(
             (*_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS)
         ),
-        ("no tokens", "no id", "misplaced images", "already running"),
+        ("no tokens", "no id", "misplaced images", "already running", "bad hit cap"),
         layout_only=_GROUP_HITS,
+        defaults=(None,),  # max_cache_hit_length: no cap but the last token
     ),
     Operation(
         "allocate_slots",
-        "manager",
+        ("manager",),
         ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_external_computed_tokens"),
         spec_manager.allocate_slots,
         _as_ids_or_none,
@@ -351,7 +368,7 @@ _TABLE: tuple[Operation, ...] = (
     ),
     Operation(
         "free",
-        "manager",
+        ("manager",),
         ("request_id",),
         spec_manager.free,
         None,
@@ -395,9 +412,9 @@ def level_operations(level: str) -> tuple[Operation, ...]:
     """The operations of one level, in table order.
 
     >>> [op.name for op in level_operations("manager")]
-    ['get_computed_blocks', 'allocate_slots', 'free']
+    ['evict_blocks', 'reset_prefix_cache', 'get_computed_blocks', 'allocate_slots', 'free']
     """
-    return tuple(op for op in _BY_NAME.values() if op.level == level)
+    return tuple(op for op in _BY_NAME.values() if level in op.levels)
 
 
 def optional_operations(level: str = "pool") -> tuple[str, ...]:
@@ -405,6 +422,8 @@ def optional_operations(level: str = "pool") -> tuple[str, ...]:
 
     >>> optional_operations()
     ('evict_blocks', 'reset_prefix_cache', 'is_block_writable', 'get_num_free_blocks', 'get_usage')
+    >>> optional_operations("manager")
+    ('evict_blocks', 'reset_prefix_cache')
     """
     return tuple(op.name for op in level_operations(level) if op.is_optional)
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from kvspec.conformance.kv_events import event_to_json
+
 __all__ = [
     "CampaignReport",
     "CheckResult",
@@ -134,7 +136,7 @@ class Outcome:
     message: str = ""  # the error's message, or what crashed or hung
     crashed: bool = False  # raised something that is not a spec error, or the process died
     hung: bool = False  # did not return within the step time limit
-    events: tuple[Any, ...] = ()  # what the step published besides its result (none modelled yet)
+    events: tuple[Any, ...] = ()  # the KV cache events the step published (kvspec.spec.events), when checked
     raised_types: tuple[str, ...] = ()  # for an exception: its class and base class names, most specific first
     replica: bool = False  # the implementation's side ran on a replica (a mistake that changes the state)
     not_sent: str | None = None  # why a caller mistake was not sent to the implementation (its side only)
@@ -172,6 +174,8 @@ class Outcome:
             return {"hung": self.message, **extra}
         if self.crashed:
             return {"crash": self.message, **extra}
+        if self.events:
+            extra["events"] = [event_to_json(e) for e in self.events]
         if self.error is not None:
             return {"error": self.error, "message": self.message, **extra}
         return {"result": self.result, **extra}
@@ -279,6 +283,7 @@ class CheckResult:
     absent_ops: tuple[str, ...] = ()  # optional operations the implementation does not provide (or excuses)
     examples_asked: int | None = None  # max_examples as asked for; None for a replay
     groups: str = "full"  # the KV cache groups at the manager level ("drawn": a layout per example)
+    events: bool = False  # the KV cache events and hit statistics were checked too
 
     @property
     def exit_code(self) -> int:

@@ -76,6 +76,7 @@ class _Where:
     minimize_s: float = 0.0
     max_examples: int | None = None  # what a campaign was asked for; None for a replay
     groups: str = "full"  # the KV cache groups at the manager level, or "drawn"
+    events: bool = False  # the KV cache events and hit statistics were checked too
 
 
 # --- results ------------------------------------------------------------------------------
@@ -105,7 +106,7 @@ def _reported(trace: Trace, where: _Where, is_shrunk: bool) -> Failure:
 
 
 def _check_result(report: CampaignReport, where: _Where, failure: Failure | None, seconds: float) -> CheckResult:
-    branches = expected_branches(where.level, where.enable_caching, where.profile, where.groups)
+    branches = expected_branches(where.level, where.enable_caching, where.profile, where.groups, where.events)
     coverage = {b: 0 for b in branches}
     coverage.update(report.coverage)
     expected = reachable_branches(where.level, branches, coverage, report.not_exercised, report.absent_ops)
@@ -129,6 +130,7 @@ def _check_result(report: CampaignReport, where: _Where, failure: Failure | None
         invariants_checked=report.invariants_checked,
         branches=expected,
         groups=where.groups,
+        events=where.events,
         message=message,
         seed=where.seed,
         not_exercised=report.not_exercised,
@@ -172,7 +174,7 @@ def _result(raw: CampaignReport | Death, factory: Factory, where: _Where, starte
 
 def _could_not_run(message: str, where: _Where) -> CheckResult:
     branches = (
-        expected_branches(where.level, where.enable_caching, where.profile, where.groups)
+        expected_branches(where.level, where.enable_caching, where.profile, where.groups, where.events)
         if where.level in ("pool", "manager")
         else ()
     )
@@ -191,6 +193,7 @@ def _could_not_run(message: str, where: _Where) -> CheckResult:
         message=message,
         seed=where.seed,
         groups=where.groups,
+        events=where.events,
     )
 
 
@@ -219,6 +222,7 @@ def run_check(
     cover_rounds: int = 0,
     progress: Progress | None = None,
     groups: str = "full",
+    events: bool = False,
 ) -> CheckResult:
     """Check one implementation at one level against the spec.
 
@@ -249,6 +253,8 @@ def run_check(
             runs in its child process.
         groups: the KV cache groups of the manager level ("full", "full,sliding:8", ...; spec.attention),
             or "drawn": one to three groups drawn per example. The pool level has no groups.
+        events: check what the pool tells the world too: the KV cache events every call publishes
+            (`take_events`, the router's mirror rules) and, at the request level, the hit statistics.
 
     Returns:
         The verdict, what ran and was reached, and the failure with its saved trace and story.
@@ -260,8 +266,9 @@ def run_check(
     asked = max_examples if isinstance(max_examples, int) else None
     layout = layout_name(groups) if level == "manager" else "full"
     where = _Where(
-        level, enable_caching, profile, impl, seed, device, trace_dir, step_timeout_s, shrink_s, asked, layout
-    )
+        level, enable_caching, profile, impl, seed, device, trace_dir, step_timeout_s, shrink_s, asked, layout,
+        bool(events),
+    )  # fmt: skip
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)
@@ -273,7 +280,7 @@ def run_check(
     chosen: Factory = factory
     plan = CampaignPlan(level, enable_caching, profile, max_examples, seed, time_budget_s, step_timeout_s,
                         steps_per_example, keep_deepest, impl, database, device, shrink, cover_rounds,
-                        layout)  # fmt: skip
+                        layout, bool(events))  # fmt: skip
     raw = run_isolated(lambda fd, hb: run_campaign(chosen, plan, fd, hb), step_timeout_s, isolate, progress)
     return _result(raw, chosen, where, started)
 
@@ -302,7 +309,10 @@ def replay(
     if isinstance(factory, str):
         impl = impl or factory
     c = t.config
-    where = _Where(c.level, c.enable_caching, c.profile, impl, 0, c.device, trace_dir, step_timeout_s, groups=c.groups)
+    where = _Where(
+        c.level, c.enable_caching, c.profile, impl, 0, c.device, trace_dir, step_timeout_s, groups=c.groups,
+        events=c.events,
+    )  # fmt: skip
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)

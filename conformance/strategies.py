@@ -250,6 +250,16 @@ def external_tokens(max_tokens: int) -> st.SearchStrategy[int]:
     return st.one_of(st.just(0), st.integers(1, max_tokens))
 
 
+def hit_caps(num_tokens: int) -> st.SearchStrategy[int | None]:
+    """The scheduler's cap on a request's local hit (an external connector's): mostly none, else 0..len - 1."""
+    return st.one_of(st.none(), st.none(), st.integers(0, max(num_tokens - 1, 0)))
+
+
+def bad_hit_caps() -> st.SearchStrategy[object]:
+    """Caps no scheduler may pass: negative, fractional, boolean, text (None is no cap, valid)."""
+    return st.sampled_from((-1, -7, 1.5, True, "2"))
+
+
 def bad_counts() -> st.SearchStrategy[object]:
     """Counts no caller may pass: negative, fractional, boolean, missing, text."""
     return st.sampled_from((-1, -7, 1.5, True, None, "2"))

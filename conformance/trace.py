@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.kv_events import event_from_json
 from kvspec.conformance.operations import OPERATIONS
 from kvspec.conformance.results import Failure, Outcome, Verdict
 from kvspec.spec import errors as spec_errors
@@ -122,6 +123,7 @@ def encode_value(value: Any) -> Any:
                 "lora_name": value.lora_name,
                 "cache_salt": value.cache_salt,
                 "mm_inputs": [[m.identifier, m.offset, m.length] for m in value.mm_inputs],
+                **({"num_preemptions": value.num_preemptions} if value.num_preemptions else {}),
             }
         }
     if isinstance(value, (list, tuple)):
@@ -151,8 +153,10 @@ def decode_value(value: Any) -> Any:
 
 def _decode_request(r: dict[str, Any]) -> Request:
     keys = {"request_id", "token_ids", "lora_name", "cache_salt", "mm_inputs"}
-    if set(r) != keys:
-        raise ValueError(f"a request has the keys {sorted(keys)}; got {sorted(r)}")
+    if set(r) - {"num_preemptions"} != keys:  # num_preemptions: only for a request admitted again
+        raise ValueError(f"a request has the keys {sorted(keys)} (and num_preemptions); got {sorted(r)}")
+    if not _is_int(r.get("num_preemptions", 0)):
+        raise ValueError("request num_preemptions must be an integer")
     if not isinstance(r["token_ids"], list) or not all(_is_int(t) for t in r["token_ids"]):
         raise ValueError("request token_ids must be a list of integers")
     mm = r["mm_inputs"]
@@ -169,6 +173,7 @@ def _decode_request(r: dict[str, Any]) -> Request:
         lora_name=r["lora_name"],
         cache_salt=r["cache_salt"],
         mm_inputs=tuple(MultiModalInput(m[0], m[1], m[2]) for m in mm),
+        num_preemptions=r.get("num_preemptions", 0),
     )
 
 
@@ -268,6 +273,7 @@ def _config_to_json(c: AdapterConfig) -> dict[str, Any]:
         "seed": c.seed,
         "device": c.device,
         **({"groups": c.groups} if c.groups != "full" else {}),
+        **({"events": True} if c.events else {}),
     }
 
 
@@ -324,7 +330,14 @@ def _outcome(obj: Any) -> Outcome | None:
     raised = obj.get("raised", [])
     if not (isinstance(raised, list) and all(isinstance(r, str) for r in raised)):
         raise ValueError("an outcome's raised must be a list of exception type names")
-    extra: dict[str, Any] = {"replica": bool(obj.get("replica", False)), "raised_types": tuple(raised)}
+    events = obj.get("events", [])
+    if not isinstance(events, list):
+        raise ValueError("an outcome's events must be a list")
+    extra: dict[str, Any] = {
+        "replica": bool(obj.get("replica", False)),
+        "raised_types": tuple(raised),
+        "events": tuple(event_from_json(e) for e in events),
+    }
     if "result" in obj:
         return Outcome(result=obj["result"], **extra)
     if "error" in obj:
@@ -378,6 +391,9 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
         raise ValueError(f"header config groups: {e}") from None
     if groups is None:
         raise ValueError("header config groups must be a string such as 'full,sliding:8'")
+    events = cfg.get("events", False)  # traces before KV cache events were checked have none
+    if not isinstance(events, bool):
+        raise ValueError("header config events must be a boolean")
     impl = obj.get("impl")
     config = AdapterConfig(
         level=level,
@@ -389,6 +405,7 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
         seed=cfg["seed"],
         device=cfg["device"] if isinstance(cfg["device"], str) else None,
         groups=groups,
+        events=events,
     )
     return config, impl if isinstance(impl, str) else None
 
@@ -403,12 +420,12 @@ def _step(obj: Any, expected_index: int, level: str) -> TraceStep:
         raise ValueError(f"steps are numbered 1, 2, ... in order: expected step {expected_index}, got {obj['step']!r}")
     op = obj["op"]
     operation = OPERATIONS.get(op) if isinstance(op, str) else None
-    if operation is None or operation.level != level:
-        known = sorted(o.name for o in OPERATIONS.values() if o.level == level)
+    if operation is None or level not in operation.levels:
+        known = sorted(o.name for o in OPERATIONS.values() if level in o.levels)
         raise ValueError(f"op={op!r} is not a {level}-level operation (known: {', '.join(known)})")
     if not isinstance(obj["args"], list):
         raise ValueError("step args must be a list")
-    args = decode_value(obj["args"])
+    args = _with_defaults(decode_value(obj["args"]), operation)
     if len(args) != len(operation.params):
         raise ValueError(f"{op} takes {len(operation.params)} arguments {operation.params}; got {len(args)}")
     spec_snap = obj.get("spec_snapshot")
@@ -429,12 +446,21 @@ def _step(obj: Any, expected_index: int, level: str) -> TraceStep:
     )
 
 
+def _with_defaults(args: list[Any], operation: Any) -> list[Any]:
+    """A step's arguments, with the defaults of trailing parameters a trace written before them leaves out."""
+    missing = len(operation.params) - len(args)
+    if 0 < missing <= len(operation.defaults):
+        return args + list(operation.defaults[len(operation.defaults) - missing :])
+    return args
+
+
 def _without(value: Any, operation: Any) -> tuple[Any, ...] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or len(value) != len(operation.params):
+    args = _with_defaults(decode_value(value), operation) if isinstance(value, list) else value
+    if not isinstance(args, list) or len(args) != len(operation.params):
         raise ValueError(f"a step's without must list {len(operation.params)} arguments {operation.params}")
-    return tuple(decode_value(value))
+    return tuple(args)
 
 
 def _verdict_line(obj: dict[str, Any]) -> tuple[Verdict, Failure | None]:

@@ -50,6 +50,12 @@ REQUIRED_KINDS: tuple[str, ...] = (
     "ties broken the other way",
     "an access that does not refresh what its policy reads",
     "first fit taking the highest id",
+    "an eviction that publishes no BlockRemoved",
+    "a BlockStored with the wrong parent",
+    "a stored event for a block already cached",
+    "a reset without AllBlocksCleared",
+    "a hit counted for a preempted request",
+    "an external hit counted as local",
 )
 
 # Optional dependencies a mutant module may need (the torch pool's mutants need

@@ -186,6 +186,8 @@ def _result_json(r: CheckResult) -> dict[str, Any]:
         "level": r.level,
         "enable_caching": r.enable_caching,
         "profile": r.profile,
+        "groups": r.groups,
+        "events": r.events,
         "verdict": r.verdict.value,
         "exit_code": r.exit_code,
         "message": r.message,

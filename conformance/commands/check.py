@@ -106,6 +106,13 @@ def register(subparsers: Any) -> None:
         "or drawn: one to three groups drawn per example",
     )
     p.add_argument(
+        "--events",
+        action="store_true",
+        help="also check what the pool tells the world: the KV cache events every call publishes (BlockStored, "
+        "BlockRemoved, AllBlocksCleared; compared with the spec's, and the router's mirror rules) and, at the "
+        "manager level, the prefix-cache hit statistics",
+    )
+    p.add_argument(
         "--device",
         default=None,
         metavar="DEVICE",
@@ -228,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         database = DirectoryBasedExampleDatabase(args.database)
     per = "time budget" if args.time_budget else f"{max_examples} examples"
     layout = f", KV cache groups {args.groups}" if args.groups != "full" and "manager" in levels else ""
+    layout += ", KV cache events and hit statistics checked" if args.events else ""
     print(
         f"kvspec check: profile {args.profile}, seed {args.seed}{layout}, {per} x up to {args.steps} steps "
         "per configuration"
@@ -278,6 +286,7 @@ def _run_configs(
             device=args.device,
             cover_rounds=args.cover_rounds,
             groups=args.groups,
+            events=args.events,
             progress=_progress_line(f"{impl} {lv} caching {'on' if caching else 'off'}", budget),
         )
         _clear_progress_line()

@@ -295,6 +295,7 @@ def _rules() -> list[_Rule]:
         predicates = tuple(getattr(inv, n) for n in names if hasattr(inv, n))
         rules.append(_Rule("hit rule", hit.name, hit.design_id, hit.rule, predicates))
     rules += [_Rule("step rule", s.name, s.design_id, s.rule, (s.check, inv.STEP_RULES)) for s in inv.STEP_RULES]
+    rules += [_Rule("event rule", e.name, e.design_id, e.rule, (e.check, inv.EVENT_RULES)) for e in inv.EVENT_RULES]
     writable = inv.is_block_writable
     text = (writable.__doc__ or "").strip().split("\n\n")[0]
     rules.append(_Rule("write rule", writable.__name__, "writable", text, (writable,)))
@@ -357,6 +358,7 @@ _MACHINE_CHECKS = {
     "hit rule": "on every hit",
     "step rule": "on every step",
     "write rule": "on every call, against the spec",
+    "event rule": "on every step's KV cache events (check --events)",
 }
 
 

@@ -246,9 +246,9 @@ def test_vllm_declared_reactions_name_every_mistake_of_their_level_and_only_thos
     from kvspec.conformance.vllm import reactions as vllm_reactions
     from kvspec.conformance.vllm.releases import RELEASES
 
-    request_level = {f"{op.name}: {m}" for op in OPERATIONS.values() if op.level == "manager" for m in op.mistakes}
+    request_level = {f"{op.name}: {m}" for op in OPERATIONS.values() if "manager" in op.levels for m in op.mistakes}
     assert set(vllm_reactions._MANAGER_REACTIONS) == request_level
-    pool_level = {f"{op.name}: {m}" for op in OPERATIONS.values() if op.level == "pool" for m in op.mistakes}
+    pool_level = {f"{op.name}: {m}" for op in OPERATIONS.values() if "pool" in op.levels for m in op.mistakes}
     assert set(vllm_reactions._POOL_REACTIONS) <= pool_level
     for version in RELEASES:
         for caching in (True, False):

@@ -19,6 +19,7 @@ from kvspec.conformance.trace import (
     read_trace,
     write_trace,
 )
+from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
@@ -35,10 +36,17 @@ SNAP = Snapshot(
 
 
 def test_every_kind_of_value_survives_a_round_trip(tmp_path):
-    request = Request("r1", (1, 2, 3), "lora-a", "tenant-1", (MultiModalInput("img-a", 1, 2),))
+    request = Request("r1", (1, 2, 3), "lora-a", "tenant-1", (MultiModalInput("img-a", 1, 2),), num_preemptions=2)
+    stored = BlockStored(
+        (BlockHash(b"\x01\x02"),), BlockHash(b"\x09"), (1, 2), 2, "lora-a", (("lora-a", ("img-a", 1), "t"),), 1
+    )
+    events = (stored, BlockRemoved((BlockHash(b"\x03"),)), AllBlocksCleared())
     steps = (
-        TraceStep(1, "get_computed_blocks", (request,), Outcome(result=[[], 0]), Outcome(result=[[], 0]), SNAP, SNAP),
-        TraceStep(2, "allocate_slots", (request, 3, 0, [], 0), Outcome(result=[1]), Outcome(result=[1]), SNAP, SNAP),
+        TraceStep(1, "get_computed_blocks", (request, 2), Outcome(result=[[], 0]), Outcome(result=[[], 0]), SNAP, SNAP),
+        TraceStep(
+            2, "allocate_slots", (request, 3, 0, [], 0), Outcome(result=[1], events=events),
+            Outcome(result=[1], events=events[:1]), SNAP, SNAP,
+        ),
         TraceStep(
             3,
             "free",
@@ -48,7 +56,7 @@ def test_every_kind_of_value_survives_a_round_trip(tmp_path):
         ),
     )
     trace = Trace(
-        AdapterConfig("manager", 3, True, "vllm-v1", 2),
+        AdapterConfig("manager", 3, True, "vllm-v1", 2, events=True),
         steps,
         "reference",
         Verdict.CRASHED,
@@ -56,6 +64,17 @@ def test_every_kind_of_value_survives_a_round_trip(tmp_path):
     )
     path = write_trace(tmp_path / "t.trace.jsonl", trace)
     assert read_trace(path) == trace
+
+
+def test_a_step_written_before_a_parameter_existed_reads_with_its_default(tmp_path):
+    """get_computed_blocks gained max_cache_hit_length; a trace that has the request alone reads as no cap."""
+    step = TraceStep(1, "get_computed_blocks", (Request("r1", (1, 2, 3)), None))
+    trace = Trace(AdapterConfig("manager", 3, True, "vllm-v1", 2), (step,))
+    text = dumps_trace(trace).replace(', null]', ']')
+    assert '"args": [{"request"' in text and "null]" not in text.splitlines()[1]
+    path = tmp_path / "old.trace.jsonl"
+    path.write_text(text)
+    assert read_trace(path).steps[0].args == (Request("r1", (1, 2, 3)), None)
 
 
 def test_bad_arguments_keep_their_types_in_a_trace():

@@ -59,10 +59,11 @@ def _first_failure(
     seed: int = 0,
     profile: str = "vllm-v1",
     groups: str = "full",
+    events: bool = False,
 ) -> str | None:
     """Run the conformance machine in this process, unshrunk; what it caught first, or None."""
     watch = StepWatch(step_timeout_s=10.0)
-    machine = conformance_machine(factory, level, enable_caching, profile, watch=watch, groups=groups)
+    machine = conformance_machine(factory, level, enable_caching, profile, watch=watch, groups=groups, events=events)
     hypothesis_seed(seed)(machine)
     undo = watch.install_alarm()
     try:
@@ -118,8 +119,9 @@ def test_unmutated_bases_conform(factory, level, enable_caching):
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_harness_kills_the_mutant(mutant: Mutant):
     caught = _first_failure(
-        mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, 0, mutant.profile, mutant.groups
-    )
+        mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, 0, mutant.profile, mutant.groups,
+        mutant.events,
+    )  # fmt: skip
     assert caught is not None, f"{mutant.name} survived {FAST_EXAMPLES} examples: {mutant.description}"
 
 
@@ -136,6 +138,7 @@ def test_the_runner_kills_the_mutant_with_a_short_story(mutant: Mutant, tmp_path
         time_budget_s=60.0,
         trace_dir=tmp_path,
         groups=mutant.groups,
+        events=mutant.events,
     )
     assert result.verdict in KILLING_VERDICTS, f"{mutant.name} survived: {result.message}"
     assert result.failure is not None and result.failure.trace_path is not None
@@ -147,8 +150,9 @@ def test_the_runner_kills_the_mutant_with_a_short_story(mutant: Mutant, tmp_path
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
 def test_the_harness_kills_the_mutant_under_other_seeds(mutant: Mutant, seed: int):
     caught = _first_failure(
-        mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, seed, mutant.profile, mutant.groups
-    )
+        mutant.factory, mutant.level, mutant.enable_caching, FAST_EXAMPLES, seed, mutant.profile, mutant.groups,
+        mutant.events,
+    )  # fmt: skip
     assert caught is not None, f"{mutant.name} survived {FAST_EXAMPLES} examples with seed={seed}"
 
 
