@@ -25,7 +25,15 @@ from dataclasses import dataclass, field
 from kvspec.conformance.hash_names import HashNames
 from kvspec.conformance.kv_events import describe_events
 from kvspec.conformance.trace import Trace
-from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored, EventMirror, orphaned_stores, table_counts
+from kvspec.spec.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventMirror,
+    naive_misreads,
+    orphaned_stores,
+    table_counts,
+)
 from kvspec.spec.state import BlockHash
 
 __all__ = ["Drift", "MirrorReport", "replay_mirrors"]
@@ -52,6 +60,9 @@ class MirrorReport:
     counting: Drift | None = None  # the counting mirror's first drift, None if it never drifts
     naive: Drift | None = None  # the naive mirror's first drift
     orphans: list[tuple[int, str]] = field(default_factory=list)  # (step, the store and its parent) per orphan
+    # (step, key) per removal of a key another block still holds: what the naive mirror drops wrongly,
+    # seen even when the step's later removals take the last block too
+    misreads: list[tuple[int, str]] = field(default_factory=list)
 
 
 def replay_mirrors(trace: Trace, side: str = "implementation") -> MirrorReport:
@@ -80,6 +91,7 @@ def replay_mirrors(trace: Trace, side: str = "implementation") -> MirrorReport:
         report.steps += 1
         report.num_events += len(events)
         report.orphans += [(step.index, _orphan(e, name)) for e in orphaned_stores(counting, events)]
+        report.misreads += [(step.index, name(k)) for k in naive_misreads(counting, events)]
         counting = counting.apply(events)
         naive = _naive(naive, events)
         pool = table_counts(snapshot.hash_to_blocks)

@@ -25,7 +25,11 @@ is vLLM's in outline and nothing more:
 What is counted, per configuration: queries and hits as vLLM's prefix-cache
 statistics count them (at each admission, the request's tokens and its hit
 tokens; a request recomputed after preemption is looked up, and counted,
-again), the hit rate, evictions (cached blocks reallocated; the reference
+again, with its preemption count raised so the manager counts it apart),
+read from the manager's own counters (`prefix_cache_stats`, spec.stats: the
+first admissions and the re-admissions added up) where it keeps them, else
+counted by this scheduler at each admission (`counted_by` says which); the
+hit rate, evictions (cached blocks reallocated; the reference
 counts them, other managers say None), preemptions, the peak of blocks held,
 and the unfilled tails: the slots held by running requests past their last
 token, as a share of every slot they hold (what a larger block size costs).
@@ -88,6 +92,7 @@ class SimResult:
     peak_blocks_held: int
     tail_share: float  # unfilled tail slots / slots held by running requests, averaged over steps
     steps: int
+    counted_by: str = "scheduler"  # where queries and hits come from: "manager" (its prefix_cache_stats) or this
 
     @property
     def hit_rate(self) -> float:
@@ -105,9 +110,11 @@ class _Running:
     blocks: list[Any] = field(default_factory=list)  # its block table
 
 
-def _request(index: int, req: SimRequest, num_tokens: int) -> Request:
+def _request(index: int, req: SimRequest, num_tokens: int, num_preemptions: int = 0) -> Request:
     tokens = (req.prompt + req.output)[:num_tokens]
-    return Request(f"r{index}", tokens, lora_name=req.lora_name, cache_salt=req.cache_salt)
+    return Request(
+        f"r{index}", tokens, lora_name=req.lora_name, cache_salt=req.cache_salt, num_preemptions=num_preemptions
+    )
 
 
 class _Scheduler:
@@ -119,6 +126,7 @@ class _Scheduler:
         self.waiting: deque[tuple[int, int]] = deque()  # (index, tokens generated before a preemption)
         self.running: dict[int, _Running] = {}  # in admission order
         self.finished = self.rejected = self.preemptions = self.queries = self.hits = 0
+        self.num_preemptions: dict[int, int] = {}  # request index -> times it was preempted
         self.peak = 0
         self.tail_shares: list[float] = []
 
@@ -160,6 +168,7 @@ class _Scheduler:
                     break
                 self.waiting.appendleft((victim, generated))
                 self.preemptions += 1
+                self.num_preemptions[victim] = self.num_preemptions.get(victim, 0) + 1
                 preempted = True
                 if victim == index:
                     break
@@ -175,7 +184,7 @@ class _Scheduler:
         while self.waiting and len(self.running) < MAX_RUNNING:
             index, generated = self.waiting[0]
             req = self.workload[index]
-            request = _request(index, req, len(req.prompt) + max(generated, 0))
+            request = _request(index, req, len(req.prompt) + max(generated, 0), self.num_preemptions.get(index, 0))
             blocks, num_hit = self.manager.get_computed_blocks(request)
             got = self.manager.allocate_slots(request, len(request.token_ids) - num_hit, num_hit, blocks)
             if got is None:
@@ -231,9 +240,15 @@ def simulate(
     pool = getattr(built, "block_pool", None)
     evictions = getattr(pool, "num_evictions", None) if isinstance(built, KVCacheManager) else None
     shares = sched.tail_shares
+    queries, hits, counted_by = sched.queries, sched.hits, "scheduler"
+    counters = getattr(built, "prefix_cache_stats", None)
+    if callable(counters):  # the manager's own counters: what an operator's dashboard reads
+        local = counters().local
+        queries, hits = local.queries + local.preempted_queries, local.hits + local.preempted_hits
+        counted_by = "manager"
     return SimResult(
         profile, block_size, num_gpu_blocks, len(workload), sched.finished, sched.rejected, sched.preemptions,
-        sched.queries, sched.hits, evictions, sched.peak, sum(shares) / len(shares) if shares else 0.0, steps,
+        queries, hits, evictions, sched.peak, sum(shares) / len(shares) if shares else 0.0, steps, counted_by,
     )  # fmt: skip
 
 

@@ -74,6 +74,9 @@ def _text(report: MirrorReport, path: str) -> str:
         report.naive,
         "a router must count references: a key can have several blocks",
     )
+    if report.misreads:
+        lines.append(f"removals of a key another block still holds (a naive mirror drops it): {len(report.misreads)}")
+        lines += [f"  step {step}: {key}" for step, key in report.misreads[:10]]
     if report.orphans:
         lines.append(f"stored blocks whose parent the counting mirror does not hold: {len(report.orphans)}")
         lines += [f"  step {step}: {what}" for step, what in report.orphans[:10]]

@@ -22,6 +22,7 @@ def test_a_shared_prefix_is_counted_as_vllm_counts_hits():
     # A: 10 tokens looked up, none cached. B: 11 tokens, its first two blocks (8 tokens) cached by A.
     assert (r.queries, r.hits, r.finished, r.rejected, r.preemptions, r.evictions) == (21, 8, 2, 0, 0, 0)
     assert r.hit_rate == pytest.approx(8 / 21)
+    assert r.counted_by == "manager"  # the reference's own prefix_cache_stats, as an operator reads them
     assert r.peak_blocks_held == 3  # A's 12 tokens, in 3 blocks
     # A holds 3 blocks (12 slots) for 10 tokens at admission, 11 after one decode step, then frees.
     assert 0 < r.tail_share < 0.25
@@ -153,3 +154,32 @@ def test_the_cli_names_requests_too_large_for_the_pool(tmp_path, capsys):
     path.write_text('{"prompt": [1, 2, 3]}\n{"prompt": ' + json.dumps(list(range(40))) + "}\n")
     assert main(["simulate", "--workload", str(path), "--block-size", "4", "--pool", "5", "--jobs", "1"]) == 0
     assert "block 4, pool 5: 1 request(s) rejected, larger than the pool" in capsys.readouterr().out
+
+
+def test_the_managers_counters_agree_with_what_the_scheduler_saw_preemptions_included():
+    """The counters count a re-admission apart (its num_preemptions is raised), and add up to the scheduler's."""
+    long_a = SimRequest(tuple(range(4)), tuple(range(100, 108)), arrival=0)
+    long_b = SimRequest(tuple(range(200, 204)), tuple(range(300, 308)), arrival=0)
+    built: list[KVCacheManager] = []
+
+    def manager() -> KVCacheManager:
+        built.append(KVCacheManager(5, 2))
+        return built[-1]
+
+    r = simulate([long_a, long_b], block_size=2, num_gpu_blocks=5, manager=manager)
+    assert r.preemptions > 0 and r.counted_by == "manager"
+    stats = built[0].prefix_cache_stats()
+    assert stats.local.preempted_requests == r.preemptions and stats.local.requests == 2
+
+    class NoCounters:
+        """The same manager without its counters: the scheduler counts."""
+
+        def __init__(self) -> None:
+            self._m = KVCacheManager(5, 2)
+            self.get_computed_blocks, self.allocate_slots, self.free = (
+                self._m.get_computed_blocks, self._m.allocate_slots, self._m.free,
+            )  # fmt: skip
+            self.snapshot = self._m.snapshot
+
+    counted = simulate([long_a, long_b], block_size=2, num_gpu_blocks=5, manager=NoCounters)
+    assert counted.counted_by == "scheduler" and (counted.queries, counted.hits) == (r.queries, r.hits)

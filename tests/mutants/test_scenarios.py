@@ -25,10 +25,12 @@ from kvspec.conformance.builtin import ReferenceManagerAdapter, make_reference, 
 from kvspec.mutants import Mutant, all_mutants
 from kvspec.mutants._base import ListQueuePool
 from kvspec.spec.errors import AlreadyCached, BlockManagerError, DoubleFree, InvalidBlock, PoolExhausted
+from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvspec.spec.hashing import MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import failing
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId
+from kvspec.spec.stats import CacheCounters, PrefixCacheStats
 
 H1, H2, H3 = BlockHash(b"h1"), BlockHash(b"h2"), BlockHash(b"h3")
 _ANY: Any = object()
@@ -51,8 +53,11 @@ class Steps:
         block_size: int = 4,
         profile: str = "vllm-v1",
         groups: str = "full",
+        events: bool = False,
     ) -> None:
-        config = AdapterConfig(level, num_gpu_blocks, enable_caching, profile, block_size=block_size, groups=groups)
+        config = AdapterConfig(
+            level, num_gpu_blocks, enable_caching, profile, block_size=block_size, groups=groups, events=events
+        )
         self.adapter = factory(config)
         self.num_steps = 0
         self._check_invariants("construction")
@@ -62,8 +67,8 @@ class Steps:
         if broken:
             raise Deviation(f"after {where}: invariants broken: {', '.join(broken)}")
 
-    def do(self, op: str, *args: Any, expect: Any = _ANY) -> Any:
-        """Run one operation that must succeed (and return `expect`, if given)."""
+    def do(self, op: str, *args: Any, expect: Any = _ANY, publishes: Any = _ANY) -> Any:
+        """Run one operation that must succeed (and return `expect`, and publish the events `publishes`, if given)."""
         self.num_steps += 1
         where = f"step {self.num_steps} {op}{args!r}"
         try:
@@ -72,8 +77,18 @@ class Steps:
             raise Deviation(f"{where} raised {type(e).__name__}: {e}") from e
         if expect is not _ANY and result != expect:
             raise Deviation(f"{where} returned {result!r}, expected {expect!r}")
+        if publishes is not _ANY:
+            events = list(self.adapter.take_events())
+            if events != list(publishes):
+                raise Deviation(f"{where} published {events!r}, expected {list(publishes)!r}")
         self._check_invariants(where)
         return result
+
+    def counted(self, stats: PrefixCacheStats) -> None:
+        """Check the hit statistics since the manager was built."""
+        got = self.adapter.prefix_cache_stats()
+        if got != stats:
+            raise Deviation(f"statistics after step {self.num_steps}: {got}, expected {stats}")
 
     def refused(self, error: type[BlockManagerError], op: str, *args: Any) -> None:
         """Run one operation that must raise `error` and change nothing."""
@@ -556,6 +571,59 @@ def key_without_group_id(factory: Factory) -> None:
     _window_steps(factory).state(hash_groups=[[1], [2], [3], [5], [6], [7]])  # one key per group and hash
 
 
+# --- events and statistics ------------------------------------------------------------------
+
+
+def _one_cached_free_block(factory: Factory) -> Steps:
+    """Block 1 registered under h1 and freed: it is free and still cached, at the right end."""
+    s = Steps(factory, events=True)
+    s.do("get_new_blocks", 1, expect=_ids(1), publishes=[])
+    s.do("cache_full_blocks", _ids(1), [H1], publishes=[BlockStored((H1,), None)])
+    s.do("free_blocks", _ids(1), publishes=[])
+    return s
+
+
+def eviction_without_block_removed(factory: Factory) -> None:
+    s = _one_cached_free_block(factory)
+    s.do("get_new_blocks", 5, expect=_ids(2, 3, 4, 5, 1), publishes=[BlockRemoved((H1,))])
+
+
+def reset_without_all_blocks_cleared(factory: Factory) -> None:
+    _one_cached_free_block(factory).do("reset_prefix_cache", expect=True, publishes=[AllBlocksCleared()])
+
+
+def hit_announced_again(factory: Factory) -> None:
+    _one_cached_free_block(factory).do("touch", _ids(1), publishes=[])  # a hit announces nothing: h1 is cached
+
+
+def stored_with_wrong_parent(factory: Factory) -> None:
+    s = Steps(factory, "manager", events=True)
+    a = Request("a", _tokens(0, 9))
+    h = hash_request_blocks(a.token_ids, 4)
+    first = BlockStored((h[0],), None, _tokens(0, 4), 4, None, (None,))
+    s.do("allocate_slots", a, 4, expect=_ids(1), publishes=[first])
+    second = BlockStored((h[1],), h[0], _tokens(4, 4), 4, None, (None,))  # chained on the block before
+    s.do("allocate_slots", a, 4, expect=_ids(2), publishes=[second])
+
+
+def preempted_counted_as_new(factory: Factory) -> None:
+    s = Steps(factory, "manager", events=True)
+    a = Request("a", _tokens(0, 9))
+    s.do("allocate_slots", a, 9, expect=_ids(1, 2, 3))
+    s.do("free", "a")  # preempted: it comes back with its tokens, counted apart
+    again = Request("a", a.token_ids, num_preemptions=1)
+    s.do("get_computed_blocks", again, expect=(_ids(1, 2), 8))
+    s.do("allocate_slots", again, 1, 8, _ids(1, 2), 0, expect=_ids(3))
+    local = CacheCounters(requests=1, queries=9, preempted_requests=1, preempted_queries=9, preempted_hits=8)
+    s.counted(PrefixCacheStats(local, CacheCounters(1, 9, 0, 1, 1, 0)))
+
+
+def external_counted_as_local(factory: Factory) -> None:
+    s = Steps(factory, "manager", events=True)
+    s.do("allocate_slots", Request("a", _tokens(0, 9)), 1, 0, [], 4, expect=_ids(1, 2))  # 4 tokens loaded
+    s.counted(PrefixCacheStats(CacheCounters(1, 9, 0), CacheCounters(1, 9, 4)))
+
+
 # Mutant name -> its scenario, and where (a regex on the Deviation's first line) the mutant must
 # depart: the step its bug first shows, so a mutant that fails for another reason fails the test.
 SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
@@ -627,6 +695,15 @@ SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
         r"step 3 get_computed_blocks.* returned \(\[1, 2, 3, 0, 0, 7\], 12\)",
     ),
     "key_without_group_id": (key_without_group_id, r"state after step 1: blocks by hash \[\[1, 5\]"),
+    "eviction_without_block_removed": (eviction_without_block_removed, r"step 4 get_new_blocks\(5,\) published \[\]"),
+    "reset_without_all_blocks_cleared": (
+        reset_without_all_blocks_cleared,
+        r"step 4 reset_prefix_cache\(\) published \[\]",
+    ),
+    "hit_announced_again": (hit_announced_again, r"step 4 touch\(\[1\],\) published \[BlockStored"),
+    "stored_with_wrong_parent": (stored_with_wrong_parent, r"step 2 allocate_slots.* published \[BlockStored"),
+    "preempted_counted_as_new": (preempted_counted_as_new, r"statistics after step 4: .*requests=2"),
+    "external_counted_as_local": (external_counted_as_local, r"statistics after step 1: .*hits=4"),
 }
 
 # Mutant modules of other packages' implementations (gpu_*) bring their own scenarios.
