@@ -164,6 +164,8 @@ def reached_allocate_slots(args: Sequence[Any], before: Snapshot, after: Snapsho
             ["allocate_slots: refused after freeing skipped blocks"] if nulled else []
         )
     ev: list[str] = ["allocate_slots: skipped blocks freed"] if nulled else []
+    if len(args) > 5 and args[5] is True:
+        ev.append("allocate_slots: registration delayed for an external load")
     if any(name not in tables_before and table[:1] == (NULL_BLOCK_ID,) for name, table in after.block_tables or ()):
         ev.append("allocate_slots: admitted with skipped positions")
     pairs = list(zip(before.block_hash, after.block_hash))
@@ -174,6 +176,13 @@ def reached_allocate_slots(args: Sequence[Any], before: Snapshot, after: Snapsho
     if any(len(b) > 1 for _, b in after.hash_to_blocks):
         ev.append("allocate_slots: duplicate hash kept")
     return ev
+
+
+def reached_cache_blocks(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:
+    """Blocks registered (an asynchronous load is done), or none: every full block was registered already."""
+    if any(h1 is not None and h0 is None for h0, h1 in zip(before.block_hash, after.block_hash)):
+        return ["cache_blocks: loaded blocks registered"]
+    return ["cache_blocks: nothing new to register"]
 
 
 def reached_free(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:

@@ -116,6 +116,7 @@ class SpecManagerAdapter(_SpecState):
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[BlockId] = (),
         num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[BlockId] | None:
         new_blocks = self._apply(
             spec_manager.allocate_slots,
@@ -124,8 +125,12 @@ class SpecManagerAdapter(_SpecState):
             num_new_computed_tokens,
             new_computed_blocks,
             num_external_computed_tokens,
+            delay_cache_blocks,
         )
         return None if new_blocks is None else list(new_blocks)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self._apply(spec_manager.cache_blocks, request, num_computed_tokens)
 
     def free(self, request_id: str) -> None:
         self._apply(spec_manager.free, request_id)

@@ -242,11 +242,12 @@ _CASES: tuple[Cases, ...] = (
         "allocate_slots",
         # r's first step: its hit on a's two cached blocks, and its last token
         {**_REQUEST, "num_new_tokens": 1, "num_new_computed_tokens": 4, "new_computed_blocks": (1, 2),
-         "num_external_computed_tokens": 0},
+         "num_external_computed_tokens": 0, "delay_cache_blocks": False},
         _manager_call(*OPERATIONS["allocate_slots"].params),
         {
             **_REQUEST_MISTAKES,
             "bad count": _set(num_external_computed_tokens=-1),
+            "delay without an external load": _set(delay_cache_blocks=True),
             "no tokens scheduled": _set(num_new_tokens=0),
             "hit on a running request": _set(running=True),
             "hit count mismatch": _set(num_new_computed_tokens=2),
@@ -263,6 +264,13 @@ _CASES: tuple[Cases, ...] = (
                 num_new_computed_tokens=6, new_computed_blocks=(2, 1, 3)
             ),
         },
+    ),
+    Cases(
+        "cache_blocks",
+        # r runs with one token computed, none of it registered
+        {**_REQUEST, "running": True, "num_computed_tokens": 1},
+        _manager_call(*OPERATIONS["cache_blocks"].params),
+        {"not running": _set(request_id="a"), "tokens out of range": _set(num_computed_tokens=2)},  # a finished
     ),
     Cases(
         "free",
@@ -563,7 +571,7 @@ def render_text(contract: Contract, width: int = 120) -> str:
     widths = (5, 32, 14)
     indent = 2 + sum(widths) + 2 * len(widths)
     for oc in contract.operations:
-        lines += ["", f"{oc.operation}({', '.join(oc.params)})"]
+        lines += [""] + textwrap.wrap(f"{oc.operation}({', '.join(oc.params)})", width, subsequent_indent="    ")
         if not oc.rows:
             lines.append(f"  {oc.level} level; no caller mistake: every call is valid")
             continue

@@ -344,12 +344,20 @@ class LockStep:
         self.impl_mirror = EventMirror()  # what a router holds from the implementation's stream
         self.spec_mirror = EventMirror()  # and from the spec's
         # Whether the adapter's get_computed_blocks takes the scheduler's cap on the hit.
-        method = getattr(adapter, "get_computed_blocks", None)
-        self.takes_hit_cap = self.level == "manager" and callable(method) and _takes(method, "max_cache_hit_length")
-        if self.level == "manager" and adapter is not None and not self.takes_hit_cap:
-            obs.not_exercised.add(
-                "connector hit cap: not applicable, the adapter's get_computed_blocks takes no max_cache_hit_length"
-            )
+        # Whether the adapter takes what an external connector adds to a step: the scheduler's cap on
+        # the hit, and an asynchronous load (its registration delayed until cache_blocks).
+        self.takes_hit_cap = self._takes("get_computed_blocks", "max_cache_hit_length", "connector hit cap")
+        self.takes_delayed_load = self._takes("allocate_slots", "delay_cache_blocks", "asynchronous external load")
+
+    def _takes(self, op: str, param: str, feature: str) -> bool:
+        """Whether the request-level adapter's method takes a parameter; if not, the summary says so."""
+        if self.level != "manager" or self.adapter is None:
+            return False
+        method = getattr(self.adapter, op, None)
+        if callable(method) and _takes(method, param):
+            return True
+        self.observer.not_exercised.add(f"{feature}: not applicable, the adapter's {op} takes no {param}")
+        return False
 
     def exercises(self, mistake: str) -> bool:
         """Whether the machine may make this caller mistake ("<op>: <mistake>") against the adapter.
@@ -1019,7 +1027,7 @@ def _without_defaults(operation: Operation, args: Sequence[Any]) -> Sequence[Any
     before the parameter existed keeps working; the machine sends another value only where it is taken)."""
     n = len(args)
     for value in reversed(operation.defaults):
-        if n == 0 or not (args[n - 1] is None if value is None else args[n - 1] == value):
+        if n == 0 or not (type(args[n - 1]) is type(value) and args[n - 1] == value):  # 0 is not False
             break
         n -= 1
     return args[:n]

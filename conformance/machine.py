@@ -518,6 +518,7 @@ class PoolMachine(_LockStepMachine):
 class _Running:
     request: Request  # its tokens so far (prompt, then every output token)
     num_computed_tokens: int  # tokens with slots allocated
+    loading: bool = False  # an asynchronous external load not yet reported done (cache_blocks)
 
 
 class ManagerMachine(_LockStepMachine):
@@ -659,9 +660,11 @@ class ManagerMachine(_LockStepMachine):
         blocks, num_hit = hit.result
         remaining = len(request.token_ids) - num_hit
         ext = 0 if whole else data.draw(strat.external_tokens(remaining - 1), label="num_external_computed_tokens")
+        # An asynchronous load: blocks for the external tokens now, no token computed, registered when it is done.
+        delayed = ext > 0 and self._lock.takes_delayed_load and data.draw(st.booleans(), label="load in background")
         left = remaining - ext
-        chunk = left if whole else data.draw(_chunk(left), label="num_new_tokens")
-        out = self._call("allocate_slots", request, chunk, num_hit, blocks, ext)
+        chunk = 0 if delayed else left if whole else data.draw(_chunk(left), label="num_new_tokens")
+        out = self._call("allocate_slots", request, chunk, num_hit, blocks, ext, delayed)
         if out.error is not None or out.result is None:
             return multiple()
         self._lock.tag("allocate_slots: admitted")
@@ -669,9 +672,9 @@ class ManagerMachine(_LockStepMachine):
             self._lock.tag("allocate_slots: admitted with a prefix hit")
         if ext:
             self._lock.tag("allocate_slots: external tokens")
-        if num_hit + ext + chunk < len(request.token_ids):
+        if num_hit + ext + chunk < len(request.token_ids) and not delayed:
             self._lock.tag("allocate_slots: chunked prefill")
-        self.requests[request.request_id] = _Running(request, num_hit + ext + chunk)
+        self.requests[request.request_id] = _Running(request, num_hit + ext + chunk, loading=delayed)
         return request.request_id
 
     @rule(target=running, prompt=prompts, data=st.data())
@@ -906,10 +909,33 @@ class ManagerMachine(_LockStepMachine):
         with_bad = _insert(data, ids, bad)
         self._call("evict_blocks", with_bad, mistake=kind, without=(_good_part(with_bad, ids, kind),))
 
-    # As at the pool level: a reset of an empty cache changes nothing whatever the answer.
+    @precondition(lambda self: self._has("cache_blocks") and any(r.loading for r in self.requests.values()))
+    @rule(data=st.data())
+    def cache_blocks(self, data: st.DataObject) -> None:
+        """An asynchronous load is done: its blocks are registered; one that failed partway keeps fewer tokens."""
+        mistakes = self._mistakes("cache_blocks", "not running", "tokens out of range")
+        kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
+        rid = data.draw(_sampled(sorted(r for r, run in self.requests.items() if run.loading)), label="loaded request")
+        run = self.requests[rid]
+        registered = max(self._state.request(rid).num_cached_blocks, default=0) * self.block_size  # type: ignore[union-attr]
+        if kind == "not running":
+            self._call("cache_blocks", replace(run.request, request_id=self._new_id()), 0, mistake=kind)
+            return
+        if kind == "tokens out of range":
+            self._call("cache_blocks", run.request, run.num_computed_tokens + 1, mistake=kind)
+            return
+        # Mostly the whole load; else it failed partway and the tokens after the valid prefix are computed again.
+        valid = data.draw(_one_of(st.just(run.num_computed_tokens), st.integers(registered, run.num_computed_tokens)),
+                          label="tokens loaded")  # fmt: skip
+        out = self._call("cache_blocks", run.request, valid)
+        if out.error is None:
+            run.num_computed_tokens, run.loading = valid, False
+
+    # A reset of an empty cache changes nothing whatever the answer; without caching, only the refusal
+    # while requests run (or every one finishing first) is worth a step.
     @precondition(
         lambda self: self._has("reset_prefix_cache")
-        and (not self.enable_caching or bool(self._state.pool.hash_to_blocks))
+        and (bool(self._state.pool.hash_to_blocks) if self.enable_caching else bool(self.requests))
     )
     @rule(data=st.data())
     def reset_prefix_cache(self, data: st.DataObject) -> None:

@@ -324,7 +324,10 @@ _TABLE: tuple[Operation, ...] = (
     Operation(
         "allocate_slots",
         ("manager",),
-        ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_external_computed_tokens"),
+        (
+            "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
+            "num_external_computed_tokens", "delay_cache_blocks",
+        ),
         spec_manager.allocate_slots,
         _as_ids_or_none,
         _branches(
@@ -338,6 +341,7 @@ _TABLE: tuple[Operation, ...] = (
             "duplicate hash kept",
             "evicted a cached block",
             "too few free blocks",
+            "registration delayed for an external load",
         ) + tuple(_GROUP_STEPS),
         ("InvalidRequest", "InvalidBlock"),
         br.reached_allocate_slots,
@@ -363,8 +367,23 @@ _TABLE: tuple[Operation, ...] = (
             "hit on a running request",
             "wrong hit block",
             "hit without caching",
+            "delay without an external load",
         ),
         layout_only=_GROUP_STEPS,
+        defaults=(False,),  # delay_cache_blocks: the external tokens (if any) are loaded within the step
+    ),
+    Operation(
+        "cache_blocks",
+        ("manager",),  # the scheduler's, once an asynchronous external load is done
+        ("request", "num_computed_tokens"),
+        spec_manager.cache_blocks,
+        None,
+        _branches("cache_blocks", "loaded blocks registered", "nothing new to register"),
+        ("InvalidRequest",),
+        br.reached_cache_blocks,
+        frozenset({"cache_blocks: loaded blocks registered"}),
+        ("not running", "tokens out of range"),
+        is_optional=True,
     ),
     Operation(
         "free",
@@ -412,7 +431,7 @@ def level_operations(level: str) -> tuple[Operation, ...]:
     """The operations of one level, in table order.
 
     >>> [op.name for op in level_operations("manager")]
-    ['evict_blocks', 'reset_prefix_cache', 'get_computed_blocks', 'allocate_slots', 'free']
+    ['evict_blocks', 'reset_prefix_cache', 'get_computed_blocks', 'allocate_slots', 'cache_blocks', 'free']
     """
     return tuple(op for op in _BY_NAME.values() if level in op.levels)
 
@@ -423,7 +442,7 @@ def optional_operations(level: str = "pool") -> tuple[str, ...]:
     >>> optional_operations()
     ('evict_blocks', 'reset_prefix_cache', 'is_block_writable', 'get_num_free_blocks', 'get_usage')
     >>> optional_operations("manager")
-    ('evict_blocks', 'reset_prefix_cache')
+    ('evict_blocks', 'reset_prefix_cache', 'cache_blocks')
     """
     return tuple(op.name for op in level_operations(level) if op.is_optional)
 

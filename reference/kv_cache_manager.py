@@ -68,8 +68,10 @@ def _check_request(request: Request, op: str) -> None:
         end = mm.offset + mm.length
 
 
-def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int) -> None:
-    """Every count of a step is a non-negative integer, and the step schedules at least one token."""
+def _check_step_counts(
+    num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int, delay_cache_blocks: bool
+) -> None:
+    """Every count of a step is a non-negative integer; it schedules a token unless it loads asynchronously."""
     for name, value in (
         ("num_new_tokens", num_new_tokens),
         ("num_new_computed_tokens", num_new_computed_tokens),
@@ -77,7 +79,14 @@ def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_ex
     ):
         if not _is_count(value):
             raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
-    if num_new_tokens == 0:
+    if not isinstance(delay_cache_blocks, bool):
+        raise InvalidRequest(f"allocate_slots: delay_cache_blocks must be a bool; got {delay_cache_blocks!r}")
+    if delay_cache_blocks and num_external_computed_tokens == 0:
+        raise InvalidRequest(
+            "allocate_slots: delay_cache_blocks=True but num_external_computed_tokens=0; only a step that loads "
+            "external tokens asynchronously delays their registration"
+        )
+    if num_new_tokens == 0 and not delay_cache_blocks:
         raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
 
 
@@ -326,8 +335,12 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[BlockId] = (),
         num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[BlockId] | None:
         """Give a request slots for its next tokens; None (taking and touching nothing) when too few blocks are free.
+
+        `delay_cache_blocks`: an asynchronous external load; its blocks are
+        taken but registered only by `cache_blocks`, once the load is done.
 
         Seven phases, each over every group before the next: validate, free
         skipped blocks (even when the step is then refused, as vLLM's
@@ -345,8 +358,9 @@ class KVCacheManager:
         Cost: O(new blocks + hit blocks), plus hashing of new full blocks.
         """
         step = self._validate_allocation(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
-        )
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
+            delay_cache_blocks,
+        )  # fmt: skip
         self._free_skipped_blocks(step)
         if not self._plan_allocation(step):
             return None
@@ -354,7 +368,8 @@ class KVCacheManager:
         new_blocks = self._take_external_blocks(step)
         for new, more in zip(new_blocks, self._take_new_blocks(step)):
             new += more
-        self._register_full_blocks(step)
+        if not delay_cache_blocks:
+            self._register_full_blocks(step)
         self.num_computed_tokens[request.request_id] = step.num_tokens
         if not step.running:
             self._record_admission(request, num_new_computed_tokens, step.num_external)
@@ -442,6 +457,7 @@ class KVCacheManager:
         num_new_computed_tokens: int,
         new_computed_blocks: Sequence[BlockId],
         num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
     ) -> _AllocationStep:
         """Phase 1: refuse a caller's mistake before anything changes, in the spec's order.
 
@@ -454,7 +470,7 @@ class KVCacheManager:
         Cost: O(tokens) to hash the request, O(1) per hit block.
         """
         self._check_request(request, "allocate_slots")
-        _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)
+        _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
         rid = request.request_id
         running = rid in self.num_computed_tokens
         if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
@@ -532,6 +548,35 @@ class KVCacheManager:
         for manager in self.managers:
             manager.free(request_id)
         del self.num_computed_tokens[request_id]
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register a running request's blocks full up to `num_computed_tokens`: an asynchronous load is done.
+
+        A load that failed partway gives fewer tokens than were computed: the
+        request's computed count goes back to it (never below what it has
+        registered), and the tokens after it are computed again.
+
+        Raises:
+            InvalidRequest: the request is not running, or the count is not between its registered and
+                its computed tokens.
+
+        Cost: O(tokens) to hash the request, O(1) per block registered.
+        """
+        self._check_request(request, "cache_blocks")
+        rid = request.request_id
+        if rid not in self.num_computed_tokens:
+            raise InvalidRequest(f"cache_blocks: request_id={rid!r} is not running")
+        computed = self.num_computed_tokens[rid]
+        low = max(m.num_cached_block.get(rid, 0) for m in self.managers) * self.block_size
+        if not _is_count(num_computed_tokens) or not low <= num_computed_tokens <= computed:
+            raise InvalidRequest(
+                f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={rid!r} has "
+                f"{computed} computed tokens, {low} of them registered"
+            )
+        n = num_computed_tokens
+        step = _AllocationStep(request, True, (), self._block_hashes(request), n, 0, n)
+        self._register_full_blocks(step)
+        self.num_computed_tokens[rid] = n
 
     def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
         """Drop the cached hash of each block (the connector's failed loads); holders keep them. Cost: O(blocks).

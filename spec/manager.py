@@ -71,6 +71,7 @@ __all__ = [
     "Request",
     "RequestBlocks",
     "allocate_slots",
+    "cache_blocks",
     "evict_blocks",
     "free",
     "get_computed_blocks",
@@ -462,12 +463,17 @@ def allocate_slots(
     num_new_computed_tokens: int = 0,
     new_computed_blocks: Sequence[BlockId] = (),
     num_external_computed_tokens: int = 0,
+    delay_cache_blocks: bool = False,
 ) -> Step[ManagerState, tuple[BlockId, ...] | None]:
     """Give a request slots for its next `num_new_tokens` tokens, and register the blocks they fill.
 
     On a request's first call, `new_computed_blocks` is its prefix hit (from
     `get_computed_blocks`, group by group) and `num_external_computed_tokens`
-    what an external KV cache loads after it; both count as computed.
+    what an external KV cache loads after it; both count as computed. An
+    asynchronous load (`delay_cache_blocks`, vLLM's scheduler for a connector
+    that loads in the background; `num_new_tokens` may then be 0) takes its
+    blocks but registers nothing: the loaded blocks are not hit before the
+    load is done, when `cache_blocks` registers them (seed 000, section 5).
 
     Seven phases, one function each, every one after validation a loop over
     the groups: validate, free skipped blocks, plan, touch the hits, take
@@ -487,17 +493,19 @@ def allocate_slots(
         one `BlockStored` per group that registers blocks (spec.events).
 
     Raises:
-        InvalidRequest: a count is negative or not an integer, num_new_tokens is 0, the
-            tokens exceed the request's, the hit does not match its block count, or the
-            request's mm_inputs are misplaced (outside its tokens, out of order, overlapping).
+        InvalidRequest: a count is negative or not an integer, num_new_tokens is 0 (without a
+            delayed load), a delayed registration without an external load, the tokens exceed
+            the request's, the hit does not match its block count, or the request's mm_inputs
+            are misplaced (outside its tokens, out of order, overlapping).
         InvalidBlock: a hit block is not registered under the request's chain in its group
             (or is the null block at a position its group still reads).
 
     raises: InvalidRequest, InvalidBlock  # the errors above, as CrossHair reads them
     """
     step = _validate_allocation(
-        state, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
-    )
+        state, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
+        delay_cache_blocks,
+    )  # fmt: skip
     cfg = state.config
     pool, tables = _free_skipped_blocks(state.pool, step, cfg)
     if step.running:
@@ -507,7 +515,9 @@ def allocate_slots(
     pool, tables, num_cached = _touch_hits(pool, step, tables, cfg)
     pool, tables, removed_external = _take_external_blocks(pool, step, tables, cfg)
     pool, tables, removed = _take_new_blocks(pool, step, tables, cfg)
-    pool, num_cached, stored = _register_full_blocks(pool, step, tables, num_cached, cfg)
+    stored: tuple[KVCacheEvent, ...] = ()
+    if not step.delay_cache_blocks:  # an asynchronous load's blocks are registered once it is done
+        pool, num_cached, stored = _register_full_blocks(pool, step, tables, num_cached, cfg)
     before = step.entry.tables if step.running else tuple(() for _ in cfg.groups)
     new_blocks = tuple(
         b for g, table in enumerate(tables) for b in table[len(before[g]) + len(step.hits[g]) :] if b != NULL_BLOCK_ID
@@ -534,6 +544,7 @@ class _AllocationStep:
     num_local_computed: int  # of those, the ones computed here (earlier steps or the hit), not loaded
     hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
     num_tokens: int  # tokens computed once the step has run: hit, external and new included
+    delay_cache_blocks: bool = False  # an asynchronous external load: register nothing yet
 
 
 def _validate_allocation(
@@ -543,6 +554,7 @@ def _validate_allocation(
     num_new_computed_tokens: int,
     new_computed_blocks: Sequence[BlockId],
     num_external_computed_tokens: int,
+    delay_cache_blocks: bool = False,
 ) -> _AllocationStep:
     """Phase 1: refuse a caller's mistake before anything changes, in one fixed order.
 
@@ -553,7 +565,7 @@ def _validate_allocation(
         InvalidRequest, InvalidBlock: as `allocate_slots`.
     """
     _check_request_id(state, request, "allocate_slots")
-    _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)
+    _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
     entry = state.request(request.request_id)
     if entry is not None and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
         raise InvalidRequest(
@@ -572,11 +584,14 @@ def _validate_allocation(
             f"has {len(request.token_ids)}"
         )
     num_local = entry.num_computed_tokens + num_new_computed_tokens
-    return _AllocationStep(request, running, entry, hits, num_computed, num_local, hashes, total)
+    return _AllocationStep(request, running, entry, hits, num_computed, num_local, hashes, total, delay_cache_blocks)
 
 
-def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int) -> None:
-    """Every count is a non-negative integer, and the step schedules at least one token."""
+def _check_step_counts(
+    num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int, delay_cache_blocks: bool
+) -> None:
+    """Every count is a non-negative integer, and the step schedules at least one token (an asynchronous
+    load aside: it schedules none until the load is done); only a step that loads tokens delays their registration."""
     for name, value in (
         ("num_new_tokens", num_new_tokens),
         ("num_new_computed_tokens", num_new_computed_tokens),
@@ -584,7 +599,14 @@ def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_ex
     ):
         if not _is_count(value):
             raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
-    if num_new_tokens == 0:
+    if not isinstance(delay_cache_blocks, bool):
+        raise InvalidRequest(f"allocate_slots: delay_cache_blocks must be a bool; got {delay_cache_blocks!r}")
+    if delay_cache_blocks and num_external_computed_tokens == 0:
+        raise InvalidRequest(
+            "allocate_slots: delay_cache_blocks=True but num_external_computed_tokens=0; only a step that loads "
+            "external tokens asynchronously delays their registration"
+        )
+    if num_new_tokens == 0 and not delay_cache_blocks:
         raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
 
 
@@ -904,3 +926,43 @@ def reset_prefix_cache(state: ManagerState) -> Step[ManagerState, bool]:
 def _holds_nothing(state: ManagerState) -> bool:
     """Whether no running request holds a block (every table position is the null block)."""
     return all(b == NULL_BLOCK_ID for _, entry in state.requests for table in entry.tables for b in table)
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda result: _holds(result.state))
+@icontract.ensure(lambda state, result: _events_explain(state, result))
+@icontract.ensure(
+    lambda state, result: result.state.stats == state.stats and result.state.pool.free_queue == state.pool.free_queue
+)
+def cache_blocks(state: ManagerState, request: Request, num_computed_tokens: int) -> Step[ManagerState, None]:
+    """Register a running request's blocks full up to `num_computed_tokens` (vLLM's `KVCacheManager.cache_blocks`).
+
+    The scheduler calls it when an asynchronous external load is done: the
+    blocks it filled become hittable only now. A load that failed partway
+    gives fewer tokens than were computed: those after it are computed
+    again, so the request's computed count goes back to `num_computed_tokens`
+    (never below what it has registered already).
+
+    Raises:
+        InvalidRequest: the request is not running, or the count is not between its
+            registered and its computed tokens.
+
+    raises: InvalidRequest  # the errors above, as CrossHair reads them
+    """
+    _check_request_id(state, request, "cache_blocks")
+    entry = state.request(request.request_id)
+    if entry is None:
+        raise InvalidRequest(f"cache_blocks: request_id={request.request_id!r} is not running")
+    cfg = state.config
+    low = max(entry.num_cached_blocks, default=0) * cfg.block_size
+    if not _is_count(num_computed_tokens) or not low <= num_computed_tokens <= entry.num_computed_tokens:
+        raise InvalidRequest(
+            f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={request.request_id!r} has "
+            f"{entry.num_computed_tokens} computed tokens, {low} of them registered"
+        )
+    hashes = request_block_hashes(state, request)
+    n = num_computed_tokens
+    step = _AllocationStep(request, True, entry, (), n, n, hashes, n)  # the registration phase reads these
+    pool, num_cached, stored = _register_full_blocks(state.pool, step, entry.tables, entry.num_cached_blocks, cfg)
+    new_entry = RequestBlocks(entry.tables, num_cached, num_computed_tokens)
+    return Step(_with_request(replace(state, pool=pool), request.request_id, new_entry), None, stored)

@@ -80,7 +80,17 @@ def _reached_line(results: Sequence[CheckResult]) -> str:
         for label, level, keys in _HEADLINE
         if level is None or level in ran
     ]
-    return "reached: " + ", ".join(parts)
+    line = "reached: " + ", ".join(parts)
+    if any(r.events for r in results):
+        steps = {k: total.get(f"events: {k}", 0) for k in ("BlockStored", "BlockRemoved", "AllBlocksCleared")}
+        misread = total.get("events: a key removed while another block still holds it", 0)
+        orphaned = total.get("events: a stored block's parent not held", 0)
+        line += (
+            f"\nevents (steps that published them): stored {steps['BlockStored']}, removed {steps['BlockRemoved']}, "
+            f"cleared {steps['AllBlocksCleared']}; what a router must handle: a key removed while another block "
+            f"still holds it {misread}, a stored block whose parent it does not hold {orphaned}"
+        )
+    return line
 
 
 def _notes(results: Sequence[CheckResult]) -> list[str]:

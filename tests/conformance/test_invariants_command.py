@@ -17,7 +17,7 @@ from kvspec.conformance.commands.invariants import INDIRECT, lemma_claims_from_s
 from kvspec.conformance.lockstep import ConformanceFailure, LockStep
 from kvspec.mutants import all_mutants
 from kvspec.spec.hashing import MultiModalInput
-from kvspec.spec.invariants import HIT_RULES, INVARIANTS, STEP_RULES
+from kvspec.spec.invariants import EVENT_RULES, HIT_RULES, INVARIANTS, STEP_RULES
 from kvspec.spec.manager import Request
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,6 +33,7 @@ def test_every_rule_appears_once_with_its_docstring():
     table = rows()
     names = [row.name for row in table]
     expected = [i.name for i in INVARIANTS] + [h.name for h in HIT_RULES] + [s.name for s in STEP_RULES]
+    expected += [e.name for e in EVENT_RULES]
     assert names == [*expected, "is_block_writable"]
     by_name = _by_name()
     for inv in INVARIANTS:
@@ -57,6 +58,16 @@ def test_enforcement_is_read_from_the_code():
     # implementation's answer with the spec's (through the operations table).
     writable = by_name["is_block_writable"]
     assert writable.contracts == ("ops.is_block_writable",) and writable.machine
+    # The router's mirror: every state-changing operation's contract (its events explain its change), and
+    # the machine on the implementation's stream; the parent rule has no contract (the spec's parents are
+    # its own chain), only the machine.
+    exact = by_name["event_mirror_exact"]
+    assert {"ops.get_new_blocks", "ops.evict_blocks", "manager.allocate_slots", "manager.evict_blocks"} <= set(
+        exact.contracts
+    )
+    assert exact.machine and "ops.get_usage" not in exact.contracts
+    parent = by_name["event_parent_known"]
+    assert parent.contracts == () and parent.machine
 
 
 def test_the_lemma_column_names_what_lemmas_5_and_7_prove():

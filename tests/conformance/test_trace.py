@@ -44,7 +44,7 @@ def test_every_kind_of_value_survives_a_round_trip(tmp_path):
     steps = (
         TraceStep(1, "get_computed_blocks", (request, 2), Outcome(result=[[], 0]), Outcome(result=[[], 0]), SNAP, SNAP),
         TraceStep(
-            2, "allocate_slots", (request, 3, 0, [], 0), Outcome(result=[1], events=events),
+            2, "allocate_slots", (request, 3, 0, [], 0, False), Outcome(result=[1], events=events),
             Outcome(result=[1], events=events[:1]), SNAP, SNAP,
         ),
         TraceStep(

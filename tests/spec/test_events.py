@@ -250,3 +250,41 @@ def test_the_parent_rule_needs_a_full_attention_parent_to_have_been_announced():
     # A sliding window's parent is the position before, which that group may never have registered.
     hybrid = m.new_manager(8, 2, groups="full,sliding:4").snapshot()
     assert event_parent_known(EventMirror(), [BlockStored((H2,), H1, group_idx=1)], hybrid)
+
+
+# --- an asynchronous external load ---------------------------------------------------------------
+
+
+def test_an_asynchronous_load_takes_blocks_that_no_request_hits_until_it_is_done():
+    state = m.new_manager(8, 2)
+    r = Request("a", (1, 2, 3, 4, 5, 6, 7))
+    h = _chain(state, r)
+    loading = m.allocate_slots(state, r, 0, 0, (), 6, True)  # six tokens loaded in the background, none computed
+    assert loading.result == (1, 2, 3) and loading.events == () and loading.state.pool.hash_to_blocks == ()
+    assert loading.state.stats.connector.hits == 6  # counted at admission, as vLLM's scheduler does
+    assert m.get_computed_blocks(loading.state, Request("b", r.token_ids)).result == ((), 0)
+    done = m.cache_blocks(loading.state, r, 6)
+    assert done.events == (BlockStored((h[0], h[1], h[2]), None, (1, 2, 3, 4, 5, 6), 2, None, (None,) * 3, 0),)
+    assert m.get_computed_blocks(done.state, Request("b", r.token_ids)).result[1] == 6
+    # A load that failed after 2 tokens: its first block is registered, and the request recomputes from there.
+    failed = m.cache_blocks(loading.state, r, 2)
+    assert failed.state.request("a").num_computed_tokens == 2
+    assert [e.block_hashes for e in failed.events] == [(h[0],)]
+    assert m.allocate_slots(failed.state, r, 5).state.request("a").num_computed_tokens == 7
+
+
+def test_a_delay_needs_an_external_load_and_cache_blocks_a_running_request():
+    state = m.new_manager(8, 2)
+    r = Request("a", (1, 2, 3, 4, 5))
+    with pytest.raises(InvalidRequest, match=r"^allocate_slots: delay_cache_blocks=True but num_external_computed_"):
+        m.allocate_slots(state, r, 1, 0, (), 0, True)
+    with pytest.raises(InvalidRequest, match=r"^allocate_slots: num_new_tokens=0; a step must schedule"):
+        m.allocate_slots(state, r, 0, 0, (), 2, False)
+    with pytest.raises(InvalidRequest, match=r"^cache_blocks: request_id='a' is not running"):
+        m.cache_blocks(state, r, 0)
+    running = m.allocate_slots(state, r, 4).state  # two blocks registered
+    with pytest.raises(InvalidRequest, match=r"^cache_blocks: num_computed_tokens=2 but request_id='a' has 4 comp"):
+        m.cache_blocks(running, r, 2)  # below what is registered
+    with pytest.raises(InvalidRequest, match=r"^cache_blocks: num_computed_tokens=5 but"):
+        m.cache_blocks(running, r, 5)  # more than computed
+    assert m.cache_blocks(running, r, 4).events == ()  # every full block is registered already
