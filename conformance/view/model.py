@@ -23,7 +23,7 @@ from typing import Any
 
 from kvspec.conformance.operations import OPERATIONS
 from kvspec.conformance.results import FailureKind, Verdict
-from kvspec.spec.invariants import HIT_RULES, INVARIANTS, STEP_RULES
+from kvspec.spec.invariants import EVENT_RULES, HIT_RULES, INVARIANTS, STEP_RULES
 
 __all__ = ["PAGE_FORMAT", "RULES", "build_view"]
 
@@ -51,12 +51,23 @@ RULES: dict[str, tuple[str, str]] = {
     ),
     "no_hang": ("no hang", "The implementation answers every call within the step time limit."),
     "spec_holds": ("the spec holds", "The spec itself runs without failing (otherwise kvspec has a bug)."),
+    "same_events": (
+        "same events",
+        "Every call publishes the KV cache events the spec publishes (hash values compared as names), in order; "
+        "a run of removals in any order.",
+    ),
+    "same_statistics": (
+        "same hit statistics",
+        "After every request-level step the prefix-cache hit statistics equal the spec's: requests, queried and "
+        "hit tokens, local and external apart, preempted requests apart, resets.",
+    ),
 }
 
 _NAMED_RULES: dict[str, str] = {
     **{inv.name: inv.rule for inv in INVARIANTS},
     **{r.name: r.rule for r in STEP_RULES},
     **{r.name: r.rule for r in HIT_RULES},
+    **{r.name: r.rule for r in EVENT_RULES},
 }
 
 # The lock-step core names the block whose memory a hit read back wrong in its message
@@ -357,6 +368,22 @@ def _result_words(op: str | None, o: Mapping[str, Any] | None) -> str:
     return "done" if r is None else repr(r)
 
 
+def _events_words(o: Mapping[str, Any] | None, name: Callable[[str], str]) -> str:
+    """The KV cache events one side published at the step (a trace recorded with --events), in words."""
+    events = (o or {}).get("events") or []
+    parts = []
+    for e in events:
+        keys = " ".join(name(k) for k in e.get("block_hashes", []))
+        if e.get("type") == "BlockStored":
+            parent = e.get("parent_block_hash")
+            parts.append(f"stored {keys or '(no block)'} under {'-' if parent is None else name(parent)}")
+        elif e.get("type") == "BlockRemoved":
+            parts.append(f"removed {keys}")
+        else:
+            parts.append("cleared")
+    return f"; published: {', '.join(parts)}" if parts else ""
+
+
 # --- the failure --------------------------------------------------------------------------
 
 
@@ -371,6 +398,10 @@ def _failed_rule(failure: Mapping[str, Any], step: Mapping[str, Any] | None) -> 
         key = by_kind[kind]
     elif step is not None and not _same_outcome(step["op"], step["spec_outcome"], step["impl_outcome"]):
         key = "same_result"
+    elif str(failure.get("message", "")).startswith("published "):  # the lock-step core's events divergence
+        key = "same_events"
+    elif str(failure.get("message", "")).startswith("the hit statistics differ"):
+        key = "same_statistics"
     elif step is not None and step["spec_outcome"] is not None and "error" in step["spec_outcome"]:
         key = "rejected_call_changes_nothing"
     else:
@@ -459,7 +490,10 @@ def _view_step(
     both = has_impl and spec_state is not None and impl_state is not None
     differences = _differences(spec_state if both else None, impl_state)
     impl_outcome = s["impl_outcome"]
-    if op is not None and impl_outcome is not None and not _same_outcome(op, s["spec_outcome"], impl_outcome):
+    if op is not None and impl_outcome is not None and (
+        not _same_outcome(op, s["spec_outcome"], impl_outcome)
+        or _events_words(s["spec_outcome"], names.of_spec) != _events_words(impl_outcome, names.of_impl)
+    ):
         differences["fields"].insert(0, "result")
     if op is None:
         call, words = None, None
@@ -479,8 +513,12 @@ def _view_step(
         "base": base,
         "spec": spec_state,
         "impl": impl_state,
-        "spec_result": None if op is None else _result_words(op, s["spec_outcome"]),
-        "impl_result": None if op is None or impl_outcome is None else _result_words(op, impl_outcome),
+        "spec_result": None if op is None else _result_words(op, s["spec_outcome"]) + _events_words(
+            s["spec_outcome"], names.of_spec
+        ),
+        "impl_result": None
+        if op is None or impl_outcome is None
+        else _result_words(op, impl_outcome) + _events_words(impl_outcome, names.of_impl),
         "spec_recomputed": bool(s.get("spec_recomputed")),
         "changed": {"spec": _changed(before[0], spec_state), "impl": _changed(before[1], impl_state)},
         "differences": differences,

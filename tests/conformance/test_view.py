@@ -336,3 +336,20 @@ def test_view_serve_prints_the_url_and_stops_on_ctrl_c(failure_trace):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_events_failure_shows_what_each_side_published_and_names_its_rule(tmp_path):
+    from kvspec.mutants.events import EvictionWithoutBlockRemoved, ResetWithoutAllBlocksCleared
+
+    steps = [("get_new_blocks", [1]), ("cache_full_blocks", [[1], [_digest(1)]]), ("free_blocks", [[1]]),
+             ("get_new_blocks", [7])]  # fmt: skip
+    config = AdapterConfig("pool", 8, events=True)
+    view = build_view(trace_to_page_data(_failing_trace(EvictionWithoutBlockRemoved, steps, tmp_path, config)))
+    last = view["steps"][-1]
+    assert last["spec_result"].endswith("; published: removed h1") and "published" not in last["impl_result"]
+    assert "result" in last["differences"]["fields"]
+    assert view["failure"]["rule_name"] == "event_mirror_exact"
+    assert view["steps"][2]["spec_result"] == "done; published: stored h1 under -"
+    reset = [*steps[:3], ("reset_prefix_cache", [])]
+    view = build_view(trace_to_page_data(_failing_trace(ResetWithoutAllBlocksCleared, reset, tmp_path, config)))
+    assert view["failure"]["rule_name"] == "event_mirror_exact"  # the router still holds h1, the pool nothing
