@@ -332,6 +332,7 @@ def make_conformance_test(
     seed: int = 0,
     step_timeout_s: float | None = 10.0,
     trace_dir: str | Path | None = None,
+    events: bool = False,
 ) -> type[unittest.TestCase]:
     """A `unittest.TestCase` class that checks `factory`'s adapters against the spec.
 
@@ -352,6 +353,7 @@ def make_conformance_test(
         seed: the campaign's seed.
         step_timeout_s: the most one implementation call may take.
         trace_dir: where failure traces are saved.
+        events: check the KV cache events and hit statistics too (`kvspec check --events`).
 
     Raises:
         ValueError: level is not "pool", "manager" or "both".
@@ -375,6 +377,7 @@ def make_conformance_test(
                 step_timeout_s=step_timeout_s,
                 trace_dir=trace_dir,
                 impl=impl,
+                events=events,
             )
             if result.verdict is Verdict.NOT_APPLICABLE:
                 self.skipTest(f"{lv} level not provided: {result.message}")
