@@ -173,3 +173,18 @@ def test_chain_differences_name_the_first_one_found_under_the_seed_then_unset() 
         "unset_seed",
     )
     assert judged(_process("1", "k"), _process(None, "u", none_hash=None, matches=set())) == ("unset_seed",)
+
+
+def test_the_oracle_matrix_has_a_fleet_column_and_the_whole_answer_in_its_notes() -> None:
+    from kvspec.conformance.vllm.oracle import ReleaseRow, format_matrix
+
+    rows = [ReleaseRow("0.20.0", hashes="differs (8/32 vectors match)", fleet="only with PYTHONHASHSEED set",
+                       fleet_detail="fleet-consistent hashes: only with PYTHONHASHSEED set (...)"),
+            ReleaseRow("0.33.0", hashes="compatible (32 vectors)", fleet="yes",
+                       fleet_detail="fleet-consistent hashes: yes (...)")]  # fmt: skip
+    lines = format_matrix(rows, ["pool"], ["on"]).splitlines()
+    assert lines[0].split() == ["version", "pool/on", "hashes", "fleet"], lines
+    assert lines[1].rstrip().endswith("seed set") and lines[2].rstrip().endswith("yes"), lines
+    assert "  0.20.0: fleet-consistent hashes: only with PYTHONHASHSEED set (...)" in lines, lines
+    # a matrix of rows that measured no fleet answer (vLLM v0, the request level alone) has no such column
+    assert "fleet" not in format_matrix([ReleaseRow("0.6.6")], ["pool"], ["on"]).splitlines()[0]

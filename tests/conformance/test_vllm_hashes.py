@@ -8,8 +8,11 @@ release's fleet answer and whether its chain is kvspec's in fresh processes.
 
 from __future__ import annotations
 
+import json
 import logging
+import platform
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,3 +102,33 @@ def test_every_release_s_hash_facts_are_what_fresh_processes_measure() -> None:
     assert measure_release("0.33.0") is measured["0.33.0"]
     exact = [v for v, m in measured.items() if m.is_kvspec_chain]
     assert exact == ["0.31.0", "0.32.0", "0.33.0"], exact
+
+
+@pytest.mark.vllm
+def test_kvspec_hashes_prints_the_fleet_answer_and_what_the_harness_compares(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvspec.conformance.cli import main
+
+    logging.disable(logging.WARNING)
+    assert main(["hashes", "--version", "0.33.0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("  fleet-consistent hashes: yes (vllm==0.33.0, sha256, two processes with "), out
+    assert out[2] == "  chain: kvspec's (sha256, PYTHONHASHSEED set and unset)", out
+    assert "compared exactly at the pool and the request level" in out[3], out
+    assert main(["hashes", "--version", "0.30.0", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["fleet"] == {"answer": "yes", "hash_fn": "sha256", "python": platform.python_version(),
+                             "kvspec_chain": False, "differences": ["untagged_extra_keys"]}  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_the_oracle_reports_each_release_s_fleet_answer(tmp_path: Path) -> None:
+    from kvspec.conformance.vllm.oracle import format_matrix, run_oracle
+
+    (row,) = run_oracle(["0.30.0"], levels=("pool",), caching="on", max_examples=10, trace_dir=str(tmp_path))
+    assert row.fleet == "yes", row
+    assert "chain: not kvspec's (sha256: its extra keys are untagged)" in row.fleet_detail, row.fleet_detail
+    text = format_matrix([row], ["pool"], ["on"])
+    assert text.splitlines()[0].split()[-1] == "fleet" and text.splitlines()[1].split()[-1] == "yes", text
+    assert "0.30.0: fleet-consistent hashes: yes (vllm==0.30.0, sha256, " in text, text
