@@ -195,7 +195,6 @@ class VllmManagerAdapter:
                 f"{release.label}: its KVCacheManager takes ({', '.join(manager_params)}): neither a "
                 "KVCacheConfig nor block_size and num_gpu_blocks; this adapter speaks 0.8.0 to 0.33's managers"
             )
-        ku = release.kv_cache_utils
         self._request_cls: Any = mod("vllm.v1.request").Request
         self._request_params = inspect.signature(self._request_cls).parameters
         # Where hashes come from: the Request's block hasher (0.10.1+) or the manager itself.
@@ -214,18 +213,7 @@ class VllmManagerAdapter:
         self._offset = 0 if self.has_null_block else 1
         self.manager: Any = self._layout_manager(manager_cls, config.num_gpu_blocks - self._offset)
         self._pool: Any = self.manager.block_pool
-        self._block_hasher: Any = None
-        if self.hashes == "request":
-            fn = release.hash_functions[self.hash_fn]
-            if hasattr(ku, "init_none_hash"):
-                # Derived under PYTHONHASHSEED=config.seed, as in a deployment that sets it: unset,
-                # 0.10.x draws a new NONE_HASH from os.urandom at every call, so a second adapter in
-                # this process (a replica, for a caller mistake) would re-key the first one's chains.
-                # Left unset for VLLM_NONE_HASH_SEED where the release derives it from that seed when
-                # unset (0.29+), so the check is of vLLM as a deployment that sets nothing runs it.
-                with hash_seed_env(None if self._unset_seed(release, config) else config.seed):
-                    ku.init_none_hash(fn)
-            self._block_hasher = ku.get_request_block_hasher(config.block_size, fn)
+        self._block_hasher: Any = self._request_block_hasher() if self.hashes == "request" else None
         self._sampling_params = mod("vllm.sampling_params").SamplingParams(max_tokens=1)
         self._lora_cls = mod("vllm.lora.request").LoRARequest
         self._lora_ids: dict[str, int] = {}  # vLLM wants an int id per adapter; stable per name
@@ -261,6 +249,20 @@ class VllmManagerAdapter:
         if self.hashes == "manager" and hash_fn != "builtin":
             return "sha256" if "sha256" in release.hash_functions else "builtin"
         return hash_fn
+
+    def _request_block_hasher(self) -> Any:
+        """The release's block hasher a Request carries (0.10.1+), NONE_HASH derived for the config's seed."""
+        release, config, ku = self.release, self.config, self.release.kv_cache_utils
+        fn = release.hash_functions[self.hash_fn]
+        if hasattr(ku, "init_none_hash"):
+            # Derived under PYTHONHASHSEED=config.seed, as in a deployment that sets it: unset,
+            # 0.10.x draws a new NONE_HASH from os.urandom at every call, so a second adapter in
+            # this process (a replica, for a caller mistake) would re-key the first one's chains.
+            # Left unset for VLLM_NONE_HASH_SEED where the release derives it from that seed when
+            # unset (0.29+), so the check is of vLLM as a deployment that sets nothing runs it.
+            with hash_seed_env(None if self._unset_seed(release, config) else config.seed):
+                ku.init_none_hash(fn)
+        return ku.get_request_block_hasher(config.block_size, fn)
 
     @staticmethod
     def _unset_seed(release: VllmRelease, config: AdapterConfig) -> bool:
