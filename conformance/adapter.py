@@ -55,6 +55,10 @@ the default):
   seed, so the machine compares block hash values exactly. Otherwise hash
   values are compared as names (an equality relation), and the values are
   checked separately against golden vectors (`kvspec hashes`).
+- `spec_hashing: Callable[[], tuple[str, str]]` (on the factory; default
+  kvspec's hash function and seed): the hash_fn and seed the machine builds
+  every config with, so the spec hashes as the implementation does by
+  default (a vLLM release's own, where its chain is kvspec's).
 - `kv_cache_groups: bool` (on the adapter; default False): the manager
   builds the KV cache groups `config.groups` names (spec.attention: "full",
   "full,sliding:8", ...; hits and new blocks then cross the API group by

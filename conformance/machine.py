@@ -54,6 +54,7 @@ from kvspec.conformance.results import Outcome
 from kvspec.spec import manager as spec_manager
 from kvspec.spec.attention import format_groups, parse_groups
 from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.manager import ManagerState, Request
 from kvspec.spec.state import NULL_BLOCK_ID, PoolState
 
@@ -113,8 +114,11 @@ class _LockStepMachine(RuleBasedStateMachine):
         # A factory may name the smallest pool it can build (a vLLM release
         # without a null block cannot build a pool of the null block alone).
         num_gpu_blocks = max(num_gpu_blocks, getattr(cls.factory, "min_num_gpu_blocks", 1))
+        # It may name the hash function and seed its implementation hashes with (a vLLM release's own),
+        # so that the spec's chain is the one it computes and hash values can be compared exactly.
+        hash_fn, seed = getattr(cls.factory, "spec_hashing", lambda: (DEFAULT_HASH_FN, DEFAULT_SEED))()
         return AdapterConfig(
-            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, device=cls.device, groups=groups,
+            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, hash_fn, seed, cls.device, groups,
             events=cls.events,
         )  # fmt: skip
 

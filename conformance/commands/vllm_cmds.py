@@ -59,9 +59,18 @@ def register(subparsers: Any) -> None:
         help="golden hash vectors: kvspec's block-hash chain against vLLM's, on the same inputs",
     )
     h.add_argument("--impl", choices=("vllm",), default="vllm")
-    h.add_argument("--version", default=None, help="a release to load in light mode (default: the installed vLLM)")
+    which = h.add_mutually_exclusive_group()
+    which.add_argument("--version", default=None, help="a release to load in light mode (default: the installed vLLM)")
+    which.add_argument(
+        "--all",
+        action="store_true",
+        help="every release from 0.8.0 to the newest, one line each: whether its chain is kvspec's (what "
+        "kvspec check --impl vllm compares exactly) and whether two engine processes agree on it (fleet)",
+    )
     h.add_argument("--json", action="store_true")
     h.add_argument("--verbose", action="store_true", help="print every vector")
+    h.add_argument("--no-fleet", action="store_true",
+                   help="skip the fleet check (two fresh processes per PYTHONHASHSEED setting)")  # fmt: skip
     h.set_defaults(run=run_hashes_cmd)
 
 
@@ -160,6 +169,8 @@ def run_hashes_cmd(args: argparse.Namespace) -> int:
     logging.disable(logging.WARNING)
     from kvspec.conformance.vllm.hashes import compare_release
 
+    if args.all:
+        return _hashes_all(args.json)
     try:
         report = compare_release(args.version)
     except ImportError as e:
@@ -168,10 +179,13 @@ def run_hashes_cmd(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"kvspec hashes: cannot load vLLM: {e}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
+    lines, fleet = ([], None) if args.no_fleet else _fleet_lines(args.version, report.version)
     if args.json:
-        print(json.dumps(report.to_json(), indent=1))
+        print(json.dumps({**report.to_json(), **({"fleet": fleet} if fleet is not None else {})}, indent=1))
     else:
         print(f"vllm=={report.version} ({report.source}) against kvspec.spec.hashing: {report.summary()}")
+        for line in lines:
+            print(f"  {line}")
         for r in report.results:
             if args.verbose or not r.match:
                 seed = "unset" if r.seed is None else r.seed
@@ -183,3 +197,59 @@ def run_hashes_cmd(args: argparse.Namespace) -> int:
         for s in report.skipped:
             print(f"  skipped: {s}")
     return EXIT_OK if report.compatible else EXIT_DIVERGES
+
+
+def _hashes_all(as_json: bool) -> int:
+    """`kvspec hashes --all`: every release's chain and fleet answer, measured; exit 0, or 2 when a worker failed."""
+    from kvspec.conformance.vllm.hashes import FLEET_SEED, measure_releases
+    from kvspec.conformance.vllm.releases import HASH_CHAIN_DIFFERENCES, RELEASES
+
+    try:
+        measured = measure_releases(RELEASES)
+    except (RuntimeError, ImportError) as e:
+        print(f"kvspec hashes: cannot measure the releases: {e}", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
+    if as_json:
+        print(json.dumps([{"version": m.version, "hash_fn": m.hash_fn, "kvspec_chain": m.is_kvspec_chain,
+                           "differences": list(m.differences), "fleet": m.fleet, "python": m.python}
+                          for m in measured.values()], indent=1))  # fmt: skip
+        return EXIT_OK
+    python = next(iter(measured.values())).python
+    print(f"vLLM's block-hash chain per release, its default hash function, two fresh processes with "
+          f"PYTHONHASHSEED={FLEET_SEED} and two with it unset (Python {python}):")  # fmt: skip
+    header = ("version", "hash_fn", "chain", "kvspec check --impl vllm compares hash values", "fleet-consistent")
+    rows = [
+        (m.version, m.hash_fn, "kvspec's" if m.is_kvspec_chain else "differs: " + ", ".join(m.differences),
+         "exactly" if m.is_kvspec_chain else "exactly at the pool level, as names at the request level", m.fleet)
+        for m in measured.values()
+    ]  # fmt: skip
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print("differences: " + "; ".join(f"{d}: {why}" for d, why in HASH_CHAIN_DIFFERENCES.items()))
+    return EXIT_OK
+
+
+def _fleet_lines(version: str | None, found: str) -> tuple[list[str], dict[str, Any] | None]:
+    """What a fleet and the harness make of a release's chain, measured in fresh processes (text lines, JSON)."""
+    from kvspec.conformance.vllm.adapter import spec_hashing_for
+    from kvspec.conformance.vllm.hashes import measure_release
+
+    try:
+        measured = measure_release(version or "")
+    except KeyError:
+        return [f"fleet-consistent hashes: not measured: vllm=={found} is not in kvspec's release table "
+                "(its default hash function is not known)"], None  # fmt: skip
+    except RuntimeError as e:
+        return [f"fleet-consistent hashes: not measured: {e}"], None
+    hash_fn, seed = spec_hashing_for(measured.version)
+    exact = (
+        f"hash values compared exactly at the pool and the request level (the spec hashes with {hash_fn!r}, "
+        f"seed {seed!r})"
+        if measured.is_kvspec_chain
+        else "hash values compared exactly at the pool level (the harness hands them over), as names at the "
+        "request level (vLLM computes the chain there)"
+    )
+    data = {"answer": measured.fleet, "hash_fn": measured.hash_fn, "python": measured.python,
+            "kvspec_chain": measured.is_kvspec_chain, "differences": list(measured.differences)}  # fmt: skip
+    return [measured.fleet_line(), measured.chain_line(), f"kvspec check --impl vllm: {exact}"], data

@@ -32,6 +32,20 @@ Factories, by name for ``--impl`` and ``kvspec replay``:
 release named by ``$KVSPEC_VLLM_VERSION`` when it is set, else the installed
 vLLM; ``factory_for("vllm@0.24.0")`` builds the same from an impl name.
 
+Hash values, exactly. At the pool level no chain is computed: the harness
+hands the pool its hash values, so the adapter declares
+``uses_kvspec_hash_chain`` for every release, and the harness checks that the
+pool keeps, keys and reports exactly the value it was handed (the group id
+added to the key and taken off again, an int key made from the bytes and
+read back), not only which blocks share one. At the request level vLLM
+computes the chain (``kvspec.conformance.vllm.manager``). A factory names the
+hash function and NONE_HASH seed the spec must hash with (``spec_hashing``):
+where a release's chain is kvspec's (releases.py, ``hash_chain_differs``,
+measured), the release's default hash function and the seed it uses with
+``PYTHONHASHSEED`` unset, so the harness checks vLLM's chain as a deployment
+that sets nothing computes it; elsewhere kvspec's defaults, and hash values
+are compared as names.
+
 NOTE: releases 0.8.0 to 0.8.2 have no null block: every block is allocatable.
 The adapter builds such a pool with ``num_gpu_blocks - 1`` blocks and shifts
 block ids by one, so the spec's block 0 (the null block) names no vLLM block and
@@ -54,6 +68,7 @@ from kvspec.conformance.adapter import AdapterConfig, AdapterFactory, BlockManag
 from kvspec.conformance.reactions import NotExpressible, Reaction
 from kvspec.conformance.vllm.reactions import pool_reactions
 from kvspec.conformance.vllm.releases import ReleaseFacts, facts_for
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, VLLM_NONE_HASH_SEED
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
 __all__ = [
@@ -68,6 +83,7 @@ __all__ = [
     "make_light_adapter",
     "make_release_adapter",
     "pool_snapshot",
+    "spec_hashing_for",
 ]
 
 # Set to a release ("0.24.0") to make `make_adapter` load it in light mode.
@@ -160,6 +176,39 @@ def _declared_facts(version: str) -> ReleaseFacts | None:
         return facts_for(version)
     except KeyError:
         return None
+
+
+def spec_hashing_for(version: str | None) -> tuple[str, str]:
+    """The hash function and NONE_HASH seed the spec hashes with when it checks a release.
+
+    Where the release's chain is kvspec's (its measured ``hash_chain_differs``
+    is empty): its default hash function and ``VLLM_NONE_HASH_SEED``, the seed
+    it derives NONE_HASH from with ``PYTHONHASHSEED`` unset, so the spec's
+    chain is the one a deployment that sets nothing computes, value for
+    value. Elsewhere (or for a release the table does not cover, or None):
+    kvspec's defaults, and hash values are compared as names.
+
+    >>> spec_hashing_for("0.33.0"), spec_hashing_for("0.9.2")
+    (('sha256', 'vllm-none-hash'), ('sha256_cbor', 'kvspec'))
+    """
+    facts = _declared_facts(version) if version else None
+    if facts is None or facts.hash_chain_differs:
+        return DEFAULT_HASH_FN, DEFAULT_SEED
+    return facts.hash_algos[0], VLLM_NONE_HASH_SEED
+
+
+def _selected_spec_hashing() -> tuple[str, str]:
+    """``spec_hashing_for`` the vLLM ``make_adapter`` drives: ``$KVSPEC_VLLM_VERSION``'s, else the installed one's."""
+    version = os.environ.get(VERSION_ENV)
+    return spec_hashing_for(version) if version else _installed_spec_hashing()
+
+
+def _installed_spec_hashing() -> tuple[str, str]:
+    """``spec_hashing_for`` the installed vLLM (kvspec's defaults where none is installed)."""
+    try:
+        return spec_hashing_for(importlib.metadata.version("vllm"))  # read without importing vLLM
+    except importlib.metadata.PackageNotFoundError:
+        return spec_hashing_for(None)
 
 
 def _hash_key_kind(kv_cache_utils: types.ModuleType) -> HashKeyKind:
@@ -262,6 +311,9 @@ class VllmPoolAdapter:
     """
 
     validates_bad_input = False
+    # The harness hands the pool its hash values (no chain is computed at this level), so every
+    # release is checked to keep exactly the value it was handed; see the module doc.
+    uses_kvspec_hash_chain = True
 
     def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
         self.release = release
@@ -512,6 +564,8 @@ def make_light_adapter(version: str) -> AdapterFactory:
         return make_release_adapter(light_release(version), config)
 
     factory.__qualname__ = factory.__name__ = f"vllm@{version}"
+    # The hash function and seed the spec hashes with: the release's own where its chain is kvspec's.
+    factory.spec_hashing = lambda: spec_hashing_for(version)  # type: ignore[attr-defined]
     # Releases without a null block cannot build the spec's one-block pool (it
     # would have no block at all): the harness starts them at two blocks.
     factory.min_num_gpu_blocks = 1 if facts_for(version).has_null_block else 2  # type: ignore[attr-defined]
@@ -521,6 +575,9 @@ def make_light_adapter(version: str) -> AdapterFactory:
 def make_installed_adapter(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
     """The installed vLLM (``import vllm``) as an implementation under test."""
     return make_release_adapter(installed_release(), config)
+
+
+make_installed_adapter.spec_hashing = _installed_spec_hashing  # type: ignore[attr-defined]
 
 
 def make_adapter(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
@@ -540,6 +597,9 @@ def make_adapter(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerA
             "to load that release's BlockPool from its wheel (light mode)"
         ) from e
     return make_release_adapter(release, config)
+
+
+make_adapter.spec_hashing = _selected_spec_hashing  # type: ignore[attr-defined]
 
 
 def factory_for(impl: str) -> AdapterFactory:

@@ -29,14 +29,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from kvspec.conformance.vllm.adapter import VllmRelease, installed_release, light_release
+from kvspec.conformance.vllm.releases import HASH_CHAIN_DIFFERENCES, HashChainDifference, facts_for
 from kvspec.spec.hashing import (
     VLLM_NONE_HASH_SEED,
     MultiModalInput,
@@ -46,14 +48,22 @@ from kvspec.spec.hashing import (
 )
 
 __all__ = [
+    "FLEET_SEED",
     "GOLDEN_CASES",
+    "FleetAnswer",
     "HashCase",
     "HashReport",
+    "ProcessChains",
+    "ReleaseHashing",
     "VectorResult",
     "compare_release",
+    "default_hash_fn",
     "golden_vectors",
     "hash_seed_env",
+    "judge_release",
     "kvspec_chain",
+    "measure_release",
+    "measure_releases",
     "vllm_chain",
 ]
 
@@ -236,7 +246,11 @@ def vllm_chain(release: VllmRelease, case: HashCase, hash_fn: str) -> list[bytes
     Returns:
         One digest per full block.
     """
-    fn = _prepare(release, hash_fn)
+    return _chain(release, case, hash_fn, _prepare(release, hash_fn))
+
+
+def _chain(release: VllmRelease, case: HashCase, hash_fn: str, fn: Callable[[Any], Any]) -> list[bytes]:
+    """vLLM's chain for a case with ``fn``, NONE_HASH as the release holds it now (derived once, as an engine does)."""
     ku = release.kv_cache_utils
     request = _HashRequest(case)
     if hasattr(ku, "get_request_block_hasher"):
@@ -427,8 +441,225 @@ def _builtin_worker(version: str, seed: str, case_names: Sequence[str]) -> None:
     json.dump(rows, sys.stdout)
 
 
+# ---------------------------------------------------------------------------
+# what a fleet needs, and where a release's chain is kvspec's: measured in fresh interpreters
+
+# The PYTHONHASHSEED both engine processes of a fleet set, for the "set" half of the fleet check.
+FLEET_SEED = "12345"
+
+FleetAnswer = Literal["yes", "only with PYTHONHASHSEED set", "only with PYTHONHASHSEED unset", "no"]
+
+# Extra-key kinds as kvspec (and vLLM since 0.31) tag them; a key that starts with none of them is untagged.
+_TAGS = frozenset({"lora", "mm", "cache_salt", "prompt_embeds"})
+
+
+def default_hash_fn(version: str) -> str:
+    """The hash function a release uses unless told otherwise (its ``prefix_caching_hash_algo`` default).
+
+    Raises:
+        KeyError: ``version`` is not a release the facts table covers.
+    """
+    return facts_for(version).hash_algos[0]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessChains:
+    """What one fresh interpreter computed for one release, NONE_HASH derived once as an engine derives it."""
+
+    version: str  # the release
+    hash_fn: str  # its default hash function
+    pythonhashseed: str | None  # the interpreter's PYTHONHASHSEED (None: unset)
+    chains: dict[str, list[str]]  # golden case -> vLLM's block hashes, hex
+    kvspec_match: dict[str, bool]  # golden case -> vLLM's chain is kvspec's (same hash_fn, kvspec_seed(seed))
+    none_hash_match: bool | None  # vLLM's NONE_HASH is kvspec's (None: the release keeps no NONE_HASH)
+    extra_keys_tagged: bool  # vLLM's extra keys of the all-extra-keys case's first block are tagged tuples
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseHashing:
+    """A release's hash chain as a fleet and a router see it: two processes per PYTHONHASHSEED setting."""
+
+    version: str  # the release
+    hash_fn: str  # its default hash function, the one measured
+    fleet: FleetAnswer  # whether two engine processes started alike compute the same chain
+    differences: tuple[HashChainDifference, ...]  # how its chain differs from kvspec's; () where it is kvspec's
+    python: str  # the interpreter the processes ran (the builtin hash depends on it)
+
+    @property
+    def is_kvspec_chain(self) -> bool:
+        """vLLM's chain equals kvspec's on every golden case, PYTHONHASHSEED set and unset."""
+        return not self.differences
+
+    def fleet_line(self) -> str:
+        """The fleet answer in one line, with what it was measured on."""
+        return (f"fleet-consistent hashes: {self.fleet} (vllm=={self.version}, {self.hash_fn}, two processes with "
+                f"PYTHONHASHSEED={FLEET_SEED} and two with it unset, Python {self.python})")  # fmt: skip
+
+    def chain_line(self) -> str:
+        """Whether the chain is kvspec's, in one line (the reasons where not)."""
+        if self.is_kvspec_chain:
+            return f"chain: kvspec's ({self.hash_fn}, PYTHONHASHSEED set and unset)"
+        why = "; ".join(HASH_CHAIN_DIFFERENCES[d] for d in self.differences)
+        return f"chain: not kvspec's ({self.hash_fn}: {why})"
+
+
+def _is_tagged(keys: Any) -> bool:
+    """Every extra key is a tuple that starts with its kind (``("lora", ...)``), as kvspec's are."""
+    return bool(keys) and all(isinstance(k, tuple) and k and k[0] in _TAGS for k in keys)
+
+
+def _process_chains(release: VllmRelease, version: str) -> ProcessChains:
+    """One release's row of a chain worker, under this interpreter's PYTHONHASHSEED."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    hash_fn = default_hash_fn(version)
+    fn = _prepare(release, hash_fn)  # once, as an engine derives NONE_HASH once at start-up
+    chains: dict[str, list[str]] = {}
+    match: dict[str, bool] = {}
+    for case in GOLDEN_CASES:
+        theirs = _chain(release, case, hash_fn, fn)
+        chains[case.name] = [h.hex() for h in theirs]
+        match[case.name] = theirs == kvspec_chain(case, hash_fn, seed)
+    value = getattr(release.kv_cache_utils, "NONE_HASH", None)
+    none_match = None if value is None else _same_none_hash(value, hash_fn, seed)
+    tagged = _is_tagged(_vllm_first_extra_keys(release, _case("all-extra-keys")))
+    return ProcessChains(version, hash_fn, seed, chains, match, none_match, tagged)
+
+
+def _same_none_hash(value: Any, hash_fn: str, seed: str | None) -> bool:
+    """Whether a release's NONE_HASH is kvspec's for the same hash function and seed.
+
+    Compared as numbers where the release keeps an int: 0.8.3 to 0.9.x derive
+    it with sha256 whatever the chain's hash function, a 256-bit int that no
+    8-byte builtin hash equals.
+    """
+    ours = bytes(none_hash(hash_fn, kvspec_seed(seed)))
+    value = getattr(value, "hash_value", value)
+    if isinstance(value, bytes):
+        return value == ours
+    if hash_fn == "builtin":
+        return int(value) == int.from_bytes(ours, "big", signed=True)
+    return int(value) == int.from_bytes(ours, "big")
+
+
+def _chain_worker(versions: Sequence[str]) -> None:
+    """Print, as JSON, this interpreter's ``ProcessChains`` for each release ("" names the installed vLLM)."""
+    rows = []
+    for version in versions:
+        release = light_release(version, fresh=True) if version else installed_release()
+        rows.append(asdict(_process_chains(release, version or release.version)))
+    json.dump(rows, sys.stdout)
+
+
+def _spawn_chain_workers(versions: Sequence[str], seed: str | None, num: int) -> list[subprocess.Popen[str]]:
+    env = dict(os.environ)
+    env.pop("PYTHONHASHSEED", None)
+    if seed is not None:
+        env["PYTHONHASHSEED"] = seed
+    cmd = [sys.executable, "-m", "kvspec.conformance.vllm.hashes", "--chain-worker", *versions]
+    return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            for _ in range(num)]  # fmt: skip
+
+
+def _collect(proc: subprocess.Popen[str], what: str) -> list[ProcessChains]:
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"chain worker ({what}) gave no answer within 600 s") from None
+    if proc.returncode != 0:
+        tail = [line for line in err.strip().splitlines() if line.strip()][-1:] or ["?"]
+        raise RuntimeError(f"chain worker ({what}) exited rc={proc.returncode}: {tail[0][:400]}")
+    return [ProcessChains(**row) for row in json.loads(out)]
+
+
+def judge_release(
+    with_seed: tuple[ProcessChains, ProcessChains], unset: tuple[ProcessChains, ProcessChains], python: str
+) -> ReleaseHashing:
+    """A release's answers from its four processes: two under ``PYTHONHASHSEED=FLEET_SEED``, two with it unset.
+
+    Fleet-consistent under a setting: its two processes computed the same
+    chain for every golden case. How the chain differs from kvspec's, in
+    order: under the seed, the first of NONE_HASH (where the release keeps
+    one), a chain without extra keys, the extra keys (untagged or not); then,
+    unset, NONE_HASH (or, where nothing differed under the seed, any chain).
+
+    Args:
+        with_seed: The two processes started with ``PYTHONHASHSEED=FLEET_SEED``.
+        unset: The two started without it.
+        python: The interpreter's version, recorded with the answer.
+
+    Returns:
+        The release's ``ReleaseHashing``.
+    """
+    same_set = with_seed[0].chains == with_seed[1].chains
+    same_unset = unset[0].chains == unset[1].chains
+    fleet: FleetAnswer = "no"
+    if same_set and same_unset:
+        fleet = "yes"
+    elif same_set or same_unset:
+        fleet = "only with PYTHONHASHSEED set" if same_set else "only with PYTHONHASHSEED unset"
+    seeded, plain = with_seed[0], {c.name for c in GOLDEN_CASES if not (c.lora or c.mm_inputs or c.cache_salt)}
+    found: list[HashChainDifference] = []
+    if seeded.none_hash_match is False:
+        found.append("none_hash")
+    elif not all(seeded.kvspec_match[c] for c in plain):
+        found.append("chain")
+    elif not all(seeded.kvspec_match.values()):
+        found.append("extra_keys" if seeded.extra_keys_tagged else "untagged_extra_keys")
+    # Unset, vLLM 0.29+ derives NONE_HASH from a fixed seed, kvspec's VLLM_NONE_HASH_SEED; earlier ones do not.
+    if unset[0].none_hash_match is False or (not found and not all(unset[0].kvspec_match.values())):
+        found.append("unset_seed")
+    return ReleaseHashing(seeded.version, seeded.hash_fn, fleet, tuple(found), python)
+
+
+_MEASURED: dict[str, ReleaseHashing] = {}
+
+
+def measure_releases(versions: Sequence[str]) -> dict[str, ReleaseHashing]:
+    """Measure, for each release, fleet consistency and whether its chain is kvspec's (kept for the process run).
+
+    Four fresh interpreters compute every release asked for (each release
+    loaded anew in each, NONE_HASH derived once): two with
+    ``PYTHONHASHSEED=FLEET_SEED``, two with it unset. A release is
+    fleet-consistent under a setting when its two processes agree on every
+    golden case's chain.
+
+    Args:
+        versions: Releases from the facts table ("" for the installed vLLM).
+
+    Returns:
+        ``{version: ReleaseHashing}`` (the installed vLLM under its own version).
+
+    Raises:
+        RuntimeError: a worker failed (the message has its last line) or gave no answer in 600 s.
+        KeyError: a release the facts table does not cover (its default hash function is not known).
+    """
+    for version in versions:
+        if version:
+            default_hash_fn(version)  # an unknown release is refused before any process starts
+    wanted = [v for v in dict.fromkeys(versions) if v not in _MEASURED]
+    if wanted:
+        procs = {seed: _spawn_chain_workers(wanted, seed, 2) for seed in (FLEET_SEED, None)}
+        runs = {seed: [_collect(p, f"PYTHONHASHSEED={seed or 'unset'}") for p in ps] for seed, ps in procs.items()}
+        python = platform.python_version()
+        # Each worker answers in the order asked: row i of every worker is release wanted[i].
+        for i, key in enumerate(wanted):
+            with_seed = (runs[FLEET_SEED][0][i], runs[FLEET_SEED][1][i])
+            _MEASURED[key] = judge_release(with_seed, (runs[None][0][i], runs[None][1][i]), python)
+    return {_MEASURED[v].version: _MEASURED[v] for v in versions}
+
+
+def measure_release(version: str) -> ReleaseHashing:
+    """``measure_releases`` for one release (kept for the process run)."""
+    return next(iter(measure_releases([version]).values()))
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 4 and sys.argv[1] == "--builtin-worker":
         _builtin_worker(sys.argv[2], sys.argv[3], sys.argv[4:])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "--chain-worker":
+        _chain_worker(sys.argv[2:])
     else:
-        sys.exit("usage: python -m kvspec.conformance.vllm.hashes --builtin-worker VERSION SEED CASE...")
+        sys.exit("usage: python -m kvspec.conformance.vllm.hashes --builtin-worker VERSION SEED CASE... "
+                 "| --chain-worker VERSION...")

@@ -60,8 +60,27 @@ answers as it does (every release: nothing to free, no error); only an id
 never admitted, for which there is no vLLM ``Request`` to pass, is refused.
 
 Hash values are vLLM's own (``sha256``/``sha256_cbor`` from 0.10.1, else the
-manager's ``caching_hash_algo``, else builtin ``hash()``); the harness
-compares them as an equality relation, and ``kvspec hashes`` checks the values.
+manager's ``caching_hash_algo``, else builtin ``hash()``), the function the
+config names where the release has it, NONE_HASH derived under
+``PYTHONHASHSEED=config.seed`` (left unset for ``VLLM_NONE_HASH_SEED`` where
+the release derives NONE_HASH from that seed when unset, 0.29+: a deployment
+that sets nothing). Where the release's chain is kvspec's (releases.py,
+``hash_chain_differs``, measured on the golden cases) and it hashes here with
+the config's function, the adapter declares ``uses_kvspec_hash_chain``: every
+block hash must be the spec's value, so a salt or an extra key on the wrong
+block diverges at its first registration. Elsewhere the harness compares them
+as names, and the adapter says why (``not_applicable["exact hash values"]``).
+Keys carry the group id as the spec's ``group_key`` makes them: none for
+group 0, four bytes after the digest for the others.
+
+NOTE: from 0.31 vLLM's LoRA key is ``("lora", name, path)``; the harness's
+requests name a LoRA by its name only, which the adapter gives vLLM with the
+path ``/lora/<name>``, and the spec keys ``("lora", name)``. Where hashes are
+compared exactly, the adapter translates a LoRA block's hash back to the
+harness's name for it, and only a hash that is kvspec's chain for that request
+with that path (``kvspec.spec.hashing``'s ``lora_path``), the value a router
+computes from the same request: any other value is reported as vLLM made it,
+and diverges.
 
 KV cache groups (``AdapterConfig.groups``, e.g. ``"full,sliding:8"``): the
 ``KVCacheConfig`` holds one ``KVCacheGroupSpec`` per group, in order
@@ -100,14 +119,18 @@ from kvspec.conformance.reactions import NotExpressible, Reaction
 from kvspec.conformance.vllm.adapter import VllmRelease, has_null_block, pool_snapshot
 from kvspec.conformance.vllm.hashes import hash_seed_env
 from kvspec.conformance.vllm.reactions import manager_reactions
+from kvspec.conformance.vllm.releases import RELEASES, facts_for, hash_chain_note
 from kvspec.spec.attention import FULL, KVGroup, format_groups, parse_groups
+from kvspec.spec.hashing import VLLM_NONE_HASH_SEED, hash_request_blocks
 from kvspec.spec.manager import Request, snapshot_groups
-from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, table_name
+from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, group_key, table_name
 
 __all__ = ["VllmManagerAdapter", "make_manager_adapter"]
 
 # Large enough that vLLM's max_model_len never caps a harness request.
 _MAX_MODEL_LEN = 1 << 16
+# The path of a harness LoRA (which has a name only) in vLLM's LoRARequest.
+_LORA_PATH = "/lora/{}"
 
 # Each attention type's KVCacheSpec (vllm/v1/kv_cache_interface.py), the parameter that
 # sizes it, and the single-type manager vLLM must pick for it (single_type_kv_cache_manager.py).
@@ -143,6 +166,8 @@ class VllmManagerAdapter:
         hashes: Who hashes a request's blocks: ``"manager"`` or ``"request"`` (0.10.1+).
         hash_fn: The block-hash function the release uses here.
         has_null_block: The release takes block 0 out as the null block (from 0.8.3).
+        uses_kvspec_hash_chain: vLLM's chain here is kvspec's for the config's hash function and seed
+            (the release's measured fact), so the harness compares hash values exactly.
     """
 
     validates_bad_input = False
@@ -170,7 +195,6 @@ class VllmManagerAdapter:
                 f"{release.label}: its KVCacheManager takes ({', '.join(manager_params)}): neither a "
                 "KVCacheConfig nor block_size and num_gpu_blocks; this adapter speaks 0.8.0 to 0.33's managers"
             )
-        ku = release.kv_cache_utils
         self._request_cls: Any = mod("vllm.v1.request").Request
         self._request_params = inspect.signature(self._request_cls).parameters
         # Where hashes come from: the Request's block hasher (0.10.1+) or the manager itself.
@@ -179,22 +203,17 @@ class VllmManagerAdapter:
         self._kv_cache_blocks_cls: Any = getattr(manager_mod, "KVCacheBlocks", None)
         self.blocks: str = "list" if self._kv_cache_blocks_cls is None else "KVCacheBlocks"
         self.hash_fn = self._hash_fn(release, config, manager_params)
+        # None where vLLM's chain here is kvspec's; else why hash values are compared as names.
+        self._names_only_why = self._hash_chain_why(release, config)
+        self.uses_kvspec_hash_chain = self._names_only_why is None
+        self._lora_hashes: dict[bytes, bytes] = {}  # vLLM's hash of a LoRA block -> the harness's (module NOTE)
         # Releases before 0.8.3 allocate block 0 like any other: built one block smaller,
         # vLLM's block k is the spec's block k + 1 (see kvspec.conformance.vllm.adapter).
         self.has_null_block = has_null_block(release, config)
         self._offset = 0 if self.has_null_block else 1
         self.manager: Any = self._layout_manager(manager_cls, config.num_gpu_blocks - self._offset)
         self._pool: Any = self.manager.block_pool
-        self._block_hasher: Any = None
-        if self.hashes == "request":
-            fn = release.hash_functions[self.hash_fn]
-            if hasattr(ku, "init_none_hash"):
-                # Derived under PYTHONHASHSEED=config.seed, as in a deployment that sets it: unset,
-                # 0.10.x draws a new NONE_HASH from os.urandom at every call, so a second adapter in
-                # this process (a replica, for a caller mistake) would re-key the first one's chains.
-                with hash_seed_env(config.seed):
-                    ku.init_none_hash(fn)
-            self._block_hasher = ku.get_request_block_hasher(config.block_size, fn)
+        self._block_hasher: Any = self._request_block_hasher() if self.hashes == "request" else None
         self._sampling_params = mod("vllm.sampling_params").SamplingParams(max_tokens=1)
         self._lora_cls = mod("vllm.lora.request").LoRARequest
         self._lora_ids: dict[str, int] = {}  # vLLM wants an int id per adapter; stable per name
@@ -231,9 +250,44 @@ class VllmManagerAdapter:
             return "sha256" if "sha256" in release.hash_functions else "builtin"
         return hash_fn
 
+    def _request_block_hasher(self) -> Any:
+        """The release's block hasher a Request carries (0.10.1+), NONE_HASH derived for the config's seed."""
+        release, config, ku = self.release, self.config, self.release.kv_cache_utils
+        fn = release.hash_functions[self.hash_fn]
+        if hasattr(ku, "init_none_hash"):
+            # Derived under PYTHONHASHSEED=config.seed, as in a deployment that sets it: unset,
+            # 0.10.x draws a new NONE_HASH from os.urandom at every call, so a second adapter in
+            # this process (a replica, for a caller mistake) would re-key the first one's chains.
+            # Left unset for VLLM_NONE_HASH_SEED where the release derives it from that seed when
+            # unset (0.29+), so the check is of vLLM as a deployment that sets nothing runs it.
+            with hash_seed_env(None if self._unset_seed(release, config) else config.seed):
+                ku.init_none_hash(fn)
+        return ku.get_request_block_hasher(config.block_size, fn)
+
+    @staticmethod
+    def _unset_seed(release: VllmRelease, config: AdapterConfig) -> bool:
+        """Whether NONE_HASH is derived with PYTHONHASHSEED unset: the seed asked for is the one the release uses so."""
+        return (
+            config.seed == VLLM_NONE_HASH_SEED
+            and release.version in RELEASES
+            and facts_for(release.version).none_hash == "init_none_hash_fixed_default_seed"
+        )
+
+    def _hash_chain_why(self, release: VllmRelease, config: AdapterConfig) -> str | None:
+        """None where vLLM's chain here is kvspec's (compared exactly); else why hash values are compared as names."""
+        if release.version not in RELEASES:
+            return f"{release.label} is not in kvspec's release table, so whether its chain is kvspec's is not known"
+        note = hash_chain_note(release.version)
+        if note is None and self.hash_fn != config.hash_fn:
+            note = (f"the harness asked for hash_fn={config.hash_fn!r}, which {release.label} does not have "
+                    f"(it hashes with {self.hash_fn!r} here)")  # fmt: skip
+        return note
+
     def _not_applicable(self, release: VllmRelease, manager_params: Any) -> dict[str, str]:
         """What the harness checks that this release does not have, or leaves to its scheduler, with why."""
         not_applicable: dict[str, str] = {}
+        if self._names_only_why is not None:
+            not_applicable["exact hash values"] = f"hash values compared as names: {self._names_only_why}"
         if "cache_salt" not in self._request_params:
             not_applicable["cache_salt"] = (
                 f"{release.label}'s Request takes no cache_salt (added in 0.9.0): no salted request is sent"
@@ -385,7 +439,7 @@ class VllmManagerAdapter:
         if not request.lora_name:
             return None
         lora_id = self._lora_ids.setdefault(request.lora_name, len(self._lora_ids) + 1)
-        return self._lora_cls(request.lora_name, lora_id, f"/lora/{request.lora_name}")
+        return self._lora_cls(request.lora_name, lora_id, _LORA_PATH.format(request.lora_name))
 
     def _mm_args(self, request: Request) -> dict[str, Any]:
         """The Request arguments that carry ``request.mm_inputs``, in the release's shape."""
@@ -556,6 +610,8 @@ class VllmManagerAdapter:
             return None
         self._requests[request.request_id] = vreq
         self._freed.pop(request.request_id, None)
+        if self.uses_kvspec_hash_chain and request.lora_name:
+            self._learn_lora_hashes(request)
         vreq.num_computed_tokens += num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
         returned = self._group_ids(new_blocks)
         if not num_external_computed_tokens:
@@ -601,20 +657,29 @@ class VllmManagerAdapter:
         self._freed[request_id] = vreq
 
     def _raw(self, key: Any) -> BlockHash:
-        """A hash-table key (or a block's hash) as bytes: with its group id where there are groups.
+        """A hash-table key (or a block's hash) as the spec's key: the hash, with its group id after it
+        for groups other than 0, as the spec's ``group_key`` makes it.
 
-        Hashes are compared as names (an equality relation): with one
-        full-attention group the group id, always 0, is left out as before
-        groups existed; with several it is kept, so that the same tokens in two
-        groups are two keys, as the spec's ``group_key`` makes them.
+        With one full-attention group every key is group 0's, the bare hash, as
+        before groups existed. A LoRA block's hash is the harness's where it is
+        kvspec's chain with the LoRA path given (module NOTE).
         """
         if isinstance(key, bytes):  # digest + 4-byte group id
-            return BlockHash(bytes(key) if self._grouped else bytes(key[:-4]))
+            digest, group_id = bytes(key[:-4]), int.from_bytes(key[-4:], "big")
+            return group_key(BlockHash(self._lora_hashes.get(digest, digest)), group_id)
         value: int = key.block_hash.hash_value if hasattr(key, "block_hash") else key.hash_value
-        raw = value.to_bytes(max(1, (value.bit_length() + 8) // 8), "big", signed=True)
-        if self._grouped and hasattr(key, "group_id"):
-            raw += int(key.group_id).to_bytes(4, "big")
-        return BlockHash(raw)
+        raw = BlockHash(value.to_bytes(max(1, (value.bit_length() + 8) // 8), "big", signed=True))
+        return group_key(raw, int(key.group_id)) if self._grouped and hasattr(key, "group_id") else raw
+
+    def _learn_lora_hashes(self, request: Request) -> None:
+        """The harness's hash of each full block of a LoRA request that vLLM just stepped, by the hash vLLM gives it
+        where that is kvspec's chain with the LoRA path the adapter gave (module NOTE); learned as vLLM hashes
+        them, so a replica given the same calls translates the same hashes."""
+        cfg = self.config
+        chain = (request.token_ids, cfg.block_size, request.lora_name, request.mm_inputs, request.cache_salt,
+                 cfg.hash_fn, cfg.seed)  # fmt: skip
+        with_path = hash_request_blocks(*chain, lora_path=_LORA_PATH.format(request.lora_name))
+        self._lora_hashes.update(zip(with_path, hash_request_blocks(*chain), strict=True))
 
     def _block_tables(self, request_id: str) -> tuple[tuple[BlockId, ...], ...]:
         """The request's block table in every group (0.8.x: its one table)."""

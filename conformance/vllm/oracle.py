@@ -9,9 +9,12 @@ null block freed or touched, a block registered twice, usage counting the null
 block, a hash left behind by eviction, reset while blocks are held; at the
 request level a request freed twice, and a block filled in decode right after
 an image) and record what the release does; ``kvspec hashes`` adds hash
-compatibility. What a release lacks and the adapter declares not applicable
-(``cache_salt`` before 0.9.0, pre-allocation driven off in 0.8.0 to 0.8.4)
-is listed in the notes, not reported as a divergence.
+compatibility, and whether two engine processes started alike compute the
+same chain (fleet-consistent hashes: measured in fresh processes, one
+answer per release in the matrix's ``fleet`` column and its notes). What a
+release lacks and the adapter declares not applicable (``cache_salt`` before
+0.9.0, pre-allocation driven off in 0.8.0 to 0.8.4) is listed in the notes,
+not reported as a divergence.
 
 Design choice: every release runs in its own subprocess under a time budget.
 The pool level runs in this environment in light mode (the release's real
@@ -40,7 +43,7 @@ from typing import Any
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.results import Verdict
 from kvspec.conformance.vllm.releases import RELEASES, version_key
-from kvspec.spec.hashing import MultiModalInput
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput
 from kvspec.spec.manager import Request
 
 __all__ = [
@@ -286,8 +289,10 @@ def run_probes(
     results: list[ProbeResult] = []
     if probes is None:
         probes = PROBES if level == "pool" else REQUEST_PROBES
+    # The hash function and seed the factory names (a release's own where its chain is kvspec's), as a campaign.
+    hash_fn, seed = getattr(factory, "spec_hashing", lambda: (DEFAULT_HASH_FN, DEFAULT_SEED))()
     config = AdapterConfig(level="pool" if level == "pool" else "manager", num_gpu_blocks=num_gpu_blocks,
-                           enable_caching=True, profile=profile)  # fmt: skip
+                           enable_caching=True, profile=profile, hash_fn=hash_fn, seed=seed)  # fmt: skip
     for probe in probes:
         lock = LockStep(factory, config)
         if any(not callable(getattr(lock.adapter, op, None)) for op, _ in probe.steps):
@@ -338,6 +343,10 @@ class ReleaseRow:
     version: str  # the release
     cells: dict[str, Cell] = field(default_factory=dict)  # "pool/on", "pool/off", "manager/on", "manager/off"
     hashes: str = ""  # the hash-compatibility summary
+    # Whether two engine processes started alike compute the same chain (hashes.measure_release), and what it
+    # was measured on; "" where not measured (vLLM v0, the request level alone).
+    fleet: str = ""
+    fleet_detail: str = ""
     probes: list[ProbeResult] = field(default_factory=list)  # the directed probes (pool level)
     notes: list[str] = field(default_factory=list)  # findings in words
     # The request level with KV cache groups HYBRID_GROUPS, caching on, under the profile the
@@ -398,6 +407,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         from kvspec.conformance.vllm.hashes import compare_release
 
         row["hashes"] = compare_release(version, seeds=(None, "0"), builtin_in_subprocess=True).summary()
+        row.update(_fleet(version))
     else:
         cell = row["cells"].get("manager/on")
         conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == Verdict.CONFORMS]
@@ -408,6 +418,17 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         if args.caching != "off":
             row["hybrid"] = asdict(_hybrid_cell(impl_name, probe_profile, args.max_examples, budget, trace_dir))
     return row
+
+
+def _fleet(version: str) -> dict[str, str]:
+    """The release's fleet answer, measured in fresh processes (kvspec.conformance.vllm.hashes), for the row."""
+    from kvspec.conformance.vllm.hashes import measure_release
+
+    try:
+        measured = measure_release(version)
+    except RuntimeError as e:
+        return {"fleet": "not measured", "fleet_detail": str(e)[:300]}
+    return {"fleet": measured.fleet, "fleet_detail": f"{measured.fleet_line()}; {measured.chain_line()}"}
 
 
 def _hybrid_cell(impl_name: str, profile: str, max_examples: int, time_budget_s: float | None, trace_dir: str) -> Cell:
@@ -678,9 +699,14 @@ def run_oracle(
                 row.hybrid = Cell(**data["hybrid"])
             if level == "pool":
                 row.hashes = data["hashes"]
+                row.fleet, row.fleet_detail = data.get("fleet", ""), data.get("fleet_detail", "")
         row.notes = _notes(row)
         rows.append(row)
     return rows
+
+
+# The fleet answers in the matrix column (the notes give them whole).
+_FLEET_SHORT = {"only with PYTHONHASHSEED set": "seed set", "only with PYTHONHASHSEED unset": "seed unset"}
 
 
 def _cell_text(cell: Cell | None, footnotes: list[str]) -> str:
@@ -706,8 +732,9 @@ def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: S
     keys = [f"{lv}/{c}" for lv in levels for c in cachings]
     # The hybrid answer (KV cache groups HYBRID_GROUPS) gets a column where some row has one.
     hybrid = any(row.hybrid is not None for row in rows)
+    fleet = any(row.fleet for row in rows)
     header = ["version", *[k.replace("manager", "request") for k in keys], *(["request/hybrid"] if hybrid else []),
-              "hashes"]  # fmt: skip
+              "hashes", *(["fleet"] if fleet else [])]  # fmt: skip
     table: list[list[str]] = []
     for row in rows:
         cells = []
@@ -717,15 +744,22 @@ def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: S
                 cells.append(f"{cell.status}[{len(footnotes)}]")
             else:
                 cells.append(_cell_text(cell, footnotes))
-        table.append([row.version, *cells, row.hashes.split(":")[0] if row.hashes else "n/a"])
+        table.append([row.version, *cells, row.hashes.split(":")[0] if row.hashes else "n/a",
+                      *([_FLEET_SHORT.get(row.fleet, row.fleet or "n/a")] if fleet else [])])  # fmt: skip
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table]
+    if fleet:
+        lines.append("fleet: two engine processes started alike compute the same chain (fleet-consistent hashes): "
+                     "yes (PYTHONHASHSEED set or unset), seed set (only with PYTHONHASHSEED set), no; measured in "
+                     "two fresh processes per setting, see the notes")  # fmt: skip
     lines.append("")
     lines.append("notes:")
     for row in rows:
         for note in row.notes:
             lines.append(f"  {row.version}: {note}")
+        if row.fleet_detail:
+            lines.append(f"  {row.version}: {row.fleet_detail}")
         if row.hashes and not row.hashes.startswith("compatible"):
             lines.append(f"  {row.version}: hashes {row.hashes[:300]}")
     if footnotes:

@@ -10,6 +10,12 @@ neighbours; ``facts_for(version)`` expands them into one ``ReleaseFacts``.
 Seed 000 ("no-hash blocks to the left end, hashed to the right, freed
 tail-first") describes 0.24.0 and later. Earlier releases put every freed
 block at the right end (profile ``vllm-v1-tail``).
+
+Where a release's block-hash chain is kvspec's (``hash_chain_differs``) is
+measured from the golden hash cases in fresh interpreters
+(``kvspec.conformance.vllm.hashes.measure_releases``), and a test measures it
+again for every release, so the table cannot go stale; the harness compares
+hash values exactly at the request level only where it is.
 """
 
 from __future__ import annotations
@@ -18,7 +24,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-__all__ = ["RELEASES", "ReleaseFacts", "facts_for", "since", "version_key"]
+from kvspec.spec.hashing import VLLM_NONE_HASH_SEED
+
+__all__ = [
+    "HASH_CHAIN_DIFFERENCES",
+    "RELEASES",
+    "HashChainDifference",
+    "ReleaseFacts",
+    "facts_for",
+    "hash_chain_note",
+    "since",
+    "version_key",
+]
 
 # Every release on the package registry that ships vllm/v1/core/block_pool.py.
 RELEASES: tuple[str, ...] = (
@@ -44,6 +61,18 @@ NoneHash = Literal[
     "init_none_hash_random_unless_seeded",
     "init_none_hash_fixed_default_seed",
 ]
+# How a release's chain (its default hash function) differs from kvspec's, in the
+# order they are measured: under PYTHONHASHSEED set, the first of NONE_HASH, a
+# chain without extra keys, the extra keys; then NONE_HASH with it unset.
+HashChainDifference = Literal["none_hash", "chain", "untagged_extra_keys", "extra_keys", "unset_seed"]
+# Each difference in the words the check summary and `kvspec hashes` print.
+HASH_CHAIN_DIFFERENCES: dict[HashChainDifference, str] = {
+    "none_hash": "its NONE_HASH under PYTHONHASHSEED=s is not derived from s as kvspec's is",
+    "chain": "its chain differs even without extra keys (the values it chains, or how it serializes them)",
+    "untagged_extra_keys": "its extra keys are untagged",
+    "extra_keys": "its extra keys differ from kvspec's",
+    "unset_seed": f"with PYTHONHASHSEED unset its NONE_HASH is not derived from {VLLM_NONE_HASH_SEED!r}",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +137,13 @@ class ReleaseFacts:
             is already 0; None: no error, ``ref_cnt`` becomes -1 and the queue
             is unchanged (a later allocation of it trips an assert).
         matches_seed_order: The seed's eviction order holds with caching on.
+        hash_chain_differs: How the release's block-hash chain, with its
+            default hash function (``hash_algos[0]``), differs from kvspec's
+            (``kvspec.spec.hashing`` with the same hash function, seed ``s``
+            under ``PYTHONHASHSEED=s`` and ``VLLM_NONE_HASH_SEED`` with it
+            unset, the LoRA path in the LoRA key), measured on the golden
+            cases; empty where it is kvspec's, and only there the harness
+            compares hash values exactly at the request level.
     """
 
     version: str
@@ -134,6 +170,7 @@ class ReleaseFacts:
     overallocate_error: str
     double_free_error: str | None
     matches_seed_order: bool
+    hash_chain_differs: tuple[HashChainDifference, ...]
 
 
 def version_key(version: str) -> tuple[int, ...]:
@@ -201,6 +238,14 @@ _FREE_END_NO_CACHING: list[tuple[str, End]] = [
     ("0.27.0", "right"),
     ("0.28.0", "left"),
 ]
+# Measured (kvspec.conformance.vllm.hashes.measure_releases), see ReleaseFacts.hash_chain_differs.
+_HASH_CHAIN_DIFFERS: list[tuple[str, tuple[HashChainDifference, ...]]] = [
+    ("0.8.0", ("chain",)),  # builtin hash(); its NONE_HASH is hash('None') whatever the seed
+    ("0.8.3", ("none_hash", "unset_seed")),  # NONE_HASH from sha256 (an int) or os.urandom
+    ("0.10.0", ("untagged_extra_keys", "unset_seed")),  # init_none_hash: hash_fn(seed), os.urandom unset
+    ("0.29.0", ("untagged_extra_keys",)),  # unset: hash_fn("vllm-none-hash")
+    ("0.31.0", ()),  # tagged extra keys, the LoRA path in the LoRA key: kvspec's chain
+]
 _NULL_ON_FREE: list[tuple[str, NullOnFree]] = [
     ("0.8.0", "no_null_block"),
     ("0.8.3", "decrements_ref_cnt"),
@@ -253,4 +298,18 @@ def facts_for(version: str) -> ReleaseFacts:
         overallocate_error="ValueError",
         double_free_error=None,
         matches_seed_order=free_order == "hashless_left",
+        hash_chain_differs=since(version, _HASH_CHAIN_DIFFERS),
     )
+
+
+def hash_chain_note(version: str) -> str | None:
+    """Why hash values are compared as names for a release (its chain is not kvspec's), or None where exactly.
+
+    >>> hash_chain_note("0.33.0") is None
+    True
+    """
+    differs = facts_for(version).hash_chain_differs
+    if not differs:
+        return None
+    why = "; ".join(HASH_CHAIN_DIFFERENCES[d] for d in differs)
+    return f"vLLM {version}'s chain is not kvspec's ({why})"

@@ -167,3 +167,51 @@ def test_the_survey_sees_the_declared_reactions(version: str) -> None:
             if expected == "raises":
                 kinds = {k.split(" ")[0] for k in kinds}
             assert kinds <= allowed, (mistake, reactions, declared[mistake])
+
+
+# Hash values at the pool level: the harness hands them over and every release must keep them exactly,
+# not only which blocks share one. A copy of 0.33.0 whose hash-table key carries the group id in 8
+# bytes (vLLM: 4) still keys, finds and frees consistently, so names alone see nothing.
+def _wide_group_id_factory(names_only: bool) -> object:
+    release = light_release("0.33.0", fresh=True)  # its own module globals: the patch reaches no other test
+    release.block_pool.make_block_hash_with_group_id = lambda h, g: release.kv_cache_utils.BlockHash(
+        bytes(h) + g.to_bytes(8, "big")
+    )
+
+    def factory(config: AdapterConfig) -> VllmPoolAdapter:
+        adapter = make_pool_adapter(release, config)
+        if names_only:
+            adapter.uses_kvspec_hash_chain = False
+        return adapter
+
+    return factory
+
+
+@pytest.mark.parametrize("names_only", [False, True])
+def test_a_pool_that_changes_the_value_it_was_handed_diverges_where_values_are_compared(names_only: bool) -> None:
+    from kvspec.conformance.lockstep import ConformanceFailure, LockStep
+
+    lock = LockStep(_wide_group_id_factory(names_only), AdapterConfig(level="pool", num_gpu_blocks=4))
+    steps = [("get_new_blocks", (1,)), ("cache_full_blocks", ([1], [H1])), ("get_cached_block", (H1,)),
+             ("free_blocks", ([1],))]  # fmt: skip
+    try:
+        lock.check()
+        for op, args in steps:
+            lock.call(op, *args)
+            lock.check()
+    except ConformanceFailure as f:
+        assert not names_only, f.failure.message
+        assert (f.failure.step, f.failure.op) == (2, "cache_full_blocks")
+        # H1 with 4 more zero bytes: the adapter takes vLLM's 4 bytes of group id off the key
+        assert f.failure.message.startswith("block 1's hash is 00010000, but the harness handed it 0001 "), (
+            f.failure.message
+        )
+        return
+    assert names_only, "exact comparison let a changed hash value through"
+
+
+def test_the_spec_hashes_as_the_release_where_its_chain_is_kvspecs() -> None:
+    assert factory_for("vllm@0.33.0").spec_hashing() == ("sha256", "vllm-none-hash")  # type: ignore[attr-defined]
+    assert factory_for("vllm@0.30.0").spec_hashing() == ("sha256_cbor", "kvspec")  # type: ignore[attr-defined]
+    # every pool adapter compares hash values exactly: at the pool level they are the harness's own
+    assert _pool("0.8.0").uses_kvspec_hash_chain and _pool("0.33.0").uses_kvspec_hash_chain

@@ -2,16 +2,29 @@
 
 The unmarked test needs no vLLM: it checks kvspec's chain against the vectors
 vLLM 0.33.0's own hasher produced (``conformance/vllm/golden_hashes.json``).
-The ``vllm`` tests recompute vLLM's side (KVSPEC_VLLM=1).
+The ``vllm`` tests recompute vLLM's side (KVSPEC_VLLM=1), and measure every
+release's fleet answer and whether its chain is kvspec's in fresh processes.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import platform
+import sys
+from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.vllm.hashes import GOLDEN_CASES, compare_release, golden_vectors, kvspec_chain
+from kvspec.conformance.vllm.hashes import (
+    GOLDEN_CASES,
+    compare_release,
+    golden_vectors,
+    kvspec_chain,
+    measure_release,
+    measure_releases,
+)
+from kvspec.conformance.vllm.releases import RELEASES, facts_for, version_key
 
 
 def test_kvspec_chain_equals_vllm_0_33_golden_vectors() -> None:
@@ -58,3 +71,64 @@ def test_an_older_scheme_is_reported_with_its_difference() -> None:
     # plain chains agree; only requests with extra keys differ (untagged keys before 0.31)
     assert all(r.match for r in report.results if r.case in ("plain", "partial-last-block"))
     assert any("extra-key format" in d for d in report.differences), report.differences
+
+
+# What a fleet needs, measured for every release in fresh interpreters (hashes.measure_releases: four
+# processes, each loading every release; about 20 s with the wheels cached). The fleet answers recorded
+# here are the measured ones. sha256 (the default from 0.10.2) is the same in every interpreter, so two
+# processes differ only where NONE_HASH does: drawn from os.urandom with PYTHONHASHSEED unset before 0.29.
+_SEED_SET_ONLY = "only with PYTHONHASHSEED set"
+
+
+def _expected_fleet(version: str) -> set[str]:
+    if facts_for(version).hash_algos[0] == "builtin":
+        # The builtin hash of a block without extra keys hashes None, whose hash before Python 3.12 is its
+        # address: two processes differ even under the same PYTHONHASHSEED. Unset, the string keys (an image's
+        # identifier) are hashed with a per-process key on any interpreter, so never "yes" there.
+        return {"no"} if sys.version_info < (3, 12) else {"no", _SEED_SET_ONLY}
+    return {"yes"} if version_key(version) >= version_key("0.29.0") else {_SEED_SET_ONLY}
+
+
+@pytest.mark.vllm
+def test_every_release_s_hash_facts_are_what_fresh_processes_measure() -> None:
+    measured = measure_releases(RELEASES)
+    assert list(measured) == list(RELEASES)
+    for version, m in measured.items():
+        # the table the harness decides exact comparison from (releases.py) cannot go stale
+        assert facts_for(version).hash_chain_differs == m.differences, (version, m)
+        assert m.hash_fn == facts_for(version).hash_algos[0]
+        assert m.fleet in _expected_fleet(version), (version, m.fleet)
+    # asked again in the same process run, the answers are the ones kept, no process is started
+    assert measure_release("0.33.0") is measured["0.33.0"]
+    exact = [v for v, m in measured.items() if m.is_kvspec_chain]
+    assert exact == ["0.31.0", "0.32.0", "0.33.0"], exact
+
+
+@pytest.mark.vllm
+def test_kvspec_hashes_prints_the_fleet_answer_and_what_the_harness_compares(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from kvspec.conformance.cli import main
+
+    logging.disable(logging.WARNING)
+    assert main(["hashes", "--version", "0.33.0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("  fleet-consistent hashes: yes (vllm==0.33.0, sha256, two processes with "), out
+    assert out[2] == "  chain: kvspec's (sha256, PYTHONHASHSEED set and unset)", out
+    assert "compared exactly at the pool and the request level" in out[3], out
+    assert main(["hashes", "--version", "0.30.0", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["fleet"] == {"answer": "yes", "hash_fn": "sha256", "python": platform.python_version(),
+                             "kvspec_chain": False, "differences": ["untagged_extra_keys"]}  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_the_oracle_reports_each_release_s_fleet_answer(tmp_path: Path) -> None:
+    from kvspec.conformance.vllm.oracle import format_matrix, run_oracle
+
+    (row,) = run_oracle(["0.30.0"], levels=("pool",), caching="on", max_examples=10, trace_dir=str(tmp_path))
+    assert row.fleet == "yes", row
+    assert "chain: not kvspec's (sha256: its extra keys are untagged)" in row.fleet_detail, row.fleet_detail
+    text = format_matrix([row], ["pool"], ["on"])
+    assert text.splitlines()[0].split()[-1] == "fleet" and text.splitlines()[1].split()[-1] == "yes", text
+    assert "0.30.0: fleet-consistent hashes: yes (vllm==0.30.0, sha256, " in text, text

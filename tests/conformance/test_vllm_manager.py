@@ -55,7 +55,7 @@ def scenario(profile, caching, salt):
     lock = LockStep(make_installed_adapter, config)
     adapter = lock.adapter
     out = {"steps": [], "generation": [adapter.constructor, adapter.blocks, adapter.hashes],
-           "not_applicable": sorted(adapter.not_applicable)}
+           "not_applicable": sorted(adapter.not_applicable), "exact": lock.uses_kvspec_hash_chain}
     if salt is not None and "cache_salt" in adapter.not_applicable:
         out["verdict"] = "not applicable"
         return out
@@ -119,6 +119,8 @@ _HEAD_FIRST_WITHOUT_CACHING: dict[str, Any] = {
 _NOT_APPLICABLE: dict[str, Any] = {"verdict": "not applicable"}
 _PRE_ALLOCATION = "allocate_slots: pre-allocation"
 _SCHEDULER_CAP = "get_computed_blocks: len-1 cap in the manager"
+# Every release before 0.31: its chain is not kvspec's (releases.py, measured), hash values compared as names.
+_NAMES = "exact hash values"
 
 # Per release: whether a block filled in decode after an image is keyed by it
 # (the oracle's probe; fixed in 0.19), the API generation the adapter detected
@@ -130,7 +132,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.8.0": {
         "image_end_keyed": True,
         "generation": ["sizes", "list", "manager"],
-        "not_applicable": [_PRE_ALLOCATION, "cache_salt", _SCHEDULER_CAP],
+        "not_applicable": [_PRE_ALLOCATION, "cache_salt", _NAMES, _SCHEDULER_CAP],
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
@@ -138,7 +140,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.8.4": {
         "image_end_keyed": True,
         "generation": ["kv_cache_config", "list", "manager"],
-        "not_applicable": [_PRE_ALLOCATION, "cache_salt"],
+        "not_applicable": [_PRE_ALLOCATION, "cache_salt", _NAMES],
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
@@ -146,7 +148,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.8.5.post1": {
         "image_end_keyed": True,
         "generation": ["kv_cache_config", "list", "manager"],
-        "not_applicable": ["cache_salt"],
+        "not_applicable": ["cache_salt", _NAMES],
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
@@ -154,7 +156,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.9.2": {
         "image_end_keyed": True,
         "generation": ["kv_cache_config", "KVCacheBlocks", "manager"],
-        "not_applicable": [],
+        "not_applicable": [_NAMES],
         "on": _CONFORMS,
         "off": _CONFORMS,
         "salt": _CONFORMS,
@@ -162,7 +164,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.10.2": {
         "image_end_keyed": True,
         "generation": ["kv_cache_config", "KVCacheBlocks", "request"],
-        "not_applicable": [],
+        "not_applicable": [_NAMES],
         "on": _CONFORMS,
         "off": _CONFORMS,
         "salt": _CONFORMS,
@@ -193,6 +195,8 @@ def test_seed_requests_at_the_request_level(version: str) -> None:
         got = out[scenario]
         assert got["generation"] == expected["generation"], (scenario, got)
         assert got["not_applicable"] == expected["not_applicable"], (scenario, got)
+        # hash values compared exactly exactly where they are not declared compared as names
+        assert got["exact"] is (_NAMES not in expected["not_applicable"]), (scenario, got)
         want = expected[scenario]
         assert got["verdict"] == want["verdict"], (scenario, got)
         if want["verdict"] == "diverges":
@@ -223,6 +227,114 @@ def test_seed_requests_at_the_request_level(version: str) -> None:
         assert image_end["replayed"] == ["diverges", 4], image_end
     else:
         assert image_end["verdict"] == "conforms", image_end
+
+
+# Exact hash values at the request level, on vLLM 0.33 (its chain is kvspec's: releases.py, measured). The
+# spec hashes with what the factory names (0.33's default sha256, NONE_HASH from "vllm-none-hash" with
+# PYTHONHASHSEED unset). A: 8 tokens under a cache_salt, B: A's tokens and one more, no salt; block size 4.
+# Steps, as the lock-step counts them: 1-2 admit A (its two blocks registered), 3-4 admit B.
+_EXACT_SCRIPT = r"""
+import json, logging
+logging.disable(logging.WARNING)
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.vllm.adapter import installed_release, make_installed_adapter
+from kvspec.spec.hashing import hash_request_blocks
+from kvspec.spec.manager import Request
+
+ku = installed_release().kv_cache_utils
+hash_fn, seed = make_installed_adapter.spec_hashing()
+CONFIG = AdapterConfig(level="manager", num_gpu_blocks=8, block_size=4, hash_fn=hash_fn, seed=seed)
+A = Request("A", tuple(range(8)), cache_salt="tenant-a")
+B = Request("B", tuple(range(8)) + (9,))
+
+
+def names_only(config):
+    adapter = make_installed_adapter(config)
+    adapter.uses_kvspec_hash_chain = False
+    return adapter
+
+
+def admit_a_and_b(factory):
+    lock = LockStep(factory, CONFIG)
+    try:
+        lock.check()
+        for r in (A, B):
+            blocks, n = lock.call("get_computed_blocks", r).result
+            lock.check()
+            lock.call("allocate_slots", r, len(r.token_ids) - n, n, blocks, 0)
+            lock.check()
+        return {"verdict": "conforms", "exact": lock.uses_kvspec_hash_chain}
+    except ConformanceFailure as f:
+        e = f.failure
+        return {"verdict": e.kind.value, "step": e.step, "op": e.op, "message": e.message,
+                "exact": lock.uses_kvspec_hash_chain}
+
+
+out = {"hashing": [hash_fn, seed], "vllm": admit_a_and_b(make_installed_adapter)}
+
+# vLLM's own extra-key helper, patched to put the salt on the second block instead of the first.
+original = ku.generate_block_hash_extra_keys
+
+
+def salt_on_the_second_block(request, start, end, mm_idx):
+    salt, request.cache_salt = request.cache_salt, None
+    try:
+        keys, mm_idx = original(request, start, end, mm_idx)
+    finally:
+        request.cache_salt = salt
+    if salt and start == end - start:
+        keys = (*(keys or ()), ("cache_salt", salt))
+    return keys, mm_idx
+
+
+ku.generate_block_hash_extra_keys = salt_on_the_second_block
+out["moved"] = admit_a_and_b(make_installed_adapter)
+out["moved, names only"] = admit_a_and_b(names_only)
+ku.generate_block_hash_extra_keys = original
+
+# A LoRA request: vLLM keys the LoRA by name and path (the adapter gives /lora/<name>), the harness by name.
+L = Request("L", tuple(range(8)), lora_name="lora-a")
+lock = LockStep(make_installed_adapter, CONFIG)
+lock.check()
+lock.call("get_computed_blocks", L)
+lock.check()
+lock.call("allocate_slots", L, 8, 0, [], 0)
+lock.check()
+vllm_hashes = [bytes(h) for h in lock.adapter._vllm_request(L).block_hashes]
+with_path = hash_request_blocks(L.token_ids, 4, "lora-a", (), None, hash_fn, seed, lora_path="/lora/lora-a")
+spec = [bytes(lock.spec_snapshot.block_hash[b]) for b in (1, 2)]
+out["lora"] = {
+    "vllm_is_kvspec_with_path": vllm_hashes == [bytes(h) for h in with_path],
+    "vllm_is_not_the_spec_value": vllm_hashes != spec,
+    "reported_is_spec": [bytes(lock.impl_snapshot.block_hash[b]) for b in (1, 2)] == spec,
+}
+print(json.dumps(out))
+"""
+
+
+def test_request_level_hash_values_are_compared_exactly_on_0_33() -> None:
+    python = ensure_venv("0.33.0", lambda msg: print(msg, file=sys.stderr))
+    proc = subprocess.run([str(python), "-c", _EXACT_SCRIPT], capture_output=True, text=True, timeout=600,
+                          check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the spec hashes as a deployment of 0.33 that sets nothing: its default hash function, its unset seed
+    assert out["hashing"] == ["sha256", "vllm-none-hash"]
+    assert out["vllm"] == {"verdict": "conforms", "exact": True}, out["vllm"]
+    # A salt on the wrong block diverges at once: the first registration (A's allocate_slots) ...
+    moved = out["moved"]
+    assert (moved["verdict"], moved["step"], moved["op"]) == ("diverges", 2, "allocate_slots"), moved
+    assert moved["message"].startswith("block 1's hash is "), moved
+    assert "but kvspec's chain (hash_fn='sha256', seed='vllm-none-hash') gives" in moved["message"], moved
+    # ... where hash values compared as names pass that step (A's two hashes are two names either way),
+    # and only B's hit on A's salted block, a step later, shows it.
+    late = out["moved, names only"]
+    assert (late["verdict"], late["step"], late["op"]) == ("invariant", 3, "get_computed_blocks"), late
+    assert not late["exact"]
+    # A LoRA block's hash: vLLM's is kvspec's chain with the LoRA path; the snapshot names it as the spec does.
+    assert out["lora"] == {"vllm_is_kvspec_with_path": True, "vllm_is_not_the_spec_value": True,
+                           "reported_is_spec": True}  # fmt: skip
 
 
 def test_an_environment_made_from_another_checkout_runs_this_one(
