@@ -332,7 +332,9 @@ class TensorBlockPool:
     def _check_on_device(self, ids: torch.Tensor, op: str, as_list: Callable[[], Sequence[object]]) -> None:
         """Range and distinctness of a long batch in a constant number of kernels; diagnose on failure."""
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()
-        bad = lo < 1 or hi >= self.num_gpu_blocks
+        # More ids than the pool has usable blocks must repeat one (or name the null block); the
+        # scatter below has one position per block and cannot take them.
+        bad = lo < 1 or hi >= self.num_gpu_blocks or ids.numel() >= self.num_gpu_blocks
         if not bad:
             # Each id writes its position; a repeated id keeps one of its
             # positions, so some other position reads back a different one.
