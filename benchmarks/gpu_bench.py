@@ -24,6 +24,11 @@ CPU, torch gets one thread (`--threads`), as the reference has one core: on a
 loaded machine torch's thread pool otherwise adds stalls of milliseconds.
 `--host-path-max` overrides the longest batch gpu_impl runs on its host
 face (0: every batch as kernels), which is how the crossover is measured.
+`--events` builds both pools with KV cache events on (vLLM's
+`enable_kv_cache_events`): each take of cached blocks then publishes a
+`BlockRemoved` per key and each registration a `BlockStored`, which the
+timed calls pay; the queues are drained, and compared, between calls,
+untimed. Without it, events are off, as in vLLM by default.
 
 A second table times the hash-to-blocks map gpu_impl keeps on the host
 against a device-side table (sorted 64-bit fingerprints, `searchsorted`):
@@ -176,12 +181,21 @@ class _Pair:
     """The reference and gpu_impl pools of one size, in the same state, and the calls that drive them."""
 
     def __init__(
-        self, num_gpu_blocks: int, device: torch.device, seed: int, host_path_max: int | None, profile: str
+        self,
+        num_gpu_blocks: int,
+        device: torch.device,
+        seed: int,
+        host_path_max: int | None,
+        profile: str,
+        events: bool = False,
     ) -> None:
         self.num_gpu_blocks = num_gpu_blocks
         self.rng = random.Random(seed)
-        self.ref = BlockPool(num_gpu_blocks, True, profile)
-        self.gpu = TensorBlockPool(num_gpu_blocks, True, profile, device=device, host_path_max=host_path_max)
+        self.events = events
+        self.ref = BlockPool(num_gpu_blocks, True, profile, enable_kv_cache_events=events)
+        self.gpu = TensorBlockPool(
+            num_gpu_blocks, True, profile, device=device, host_path_max=host_path_max, enable_kv_cache_events=events
+        )
         self.device = device
         self.num_hashes = 0
         # A full prefix cache: every block registered, all freed in one shuffled order.
@@ -193,7 +207,12 @@ class _Pair:
         self.rng.shuffle(everything)
         self.ref.free_blocks(everything)
         self.gpu.free_blocks(everything)
+        self.drain_events()
 
+    def drain_events(self) -> None:
+        """Take both pools' events (untimed), so no queue grows across rounds; they must be the same."""
+        if self.events:
+            assert self.gpu.take_events() == self.ref.take_events(), "the pools published different events"
     def _fresh_hashes(self, n: int) -> list[BlockHash]:
         self.num_hashes += n
         return _hashes(self.num_hashes - n, n)
@@ -223,6 +242,7 @@ class _Pair:
         self.ref.free_blocks(replay[::-1])
         self.ref.touch(hit)
         self.ref.free_blocks(hit[::-1])
+        self.drain_events()
 
     @staticmethod
     def _list_round(
@@ -254,6 +274,7 @@ def measure(
     verify: bool = True,
     host_path_max: int | None = None,
     profile: str = "vllm-v1",
+    events: bool = False,
 ) -> list[Measurement]:
     """Time every operation for each pool size and each batch that fits it, both implementations side by side.
 
@@ -268,6 +289,7 @@ def measure(
         verify: compare the two pools' snapshots after each pool size (O(pool) each).
         host_path_max: gpu_impl's longest host-face batch (None: its default for the device).
         profile: the eviction policy both pools run (a keyed one times seed 002's stamps and heaps).
+        events: both pools publish KV cache events (drained and compared between calls, untimed).
 
     Returns:
         One measurement per pool, batch and operation.
@@ -276,7 +298,7 @@ def measure(
     clock = _Clock(dev)
     results: list[Measurement] = []
     for num_gpu_blocks in pools:
-        pair = _Pair(num_gpu_blocks, dev, seed, host_path_max, profile)
+        pair = _Pair(num_gpu_blocks, dev, seed, host_path_max, profile, events)
         for batch in batches:
             if batch > num_gpu_blocks - 1:
                 continue
@@ -481,10 +503,12 @@ def render(
     hash_map: HashMapTiming | None = None,
     content: ContentTiming | None = None,
     profile: str = "vllm-v1",
+    events: bool = False,
 ) -> str:
     """The comparison table, the hash-map table, the content check, and where the targets are met or missed."""
     lines = [
-        f"gpu_impl on {device} against the reference, profile {profile}: median time per call; "
+        f"gpu_impl on {device} against the reference, profile {profile}"
+        f"{', KV cache events on' if events else ''}: median time per call; "
         "ratio = reference / gpu_impl (above 1x: gpu_impl faster)",
         "",
         f"{'pool':>10} {'batch':>8}  {'operation':<15}{'reference':>12}{'gpu_impl':>12}{'ratio':>9}"
@@ -611,6 +635,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "times seed 002's policies: gpu_impl's selection per take against the reference's heaps)",
     )
     parser.add_argument(
+        "--events", action="store_true",
+        help="both pools publish KV cache events (enable_kv_cache_events), which the timed calls pay",
+    )
+    parser.add_argument(
         "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
     )
     try:
@@ -643,7 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = str(pick_device(args.device))
         results = measure(
             pools, batches, device, seconds_per_cell=args.seconds, seed=args.seed, host_path_max=args.host_path_max,
-            profile=args.profile,
+            profile=args.profile, events=args.events,
         )
         hash_map = None if args.no_hash_map else measure_hash_map(
             num_entries=max(pools), chain_length=min(1_000, max(pools)), device=device, seed=args.seed
@@ -655,9 +683,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         torch.set_num_threads(previous_threads)
-    print(render(results, device, hash_map, content, args.profile))
+    print(render(results, device, hash_map, content, args.profile, args.events))
     if args.json is not None:
-        write_json(_document(results, device, hash_map, content, args.threads, args.profile), args.json)
+        write_json(_document(results, device, hash_map, content, args.threads, args.profile, args.events), args.json)
     return 1 if content is not None and not content.is_intact else 0
 
 
@@ -668,12 +696,14 @@ def _document(
     content: ContentTiming | None,
     threads: int,
     profile: str = "vllm-v1",
+    events: bool = False,
 ) -> dict[str, object]:
     """The measurements as JSON: seconds per call, with the ratios the table prints."""
     return {
         "kvspec": "bench gpu",
         "device": device,
         "profile": profile,
+        "events": events,
         "threads": threads,
         "measurements": [{**asdict(m), "ratio": m.ratio, "tensor_ratio": m.tensor_ratio} for m in results],
         "hash_map": None if hash_map is None else asdict(hash_map),

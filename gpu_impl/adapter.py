@@ -7,6 +7,13 @@ present, else the CPU). The manager also speaks the KV content protocol
 reads back from device memory. The manager has the config's KV cache groups
 (`config.groups`); `read_kv` reads a hit's flat list group by group, each
 group's blocks from its own store, and a null position reads as [].
+
+With `config.events` both are built with KV cache events on
+(`enable_kv_cache_events`), and the harness drains them through the
+implementations' own `take_events`; the manager's `prefix_cache_stats`,
+`evict_blocks`, `reset_prefix_cache` and capped `get_computed_blocks` are its
+own methods too. It publishes every `BlockStored` field and keeps every
+counter, so nothing is declared not applicable.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ class TensorPoolAdapter(TensorBlockPool):
     """The tensor pool, built from a config."""
 
     def __init__(self, config: AdapterConfig) -> None:
-        super().__init__(config.num_gpu_blocks, config.enable_caching, config.profile, config.device)
+        super().__init__(
+            config.num_gpu_blocks, config.enable_caching, config.profile, config.device,
+            enable_kv_cache_events=config.events,
+        )
 
 
 class TensorManagerAdapter(TensorKVCacheManager):
@@ -34,7 +44,7 @@ class TensorManagerAdapter(TensorKVCacheManager):
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
             config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile,
-            config.hash_fn, config.seed, config.device, groups=config.groups,
+            config.hash_fn, config.seed, config.device, groups=config.groups, enable_kv_cache_events=config.events,
         )
 
 

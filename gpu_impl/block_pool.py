@@ -72,6 +72,20 @@ holder frees it. A quarantined block is never free, hashed, held or reused,
 and the snapshot lists it (`Snapshot.quarantined`, checked by
 inv_quarantine_isolated and inv_conservation).
 
+KV cache events (vLLM's `enable_kv_cache_events`): with the flag on, every
+operation queues what vLLM's pool publishes, in the spec's order
+(kvspec.spec.events), and `take_events` drains the queue: a `BlockRemoved`
+per key a block loses when it is taken or evicted by id, a `BlockStored` per
+registration, `AllBlocksCleared` per reset; nothing on a free, a touch or a
+lookup. The lazy map does not delay a removal: it is published when the
+flag clears, read from `_registered_hash` before the flag goes. With the
+flag off the queue is None and each operation pays one test of it, no loop.
+Quarantine is not in the spec, so the decision is this module's: a
+quarantined block that loses its hash publishes a `BlockRemoved` for it at
+once (the key leaves the hash table then, and a router that kept it would
+send requests here for a prefix no longer served); retiring it later, when
+its last holder frees it, publishes nothing (it has no key left).
+
 Bad input: every argument is checked before anything changes. A short batch
 is checked by the loop that reads its blocks, a long one on the device
 (types, range, duplicates) before its kernels run; either way the first sign
@@ -81,7 +95,7 @@ the spec does, so the error type and the block named are the spec's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import cast
 
@@ -99,6 +113,7 @@ from kvspec.spec.errors import (
     InvalidRequest,
     PoolExhausted,
 )
+from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvspec.spec.invariants import check_all
 from kvspec.spec.ordering import profile_rule
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
@@ -142,6 +157,7 @@ class TensorBlockPool:
         key_capacity: int | None = None,
         host_path_max: int | None = None,
         share_host_memory: bool | None = None,
+        enable_kv_cache_events: bool = False,
     ) -> None:
         """Build the pool on a device; block 0 becomes the null block.
 
@@ -156,6 +172,8 @@ class TensorBlockPool:
                 the device; tests pass 0 to run every batch on the device face).
             share_host_memory: one memory for both faces (None: on the CPU only; tests pass
                 False on the CPU to run the synchronisation CUDA needs).
+            enable_kv_cache_events: queue the KV cache events every operation publishes,
+                for `take_events` (the module docstring).
 
         Raises:
             InvalidRequest: num_gpu_blocks is not an integer >= 1, the profile is unknown,
@@ -226,6 +244,8 @@ class TensorBlockPool:
         self._ones = torch.ones(n, dtype=torch.int64, device=dev)  # increments for ref_cnt.index_add_
         self._no_blocks = torch.empty(0, dtype=torch.int64, device=dev)
         self.capacity_plan: CapacityPlan | None = None  # set when the pool was sized from memory
+        # Events published and not yet taken (take_events drains it); None: events off, nothing kept.
+        self.kv_event_queue: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
 
     @classmethod
     def from_memory(
@@ -312,7 +332,9 @@ class TensorBlockPool:
     def _check_on_device(self, ids: torch.Tensor, op: str, as_list: Callable[[], Sequence[object]]) -> None:
         """Range and distinctness of a long batch in a constant number of kernels; diagnose on failure."""
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()
-        bad = lo < 1 or hi >= self.num_gpu_blocks
+        # More ids than the pool has usable blocks must repeat one (or name the null block); the
+        # scatter below has one position per block and cannot take them.
+        bad = lo < 1 or hi >= self.num_gpu_blocks or ids.numel() >= self.num_gpu_blocks
         if not bad:
             # Each id writes its position; a repeated id keeps one of its
             # positions, so some other position reads back a different one.
@@ -420,6 +442,8 @@ class TensorBlockPool:
     def _take_short(self, num_blocks: int) -> list[int]:
         stamped = self._stamped
         taken = stamped.take(num_blocks) if stamped is not None else self._queue().popleft_list(num_blocks)
+        if self.kv_event_queue is not None:
+            self._publish_removed(taken)  # before the loop below clears the flags it reads
         ref, flags = self._ref, self._hash_flags
         for b in taken:
             ref[b] = 1
@@ -434,9 +458,14 @@ class TensorBlockPool:
 
     def _take_long(self, num_blocks: int) -> torch.Tensor:
         if self._stamped is not None:  # the order is host metadata: the ids go to the device once
-            taken = self._state.to_device(self._stamped.take(num_blocks))
+            host_ids = self._stamped.take(num_blocks)
+            if self.kv_event_queue is not None:
+                self._publish_removed(host_ids)
+            taken = self._state.to_device(host_ids)
         else:
             taken = self._queue().popleft_n(num_blocks)
+            if self.kv_event_queue is not None:
+                self._publish_removed_long(taken)
         self.ref_cnt.index_fill_(0, taken, 1)
         self.has_hash.index_fill_(0, taken, 0)  # evicted, as above
         if self._track:
@@ -661,12 +690,20 @@ class TensorBlockPool:
         self._num_corrupt_held -= retired.numel()
         return newly_free[~corrupt]
 
-    def cache_full_blocks(self, block_ids: BlockIds, block_hashes: Sequence[BlockHash]) -> None:
+    def cache_full_blocks(
+        self, block_ids: BlockIds, block_hashes: Sequence[BlockHash], stored: BlockStored | None = None
+    ) -> None:
         """Register full, held blocks under their hashes.
 
         NOTE: a hash already registered gets this block added after the others
         rather than replacing the request's block with the existing one: block
         tables are append-only, so identical full blocks are not merged.
+
+        With events on, the registration publishes one `BlockStored`: `stored`
+        when given (the request level knows the parent, the tokens and the
+        request's keys, which vLLM's pool reads off the request; it is
+        published even if no block is named), else the keys alone when any
+        block is registered.
 
         Raises:
             InvalidRequest: caching is off, the lengths differ, an id is named twice, a hash is not bytes.
@@ -685,7 +722,7 @@ class TensorBlockPool:
             )
         ids = self._short(block_ids, "cache_full_blocks")
         if ids is None:
-            return self._cache_long(self._index(block_ids, "cache_full_blocks"), block_hashes)
+            return self._cache_long(self._index(block_ids, "cache_full_blocks"), block_hashes, stored)
         n, ref, flags, corrupt = self.num_gpu_blocks, self._ref, self._hash_flags, self._corrupt
         for b, h in zip(ids, block_hashes):
             if type(b) is not int or not 0 < b < n or ref[b] == 0 or flags[b] or corrupt[b] or type(h) is not bytes:
@@ -701,10 +738,10 @@ class TensorBlockPool:
         if self._track:
             self._wrote_host(_HASH, cast("list[int]", ids))
             self._state.sync()
-        self._register(cast("list[int]", ids), block_hashes)
+        self._register(cast("list[int]", ids), block_hashes, stored)
         return None
 
-    def _cache_long(self, ids: torch.Tensor, block_hashes: Sequence[BlockHash]) -> None:
+    def _cache_long(self, ids: torch.Tensor, block_hashes: Sequence[BlockHash], stored: BlockStored | None) -> None:
         bad = (self.ref_cnt.index_select(0, ids) == 0) | (self.has_hash.index_select(0, ids) != 0)
         if self._num_corrupt_held:
             bad |= self.is_corrupt.index_select(0, ids) != 0
@@ -717,10 +754,13 @@ class TensorBlockPool:
         if self._track:
             self._wrote_device(_HASH, ids)
             self._state.sync()
-        self._register(host_ids, block_hashes)
+        self._register(host_ids, block_hashes, stored)
 
-    def _register(self, block_ids: list[int], block_hashes: Sequence[BlockHash]) -> None:
-        """Enter flagged blocks in the host map. Cost: O(len(block_ids)) dict operations."""
+    def _register(self, block_ids: list[int], block_hashes: Sequence[BlockHash], stored: BlockStored | None) -> None:
+        """Enter flagged blocks in the host map, then publish the registration (events on).
+
+        Cost: O(len(block_ids)) dict operations.
+        """
         registered, table = self._registered_hash, self.cached_block_hash_to_block
         for b, h in zip(block_ids, block_hashes):
             stale = registered.get(b)
@@ -733,6 +773,12 @@ class TensorBlockPool:
                 table[h] = {b: None}
             else:
                 entry[b] = None
+        queue = self.kv_event_queue
+        if queue is not None:
+            if stored is not None:
+                queue.append(stored)
+            elif block_ids:
+                queue.append(BlockStored(tuple(block_hashes), None))
 
     def _drop_entry(self, block_hash: BlockHash, block_id: int) -> None:
         """Remove one block from a hash's entry, if it is there; an emptied entry goes. Cost: O(1)."""
@@ -741,6 +787,34 @@ class TensorBlockPool:
             entry.pop(block_id, None)
             if not entry:
                 del self.cached_block_hash_to_block[block_hash]
+
+    def _publish_removed(self, block_ids: Iterable[int]) -> None:
+        """Queue a `BlockRemoved` for each block that is hashed now, in order; called before the flags clear.
+
+        The key is the one the block was registered under: `_registered_hash`
+        is exact for a flagged block (only a clear flag leaves it stale).
+        Cost: O(len(block_ids)) host reads.
+        """
+        queue = cast("list[KVCacheEvent]", self.kv_event_queue)
+        flags, registered = self._hash_flags, self._registered_hash
+        for b in block_ids:
+            if flags[b]:
+                queue.append(BlockRemoved((registered[b],)))
+
+    def _publish_removed_long(self, ids: torch.Tensor) -> None:
+        """`_publish_removed` for a long batch: the hashed ids are picked on the device, only they come to the host."""
+        self._publish_removed(cast("list[int]", ids[self.has_hash.index_select(0, ids) != 0].tolist()))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events published since the last call, oldest first, and none kept (none at all with events off).
+
+        Cost: O(1): the queue is handed over, not copied.
+        """
+        events = self.kv_event_queue
+        if not events:
+            return []
+        self.kv_event_queue = []
+        return events
 
     def _diagnose_cache(self, block_ids: list[int], block_hashes: Sequence[object]) -> None:
         """Raise the spec's error for the first block that cannot be registered, in order; return if none."""
@@ -794,6 +868,8 @@ class TensorBlockPool:
     def evict_blocks(self, block_ids: BlockIds) -> None:
         """Drop the cached hash of each block; holders keep their blocks, blocks without a hash are left alone.
 
+        With events on, each hash dropped publishes a `BlockRemoved`, in the order given.
+
         Raises:
             InvalidBlock: an id is out of range or the null block.
             InvalidRequest: an id is named twice.
@@ -803,6 +879,8 @@ class TensorBlockPool:
         ids = self._short(block_ids, "evict_blocks")
         if ids is None:
             long_ids = self._index(block_ids, "evict_blocks")
+            if self.kv_event_queue is not None:
+                self._publish_removed_long(long_ids)
             self.has_hash.index_fill_(0, long_ids, 0)
             if self._stamped is not None:  # a free block that loses its hash joins first fit
                 self._stamped.lost_hash(cast("list[int]", long_ids.tolist()))
@@ -817,6 +895,8 @@ class TensorBlockPool:
                 break
         if len(ids) > 1 and len(set(ids)) != len(ids):
             self._check_ids(ids, "evict_blocks")
+        if self.kv_event_queue is not None:
+            self._publish_removed(cast("list[int]", ids))
         flags = self._hash_flags
         for b in cast("list[int]", ids):
             flags[b] = 0
@@ -828,6 +908,8 @@ class TensorBlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash if no block is held; refuse (False, nothing changes) otherwise.
+
+        With events on, a reset publishes `AllBlocksCleared` (a refusal publishes nothing).
 
         Cost: O(num_gpu_blocks).
         """
@@ -841,6 +923,8 @@ class TensorBlockPool:
             self._has_hash_host.zero_()
         if self._stamped is not None:
             self._stamped.reset()
+        if self.kv_event_queue is not None:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
 
     def is_block_writable(self, block_id: BlockId) -> bool:
@@ -875,7 +959,8 @@ class TensorBlockPool:
         block leaves the free queue and is quarantined now; a held one is
         quarantined when its last holder frees it (its holders keep it until
         then: their block tables are append-only). Quarantining a block twice
-        changes nothing.
+        changes nothing. With events on, each hash dropped publishes a
+        `BlockRemoved` now, in the order given; the later retirement publishes nothing.
 
         Raises:
             InvalidBlock: an id is out of range or the null block.
@@ -889,6 +974,9 @@ class TensorBlockPool:
         ids = self._plain_ids(block_ids, "quarantine_blocks")
         ref, flags, corrupt = self._ref, self._hash_flags, self._corrupt
         queue = self.free_block_queue
+        if self.kv_event_queue is not None:
+            # The key leaves the hash table now: a router must hear it (the module docstring).
+            self._publish_removed(ids)
         retired: list[int] = []
         for b in ids:
             flags[b] = 0

@@ -7,7 +7,8 @@
 #   1. conformance: gpu_impl's lock-step tests against the reference (pool and
 #      manager level, each batch path alone, the two faces of its state kept
 #      in two memories, KV content read back on every hit), the seed's
-#      walkthrough and the memory mutants; then `kvspec check --impl gpu` with
+#      walkthrough and the memory mutants; then `kvspec check --impl gpu
+#      --events` (its KV cache events and hit statistics checked too) with
 #      the same seed on the CPU and on the device, which must give the same
 #      rows (verdict, examples, steps, states, invariant checks, branches);
 #   2. corruption: real bit flips in device memory, caught on hit, quarantined;
@@ -130,7 +131,7 @@ step() {  # step NAME LOG TIMEOUT_S DETAIL_PATTERN COMMAND...: run one step, rec
 
 pytest_args=(-q -p no:cacheprovider --import-mode=importlib)
 pytest_summary='[0-9]+ (passed|failed)'
-check_args=(--impl gpu --seed "$seed")
+check_args=(--impl gpu --events --seed "$seed")  # events: 3 s more of 40 s on a 2-core CPU
 if [ "$quick" = "1" ]; then
     # Deterministic scenarios and a short harness run: the state machines are what the full run adds.
     step conformance conformance 150 "$pytest_summary" "$PY" -m pytest "${pytest_args[@]}" \

@@ -30,6 +30,20 @@ re-computes it, and a block whose content changed (a flipped bit) is
 quarantined (TensorBlockPool.quarantine_blocks) and the hit stops before it,
 so corrupt KV is never served.
 
+What the manager tells the world (kvspec.spec.events, kvspec.spec.stats):
+with `enable_kv_cache_events` its pool publishes vLLM's KV cache events, and
+each group that registers blocks in a step publishes one `BlockStored` with
+the request's facts (the key of the position before as parent, the tokens,
+the block size, the LoRA name, the untagged extra keys, the group index).
+A lookup publishes nothing, except where it quarantines a corrupt block:
+that block's key leaves the hash table, so its `BlockRemoved` goes out then
+(gpu_impl.block_pool's docstring). The hit statistics are always kept, as
+running totals in plain ints (a request admitted costs a few additions;
+`prefix_cache_stats` builds the spec's value when asked): a request is
+counted at its admission, its first step that gets blocks, local hits and
+the external connector's tokens apart, a preempted request's re-admission
+apart from first admissions; a successful reset is counted.
+
 Design choices:
 - The write happens in `allocate_slots`, not in a separate forward pass, so
   that the content a block is registered with is the content it holds; the
@@ -57,10 +71,12 @@ from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.kv_cache import GroupedKVCache, PagedKVCache
 from kvspec.spec.attention import FULL, KVGroup
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
+from kvspec.spec.events import BlockStored, KVCacheEvent, event_extra_keys
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import check_all
 from kvspec.spec.manager import Request, check_groups
 from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
+from kvspec.spec.stats import CacheCounters, PrefixCacheStats
 
 __all__ = ["KVSource", "TensorKVCacheManager", "prefix_kv_source"]
 
@@ -103,6 +119,11 @@ def _check_request(request: Request, op: str) -> None:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
     if len(request.token_ids) == 0:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
+    if not _is_count(request.num_preemptions):
+        raise InvalidRequest(
+            f"{op}: request_id={request.request_id!r} has num_preemptions={request.num_preemptions!r}; "
+            "it counts the times the scheduler preempted it, a non-negative integer"
+        )
     end = 0  # where the previous multimodal input ends
     for mm in request.mm_inputs:
         if not (
@@ -133,6 +154,37 @@ def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_ex
     if num_new_tokens == 0:
         raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
 
+
+class _HitCounters:
+    """The hit statistics as running totals: one row of six ints per cache, and the resets.
+
+    A row is `CacheCounters`' fields in order (requests, queries, hits, then
+    the same three for preempted requests), so the spec's value is one call
+    away; plain ints rather than the frozen value, because every admission
+    adds to them and only a reader needs the value.
+    """
+
+    __slots__ = ("connector", "local", "num_resets")
+
+    def __init__(self) -> None:
+        self.local = [0] * 6  # this pool's prefix cache; grown at each admission
+        self.connector = [0] * 6  # the external connector, asked for what the local hit left; grown likewise
+        self.num_resets = 0  # successful reset_prefix_cache calls
+
+    def admit(self, num_tokens: int, num_local_hits: int, num_external: int, preempted: bool) -> None:
+        """Count one admitted request: its tokens asked of the local cache, then the rest asked of the connector."""
+        row = 3 if preempted else 0  # a re-admission after preemption recomputes its own blocks: counted apart
+        local, connector = self.local, self.connector
+        local[row] += 1
+        local[row + 1] += num_tokens
+        local[row + 2] += num_local_hits
+        connector[row] += 1
+        connector[row + 1] += num_tokens - num_local_hits
+        connector[row + 2] += num_external
+
+    def value(self) -> PrefixCacheStats:
+        """The totals as the spec's value."""
+        return PrefixCacheStats(CacheCounters(*self.local), CacheCounters(*self.connector), self.num_resets)
 
 
 class _Group:
@@ -196,12 +248,14 @@ class TensorKVCacheManager:
         kv_source: KVSource = prefix_kv_source,
         key_capacity: int | None = None,
         groups: str | Sequence[KVGroup] = (FULL,),
+        enable_kv_cache_events: bool = False,
     ) -> None:
         """Build a manager over a fresh pool, with its KV cache groups and one KV value per token slot in each.
 
         Args:
             groups: the KV cache groups, as `"full,sliding:8"` or `KVGroup` values, in vLLM's
                 group order (spec.attention.parse_groups); one full-attention group by default.
+            enable_kv_cache_events: the pool publishes KV cache events, drained by `take_events`.
 
         Raises:
             InvalidRequest: a size is not a positive integer, the profile or hash function is
@@ -215,7 +269,9 @@ class TensorKVCacheManager:
         hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
         kv_groups = check_groups(groups, block_size)
         # The pool owns the blocks; the KV memory is one int64 per token slot, per group.
-        self.block_pool = TensorBlockPool(num_gpu_blocks, enable_caching, profile, device, key_capacity)
+        self.block_pool = TensorBlockPool(
+            num_gpu_blocks, enable_caching, profile, device, key_capacity, enable_kv_cache_events=enable_kv_cache_events
+        )
         self.kv_memory = GroupedKVCache(self.block_pool, block_size, len(kv_groups))
         self.kv_cache = self.kv_memory[0]  # group 0's store: the only one with the default single group
         self.block_size = block_size  # fixed
@@ -231,6 +287,7 @@ class TensorKVCacheManager:
         self.kv_source: KVSource = kv_source  # what a step writes; set_kv_source replaces it
         self.req_to_blocks = self._groups[0].tables  # group 0's block tables (the only ones by default)
         self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens resident so far
+        self._counters = _HitCounters()  # hit statistics since construction; grown by admissions and resets
 
     @property
     def device(self) -> torch.device:
@@ -298,26 +355,37 @@ class TensorKVCacheManager:
 
     # --- the request level --------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[list[BlockId], int]:
         """The longest cached, intact prefix of a new request every group can serve: at most len - 1 tokens.
 
-        Each hit block's content is checked against the checksum it was sealed
-        with in its group's store; a block that fails is quarantined and the
-        lookup goes on without it (another block registered under the same
-        hash may still be intact).
+        The scheduler may cap the hit further (`max_cache_hit_length`: what an
+        external connector lets the local cache serve, 0 included). Each hit
+        block's content is checked against the checksum it was sealed with in
+        its group's store; a block that fails is quarantined (its key's
+        `BlockRemoved` published, with events on) and the lookup goes on
+        without it (another block registered under the same hash may still be
+        intact).
 
         Returns:
             The hit blocks, group by group (each group's as many positions, the null block
             where its attention type skips them), and the tokens they cover.
 
         Raises:
-            InvalidRequest: the request has no tokens, misplaced mm_inputs, is already running,
-                or (with several groups) its id contains the table-name mark.
+            InvalidRequest: the request has no tokens, misplaced mm_inputs, a bad num_preemptions,
+                is already running, or (with several groups) its id contains the table-name mark;
+                the cap is not None or a non-negative integer.
 
         Cost: O(tokens) for the hashes, O(1) host work per position looked up, one checksum
         pass over the hit per group.
         """
         self._check_request(request, "get_computed_blocks")
+        if max_cache_hit_length is not None and not _is_count(max_cache_hit_length):
+            raise InvalidRequest(
+                f"get_computed_blocks: max_cache_hit_length={max_cache_hit_length!r} must be None or a non-negative "
+                "integer (tokens the local cache may serve)"
+            )
         if request.request_id in self.num_computed_tokens:
             raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
         if not self.enable_caching:
@@ -325,6 +393,8 @@ class TensorKVCacheManager:
         # NOTE: at most len - 1 tokens: the last prompt token must be computed to
         # produce the logits that sample the first output token.
         max_length = len(request.token_ids) - 1
+        if max_cache_hit_length is not None and max_cache_hit_length < max_length:
+            max_length = max_cache_hit_length
         if self._single_full:
             return self._full_hit(self._block_hashes(request)[: max_length // self.block_size])
         hashes = self._block_hashes(request)
@@ -477,7 +547,14 @@ class TensorKVCacheManager:
         coordinator): validate, prepare the write, free skipped blocks (a
         running request's; even when the step is then refused), plan, touch
         the hits, take blocks for external tokens, take blocks for new
-        tokens, write, register full blocks.
+        tokens, write, register full blocks. A request's first step that is
+        served is its admission, counted in the hit statistics then (a step
+        refused for want of blocks is retried by the scheduler, and counted
+        once, when it is served).
+
+        With events on, the step publishes what its pool calls do, in order:
+        a `BlockRemoved` per cached key a taken block loses, then one
+        `BlockStored` per group that registers blocks.
 
         Returns:
             The newly taken blocks, group by group in table order, or None (nothing taken or
@@ -514,6 +591,10 @@ class TensorKVCacheManager:
                 self._write_group(grp.group_id, ids, start, group_values)
         self._register_full_blocks(step, table_ids, num_cached)
         self.num_computed_tokens[rid] = step.num_tokens
+        if not step.running:
+            num_local = step.write_start  # a first step's local hit (nothing was computed before it)
+            num_external = step.num_computed - num_local
+            self._counters.admit(len(request.token_ids), num_local, num_external, request.num_preemptions > 0)
         return new_blocks[0] if len(new_blocks) == 1 else [b for blocks in new_blocks for b in blocks]
 
     def _validate_allocation(
@@ -786,15 +867,43 @@ class TensorKVCacheManager:
         if self.enable_caching:
             # Only a full block is registered: a partial one's tokens are still to come.
             num_full = min(step.num_tokens, len(step.request.token_ids)) // self.block_size
+            publishes = self.block_pool.kv_event_queue is not None
             for g, (grp, ids, cached) in enumerate(zip(self._groups, table_ids, num_cached)):
                 if num_full > cached:
                     chain = step.hashes[cached:num_full]
                     full = ids[cached:num_full]
-                    self.block_pool.cache_full_blocks(full, chain if g == 0 else [grp.key(h) for h in chain])
+                    keys = chain if g == 0 else [grp.key(h) for h in chain]
+                    stored = self._stored(step, grp, cached, num_full, keys) if publishes else None
+                    self.block_pool.cache_full_blocks(full, keys, stored)
                     grp.kv.seal(full)
                     num_cached[g] = num_full
         for grp, cached in zip(self._groups, num_cached):
             grp.num_cached[rid] = cached
+
+    def _stored(
+        self, step: _AllocationStep, grp: _Group, num_cached: int, num_full: int, keys: Sequence[BlockHash]
+    ) -> BlockStored:
+        """The `BlockStored` of one group registering positions [num_cached, num_full), as vLLM's pool builds it.
+
+        Its parent is the key of the position before in the same group (None
+        from the first block), named even where that position is null or its
+        key was evicted since: vLLM names it all the same. Every position is
+        registered (none is null: the phase's docstring), so the extra keys are
+        every position's. Cost: O(new full blocks).
+        """
+        request, block_size = step.request, self.block_size
+        positions = range(num_cached, num_full)
+        return BlockStored(
+            block_hashes=tuple(keys),
+            parent_block_hash=grp.key(step.hashes[num_cached - 1]) if num_cached else None,
+            token_ids=request.token_ids[num_cached * block_size : num_full * block_size],
+            block_size=block_size,
+            lora_name=request.lora_name,
+            extra_keys=event_extra_keys(
+                positions, block_size, request.lora_name, request.mm_inputs, request.cache_salt
+            ),
+            group_idx=grp.group_id,
+        )
 
     def _kv_values(self, request: Request, start: int, end: int) -> torch.Tensor:
         """The source's values for positions [start, end), checked, as an int64 device tensor.
@@ -858,6 +967,45 @@ class TensorKVCacheManager:
             if held:
                 self.block_pool.free_blocks(held)
         del self.num_computed_tokens[request_id]
+
+    def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        """Drop the cached hash of each block, held or free (vLLM's `KVCacheManager.evict_blocks`).
+
+        The external connector reports blocks whose load failed: their content
+        is not what their hash says, so no request may hit them again, but
+        whoever holds them keeps them (a request's table is append-only, and
+        its count of registered positions stays: the spec's). A hit search
+        then stops at the hole. Blocks without a hash are left alone; with
+        events on, each hash dropped publishes a `BlockRemoved`.
+
+        Raises:
+            InvalidBlock: an id is out of range or the null block.
+            InvalidRequest: an id is named twice.
+
+        Cost: O(len(block_ids)), as TensorBlockPool.evict_blocks.
+        """
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash if no block is held, and count the reset; refuse (False) otherwise.
+
+        A refusal changes nothing and counts nothing; with events on, a reset
+        publishes `AllBlocksCleared`.
+
+        Cost: O(num_gpu_blocks).
+        """
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self._counters.num_resets += 1
+        return True
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The hit statistics since the manager was built (kvspec.spec.stats). Cost: O(1)."""
+        return self._counters.value()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV cache events published since the last call (none with events off). Cost: O(1)."""
+        return self.block_pool.take_events()
 
     # --- observation --------------------------------------------------------------------------
 

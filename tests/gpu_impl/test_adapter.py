@@ -1,4 +1,4 @@
-"""The built-in adapter factory `kvspec.gpu_impl.adapter:make_adapter`: both levels, the device, bad configs."""
+"""The built-in adapter factory `kvspec.gpu_impl.adapter:make_adapter`: both levels, the device, events, bad configs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from kvspec.conformance.adapter import (
 )
 from kvspec.gpu_impl.adapter import TensorManagerAdapter, TensorPoolAdapter, make_adapter
 from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.events import AllBlocksCleared
+from kvspec.spec.stats import PrefixCacheStats
 
 
 def test_both_levels_speak_their_protocols():
@@ -40,3 +42,17 @@ def test_bad_configs_are_refused():
         make_adapter(AdapterConfig("pool", 8, device="tpu"))
     with pytest.raises(InvalidRequest, match=r"^unknown hash_fn='md5'"):
         make_adapter(AdapterConfig("manager", 8, hash_fn="md5", device="cpu"))
+
+
+def test_events_are_built_on_when_the_config_asks():
+    for level in ("pool", "manager"):
+        on = make_adapter(AdapterConfig(level, 8, block_size=2, device="cpu", events=True))  # type: ignore[arg-type]
+        off = make_adapter(AdapterConfig(level, 8, block_size=2, device="cpu"))  # type: ignore[arg-type]
+        pool_on = on.block_pool if isinstance(on, TensorManagerAdapter) else on
+        pool_off = off.block_pool if isinstance(off, TensorManagerAdapter) else off
+        assert pool_on.kv_event_queue == [] and pool_off.kv_event_queue is None, level
+        assert on.reset_prefix_cache() and on.take_events() == [AllBlocksCleared()], level
+        assert off.reset_prefix_cache() and off.take_events() == [], level
+    manager = make_adapter(AdapterConfig("manager", 8, block_size=2, device="cpu"))
+    assert capabilities(manager) == {"evict_blocks", "reset_prefix_cache"}  # the request level's optional ones
+    assert manager.prefix_cache_stats() == PrefixCacheStats()

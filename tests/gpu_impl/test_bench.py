@@ -106,3 +106,14 @@ def test_main_prints_the_tables_and_refuses_bad_arguments(capsys):
 
 def test_auto_content_layers_fit_the_free_memory():
     assert 1 <= content_layers_that_fit(1000) <= 16
+
+
+@pytest.mark.parametrize("profile", ["vllm-v1", "lru-timestamp"])
+def test_with_events_both_pools_publish_and_their_events_are_compared(profile, capsys):
+    # measure() drains and compares both pools' events after every round (and the snapshots at the end)
+    results = measure(pools=(300,), batches=(1, 100), seconds_per_cell=0.001, max_rounds=3, profile=profile,
+                      host_path_max=16, events=True)
+    assert {m.batch for m in results} == {1, 100}  # 100 blocks: gpu_impl's long path publishes too
+    args = ["--pools", "40", "--batches", "1", "--seconds", "0.001", "--no-hash-map", "--no-content", "--events"]
+    assert main([*args, "--profile", profile]) == 0
+    assert f"profile {profile}, KV cache events on:" in capsys.readouterr().out

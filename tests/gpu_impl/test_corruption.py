@@ -5,6 +5,12 @@ A block that fails is removed from the hash table (never a hit again) and
 quarantined (never reallocated): at once if it is free, when its last holder
 frees it otherwise. The faults are real: one bit of the KV tensor is flipped
 in place, on whatever device the pool runs.
+
+The spec has no quarantine, so what it publishes is gpu_impl's decision: a
+key that leaves the hash table is announced then, as a `BlockRemoved`, even
+during a lookup, and the later retirement announces nothing. Under random
+faults a router's mirror of the stream must hold exactly the hash table's
+keys after every step.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.kv_cache import PagedKVCache
 from kvspec.gpu_impl.kv_cache_manager import TensorKVCacheManager, prefix_kv_source
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
-from kvspec.spec.invariants import hit_content_intact
+from kvspec.spec.events import BlockRemoved, BlockStored, EventMirror
+from kvspec.spec.invariants import check_events, hit_content_intact
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash
 
@@ -89,6 +96,23 @@ def test_corrupt_block_still_held_loses_its_hash_now_and_is_quarantined_when_fre
     assert snap.quarantined == (1,) and 1 not in snap.free_queue
     assert snap.free_queue[-1] == 2  # the intact hashed block went right as usual
     m.check_invariants()
+
+
+def test_a_quarantined_key_is_announced_removed_at_once_and_its_retirement_publishes_nothing():
+    m = TensorKVCacheManager(8, BLOCK_SIZE, device=pick_device(), enable_kv_cache_events=True)
+    run(m, Request("a", PROMPT))  # a keeps running: blocks 1, 2 registered and held
+    stored = m.take_events()
+    assert [type(e) for e in stored] == [BlockStored]
+    h1, h2 = stored[0].block_hashes
+    m.kv_cache.inject_bit_flip(2, byte_offset=3, bit=1)
+    assert m.get_computed_blocks(Request("b", PROMPT)) == ([1], 4)
+    # A lookup publishes nothing, but this one took block 2's key out of the table.
+    assert m.take_events() == [BlockRemoved((h2,))]
+    m.free("a")
+    assert m.snapshot().quarantined == (2,) and m.take_events() == []
+    m.block_pool.quarantine_blocks([2, 1])  # 2 again: no key left; 1 is free and hashed
+    assert m.take_events() == [BlockRemoved((h1,))]
+    check_events(EventMirror().apply(stored), [BlockRemoved((h2,)), BlockRemoved((h1,))], m.snapshot())
 
 
 def test_a_duplicate_block_under_the_same_hash_still_serves_the_hit():
@@ -195,7 +219,8 @@ class CorruptionMachine(RuleBasedStateMachine):
 
     @initialize(num_gpu_blocks=st.integers(2, 12), on_the_device_face=st.booleans())
     def build(self, num_gpu_blocks: int, on_the_device_face: bool) -> None:
-        self.m = TensorKVCacheManager(num_gpu_blocks, 2, device=pick_device())
+        self.m = TensorKVCacheManager(num_gpu_blocks, 2, device=pick_device(), enable_kv_cache_events=True)
+        self.mirror = EventMirror()  # what a router holds from the stream so far
         if on_the_device_face:
             self.m.block_pool.host_path_max = 0  # every batch as kernels: their quarantine path
         self.running: dict[str, Request] = {}
@@ -238,6 +263,12 @@ class CorruptionMachine(RuleBasedStateMachine):
     @invariant()
     def invariants_hold(self) -> None:
         self.m.check_invariants()
+
+    @invariant()
+    def router_mirror_exact(self) -> None:
+        events = self.m.take_events()
+        check_events(self.mirror, events, self.m.snapshot())
+        self.mirror = self.mirror.apply(events)
 
 
 CorruptionMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)

@@ -12,11 +12,19 @@ own store, the values of its own prefix (hit_content_intact; a null position
 reads as []), every resident token of every running request reads back its
 own value through each group's block table, and no store ever holds anything
 in the null block.
+
+Half the managers publish KV cache events. Requests are also preempted and
+admitted again (counted apart), looked up under the scheduler's cap on the
+hit, and blocks are evicted by id (held or free) and the cache reset. After
+every step both must have published the same events in the same order (none
+with events off) and report the same hit statistics, and a router's mirror
+of gpu_impl's stream must hold exactly its hash table's keys.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -35,7 +43,8 @@ from kvspec.conformance.adapter import AdapterConfig
 from kvspec.gpu_impl.adapter import make_adapter
 from kvspec.gpu_impl.kv_cache_manager import prefix_kv_source
 from kvspec.reference import KVCacheManager
-from kvspec.spec.invariants import hit_content_intact
+from kvspec.spec.events import EventMirror
+from kvspec.spec.invariants import check_events, hit_content_intact
 from kvspec.spec.manager import Request
 from kvspec.spec.ordering import PROFILES
 from kvspec.spec.state import NULL_BLOCK_ID
@@ -56,6 +65,7 @@ class ManagerLockstep(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.running: dict[str, Request] = {}
+        self.preempted: dict[str, Request] = {}  # freed by the scheduler, waiting to be admitted again
         self.history: list[Request] = []  # every request seen, so new ones can repeat their prefixes
         self.num_requests = 0
 
@@ -63,17 +73,24 @@ class ManagerLockstep(RuleBasedStateMachine):
         block_size=st.integers(1, 4),
         enable_caching=st.sampled_from([True, True, True, False]),
         profile=st.sampled_from([*sorted(PROFILES), "lru-lfu:0.5"]),  # every policy, one weighted
+        events=st.booleans(),
         data=st.data(),
     )
-    def build(self, block_size: int, enable_caching: bool, profile: str, data: st.DataObject) -> None:
+    def build(self, block_size: int, enable_caching: bool, profile: str, events: bool, data: st.DataObject) -> None:
         self.block_size = block_size
         groups = data.draw(group_layouts(block_size, self.skipping_groups), label="groups")
         self.num_groups = groups.count(",") + 1
         num_gpu_blocks = data.draw(st.integers(1, 6 + 8 * self.num_groups), label="num_gpu_blocks")
         event(f"{self.num_groups} KV cache group(s)")
-        self.ref = KVCacheManager(num_gpu_blocks, block_size, enable_caching, profile, groups=groups)
-        config = AdapterConfig("manager", num_gpu_blocks, enable_caching, profile, block_size, groups=groups)
+        self.ref = KVCacheManager(
+            num_gpu_blocks, block_size, enable_caching, profile, groups=groups, enable_kv_cache_events=events
+        )
+        config = AdapterConfig(
+            "manager", num_gpu_blocks, enable_caching, profile, block_size, groups=groups, events=events
+        )
         self.gpu = self.factory(config)
+        self.events = events
+        self.mirror = EventMirror()  # what a router holds from gpu_impl's stream so far
         if self.host_path_max is not None:
             self.gpu.block_pool.host_path_max = self.host_path_max
         self.gpu.set_kv_source(prefix_kv_source)
@@ -109,9 +126,11 @@ class ManagerLockstep(RuleBasedStateMachine):
         self.schedule(Request(f"r{self.num_requests}", tokens, other.lora_name, other.cache_salt), data)
 
     def schedule(self, request: Request, data: st.DataObject) -> None:
-        """A new request's first step: look up its prefix, check the hit's KV, allocate the rest."""
+        """A new request's first step: look up its prefix (capped a third of the time), check the hit's KV,
+        allocate the rest."""
         self.history.append(request)
-        outcome = same_call(self.ref, self.gpu, "get_computed_blocks", request)
+        cap = data.draw(st.one_of(st.none(), st.none(), st.integers(0, len(request.token_ids))), label="cap")
+        outcome = same_call(self.ref, self.gpu, "get_computed_blocks", request, cap)
         hit_blocks, num_hit_tokens = outcome[1]
         event("prefix hit" if hit_blocks else "no prefix hit")
         self.check_hit_content(request, hit_blocks, num_hit_tokens)
@@ -171,6 +190,39 @@ class ManagerLockstep(RuleBasedStateMachine):
         same_call(self.ref, self.gpu, "free", rid)
         del self.running[rid]
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        # The scheduler frees a running request to make room and counts the preemption.
+        rid = data.draw(st.sampled_from(sorted(self.running)))
+        same_call(self.ref, self.gpu, "free", rid)
+        request = self.running.pop(rid)
+        self.preempted[rid] = replace(request, num_preemptions=request.num_preemptions + 1)
+
+    @precondition(lambda self: self.preempted)
+    @rule(data=st.data())
+    def readmit(self, data: st.DataObject) -> None:
+        # Its tokens so far (prompt and decoded) are looked up again: hits count apart from first admissions.
+        request = self.preempted.pop(data.draw(st.sampled_from(sorted(self.preempted))))
+        self.schedule(request, data)
+        if request.request_id not in self.running:
+            self.preempted[request.request_id] = request  # refused for want of blocks: it waits on
+        else:
+            event("readmitted after preemption")
+
+    @rule(data=st.data())
+    def evict_blocks(self, data: st.DataObject) -> None:
+        # The connector's failed loads: cached blocks, held or free, mostly; sometimes a bad id or a repeat.
+        n = self.ref.block_pool.num_gpu_blocks
+        cached = [b for b in range(1, n) if self.ref.block_pool.blocks[b].block_hash is not None]
+        good = st.sampled_from(cached) if cached else st.integers(1, max(n - 1, 1))
+        ids = data.draw(st.lists(st.one_of(good, good, good, st.integers(-1, n)), max_size=4))
+        same_call(self.ref, self.gpu, "evict_blocks", ids)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        same_call(self.ref, self.gpu, "reset_prefix_cache")
+
     @rule(
         num_new=st.integers(-1, 3),
         num_hit=st.integers(-1, 5),
@@ -202,6 +254,20 @@ class ManagerLockstep(RuleBasedStateMachine):
             same_call(self.ref, self.gpu, "free", rid)
         same_call(self.ref, self.gpu, "get_computed_blocks", self.running.get(rid) or Request(rid, (0,)))
 
+    @rule(
+        num_preemptions=st.sampled_from([-1, True, 1.5, None]),
+        cap=st.sampled_from([None, -1, True, 2.0, 1]),
+        op=st.sampled_from(["get_computed_blocks", "allocate_slots"]),
+    )
+    def bad_request_counts(self, num_preemptions: Any, cap: Any, op: str) -> None:
+        # A preemption count that is no count, or a hit cap that is none: refused, nothing changes.
+        request = Request(f"bad{self.num_requests}", (0, 1), num_preemptions=num_preemptions)
+        if op == "get_computed_blocks":
+            same_call(self.ref, self.gpu, op, request, cap)
+            same_call(self.ref, self.gpu, op, Request(f"bad{self.num_requests}", (0, 1)), cap)
+        else:
+            same_call(self.ref, self.gpu, op, request, 1)
+
     def marked_ids(self) -> list[str]:
         # With several groups, an id containing the table-name mark is refused (InvalidRequest).
         # NOTE: with one group the spec accepts it, and its invariants then read "a#1" as group 1's
@@ -228,6 +294,18 @@ class ManagerLockstep(RuleBasedStateMachine):
         self.gpu.check_invariants()
         if any(table.count(NULL_BLOCK_ID) >= 5 for _, table in snapshot.block_tables or ()):
             event("a block table with 5 or more null positions")
+
+    @invariant()
+    def same_events_and_stats(self) -> None:
+        # Every step's events, refused calls' (none) included: the invariant runs after each rule.
+        got, want = self.gpu.take_events(), self.ref.take_events()
+        assert got == want, f"gpu_impl published {got}, the reference {want}"
+        assert self.gpu.prefix_cache_stats() == self.ref.prefix_cache_stats()
+        if self.events:  # off, both publish nothing (checked above), and there is no mirror to keep
+            check_events(self.mirror, got, self.gpu.snapshot())
+            self.mirror = self.mirror.apply(got)
+            for kind in {type(e).__name__ for e in got}:
+                event(f"published {kind}")
 
     @invariant()
     def resident_tokens_intact(self) -> None:

@@ -8,7 +8,10 @@ at its minimum length so that relabels happen all the time. Each pool runs
 its batches on the host face, on the device face, or on both by length
 (`host_path_max`), with the two faces in one memory or in two kept equal
 (`share_host_memory=False`: what CUDA does), so each path and the
-synchronisation are checked alone.
+synchronisation are checked alone. Half the pools publish KV cache events:
+after every step both must have published the same events in the same
+order (none with events off), and a router's mirror of gpu_impl's stream
+must hold exactly its hash table's keys (the spec's event rules).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from hypothesis.stateful import (
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
 from kvspec.reference import BlockPool
+from kvspec.spec.events import BlockRemoved, EventMirror
+from kvspec.spec.invariants import check_events
 from kvspec.spec.ordering import PROFILES, QUEUE_PROFILES
 from kvspec.spec.state import BlockHash
 from tests.gpu_impl._lockstep import same_call
@@ -52,6 +57,7 @@ class PoolLockstep(RuleBasedStateMachine):
         tight_keys=st.booleans(),
         host_path_max=st.sampled_from([None, 0, 3]),
         two_faces=st.booleans(),
+        events=st.booleans(),
     )
     def build(
         self,
@@ -61,14 +67,18 @@ class PoolLockstep(RuleBasedStateMachine):
         tight_keys: bool,
         host_path_max: int | None,
         two_faces: bool,
+        events: bool,
     ) -> None:
         self.n = num_gpu_blocks
-        self.ref = BlockPool(num_gpu_blocks, enable_caching, profile)
+        self.ref = BlockPool(num_gpu_blocks, enable_caching, profile, enable_kv_cache_events=events)
         capacity = 2 * num_gpu_blocks if tight_keys else None
         self.gpu = TensorBlockPool(
             num_gpu_blocks, enable_caching, profile, pick_device(), key_capacity=capacity,
             host_path_max=host_path_max, share_host_memory=False if two_faces else None,
+            enable_kv_cache_events=events,
         )
+        self.events = events
+        self.mirror = EventMirror()  # what a router holds from gpu_impl's stream so far
 
     # --- helpers drawing from the current state ---------------------------------------------
 
@@ -157,6 +167,15 @@ class PoolLockstep(RuleBasedStateMachine):
         assert self.gpu.snapshot() == self.ref.snapshot()
         self.gpu.check_invariants()
 
+    @invariant()
+    def same_events(self) -> None:
+        # Every step's events, refused calls' (none) included: the invariant runs after each rule.
+        got, want = self.gpu.take_events(), self.ref.take_events()
+        assert got == want, f"gpu_impl published {got}, the reference {want}"
+        if self.events:  # off, both publish nothing (checked above), and there is no mirror to keep
+            check_events(self.mirror, got, self.gpu.snapshot())
+            self.mirror = self.mirror.apply(got)
+
 
 PoolLockstep.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
 test_pool_lockstep = PoolLockstep.TestCase
@@ -169,14 +188,19 @@ test_pool_lockstep = PoolLockstep.TestCase
     ids=["default", "device-face-only", "both-paths-two-faces"],
 )
 def test_large_pool_random_batches_match_reference(profile: str, host_path_max: int | None, two_faces: bool) -> None:
-    """Whole-request batches of hundreds of blocks (the device-side checks and gap scans), seeded."""
+    """Whole-request batches of hundreds of blocks (the device-side checks and gap scans), seeded.
+
+    Events on: a long take or eviction picks its hashed blocks on the device; every step's
+    events must be the reference's.
+    """
     rng = random.Random(6)
     n = 600
-    ref = BlockPool(n, True, profile)
+    ref = BlockPool(n, True, profile, enable_kv_cache_events=True)
     gpu = TensorBlockPool(
         n, True, profile, pick_device(), key_capacity=2 * n,
-        host_path_max=host_path_max, share_host_memory=False if two_faces else None,
+        host_path_max=host_path_max, share_host_memory=False if two_faces else None, enable_kv_cache_events=True,
     )
+    num_removed = 0
     requests: list[list[int]] = []
     for step in range(300):
         action = rng.random()
@@ -197,12 +221,19 @@ def test_large_pool_random_batches_match_reference(profile: str, host_path_max: 
             hit = rng.sample(hashed, min(len(hashed), rng.randint(1, 120)))
             same_call(ref, gpu, "touch", hit)
             requests.append(hit)
+        if action > 0.95:
+            evicted = rng.sample(range(1, n), rng.randint(1, 300))  # held and free, hashed and not
+            same_call(ref, gpu, "evict_blocks", evicted)
+        events = gpu.take_events()
+        assert events == ref.take_events(), f"step {step}"
+        num_removed += sum(isinstance(e, BlockRemoved) for e in events)
         if step % 25 == 0:
             assert gpu.snapshot() == ref.snapshot(), f"step {step}"
     assert gpu.snapshot() == ref.snapshot()
     gpu.check_invariants()
     if profile in QUEUE_PROFILES:
         assert gpu.free_block_queue.num_relabels > 0, "the minimum key index should have forced relabels"
+    assert num_removed > 100, "long takes and evictions should have removed many keys"
 
 
 @pytest.mark.slow
