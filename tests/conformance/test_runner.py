@@ -370,7 +370,7 @@ def test_a_request_level_failure_trace_with_decode_steps_reads_back_and_replays(
         r = check(mutant.factory, tmp_path, level="manager", max_examples=100, seed=seed, shrink=False)
         assert r.verdict in ("diverges", "crashed"), r.message
         trace = read_trace(r.failure.trace_path)
-        assert all(len(s.args) == 5 for s in trace.steps if s.op == "allocate_slots")
+        assert all(len(s.args) == 6 for s in trace.steps if s.op == "allocate_slots")
         assert replay(trace, mutant.factory).verdict == r.verdict
 
 
