@@ -8,8 +8,9 @@ a group no longer reads. `get_computed_blocks` finds a new request's cached
 prefix (each attention type's search, and with several groups the length
 every group agrees on; at most len - 1 tokens), `allocate_slots` frees the
 blocks a running request no longer reads, touches the hit, takes new blocks
-and registers the blocks a step fills, `free` releases a request tail first,
-group by group. Every phase runs over every group before the next, so the
+and registers the blocks a step fills (an asynchronous external load's only
+when `cache_blocks` says the load is done), `free` releases a request tail
+first, group by group. Every phase runs over every group before the next, so the
 pool sees the spec's calls in the spec's order (the free order and the
 keyed policies' stamps depend on it). Hit blocks and new blocks cross the
 API as one flat list, group by group.
@@ -29,6 +30,16 @@ A registered block is sealed with a checksum in its group's store; a hit
 re-computes it, and a block whose content changed (a flipped bit) is
 quarantined (TensorBlockPool.quarantine_blocks) and the hit stops before it,
 so corrupt KV is never served.
+
+An asynchronous external load (`delay_cache_blocks=True`) writes its tokens'
+KV in its step as any external tokens are (the load's writes land in the
+slots the step takes), but registers and seals nothing: no request can hit
+the blocks, and no other request can write them (each is held by the loading
+request alone and has no hash). `cache_blocks` seals and registers them when
+the load is done, so the checksum is of what the load wrote and a hit reads
+the request's own prefix. A load that failed partway keeps only its valid
+prefix: the KV after it is cleared (0, which no prefix has) and written again
+by the steps that recompute those tokens, never into a registered block.
 
 What the manager tells the world (kvspec.spec.events, kvspec.spec.stats):
 with `enable_kv_cache_events` its pool publishes vLLM's KV cache events, and
@@ -142,8 +153,13 @@ def _check_request(request: Request, op: str) -> None:
         end = mm.offset + mm.length
 
 
-def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int) -> None:
-    """Every count of a step is a non-negative integer, and the step schedules at least one token."""
+def _check_step_counts(
+    num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int, delay_cache_blocks: bool
+) -> None:
+    """Every count of a step is a non-negative integer; it schedules a token unless it loads asynchronously.
+
+    Only a step that loads external tokens may delay their registration.
+    """
     for name, value in (
         ("num_new_tokens", num_new_tokens),
         ("num_new_computed_tokens", num_new_computed_tokens),
@@ -151,7 +167,14 @@ def _check_step_counts(num_new_tokens: int, num_new_computed_tokens: int, num_ex
     ):
         if not _is_count(value):
             raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
-    if num_new_tokens == 0:
+    if not isinstance(delay_cache_blocks, bool):
+        raise InvalidRequest(f"allocate_slots: delay_cache_blocks must be a bool; got {delay_cache_blocks!r}")
+    if delay_cache_blocks and num_external_computed_tokens == 0:
+        raise InvalidRequest(
+            "allocate_slots: delay_cache_blocks=True but num_external_computed_tokens=0; only a step that loads "
+            "external tokens asynchronously delays their registration"
+        )
+    if num_new_tokens == 0 and not delay_cache_blocks:
         raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
 
 
@@ -231,6 +254,7 @@ class _AllocationStep:
     num_computed: int  # tokens computed before the new ones: earlier steps, or the hit and external tokens
     write_start: int  # the first token position the step writes: its KV follows the prefix hit
     num_tokens: int  # tokens resident once the step has run: hit, external and new included
+    delay_cache_blocks: bool = False  # an asynchronous external load: written now, registered by cache_blocks
 
 
 class TensorKVCacheManager:
@@ -539,6 +563,7 @@ class TensorKVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[BlockId] = (),
         num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[BlockId] | None:
         """Give a request slots for its next tokens, write their KV, register the blocks they fill.
 
@@ -552,18 +577,26 @@ class TensorKVCacheManager:
         refused for want of blocks is retried by the scheduler, and counted
         once, when it is served).
 
+        `delay_cache_blocks`: an asynchronous external load (a first step with
+        external tokens; `num_new_tokens` may then be 0). The step takes the
+        blocks and writes the loaded tokens' KV as any step writes external
+        tokens (the load's writes), but registers nothing: no request can hit
+        a block before the load is done, when `cache_blocks` seals and
+        registers them.
+
         With events on, the step publishes what its pool calls do, in order:
         a `BlockRemoved` per cached key a taken block loses, then one
-        `BlockStored` per group that registers blocks.
+        `BlockStored` per group that registers blocks (none for a delayed load).
 
         Returns:
             The newly taken blocks, group by group in table order, or None (nothing taken or
             touched; skipped blocks freed all the same) when too few blocks are free.
 
         Raises:
-            InvalidRequest: a bad count, a hit on a running request, more tokens than the request
-                has, misplaced mm_inputs, a request id with the table-name mark (several groups),
-                or a KV source that returns the wrong number of values or values beyond int64.
+            InvalidRequest: a bad count, no token scheduled without a delayed load, a delay that is
+                not a bool or has no external tokens, a hit on a running request, more tokens than
+                the request has, misplaced mm_inputs, a request id with the table-name mark (several
+                groups), or a KV source that returns the wrong number of values or values beyond int64.
             InvalidBlock: a hit block is not registered under the request's chain in its group.
             NotWritable: a block the step writes is shared or registered; nothing changes.
 
@@ -571,8 +604,9 @@ class TensorKVCacheManager:
         plus hashing of new full blocks.
         """
         step = self._validate_allocation(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
-        )
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
+            delay_cache_blocks,
+        )  # fmt: skip
         starts = [self._write_start(grp, step) for grp in self._groups]
         values = self._prepare_write(step, starts)
         if step.running and self._skips:
@@ -589,7 +623,11 @@ class TensorKVCacheManager:
                 self._write_step(rid, ids, start, group_values)
             else:
                 self._write_group(grp.group_id, ids, start, group_values)
-        self._register_full_blocks(step, table_ids, num_cached)
+        if step.delay_cache_blocks:  # registered by cache_blocks once the load is done
+            for grp, cached in zip(self._groups, num_cached):
+                grp.num_cached[rid] = cached
+        else:
+            self._register_full_blocks(step, tables, num_cached, table_ids)
         self.num_computed_tokens[rid] = step.num_tokens
         if not step.running:
             num_local = step.write_start  # a first step's local hit (nothing was computed before it)
@@ -604,6 +642,7 @@ class TensorKVCacheManager:
         num_new_computed_tokens: int,
         new_computed_blocks: Sequence[BlockId],
         num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
     ) -> _AllocationStep:
         """Phase 1: refuse a caller's mistake before anything changes, in the spec's order.
 
@@ -614,7 +653,7 @@ class TensorKVCacheManager:
             InvalidRequest, InvalidBlock: as `allocate_slots`.
         """
         self._check_request(request, "allocate_slots")
-        _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens)
+        _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
         rid = request.request_id
         running = rid in self.num_computed_tokens
         if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
@@ -629,7 +668,7 @@ class TensorKVCacheManager:
             raise InvalidRequest(
                 f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
             )
-        return _AllocationStep(request, running, hits, hashes, num_computed, num_local, total)
+        return _AllocationStep(request, running, hits, hashes, num_computed, num_local, total, delay_cache_blocks)
 
     def _check_hit_blocks(
         self,
@@ -688,11 +727,29 @@ class TensorKVCacheManager:
         ones (a running request's were nulled by earlier steps and this one's
         phase 3; a first step's are nulled as its hit is touched); on a first
         step with external tokens they can cover some of the step's positions,
-        which that group then does not write.
+        which that group then does not write. A running request can have more:
+        `cache_blocks` may take its computed count back below a window it had
+        already slid past (a failed load), and a null position is never written.
         """
         if not grp.skips:
             return step.write_start
-        return max(step.write_start, grp.skipped_blocks(step.num_computed) * self.block_size)
+        first = grp.skipped_blocks(step.num_computed)
+        if step.running:
+            first = self._leading_nulls(grp.tables[step.request.request_id], first)
+        return max(step.write_start, first * self.block_size)
+
+    @staticmethod
+    def _leading_nulls(table: list[BlockId], at_least: int) -> int:
+        """How many leading positions of a table are null, or `at_least` if fewer (they are to be nulled).
+
+        A table's null positions are always its leading ones, so the count is
+        found by looking past `at_least`. Cost: O(1) unless a computed count was
+        taken back, then O(null positions past it).
+        """
+        n = at_least
+        while n < len(table) and table[n] == NULL_BLOCK_ID:
+            n += 1
+        return n
 
     def _prepare_write(self, step: _AllocationStep, starts: list[int]) -> torch.Tensor:
         """Phase 2: the KV values the step writes, once they and the blocks already held to take them are checked.
@@ -852,47 +909,69 @@ class TensorKVCacheManager:
             self._groups[group_id].kv.write_tokens(block_table, start, values)
 
     def _register_full_blocks(
-        self, step: _AllocationStep, table_ids: list[torch.Tensor], num_cached: list[int]
+        self,
+        step: _AllocationStep,
+        tables: list[list[BlockId]],
+        num_cached: list[int],
+        table_ids: list[torch.Tensor] | None = None,
     ) -> None:
         """Phase 9: register (cache_full_blocks) and seal every block the step fills, so later requests can hit it.
 
         Registered after the write (phase 8), so the checksum a block is
         sealed with is of the content it holds, in its group's store. Group
         g's blocks are keyed by (hash, g) (spec.state.group_key), so groups
-        never share a block. No null position is ever among them: a group's
-        null positions all lie before its registered count (those skipped
-        when the request started, or by a step whose tokens were counted).
+        never share a block. A null position holds nothing and is left out,
+        as the spec does (the group's `BlockStored` is published all the same,
+        even with no block); it is only ever among the new positions when a
+        step before registered nothing (a delayed load that also computed
+        tokens, its window slid since). `table_ids` are the tables as device
+        tensors where the step has them (the write read them); else the
+        blocks are sent from `tables`.
         """
         rid = step.request.request_id
         if self.enable_caching:
             # Only a full block is registered: a partial one's tokens are still to come.
             num_full = min(step.num_tokens, len(step.request.token_ids)) // self.block_size
             publishes = self.block_pool.kv_event_queue is not None
-            for g, (grp, ids, cached) in enumerate(zip(self._groups, table_ids, num_cached)):
-                if num_full > cached:
-                    chain = step.hashes[cached:num_full]
-                    full = ids[cached:num_full]
-                    keys = chain if g == 0 else [grp.key(h) for h in chain]
-                    stored = self._stored(step, grp, cached, num_full, keys) if publishes else None
-                    self.block_pool.cache_full_blocks(full, keys, stored)
-                    grp.kv.seal(full)
-                    num_cached[g] = num_full
+            for g, (grp, table, cached) in enumerate(zip(self._groups, tables, num_cached)):
+                if num_full <= cached:
+                    continue
+                positions: Sequence[int] = range(cached, num_full)
+                chain: Sequence[BlockHash] = step.hashes[cached:num_full]
+                if grp.skips and NULL_BLOCK_ID in table[cached:num_full]:
+                    positions = [i for i in positions if table[i] != NULL_BLOCK_ID]
+                    chain = [step.hashes[i] for i in positions]
+                    full = self._table([table[i] for i in positions])
+                elif table_ids is not None:
+                    full = table_ids[g][cached:num_full]
+                else:
+                    full = self._table(table[cached:num_full])
+                keys = chain if g == 0 else [grp.key(h) for h in chain]
+                stored = self._stored(step, grp, cached, num_full, positions, keys) if publishes else None
+                self.block_pool.cache_full_blocks(full, keys, stored)
+                grp.kv.seal(full)
+                num_cached[g] = num_full
         for grp, cached in zip(self._groups, num_cached):
             grp.num_cached[rid] = cached
 
     def _stored(
-        self, step: _AllocationStep, grp: _Group, num_cached: int, num_full: int, keys: Sequence[BlockHash]
+        self,
+        step: _AllocationStep,
+        grp: _Group,
+        num_cached: int,
+        num_full: int,
+        positions: Sequence[int],
+        keys: Sequence[BlockHash],
     ) -> BlockStored:
         """The `BlockStored` of one group registering positions [num_cached, num_full), as vLLM's pool builds it.
 
         Its parent is the key of the position before in the same group (None
         from the first block), named even where that position is null or its
-        key was evicted since: vLLM names it all the same. Every position is
-        registered (none is null: the phase's docstring), so the extra keys are
-        every position's. Cost: O(new full blocks).
+        key was evicted since: vLLM names it all the same. The tokens are every
+        new position's; the extra keys those of the registered (non-null)
+        `positions`, as the spec's. Cost: O(new full blocks).
         """
         request, block_size = step.request, self.block_size
-        positions = range(num_cached, num_full)
         return BlockStored(
             block_hashes=tuple(keys),
             parent_block_hash=grp.key(step.hashes[num_cached - 1]) if num_cached else None,
@@ -944,6 +1023,69 @@ class TensorKVCacheManager:
         first, last = start // self.block_size, min((end - 1) // self.block_size, len(table) - 1)
         if first <= last:
             grp.kv.check_writable(self._table(table[first : last + 1]))
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register a running request's blocks full up to `num_computed_tokens`: an asynchronous load is done.
+
+        vLLM's `KVCacheManager.cache_blocks`, called by the scheduler when a
+        load that `allocate_slots(..., delay_cache_blocks=True)` started is
+        done. The load's KV was written by that step; each block is sealed now,
+        as it is registered, with the content it holds, and with events on each
+        group that registers publishes its `BlockStored`. A load that failed
+        partway gives fewer tokens than were computed: the request's computed
+        count goes back to it (never below what it has registered), and the KV
+        of the tokens after it is cleared (0, no prefix's value: the load did
+        not deliver it), so the step that computes them again writes them, into
+        blocks no request can hit yet (a group's registered positions all lie
+        before the count).
+
+        Raises:
+            InvalidRequest: the request is not running, or (after its own checks, as every
+                operation's) the count is not an integer between its registered and its
+                computed tokens.
+
+        Cost: O(tokens) to hash the request, O(1) host work per block registered, and one
+        write per group of a failed load's tokens.
+        """
+        self._check_request(request, "cache_blocks")
+        rid = request.request_id
+        computed = self.num_computed_tokens.get(rid)
+        if computed is None:
+            raise InvalidRequest(f"cache_blocks: request_id={rid!r} is not running")
+        num_cached = [grp.num_cached[rid] for grp in self._groups]
+        low = max(num_cached) * self.block_size
+        if not _is_count(num_computed_tokens) or not low <= num_computed_tokens <= computed:
+            raise InvalidRequest(
+                f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={rid!r} has "
+                f"{computed} computed tokens, {low} of them registered"
+            )
+        n = num_computed_tokens
+        if n < computed:
+            self._clear_tokens(rid, n, computed)
+        if self.enable_caching:
+            step = _AllocationStep(request, True, (), self._block_hashes(request), n, n, n)
+            self._register_full_blocks(step, [grp.tables[rid] for grp in self._groups], num_cached)
+        self.num_computed_tokens[rid] = n
+
+    def _clear_tokens(self, request_id: str, start: int, end: int) -> None:
+        """Zero the KV of a running request's positions [start, end) in every group (a failed load's tokens).
+
+        Null positions are passed over (no group writes the null block). The
+        blocks are checked in every group before any is written, so a refusal
+        (NotWritable, which no caller can bring about: every position from a
+        registered count on is in a block the request took and holds alone)
+        changes nothing.
+        """
+        bs, spans = self.block_size, []
+        for grp in self._groups:
+            table = grp.tables[request_id]
+            first = max(start, self._leading_nulls(table, grp.skipped_blocks(start)) * bs)
+            if first < end:
+                ids = self._table(table[first // bs : -(-end // bs)])
+                grp.kv.check_writable(ids)
+                spans.append((grp.kv, ids, first % bs, end - first))
+        for kv, ids, offset, num_tokens in spans:
+            kv.write_tokens(ids, offset, torch.zeros(num_tokens, dtype=torch.int64, device=self.device))
 
     def free(self, request_id: str) -> None:
         """Release a finished or preempted request: each group's blocks tail first, group by group.

@@ -84,11 +84,13 @@ class ReuseWithoutEviction(TensorManagerAdapter):
         num_new_computed_tokens: int = 0,
         new_computed_blocks: Sequence[BlockId] = (),
         num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[BlockId] | None:
         self._num_old_blocks = len(self.req_to_blocks.get(request.request_id, [])) + len(new_computed_blocks)
         return super().allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens
-        )
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
+            delay_cache_blocks,
+        )  # fmt: skip
 
     def _write_step(self, request_id: str, block_table: torch.Tensor, start: int, values: torch.Tensor) -> None:
         for b in block_table[self._num_old_blocks :].tolist():

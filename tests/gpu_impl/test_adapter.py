@@ -54,5 +54,6 @@ def test_events_are_built_on_when_the_config_asks():
         assert on.reset_prefix_cache() and on.take_events() == [AllBlocksCleared()], level
         assert off.reset_prefix_cache() and off.take_events() == [], level
     manager = make_adapter(AdapterConfig("manager", 8, block_size=2, device="cpu"))
-    assert capabilities(manager) == {"evict_blocks", "reset_prefix_cache"}  # the request level's optional ones
+    # the request level's optional operations, every one
+    assert capabilities(manager) == {"evict_blocks", "reset_prefix_cache", "cache_blocks"}
     assert manager.prefix_cache_stats() == PrefixCacheStats()

@@ -15,7 +15,12 @@ in the null block.
 
 Half the managers publish KV cache events. Requests are also preempted and
 admitted again (counted apart), looked up under the scheduler's cap on the
-hit, and blocks are evicted by id (held or free) and the cache reset. After
+hit, and blocks are evicted by id (held or free) and the cache reset. A first
+step with external tokens may load them asynchronously (delay_cache_blocks:
+its blocks registered only by a later cache_blocks, which may report a failed
+load whose tokens after its valid prefix are computed again; the checks above
+then read what the recomputation wrote, and what a hit on the loaded blocks
+reads). After
 every step both must have published the same events in the same order (none
 with events off) and report the same hit statistics, and a router's mirror
 of gpu_impl's stream must hold exactly its hash table's keys.
@@ -67,6 +72,7 @@ class ManagerLockstep(RuleBasedStateMachine):
         self.running: dict[str, Request] = {}
         self.preempted: dict[str, Request] = {}  # freed by the scheduler, waiting to be admitted again
         self.history: list[Request] = []  # every request seen, so new ones can repeat their prefixes
+        self.loading: set[str] = set()  # running requests whose asynchronous load is not reported done yet
         self.num_requests = 0
 
     @initialize(
@@ -136,12 +142,18 @@ class ManagerLockstep(RuleBasedStateMachine):
         self.check_hit_content(request, hit_blocks, num_hit_tokens)
         left = len(request.token_ids) - num_hit_tokens
         num_external = data.draw(st.integers(0, left - 1))
-        num_new = data.draw(st.integers(1, left - num_external))
+        # An asynchronous load: its blocks taken now, registered by cache_blocks; mostly no token computed with it.
+        delayed = num_external > 0 and data.draw(st.booleans(), label="load in background")
+        low = 0 if delayed else 1
+        num_new = data.draw(st.one_of(st.just(low), st.integers(low, left - num_external)), label="num_new")
         outcome = same_call(
-            self.ref, self.gpu, "allocate_slots", request, num_new, num_hit_tokens, hit_blocks, num_external
+            self.ref, self.gpu, "allocate_slots", request, num_new, num_hit_tokens, hit_blocks, num_external, delayed
         )
         if outcome[1] is not None:
             self.running[request.request_id] = request
+            if delayed:
+                self.loading.add(request.request_id)
+                event("asynchronous load")
             if any(NULL_BLOCK_ID in m.req_to_blocks[request.request_id] for m in self.ref.managers):
                 event("admitted with skipped positions")
 
@@ -149,6 +161,7 @@ class ManagerLockstep(RuleBasedStateMachine):
     @rule(data=st.data(), token=st.integers(0, 1))
     def allocate_slots(self, data: st.DataObject, token: int) -> None:
         rid = data.draw(st.sampled_from(sorted(self.running)))
+        self.maybe_finish_load(rid, data)
         request = self.running[rid]
         num_computed = self.ref.num_computed_tokens[rid]
         if num_computed == len(request.token_ids):
@@ -163,6 +176,7 @@ class ManagerLockstep(RuleBasedStateMachine):
     def decode_run(self, data: st.DataObject, tokens: list[int]) -> None:
         # Decode steps one after the other (the rest of the prompt first): a window slides a block at a time.
         rid = data.draw(st.sampled_from(sorted(self.running)))
+        self.maybe_finish_load(rid, data)
         request = self.running[rid]
         for token in tokens:
             num_computed = self.ref.num_computed_tokens[rid]
@@ -189,6 +203,7 @@ class ManagerLockstep(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.running)))
         same_call(self.ref, self.gpu, "free", rid)
         del self.running[rid]
+        self.loading.discard(rid)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -197,6 +212,7 @@ class ManagerLockstep(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.running)))
         same_call(self.ref, self.gpu, "free", rid)
         request = self.running.pop(rid)
+        self.loading.discard(rid)
         self.preempted[rid] = replace(request, num_preemptions=request.num_preemptions + 1)
 
     @precondition(lambda self: self.preempted)
@@ -209,6 +225,42 @@ class ManagerLockstep(RuleBasedStateMachine):
             self.preempted[request.request_id] = request  # refused for want of blocks: it waits on
         else:
             event("readmitted after preemption")
+
+    @precondition(lambda self: self.loading)
+    @rule(data=st.data())
+    def cache_blocks(self, data: st.DataObject) -> None:
+        # The load is done: mostly whole; else it failed partway and the tokens after its valid prefix are
+        # computed again by the request's next steps.
+        self.finish_load(data.draw(st.sampled_from(sorted(self.loading))), data)
+
+    def finish_load(self, rid: str, data: st.DataObject) -> None:
+        """Report a request's asynchronous load done (cache_blocks), whole or failed partway."""
+        self.loading.discard(rid)
+        num_computed, low = self.ref.num_computed_tokens[rid], self.registered_tokens(rid)
+        failed = st.integers(low, num_computed - 1) if low < num_computed else st.nothing()
+        valid = data.draw(st.one_of(st.just(num_computed), failed), label="tokens loaded")
+        same_call(self.ref, self.gpu, "cache_blocks", self.running[rid], valid)
+        event("load done" if valid == num_computed else "load failed partway")
+
+    @rule(data=st.data(), count=st.sampled_from(["below", "above", -1, True, 1.5, None]))
+    def bad_cache_blocks(self, data: st.DataObject, count: object) -> None:
+        # A count outside [registered, computed] or no count, or a request that is not running (or no request).
+        rid = data.draw(st.sampled_from([*sorted(self.running), "", "nobody", *self.marked_ids()]))
+        request = self.running.get(rid) or Request(rid, (0, 1))
+        if count in ("below", "above") and rid in self.running:
+            count = self.registered_tokens(rid) - 1 if count == "below" else self.ref.num_computed_tokens[rid] + 1
+        elif count in ("below", "above"):
+            count = 0
+        same_call(self.ref, self.gpu, "cache_blocks", request, count)
+
+    def maybe_finish_load(self, rid: str, data: st.DataObject) -> None:
+        # vLLM's scheduler steps a request again once its load is done; the spec lets it step before, too.
+        if rid in self.loading and data.draw(st.booleans(), label="load done before the step"):
+            self.finish_load(rid, data)
+
+    def registered_tokens(self, rid: str) -> int:
+        """The fewest tokens cache_blocks may leave a running request: what some group has registered (or null)."""
+        return max(m.num_cached_block.get(rid, 0) for m in self.ref.managers) * self.block_size
 
     @rule(data=st.data())
     def evict_blocks(self, data: st.DataObject) -> None:
@@ -228,6 +280,7 @@ class ManagerLockstep(RuleBasedStateMachine):
         num_hit=st.integers(-1, 5),
         hit_blocks=st.lists(st.one_of(st.integers(-1, 15), st.just(NULL_BLOCK_ID), st.booleans()), max_size=4),
         num_external=st.integers(-1, 2),
+        delay=st.sampled_from([False, False, True, 1, None]),
         tokens=st.lists(st.integers(0, 1), max_size=5),
         data=st.data(),
     )
@@ -237,15 +290,21 @@ class ManagerLockstep(RuleBasedStateMachine):
         num_hit: int,
         hit_blocks: list[int],
         num_external: int,
+        delay: Any,
         tokens: list[int],
         data: st.DataObject,
     ) -> None:
-        # A running request (hits are refused), an empty id, one nobody scheduled, or one with the table mark.
+        # A running request (hits are refused), an empty id, one nobody scheduled, or one with the table mark;
+        # a delay that is no bool, or one without external tokens.
         rid = data.draw(st.sampled_from([*sorted(self.running), "", "nobody", *self.marked_ids()]))
         request = self.running.get(rid) or Request(rid, tuple(tokens))
-        outcome = same_call(self.ref, self.gpu, "allocate_slots", request, num_new, num_hit, hit_blocks, num_external)
+        outcome = same_call(
+            self.ref, self.gpu, "allocate_slots", request, num_new, num_hit, hit_blocks, num_external, delay
+        )
         if outcome[0] == "ok" and outcome[1] is not None:
             self.running[rid] = request
+            if delay is True:
+                self.loading.add(rid)
 
     @rule(data=st.data())
     def bad_free_or_lookup(self, data: st.DataObject) -> None:
