@@ -689,6 +689,7 @@ class ManagerMachine(_LockStepMachine):
         mistakes += ["hit on a running request"] if self.requests else []
         caching = ["wrong hit block", "hit longer than the request"]
         mistakes += caching if self.enable_caching else ["hit without caching"]
+        mistakes += ["delay without an external load"] if self._lock.takes_delayed_load else []
         kind = data.draw(_sampled(_kinds(*self._mistakes("allocate_slots", *mistakes))), label="call")
         request = replace(prompt, request_id=self._new_id())
         if kind == VALID:
@@ -745,6 +746,8 @@ class ManagerMachine(_LockStepMachine):
             call(fresh, 1, num_hits * bs, blocks, 0)
         elif kind == "no tokens scheduled":
             call(fresh, 0, 0, [], 0)
+        elif kind == "delay without an external load":
+            call(fresh, 1, 0, [], 0, True)
         elif kind == "bad count":
             args: list[Any] = [fresh, 1, 0, [], 0]
             args[data.draw(_sampled((1, 2, 4)), label="which count")] = data.draw(strat.bad_counts(), label="bad count")
