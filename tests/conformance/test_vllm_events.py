@@ -296,3 +296,43 @@ def test_a_translation_that_drops_removals_is_caught_by_the_mirror_rule(tmp_path
                        trace_dir=str(tmp_path))  # fmt: skip
     assert result.verdict == "diverges", result
     assert result.failure is not None and result.failure.invariant == "event_mirror_exact", result.failure
+
+
+# --- the oracle's events column ------------------------------------------------------------------------
+
+
+def test_the_events_column_says_ok_no_events_the_rule_broken_or_the_verdict() -> None:
+    from kvspec.conformance.vllm.oracle import Cell, ReleaseRow, format_matrix
+
+    def ran(verdict: str, **extra: Any) -> Cell:
+        return Cell("ran", "", {"vllm-v1": {"verdict": verdict, "step": 3, "op": "evict_blocks", "message": "m",
+                                            "trace": "t.jsonl", **extra}})  # fmt: skip
+
+    rows = [
+        ReleaseRow("0.8.5", events={"pool": Cell("n/a", "no events: its BlockPool takes no enable_kv_cache_events")}),
+        ReleaseRow("0.9.0", events={"pool": ran("conforms")}),
+        ReleaseRow("0.9.1", events={"pool": ran("diverges", rule="event_mirror_exact")}),
+        ReleaseRow("0.9.2", events={"pool": ran("diverges")}),
+    ]
+    text = format_matrix(rows, ["pool"], [])
+    lines = {line.split()[0]: line.split()[1:] for line in text.splitlines()[1:5]}
+    assert text.splitlines()[0].split() == ["version", "pool/events", "hashes"]
+    assert lines == {"0.8.5": ["no", "events", "n/a"], "0.9.0": ["ok", "n/a"],
+                     "0.9.1": ["breaks", "event_mirror_exact[1]", "n/a"], "0.9.2": ["diverges[2]", "n/a"]}  # fmt: skip
+    assert "[1] 0.9.1 pool events under vllm-v1: diverges at step 3 (evict_blocks): m  trace: t.jsonl" in text
+
+
+@pytest.mark.vllm
+def test_the_oracle_events_column_on_a_release_without_events_and_two_with(tmp_path: Any) -> None:
+    from kvspec.conformance.vllm.oracle import format_matrix, run_oracle
+
+    rows = run_oracle(["0.8.5", "0.9.0", "0.33.0"], levels=("pool",), caching="on", max_examples=20,
+                      time_budget=40.0, trace_dir=str(tmp_path), events=True)  # fmt: skip
+    cells = {row.version: row.events["pool"] for row in rows}
+    assert cells["0.8.5"].status == "n/a" and cells["0.8.5"].why.startswith("no events")
+    for version in ("0.9.0", "0.33.0"):
+        ((profile, result),) = cells[version].profiles.items()
+        assert (profile, result["verdict"]) == (_profile(version), "conforms"), (version, result)
+    header, *lines = format_matrix(rows, ["pool"], ["on"]).splitlines()
+    start, end = header.index("pool/events"), header.index("hashes")
+    assert [line[start:end].strip() for line in lines[:3]] == ["no events", "ok", "ok"]
