@@ -202,13 +202,17 @@ def manager_reactions(version: str, enable_caching: bool, groups: str = "full") 
     (``itertools.islice`` of the hashes up to ``(len - 1) // block_size``, -1
     here); a layout without a full-attention group searches with the sliding
     window's and chunked local attention's loops, which take the negative
-    length as no blocks and return normally, changing nothing (whatever cap
-    0.33's scheduler passes, so the two ways of a full-attention layout are one there).
+    length as no blocks and return normally, changing nothing. 0.33's
+    scheduler may pass a cap, and a cap past the empty prompt makes those
+    loops read a hash it does not have (an IndexError): not one reaction
+    there, as with full attention, so nothing is sent.
 
     >>> manager_reactions("0.10.2", True)["get_computed_blocks: no tokens"].describe()
     'raises ValueError'
-    >>> manager_reactions("0.33.0", True, "sliding:4")["get_computed_blocks: no tokens"].kind
+    >>> manager_reactions("0.10.2", True, "sliding:4")["get_computed_blocks: no tokens"].kind
     'ignores'
+    >>> "get_computed_blocks: no tokens" in manager_reactions("0.33.0", True, "sliding:4")
+    False
     >>> "free: not running" in manager_reactions("0.8.4", False)
     False
     """
@@ -216,7 +220,7 @@ def manager_reactions(version: str, enable_caching: bool, groups: str = "full") 
         return {}
     found = _declared(_MANAGER_REACTIONS, version, enable_caching)
     empty = found.get("get_computed_blocks: no tokens")
-    if enable_caching and (empty is None or empty.kind == "raises") and not _has_full_attention(groups):
+    if empty is not None and empty.kind == "raises" and not _has_full_attention(groups):
         found["get_computed_blocks: no tokens"] = ignores(
             "an empty prompt: no full-attention group, and the sliding-window and chunked searches find no block"
         )
