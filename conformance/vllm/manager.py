@@ -126,7 +126,7 @@ from kvspec.spec.manager import Request, snapshot_groups
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, table_name
 from kvspec.spec.stats import PrefixCacheStats
 
-__all__ = ["VllmManagerAdapter", "make_full_report_adapter", "make_manager_adapter"]
+__all__ = ["VllmManagerAdapter", "make_events_only_adapter", "make_full_report_adapter", "make_manager_adapter"]
 
 # Large enough that vLLM's max_model_len never caps a harness request.
 _MAX_MODEL_LEN = 1 << 16
@@ -813,14 +813,15 @@ class _ManagerStats(VllmManagerAdapter):
 _MANAGER_CLASSES: dict[tuple[type[VllmManagerAdapter], ...], type[VllmManagerAdapter]] = {}
 
 
-def make_manager_adapter(release: VllmRelease, config: AdapterConfig) -> KVCacheManagerAdapter:
+def make_manager_adapter(release: VllmRelease, config: AdapterConfig, *, stats: bool = True) -> KVCacheManagerAdapter:
     """The request-level adapter over one installed vLLM, with exactly the operations its manager has.
 
     ``evict_blocks`` where ``KVCacheManager`` has it, the hit cap where its
     ``get_computed_blocks`` takes ``max_cache_hit_length``; with
     ``config.events``, ``take_events`` where it takes
     ``enable_kv_cache_events`` (and its events name the group, or there is
-    one group) and ``prefix_cache_stats`` where it hands out its statistics.
+    one group) and ``prefix_cache_stats`` where it hands out its statistics
+    (unless ``stats`` is False: see ``make_events_only_adapter``).
 
     Raises:
         ValueError: the release is loaded in light mode, its KVCacheManager takes neither a KVCacheConfig
@@ -844,7 +845,7 @@ def make_manager_adapter(release: VllmRelease, config: AdapterConfig) -> KVCache
             mixins.append(_ManagerEvents)
         else:
             no_group_events = True
-    if config.events and callable(getattr(cls, "make_prefix_cache_stats", None)):
+    if config.events and stats and callable(getattr(cls, "make_prefix_cache_stats", None)):
         mixins.append(_ManagerStats)
     key = tuple(mixins)
     if key not in _MANAGER_CLASSES:
@@ -880,4 +881,32 @@ def make_full_report_adapter(config: AdapterConfig) -> KVCacheManagerAdapter:
     adapter = make_manager_adapter(installed_release(), config)
     assert isinstance(adapter, VllmManagerAdapter), f"make_manager_adapter built a {type(adapter).__name__}"
     adapter.kv_cache_report_mode = "full"
+    return adapter
+
+
+def make_events_only_adapter(config: AdapterConfig) -> KVCacheManagerAdapter:
+    """The installed vLLM's request level with its KV cache events checked and its hit statistics left out.
+
+    Up to 0.24 (of the releases measured) the manager counts a request at its
+    lookup, where vLLM 0.33 and the spec count it at admission, so with the
+    statistics checked every events campaign of such a release stops at its
+    first lookup. This factory leaves ``prefix_cache_stats`` out (declared
+    ``not_applicable["hit statistics"]``), so the rest of the request level,
+    its events included, is still judged: ``kvspec check --impl
+    kvspec.conformance.vllm.manager:make_events_only_adapter --level manager --events``.
+
+    Raises:
+        LevelNotProvided: the pool level (it has no hit statistics to leave out; use ``vllm``).
+    """
+    if config.level != "manager":
+        raise LevelNotProvided("the hit statistics are the request level's: use the vllm adapter at the pool level")
+    from kvspec.conformance.vllm.adapter import installed_release
+
+    release = installed_release()
+    adapter = make_manager_adapter(release, config, stats=False)
+    assert isinstance(adapter, VllmManagerAdapter), f"make_manager_adapter built a {type(adapter).__name__}"
+    adapter.not_applicable["hit statistics"] = (
+        f"{release.label}: left out by make_events_only_adapter, for a release that counts a request at its "
+        "lookup (up to 0.24 of the releases measured) where the spec counts it at admission"
+    )
     return adapter

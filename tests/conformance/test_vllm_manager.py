@@ -700,3 +700,58 @@ def test_events_and_hit_statistics_at_the_request_level_on_vllm_0_33() -> None:
     ), full
     assert "stored h1 h2 (parent -" in full["message"], full
     assert full["replayed"] == ["diverges", 3], full
+
+
+# The findings' traces kept in tests/data/vllm_events (the README names each with its replay command), each
+# replayed in its release's environment to the verdict it shows.
+_REPLAY_SCRIPT = r"""
+import json, logging, sys, tempfile
+logging.disable(logging.WARNING)
+from kvspec.conformance.registry import load_factory
+from kvspec.conformance.runner import replay
+
+out = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for path, impl in zip(sys.argv[1::2], sys.argv[2::2]):
+        r = replay(path, load_factory(impl), impl=impl, isolate=False, trace_dir=tmp, step_timeout_s=120)
+        f = r.failure
+        got = [str(r.verdict), f.step, f.op, f.invariant, f.message[:300]] if f else [str(r.verdict)]
+        out[path.rsplit("/", 1)[-1]] = got
+print(json.dumps(out))
+"""
+_EVENTS_DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_events"
+_EVENTS_ONLY = "kvspec.conformance.vllm.manager:make_events_only_adapter"
+_FULL_REPORT = "kvspec.conformance.vllm.manager:make_full_report_adapter"
+FINDING_TRACES: dict[str, list[tuple[str, str, list[Any]]]] = {
+    # Up to 0.24 a request is counted at its lookup (step 1); the spec counts it at admission.
+    "0.10.2": [
+        ("stats_at_lookup-0.10.2.trace.jsonl", "vllm", ["diverges", 1, "get_computed_blocks", None,
+                                                         "local.requests: spec 0 vs implementation 1"]),
+        # With events on, registering a block of a single sliding-window group whose parent position the
+        # window has left (the null block there) trips `assert parent_block.block_hash is not None`.
+        ("sliding_parent_assert-0.10.2.trace.jsonl", _EVENTS_ONLY, ["crashed", 6, "allocate_slots", None,
+                                                                    "AssertionError"]),
+    ],  # fmt: skip
+    "0.33.0": [
+        # Without caching vLLM 0.33 counts no request; the spec counts the admission, with no hit.
+        ("stats_without_caching-0.33.0.trace.jsonl", "vllm", ["diverges", 2, "allocate_slots", None,
+                                                               "local.requests: spec 1 vs implementation 0"]),
+        # kv_cache_report_mode "full": a lookup's hit blocks are published as stored again.
+        ("full_report_mode-0.33.0.trace.jsonl", _FULL_REPORT, ["diverges", 3, "get_computed_blocks",
+                                                               "event_mirror_exact", "published: stored h1 h2"]),
+    ],  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("version", list(FINDING_TRACES))
+def test_the_events_findings_traces_replay_to_their_verdict(version: str) -> None:
+    python = ensure_venv(version, lambda msg: print(msg, file=sys.stderr))
+    args = [a for name, impl, _ in FINDING_TRACES[version] for a in (str(_EVENTS_DATA / name), impl)]
+    proc = subprocess.run([str(python), "-c", _REPLAY_SCRIPT, *args], capture_output=True, text=True, timeout=600,
+                          check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, _, (verdict, step, op, rule, words) in FINDING_TRACES[version]:
+        got = out[name]
+        assert got[:4] == [verdict, step, op, rule], (name, got)
+        assert words in got[4], (name, got)
