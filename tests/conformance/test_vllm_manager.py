@@ -731,6 +731,10 @@ FINDING_TRACES: dict[str, list[tuple[str, str, list[Any]]]] = {
         # window has left (the null block there) trips `assert parent_block.block_hash is not None`.
         ("sliding_parent_assert-0.10.2.trace.jsonl", _EVENTS_ONLY, ["crashed", 6, "allocate_slots", None,
                                                                     "AssertionError"]),
+        # With events on, a LoRA request's BlockStored reads lora_request.id (0.9.0 to 0.11.0), which vLLM's
+        # LoRARequest does not have (lora_int_id, adapter_id): the registration raises AttributeError.
+        ("lora_event_crash-0.10.2.trace.jsonl", _EVENTS_ONLY, ["crashed", 2, "allocate_slots", None,
+                                                               "'LoRARequest' object has no attribute 'id'"]),
     ],  # fmt: skip
     "0.33.0": [
         # Without caching vLLM 0.33 counts no request; the spec counts the admission, with no hit.
