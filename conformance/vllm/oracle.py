@@ -472,8 +472,8 @@ def events_text(cell: Cell | None, footnotes: list[str], where: str) -> str:
     """An events cell in the matrix: ``ok``, ``no events``, ``breaks <rule>[n]`` or ``<verdict>[n]``."""
     if cell is None:
         return "not run"
-    if cell.status == "n/a":
-        return "no events" if cell.why.startswith("no events") else "n/a"
+    if cell.status == Verdict.NOT_APPLICABLE.value:
+        return "no events" if cell.why.startswith("no events") else Verdict.NOT_APPLICABLE.value
     if cell.status != "ran":
         footnotes.append(f"{where}: {cell.status}: {cell.why}")
         return f"{cell.status}[{len(footnotes)}]"
