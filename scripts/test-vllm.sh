@@ -29,7 +29,8 @@ from kvspec.conformance.plugins.targets import TARGETS
 for target in TARGETS.values():
     fetch_dist(target.dist)
 PY
-FILES=(tests/conformance/test_vllm_hashes.py tests/conformance/test_vllm_adapter.py tests/reference/test_vllm_bench.py
+FILES=(tests/conformance/test_vllm_hashes.py tests/conformance/test_vllm_adapter.py tests/conformance/test_vllm_events.py
+       tests/reference/test_vllm_bench.py
        tests/conformance/test_plugins_vllm.py tests/conformance/test_vllm_v0_releases.py)
 if [ "${KVSPEC_VLLM_LEVEL:-both}" != "pool" ]; then
   FILES+=(tests/conformance/test_vllm_manager.py)

@@ -49,6 +49,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--trace-dir", type=output_dir, default="kvspec-oracle-traces", help="where divergence traces are written"
     )
+    p.add_argument(
+        "--events",
+        action="store_true",
+        help="also check, per release and level, the KV cache events (the router's mirror rules, the spec's "
+        "events; at the request level the hit statistics): one more campaign with caching on, an events column",
+    )
     p.add_argument("--json", action="store_true", help="print the matrix as JSON")
     p.add_argument("--bench", action="store_true", help="instead: benchmark the reference against vLLM's BlockPool")
     p.add_argument("--bench-version", default=None, help="the release to benchmark (default: the newest)")
@@ -113,6 +119,7 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
         time_budget=args.time_budget,
         trace_dir=args.trace_dir,
         log=log,
+        events=args.events,
     )
     if args.json:
         print(json.dumps(oracle.rows_to_json(rows), indent=1))
@@ -159,6 +166,12 @@ def _oracle_exit(rows: Any) -> int:
     verdicts = [Verdict(r["verdict"]) for c in cells for r in c.profiles.values()]
     if not cells or any(c.status != "ran" for c in cells) or any(v.exit_code == 2 for v in verdicts):
         return EXIT_COULD_NOT_RUN
+    # The events column (--events): a release whose stream breaks a rule or differs from the spec's diverges.
+    events = [r for row in rows for c in row.events.values() if c.status == "ran" for r in c.profiles.values()]
+    if any(Verdict(r["verdict"]).exit_code == 2 for r in events):
+        return EXIT_COULD_NOT_RUN
+    if any(Verdict(r["verdict"]) is not Verdict.CONFORMS for r in events):
+        return EXIT_DIVERGES
     return EXIT_OK if all(c.conforms_to() for c in cells) else EXIT_DIVERGES
 
 

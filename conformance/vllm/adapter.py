@@ -22,6 +22,13 @@ block, or one that is not an int, has no translation (``NotExpressible``).
 The rejected alternative, an adapter that validates like the spec, would
 hide exactly the historical bugs the oracle exists to find.
 
+What the pool tells the world (``config.events``): a release that publishes
+KV cache events (0.9.0 on) is built with ``enable_kv_cache_events=True`` and
+its adapter has ``take_events``, which drains vLLM's queue and returns the
+spec's events, keys in the adapter's key form
+(``kvspec.conformance.vllm.events``: what each release publishes, declared per
+release range); a release before has no ``take_events``.
+
 Two ways to reach a vLLM:
 - the installed package (``import vllm``), at the pool and the request level;
 - light mode (``kvspec.conformance.vllm.lightmode``): one release's real pool
@@ -68,8 +75,9 @@ from kvspec.conformance.adapter import AdapterConfig, AdapterFactory, BlockManag
 from kvspec.conformance.reactions import NotExpressible, Reaction
 from kvspec.conformance.vllm.reactions import pool_reactions
 from kvspec.conformance.vllm.releases import ReleaseFacts, facts_for
+from kvspec.spec.events import KVCacheEvent
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, VLLM_NONE_HASH_SEED
-from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
+from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks, group_key
 
 __all__ = [
     "VERSION_ENV",
@@ -254,10 +262,14 @@ def _hash_table_entries(table: Any) -> Iterable[tuple[Any, list[Any]]]:
         yield key, list(value.values()) if isinstance(value, dict) else [value]
 
 
-def _pool_kwargs(release: VllmRelease, block_size: int) -> dict[str, Any]:
-    """The BlockPool constructor's keyword arguments beyond the pool size and caching flag."""
+def _pool_kwargs(release: VllmRelease, block_size: int, events: bool = False) -> dict[str, Any]:
+    """The BlockPool constructor's keyword arguments beyond the pool size and caching flag
+    (``enable_kv_cache_events=True`` with ``events``, where the release takes it: 0.9.0 on)."""
     params = inspect.signature(release.block_pool.BlockPool).parameters
-    return {"hash_block_size": block_size} if "hash_block_size" in params else {}  # required from 0.12
+    kwargs: dict[str, Any] = {"hash_block_size": block_size} if "hash_block_size" in params else {}  # from 0.12
+    if events and "enable_kv_cache_events" in params:
+        kwargs["enable_kv_cache_events"] = True
+    return kwargs
 
 
 def has_null_block(release: VllmRelease, config: AdapterConfig) -> bool:
@@ -322,7 +334,9 @@ class VllmPoolAdapter:
         self.has_null_block = has_null_block(release, config)
         self._offset = 0 if self.has_null_block else 1
         self.pool: Any = bp.BlockPool(
-            config.num_gpu_blocks - self._offset, config.enable_caching, **_pool_kwargs(release, config.block_size)
+            config.num_gpu_blocks - self._offset,
+            config.enable_caching,
+            **_pool_kwargs(release, config.block_size, config.events),
         )
         self.hash_key_kind = _hash_key_kind(ku)
         self.touch_shape = _touch_shape(self.pool)
@@ -412,7 +426,7 @@ class VllmPoolAdapter:
         blocks = [self._block(b, "cache_full_blocks") for b in block_ids]
         keys = [self._key(h) for h in block_hashes]
         kwargs: dict[str, Any] = {
-            "request": _PoolRequest(keys),
+            "request": self._cfb_request(keys, len(blocks)),
             "blocks": blocks,
             "num_cached_blocks": 0,
             "num_full_blocks": len(blocks),
@@ -425,6 +439,10 @@ class VllmPoolAdapter:
         if "kv_cache_group_id" in self._cfb_params:
             kwargs["kv_cache_group_id"] = 0
         self.pool.cache_full_blocks(**kwargs)
+
+    def _cfb_request(self, keys: list[Any], num_blocks: int) -> Any:
+        """The request ``cache_full_blocks`` reads (with events on, what its ``BlockStored`` reads too)."""
+        return _PoolRequest(keys)
 
     def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
         """vLLM's ``free_blocks``, in the given order."""
@@ -526,10 +544,70 @@ _POOL_CLASSES: dict[tuple[bool, bool], type[VllmPoolAdapter]] = {
 
 
 def make_pool_adapter(release: VllmRelease, config: AdapterConfig) -> VllmPoolAdapter:
-    """A pool adapter with exactly the optional operations the release's ``BlockPool`` has."""
+    """A pool adapter with exactly the optional operations the release's ``BlockPool`` has
+    (and ``take_events`` with ``config.events``, where the release publishes events)."""
     cls = release.block_pool.BlockPool
     key = (callable(getattr(cls, "evict_blocks", None)), callable(getattr(cls, "is_block_writable", None)))
+    if config.events and "enable_kv_cache_events" in inspect.signature(cls).parameters:
+        return _with_pool_events(_POOL_CLASSES[key])(release, config)
     return _POOL_CLASSES[key](release, config)
+
+
+# ---------------------------------------------------------------------------
+# KV cache events at the pool level (kvspec.conformance.vllm.events)
+
+
+class _PoolEvents(VllmPoolAdapter):
+    """``take_events`` (vLLM 0.9.0 on, with ``config.events``): the pool built with events on, drained per call.
+
+    The pool level's keys are the harness's ``bytes`` hashes (group 0): an
+    event's int ``hash_value`` (before 0.10.2) is decoded as ``_raw`` decodes
+    a key, a digest (or its 64-bit int) is the hash the adapter gave vLLM.
+    ``cache_full_blocks`` passes the request its ``BlockStored`` reads
+    (``PoolEventRequest``: placeholder tokens, nothing else, as the pool
+    level knows nothing else). The fields the release does not publish are
+    declared ``not_applicable``.
+    """
+
+    def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
+        super().__init__(release, config)
+        from kvspec.conformance.vllm.events import EventTranslator, event_facts, fields_not_published
+
+        facts = event_facts(release.version)
+        self._events = EventTranslator(facts, self._event_key)
+        self.not_applicable: dict[str, str] = fields_not_published(facts, release.label)
+
+    def _event_key(self, value: Any, group: int) -> BlockHash:
+        if isinstance(value, int):  # a key's own hash_value (before 0.10.2): made by _key, read as _raw reads it
+            encoded = value.to_bytes((value.bit_length() + 7) // 8, "big")
+            if encoded[:1] != b"\x01":
+                raise ValueError(f"{self.release.label} published the key {value}, which this adapter never made")
+            value = encoded[1:]
+        return group_key(BlockHash(bytes(value)), group)
+
+    def _key(self, block_hash: BlockHash) -> Any:
+        key = super()._key(block_hash)
+        self._events.remember([bytes(block_hash)])  # for a 64-bit event key (0.10.2 on): the digest it names
+        return key
+
+    def _cfb_request(self, keys: list[Any], num_blocks: int) -> Any:
+        from kvspec.conformance.vllm.events import PoolEventRequest
+
+        return PoolEventRequest(keys, num_blocks, self.config.block_size)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events vLLM's pool queued since the last call, as the spec's (drained: vLLM's queue is emptied)."""
+        return self._events.translate(self.pool.take_events())
+
+
+_WITH_POOL_EVENTS: dict[type[VllmPoolAdapter], type[VllmPoolAdapter]] = {}
+
+
+def _with_pool_events(cls: type[VllmPoolAdapter]) -> type[VllmPoolAdapter]:
+    """``cls`` with ``take_events`` (one class per base, made once)."""
+    if cls not in _WITH_POOL_EVENTS:
+        _WITH_POOL_EVENTS[cls] = type(f"{cls.__name__}WithEvents", (_PoolEvents, cls), {})
+    return _WITH_POOL_EVENTS[cls]
 
 
 # ---------------------------------------------------------------------------

@@ -59,6 +59,26 @@ not running goes to vLLM's ``free`` with that kept ``Request``, and vLLM
 answers as it does (every release: nothing to free, no error); only an id
 never admitted, for which there is no vLLM ``Request`` to pass, is refused.
 
+What the pool tells the world (``config.events``): the manager is built with
+``enable_kv_cache_events=True`` and ``log_stats=True`` where its constructor
+takes them. ``take_events`` (0.9.0 on) drains vLLM's queue into the spec's
+events (kvspec.conformance.vllm.events), keys in the snapshot's form; before
+0.20 its events name no group and its engine runs one group when events are
+on, so with several groups none is read (declared). ``prefix_cache_stats``
+adds up the intervals ``make_prefix_cache_stats()`` hands out. Releases up
+to 0.24 (of those measured) count a request in ``get_computed_blocks`` (at
+the lookup); 0.33's manager leaves it to the scheduler, which counts it at
+admission (``record_prefix_cache_stats`` after a successful
+``allocate_slots``): the adapter plays that part, as it plays the
+scheduler's others, and sets ``Request.num_preemptions`` from the spec's
+request, so a re-admission is counted apart. The external connector's
+counters live in vLLM's ``Scheduler``, not its manager: declared
+``not_applicable["connector statistics"]``. Beyond the core protocol the
+adapter has what the manager has: ``reset_prefix_cache`` (every release),
+``evict_blocks`` (0.24 and 0.33 of those measured) and the scheduler's hit
+cap ``max_cache_hit_length`` in ``get_computed_blocks`` (0.33): an adapter
+without it has no such parameter, so the harness draws no cap.
+
 Hash values are vLLM's own (``sha256``/``sha256_cbor`` from 0.10.1, else the
 manager's ``caching_hash_algo``, else builtin ``hash()``), the function the
 config names where the release has it, NONE_HASH derived under
@@ -121,11 +141,13 @@ from kvspec.conformance.vllm.hashes import hash_seed_env
 from kvspec.conformance.vllm.reactions import manager_reactions
 from kvspec.conformance.vllm.releases import RELEASES, facts_for, hash_chain_note
 from kvspec.spec.attention import FULL, KVGroup, format_groups, parse_groups
+from kvspec.spec.events import KVCacheEvent
 from kvspec.spec.hashing import VLLM_NONE_HASH_SEED, hash_request_blocks
 from kvspec.spec.manager import Request, snapshot_groups
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, group_key, table_name
+from kvspec.spec.stats import PrefixCacheStats
 
-__all__ = ["VllmManagerAdapter", "make_manager_adapter"]
+__all__ = ["VllmManagerAdapter", "make_events_only_adapter", "make_full_report_adapter", "make_manager_adapter"]
 
 # Large enough that vLLM's max_model_len never caps a harness request.
 _MAX_MODEL_LEN = 1 << 16
@@ -173,6 +195,9 @@ class VllmManagerAdapter:
     validates_bad_input = False
     kv_cache_groups = True  # it builds config.groups as vLLM's KV cache groups (LevelNotProvided where it has none)
     rejected_mistakes: frozenset[str] = frozenset()
+    # Set on every vLLM Request it hands over, where not None: 0.33's get_computed_blocks reads
+    # request.kv_cache_report_mode (getattr, default "incremental"); nothing in vLLM 0.33 sets it.
+    kv_cache_report_mode: str | None = None
 
     def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
         if release.source != "installed":
@@ -405,6 +430,9 @@ class VllmManagerAdapter:
             "enable_caching": self.config.enable_caching,
             "caching_hash_algo": self.hash_fn,
             "num_preallocate_tokens": 0,
+            # What the pool tells the world (config.events): its events, and the hit statistics.
+            "enable_kv_cache_events": self.config.events,
+            "log_stats": self.config.events,
         }
         if self.constructor == "sizes":
             wanted.update(block_size=block_size, num_gpu_blocks=num_blocks, sliding_window=None)
@@ -568,8 +596,15 @@ class VllmManagerAdapter:
         a hit that covers every token loses its last block, so that one token
         is computed; the adapter does the same (see the module doc).
         """
-        vreq = self._vllm_request(request)
-        result = self.manager.get_computed_blocks(vreq)
+        return self._lookup(request, None)
+
+    def _lookup(self, request: Request, max_cache_hit_length: int | None) -> tuple[list[BlockId], int]:
+        """``get_computed_blocks``, with the scheduler's cap where one is given (only releases that take it)."""
+        vreq = self._scheduled(request)
+        if max_cache_hit_length is None:
+            result = self.manager.get_computed_blocks(vreq)
+        else:
+            result = self.manager.get_computed_blocks(vreq, max_cache_hit_length=max_cache_hit_length)
         blocks, num_tokens = result[0], result[1]
         if len(result) > 2 and hasattr(vreq, "shared_prefix_boundary"):
             vreq.shared_prefix_boundary = result[2]  # the scheduler keeps it on the request
@@ -592,7 +627,7 @@ class VllmManagerAdapter:
         passed external tokens as new ones; before ``num_new_computed_tokens``
         (0.8.x) the manager counted the hit from the blocks it was given.
         """
-        vreq = self._vllm_request(request)
+        vreq = self._scheduled(request)
         running = request.request_id in self._requests
         tables_before = self._block_tables(request.request_id) if running else tuple(() for _ in self.groups)
         num_tokens = num_new_tokens
@@ -613,6 +648,8 @@ class VllmManagerAdapter:
         if self.uses_kvspec_hash_chain and request.lora_name:
             self._learn_lora_hashes(request)
         vreq.num_computed_tokens += num_new_computed_tokens + num_external_computed_tokens + num_new_tokens
+        if not running:
+            self._admitted(vreq, num_new_computed_tokens)
         returned = self._group_ids(new_blocks)
         if not num_external_computed_tokens:
             return [b for group in returned for b in group]
@@ -630,6 +667,35 @@ class VllmManagerAdapter:
             out += [b for b in table[start : len(table) - len(new)] if b != NULL_BLOCK_ID]
             out += new
         return out
+
+    def _scheduled(self, request: Request) -> Any:
+        """The vLLM Request for ``request`` as the scheduler hands it over: with its preemption count
+        (and the report mode a scheduler asked for, ``kv_cache_report_mode``)."""
+        vreq = self._vllm_request(request)
+        if hasattr(vreq, "num_preemptions"):  # 0.24 on: a re-admission's hits are counted apart
+            vreq.num_preemptions = request.num_preemptions
+        if self.kv_cache_report_mode is not None:
+            vreq.kv_cache_report_mode = self.kv_cache_report_mode
+        return vreq
+
+    def _admitted(self, vreq: Any, num_local_hits: int) -> None:
+        """What the scheduler does once a waiting request is admitted: from 0.33 it records the hit statistics.
+
+        Releases before count a request in ``get_computed_blocks`` (at the
+        lookup); 0.33's manager leaves it to the scheduler, which calls
+        ``record_prefix_cache_stats`` after a successful ``allocate_slots``
+        with the local hit ("Record at admission so unscheduled lookups are
+        not counted", ``vllm/v1/core/sched/scheduler.py``). The adapter plays
+        that part, as it plays the scheduler's other duties.
+        """
+        record = getattr(self.manager, "record_prefix_cache_stats", None)
+        if callable(record):
+            record(vreq, num_local_hits)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``KVCacheManager.reset_prefix_cache`` (refused while blocks are held)."""
+        done: bool = self.manager.reset_prefix_cache()
+        return done
 
     def free(self, request_id: str) -> None:
         """vLLM's ``free``; the request stops running, its Request kept as on preemption (see the module doc).
@@ -707,11 +773,205 @@ class VllmManagerAdapter:
         return replace(snap, kv_groups=snapshot_groups(self.groups)) if self._grouped else snap
 
 
-def make_manager_adapter(release: VllmRelease, config: AdapterConfig) -> KVCacheManagerAdapter:
-    """The request-level adapter over one installed vLLM.
+# ---------------------------------------------------------------------------
+# what a release's manager has beyond the core protocol: each a mixin, present only where vLLM has it
+
+
+class _EvictBlocks(VllmManagerAdapter):
+    """``evict_blocks`` (``KVCacheManager.evict_blocks``; 0.24 and 0.33 of those measured): failed external loads.
+
+    vLLM takes a set of block ids (ints), so every int is passed as given
+    (shifted, for a release without a null block) and vLLM answers as it
+    does; only a value that is not an int has no translation.
+    """
+
+    def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        """vLLM's ``evict_blocks``: its set of block ids.
+
+        Raises:
+            NotExpressible: an id is not an int (vLLM's ids are ints).
+        """
+        for b in block_ids:
+            if not isinstance(b, int) or isinstance(b, bool):
+                raise NotExpressible(f"evict_blocks takes vLLM's int block ids; block_id={b!r} is not one")
+        self.manager.evict_blocks({b - self._offset for b in block_ids})
+
+
+class _HitCap(VllmManagerAdapter):
+    """``get_computed_blocks(request, max_cache_hit_length)``: the scheduler's cap (0.33 of the releases measured)."""
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[list[BlockId], int]:
+        """vLLM's ``get_computed_blocks`` with the scheduler's cap on the hit (None: len - 1, the manager's own)."""
+        return self._lookup(request, max_cache_hit_length)
+
+
+class _ManagerEvents(VllmManagerAdapter):
+    """``take_events`` (with ``config.events``, 0.9.0 on): the manager built with events on, its queue drained.
+
+    Keys are folded into the snapshot's form (``_raw``: with the group id
+    when there are several groups). A 64-bit event key (0.10.2 on, vLLM's
+    default) is mapped back through the block hashes of every vLLM
+    ``Request`` the adapter handed over (``remember``), which hold every
+    digest vLLM registered or names as a parent.
+    """
+
+    def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
+        super().__init__(release, config)
+        from kvspec.conformance.vllm.events import EventTranslator, event_facts, fields_not_published
+
+        facts = event_facts(release.version)
+        self._events = EventTranslator(facts, self._event_key)
+        self._handed: list[Any] = []  # every vLLM Request handed over, and how many of its hashes are remembered
+        self._remembered: dict[int, int] = {}
+        self.not_applicable.update(fields_not_published(facts, release.label))
+
+    def _scheduled(self, request: Request) -> Any:
+        vreq = super()._scheduled(request)
+        if id(vreq) not in self._remembered:
+            self._remembered[id(vreq)] = 0
+            self._handed.append(vreq)
+        return vreq
+
+    def _event_key(self, value: Any, group: int) -> BlockHash:
+        if isinstance(value, (bytes, bytearray)):  # a digest (0.10.2 on): the table's key is it and its group
+            return self._raw(bytes(value) + group.to_bytes(4, "big"))
+        raw = int(value).to_bytes(max(1, (int(value).bit_length() + 8) // 8), "big", signed=True)
+        return BlockHash(raw + group.to_bytes(4, "big") if self._grouped else raw)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events vLLM's manager queued since the last call, as the spec's (vLLM's queue is emptied)."""
+        for vreq in self._handed:
+            hashes = list(getattr(vreq, "block_hashes", None) or ())
+            seen = self._remembered[id(vreq)]
+            if len(hashes) > seen:
+                self._events.remember(hashes[seen:])
+                self._remembered[id(vreq)] = len(hashes)
+        return self._events.translate(self.manager.take_events())
+
+
+class _ManagerStats(VllmManagerAdapter):
+    """``prefix_cache_stats`` (with ``config.events``): vLLM's intervals (``make_prefix_cache_stats``) added up."""
+
+    def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
+        super().__init__(release, config)
+        from kvspec.conformance.vllm.events import StatsSum
+
+        self._stats = StatsSum()
+        self.not_applicable["connector statistics"] = (
+            f"{release.label}: the external connector's counters (connector_prefix_cache_stats) are kept by "
+            "vLLM's Scheduler, not its KVCacheManager, which the adapter drives"
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        done = super().reset_prefix_cache()
+        self._stats.add(self.manager.make_prefix_cache_stats())  # an interval's reset flag counts one reset
+        return done
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """The hit statistics since the manager was built: every interval vLLM handed out, added up."""
+        self._stats.add(self.manager.make_prefix_cache_stats())
+        return self._stats.total
+
+
+_MANAGER_CLASSES: dict[tuple[type[VllmManagerAdapter], ...], type[VllmManagerAdapter]] = {}
+
+
+def make_manager_adapter(release: VllmRelease, config: AdapterConfig, *, stats: bool = True) -> KVCacheManagerAdapter:
+    """The request-level adapter over one installed vLLM, with exactly the operations its manager has.
+
+    ``evict_blocks`` where ``KVCacheManager`` has it, the hit cap where its
+    ``get_computed_blocks`` takes ``max_cache_hit_length``; with
+    ``config.events``, ``take_events`` where it takes
+    ``enable_kv_cache_events`` (and its events name the group, or there is
+    one group) and ``prefix_cache_stats`` where it hands out its statistics
+    (unless ``stats`` is False: see ``make_events_only_adapter``).
 
     Raises:
         ValueError: the release is loaded in light mode, its KVCacheManager takes neither a KVCacheConfig
             nor the pool's sizes, or it has no null block and ``config.num_gpu_blocks < 2``.
     """
-    return VllmManagerAdapter(release, config)
+    if release.source != "installed":
+        return VllmManagerAdapter(release, config)  # raises LevelNotProvided, saying why
+    from kvspec.conformance.vllm.events import event_facts
+
+    cls = release.module("vllm.v1.core.kv_cache_manager").KVCacheManager
+    params = inspect.signature(cls).parameters
+    mixins: list[type[VllmManagerAdapter]] = []
+    if callable(getattr(cls, "evict_blocks", None)):
+        mixins.append(_EvictBlocks)
+    if "max_cache_hit_length" in inspect.signature(cls.get_computed_blocks).parameters:
+        mixins.append(_HitCap)
+    one_group = len(parse_groups(config.groups)) == 1
+    no_group_events = False
+    if config.events and "enable_kv_cache_events" in params:
+        if one_group or event_facts(release.version).groups_in_events:
+            mixins.append(_ManagerEvents)
+        else:
+            no_group_events = True
+    if config.events and stats and callable(getattr(cls, "make_prefix_cache_stats", None)):
+        mixins.append(_ManagerStats)
+    key = tuple(mixins)
+    if key not in _MANAGER_CLASSES:
+        name = "VllmManagerAdapter" + "".join(m.__name__.replace("_", "With", 1) for m in mixins)
+        _MANAGER_CLASSES[key] = type(name, (*mixins, VllmManagerAdapter), {}) if mixins else VllmManagerAdapter
+    adapter = _MANAGER_CLASSES[key](release, config)
+    if no_group_events:
+        adapter.not_applicable["KV cache events"] = (
+            f"{release.label}: its events name no KV cache group (group_idx from 0.20.0), and its engine turns "
+            "the hybrid KV cache manager off when events are on, so with several groups no event is read"
+        )
+    return adapter
+
+
+def make_full_report_adapter(config: AdapterConfig) -> KVCacheManagerAdapter:
+    """The installed vLLM's request level with every request in ``kv_cache_report_mode == "full"``.
+
+    vLLM 0.33's ``get_computed_blocks`` publishes a ``BlockStored`` for the
+    blocks a lookup hits when the request asks for full reports (for a
+    gateway that learns of reused blocks); it reads the attribute with
+    ``getattr`` and nothing in vLLM 0.33 sets it, so only a scheduler or
+    request class of one's own reaches that path. This factory plays such a
+    scheduler: ``kvspec check --impl
+    kvspec.conformance.vllm.manager:make_full_report_adapter --level manager --events``.
+
+    Raises:
+        LevelNotProvided: the pool level (requests, and their report mode, are the request level's).
+    """
+    if config.level != "manager":
+        raise LevelNotProvided("a request's kv_cache_report_mode is read by the KVCacheManager: request level only")
+    from kvspec.conformance.vllm.adapter import installed_release
+
+    adapter = make_manager_adapter(installed_release(), config)
+    assert isinstance(adapter, VllmManagerAdapter), f"make_manager_adapter built a {type(adapter).__name__}"
+    adapter.kv_cache_report_mode = "full"
+    return adapter
+
+
+def make_events_only_adapter(config: AdapterConfig) -> KVCacheManagerAdapter:
+    """The installed vLLM's request level with its KV cache events checked and its hit statistics left out.
+
+    Up to 0.24 (of the releases measured) the manager counts a request at its
+    lookup, where vLLM 0.33 and the spec count it at admission, so with the
+    statistics checked every events campaign of such a release stops at its
+    first lookup. This factory leaves ``prefix_cache_stats`` out (declared
+    ``not_applicable["hit statistics"]``), so the rest of the request level,
+    its events included, is still judged: ``kvspec check --impl
+    kvspec.conformance.vllm.manager:make_events_only_adapter --level manager --events``.
+
+    Raises:
+        LevelNotProvided: the pool level (it has no hit statistics to leave out; use ``vllm``).
+    """
+    if config.level != "manager":
+        raise LevelNotProvided("the hit statistics are the request level's: use the vllm adapter at the pool level")
+    from kvspec.conformance.vllm.adapter import installed_release
+
+    release = installed_release()
+    adapter = make_manager_adapter(release, config, stats=False)
+    assert isinstance(adapter, VllmManagerAdapter), f"make_manager_adapter built a {type(adapter).__name__}"
+    adapter.not_applicable["hit statistics"] = (
+        f"{release.label}: left out by make_events_only_adapter, for a release that counts a request at its "
+        "lookup (up to 0.24 of the releases measured) where the spec counts it at admission"
+    )
+    return adapter

@@ -14,7 +14,12 @@ same chain (fleet-consistent hashes: measured in fresh processes, one
 answer per release in the matrix's ``fleet`` column and its notes). What a
 release lacks and the adapter declares not applicable (``cache_salt`` before
 0.9.0, pre-allocation driven off in 0.8.0 to 0.8.4) is listed in the notes,
-not reported as a divergence.
+not reported as a divergence. With ``--events`` each release also runs, per
+level, one campaign with its KV cache events checked (the router's mirror
+rules, then the spec's events; at the request level the hit statistics
+too), under the profile its state conforms to: the events column says
+``ok``, ``no events`` (before 0.9.0), ``breaks <rule>`` with a trace, or the
+campaign's verdict with a trace.
 
 Design choice: every release runs in its own subprocess under a time budget.
 The pool level runs in this environment in light mode (the release's real
@@ -353,6 +358,9 @@ class ReleaseRow:
     # release's request level conforms to: "ran" with that one profile's verdict, or "n/a" with why
     # (a release without the spec classes or a hybrid coordinator declares it). None: not run.
     hybrid: Cell | None = None
+    # With --events: per level ("pool", "manager"), a campaign with the KV cache events checked (caching on,
+    # the release's profile): "ran" with its verdict, or "n/a" for a release without events. Empty: not run.
+    events: dict[str, Cell] = field(default_factory=dict)
 
 
 def _result_json(result: Any) -> dict[str, Any]:
@@ -378,7 +386,10 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
     version: str = args.worker
     if is_v0_only(version):
-        return _v0_worker(args)
+        v0_row = _v0_worker(args)
+        if getattr(args, "events", False):
+            v0_row["events"] = {args.level: asdict(Cell("n/a", "no events: vLLM v0's allocator publishes none"))}
+        return v0_row
     light = args.level == "pool"
     factory = make_light_adapter(version) if light else make_installed_adapter
     impl_name = f"vllm@{version}" if light else "vllm"
@@ -417,6 +428,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         row["probes"] = [{**asdict(r), "name": f"request level: {r.name}"} for r in probes]
         if args.caching != "off":
             row["hybrid"] = asdict(_hybrid_cell(impl_name, probe_profile, args.max_examples, budget, trace_dir))
+    if getattr(args, "events", False):
+        events = _events_cell(version, impl_name, args.level, row["cells"], args.max_examples, budget, trace_dir)
+        row["events"] = {args.level: asdict(events)}
     return row
 
 
@@ -429,6 +443,67 @@ def _fleet(version: str) -> dict[str, str]:
     except RuntimeError as e:
         return {"fleet": "not measured", "fleet_detail": str(e)[:300]}
     return {"fleet": measured.fleet, "fleet_detail": f"{measured.fleet_line()}; {measured.chain_line()}"}
+
+
+# ---------------------------------------------------------------------------
+# what the pool tells the world: the KV cache events column (--events)
+
+# The event rules a router's mirror depends on (spec.invariants.EVENT_RULES): a campaign that breaks one
+# is reported by the rule's name; any other failure of an events campaign by its verdict.
+_EVENT_RULE_NAMES = ("event_mirror_exact", "event_parent_known")
+
+
+def _events_cell(
+    version: str, impl_name: str, level: str, cells: dict[str, Any], max_examples: int,
+    time_budget_s: float | None, trace_dir: str,
+) -> Cell:  # fmt: skip
+    """One campaign with ``config.events`` (caching on) under the profile the release's state conforms to.
+
+    It checks the release's stream against the router's mirror rules
+    (``event_mirror_exact``, ``event_parent_known``) and against the spec's
+    events, and at the request level the hit statistics too. A release
+    without events (before 0.9.0) is "n/a": no events.
+    """
+    from kvspec.conformance.runner import run_check
+    from kvspec.conformance.vllm.events import FIRST_RELEASE_WITH_EVENTS, event_facts
+
+    if not event_facts(version).has_events:
+        why = f"no events: its BlockPool takes no enable_kv_cache_events (from {FIRST_RELEASE_WITH_EVENTS})"
+        return Cell("n/a", why)
+    on = cells.get(f"{level}/on", {})
+    conforming = [p for p, r in on.get("profiles", {}).items() if r["verdict"] == Verdict.CONFORMS]
+    profile = conforming[0] if conforming else PROFILES[0]
+    start = time.monotonic()
+    result = run_check(impl_name, level=level, enable_caching=True, profile=profile, events=True,
+                       max_examples=max_examples, time_budget_s=time_budget_s, trace_dir=trace_dir)  # fmt: skip
+    if result.verdict is Verdict.NOT_APPLICABLE:
+        return Cell("n/a", getattr(result, "message", "") or "the adapter does not provide this level")
+    elapsed = time.monotonic() - start
+    steps = getattr(result, "steps_run", 0) or 0
+    absent = sorted(m for m in result.not_exercised if ": not applicable, " in m)
+    out = _result_json(result)
+    failure = getattr(result, "failure", None)
+    rule = getattr(failure, "invariant", None) if failure is not None else None
+    if rule in _EVENT_RULE_NAMES:
+        out["rule"] = rule
+    return Cell("ran", "", {profile: out}, steps / elapsed if elapsed > 0 else None, absent)
+
+
+def events_text(cell: Cell | None, footnotes: list[str], where: str) -> str:
+    """An events cell in the matrix: ``ok``, ``no events``, ``breaks <rule>[n]`` or ``<verdict>[n]``."""
+    if cell is None:
+        return "not run"
+    if cell.status == Verdict.NOT_APPLICABLE.value:
+        return "no events" if cell.why.startswith("no events") else Verdict.NOT_APPLICABLE.value
+    if cell.status != "ran":
+        footnotes.append(f"{where}: {cell.status}: {cell.why}")
+        return f"{cell.status}[{len(footnotes)}]"
+    profile, r = next(iter(cell.profiles.items()))
+    if r["verdict"] == Verdict.CONFORMS:
+        return "ok"
+    footnotes.append(f"{where} under {profile}: {r['verdict']} at step {r.get('step')} ({r.get('op')}): "
+                     f"{str(r.get('message', ''))[:200]}  trace: {r.get('trace')}")  # fmt: skip
+    return f"{'breaks ' + r['rule'] if r.get('rule') else r['verdict']}[{len(footnotes)}]"
 
 
 def _hybrid_cell(impl_name: str, profile: str, max_examples: int, time_budget_s: float | None, trace_dir: str) -> Cell:
@@ -587,10 +662,10 @@ def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Pa
 
 def _spawn(
     python: Path | str, version: str, level: str, caching: str, max_examples: int, time_budget: float | None,
-    trace_dir: str, env: dict[str, str],
+    trace_dir: str, env: dict[str, str], extra: Sequence[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
     cmd = [str(python), "-m", "kvspec.conformance.vllm.oracle", "--worker", version, "--level", level,
-           "--caching", caching, "--max-examples", str(max_examples), "--trace-dir", trace_dir]  # fmt: skip
+           "--caching", caching, "--max-examples", str(max_examples), "--trace-dir", trace_dir, *extra]  # fmt: skip
     if time_budget is not None:
         cmd += ["--time-budget", str(time_budget)]
     # the budget is the harness's; import and start-up get a fixed allowance on top
@@ -655,6 +730,7 @@ def run_oracle(
     time_budget: float | None = 120.0,
     trace_dir: str = "kvspec-oracle-traces",
     log: Callable[[str], None] = lambda _: None,
+    events: bool = False,
 ) -> list[ReleaseRow]:
     """Run the oracle over releases: one subprocess per (release, level).
 
@@ -666,6 +742,7 @@ def run_oracle(
         time_budget: Seconds of harness time per (release, level).
         trace_dir: Where traces go.
         log: Progress messages.
+        events: Also run, per level, a campaign with the KV cache events checked (the events column).
 
     Returns:
         One row per release, in the order given.
@@ -687,7 +764,8 @@ def run_oracle(
                         row.cells[f"{level}/{c}"] = Cell("could not install", str(e)[:300])
                     continue
             log(f"vllm=={version}: {level} level")
-            data = _spawn(python, version, level, caching, max_examples, time_budget, trace_dir, env)
+            data = _spawn(python, version, level, caching, max_examples, time_budget, trace_dir, env,
+                          ["--events"] if events else [])  # fmt: skip
             if "error" in data:
                 for c in cachings:
                     row.cells[f"{level}/{c}"] = Cell("could not run", data["error"])
@@ -697,6 +775,7 @@ def run_oracle(
             row.probes += [ProbeResult(**p) for p in data["probes"]]
             if data.get("hybrid"):
                 row.hybrid = Cell(**data["hybrid"])
+            row.events.update({lv: Cell(**cell) for lv, cell in data.get("events", {}).items()})
             if level == "pool":
                 row.hashes = data["hashes"]
                 row.fleet, row.fleet_detail = data.get("fleet", ""), data.get("fleet_detail", "")
@@ -733,8 +812,11 @@ def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: S
     # The hybrid answer (KV cache groups HYBRID_GROUPS) gets a column where some row has one.
     hybrid = any(row.hybrid is not None for row in rows)
     fleet = any(row.fleet for row in rows)
+    # The events columns (--events), one per level some row ran them at.
+    event_levels = [lv for lv in levels if any(lv in row.events for row in rows)]
     header = ["version", *[k.replace("manager", "request") for k in keys], *(["request/hybrid"] if hybrid else []),
-              "hashes", *(["fleet"] if fleet else [])]  # fmt: skip
+              *[f"{lv.replace('manager', 'request')}/events" for lv in event_levels], "hashes",
+              *(["fleet"] if fleet else [])]  # fmt: skip
     table: list[list[str]] = []
     for row in rows:
         cells = []
@@ -744,6 +826,7 @@ def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: S
                 cells.append(f"{cell.status}[{len(footnotes)}]")
             else:
                 cells.append(_cell_text(cell, footnotes))
+        cells += [events_text(row.events.get(lv), footnotes, f"{row.version} {lv} events") for lv in event_levels]
         table.append([row.version, *cells, row.hashes.split(":")[0] if row.hashes else "n/a",
                       *([_FLEET_SHORT.get(row.fleet, row.fleet or "n/a")] if fleet else [])])  # fmt: skip
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
@@ -786,6 +869,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-examples", type=int, default=100)
     parser.add_argument("--time-budget", type=float, default=None)
     parser.add_argument("--trace-dir", default="kvspec-oracle-traces")
+    parser.add_argument("--events", action="store_true", help="also run the events campaign (the events column)")
     args = parser.parse_args(argv)
     print(json.dumps(_worker(args)))
     return 0

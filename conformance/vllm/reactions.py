@@ -100,13 +100,18 @@ _MANAGER_REACTIONS: dict[str, list[tuple[str, _Entry]]] = {
         ("0.8.4", ByCaching(raises("IndexError"), None)),
         ("0.9.2", ignores("an empty prompt has no block to look up")),
         ("0.10.2", ByCaching(raises("ValueError"), ignores("nothing is looked up without caching"))),
+        # 0.33's get_computed_blocks takes the scheduler's cap, which the machine draws with the mistake too:
+        # without one the search reads up to len - 1 = -1 tokens (a ValueError), a cap of 0 searches nothing.
+        ("0.33.0", ByCaching(None, ignores("nothing is looked up without caching"))),
     ],
     "get_computed_blocks: no id": [("0.8.0", ignores("a lookup does not read the id"))],
     "get_computed_blocks: misplaced images": [("0.8.0", ignores("a lookup does not check the positions"))],
     "get_computed_blocks: already running": [("0.8.0", ignores("a lookup changes no block"))],
     "allocate_slots: no id": [("0.8.0", accepts(f"{_TAKEN}, under the empty id"))],
     "allocate_slots: no tokens": [
-        ("0.8.0", accepts(_TAKEN)),
+        # 0.8.x registers the blocks a step fills by reading the request's tokens: a step of a full block or
+        # more asserts (len(block_tokens) == block_size) after taking the blocks, a shorter one does not.
+        ("0.8.0", _ASSERTS_BY_STATE),
         ("0.9.2", ByCaching(_ASSERTS_BY_STATE, accepts(_TAKEN))),
         ("0.10.2", accepts(_TAKEN)),
     ],
@@ -129,25 +134,34 @@ _MANAGER_REACTIONS: dict[str, list[tuple[str, _Entry]]] = {
         ("0.9.2", _ASSERTS_BY_STATE),
         ("0.10.2", accepts("the hit blocks are touched and kept")),
     ],
-    "allocate_slots: hit on a running request": [
-        # Without caching (measured from 0.9.2), and from 0.33 with it, the assert fires in some states only.
-        ("0.8.0", ByCaching(raises("AssertionError", then="the hit blocks are touched first"), None)),
-        ("0.33.0", None),
-    ],
+    # The assert fires after the hit blocks are touched when the step fits; with too few free blocks the
+    # step is refused (None) before, and nothing changes: two ways by state, caching on or off.
+    "allocate_slots: hit on a running request": [("0.8.0", None)],
     "allocate_slots: wrong hit block": [
-        ("0.8.0", accepts("the block is taken as the hit")),
+        # 0.8.x hashes a request in get_computed_blocks: a hit passed for a request it has no hashes for
+        # trips cache_full_blocks' `assert len(block_hashes) >= num_cached_blocks`; else the block is taken.
+        ("0.8.0", _ASSERTS_BY_STATE),
         ("0.9.2", _ASSERTS_BY_STATE),
         ("0.10.2", accepts("the block is taken as the hit")),
     ],
     # An assert fires in some states and the hit is dropped in others (0.9.2 to 0.33.0).
     "allocate_slots: hit without caching": [("0.8.0", None)],
     "free: not running": [("0.8.0", ignores("vLLM's free pops an empty block table"))],
-    # Not measured yet: the request-level adapter does not pass the scheduler's hit cap or evict by id
-    # (KVCacheManager.evict_blocks), so these are never sent to it.
-    "get_computed_blocks: bad hit cap": [("0.8.0", None)],
-    "evict_blocks: bad id": [("0.8.0", None)],
-    "evict_blocks: named twice": [("0.8.0", None)],
-    # Not measured yet either: the adapter does not delay a registration or call cache_blocks.
+    # Of the six releases only 0.33's get_computed_blocks takes max_cache_hit_length, and only 0.24's and
+    # 0.33's KVCacheManager have evict_blocks (0.24, measured for its groups, is not among the six: nothing
+    # declared there, nothing sent); before, the adapter has neither, and nothing is sent.
+    # The cap is read as a number: a negative one raises ValueError (the search's islice), text raises
+    # TypeError, and True or 1.5 search as 1 or 0 tokens and return normally, by value (caching on).
+    "get_computed_blocks: bad hit cap": [
+        ("0.33.0", ByCaching(None, ignores("nothing is looked up without caching, so the cap is not read")))
+    ],
+    # vLLM's evict_blocks takes ints: an id past the last block raises AssertionError (after evicting the
+    # ids the set yields before it, or not), -1 evicts the last block (a negative index), 0 is the null
+    # block, which has no hash and is skipped: by value and by state (measured with caching on and off).
+    "evict_blocks: bad id": [("0.33.0", None)],
+    "evict_blocks: named twice": [("0.33.0", ignores("the ids are a set: the copy is dropped"))],
+    # Not measured: the adapter does not delay a registration or call cache_blocks (an asynchronous load is
+    # declared not applicable), so these are never sent to it.
     "allocate_slots: delay without an external load": [("0.8.0", None)],
     "cache_blocks: not running": [("0.8.0", None)],
     "cache_blocks: tokens out of range": [("0.8.0", None)],
@@ -193,12 +207,17 @@ def manager_reactions(version: str, enable_caching: bool, groups: str = "full") 
     (``itertools.islice`` of the hashes up to ``(len - 1) // block_size``, -1
     here); a layout without a full-attention group searches with the sliding
     window's and chunked local attention's loops, which take the negative
-    length as no blocks and return normally, changing nothing.
+    length as no blocks and return normally, changing nothing. 0.33's
+    scheduler may pass a cap, and a cap past the empty prompt makes those
+    loops read a hash it does not have (an IndexError): not one reaction
+    there, as with full attention, so nothing is sent.
 
-    >>> manager_reactions("0.33.0", True)["get_computed_blocks: no tokens"].describe()
+    >>> manager_reactions("0.10.2", True)["get_computed_blocks: no tokens"].describe()
     'raises ValueError'
-    >>> manager_reactions("0.33.0", True, "sliding:4")["get_computed_blocks: no tokens"].kind
+    >>> manager_reactions("0.10.2", True, "sliding:4")["get_computed_blocks: no tokens"].kind
     'ignores'
+    >>> "get_computed_blocks: no tokens" in manager_reactions("0.33.0", True, "sliding:4")
+    False
     >>> "free: not running" in manager_reactions("0.8.4", False)
     False
     """

@@ -50,12 +50,16 @@ A = Request("A", tuple(range(10)))
 B = Request("B", tuple(range(8)) + (99, 98))
 
 
-def scenario(profile, caching, salt):
-    config = AdapterConfig(level="manager", num_gpu_blocks=7, block_size=4, profile=profile, enable_caching=caching)
+def scenario(profile, caching, salt, events=False):
+    config = AdapterConfig(level="manager", num_gpu_blocks=7, block_size=4, profile=profile, enable_caching=caching,
+                           events=events)
     lock = LockStep(make_installed_adapter, config)
     adapter = lock.adapter
     out = {"steps": [], "generation": [adapter.constructor, adapter.blocks, adapter.hashes],
-           "not_applicable": sorted(adapter.not_applicable), "exact": lock.uses_kvspec_hash_chain}
+            "not_applicable": sorted(adapter.not_applicable), "exact": lock.uses_kvspec_hash_chain,
+            "provides": sorted(m for m in ("take_events", "prefix_cache_stats", "evict_blocks", "reset_prefix_cache")
+                               if callable(getattr(adapter, m, None))),
+            "hit_cap": lock.takes_hit_cap}
     if salt is not None and "cache_salt" in adapter.not_applicable:
         out["verdict"] = "not applicable"
         return out
@@ -92,7 +96,7 @@ def scenario(profile, caching, salt):
 
 profile = sys.argv[1]
 out = {"on": scenario(profile, True, None), "off": scenario(profile, False, None),
-       "salt": scenario(profile, True, "tenant-1")}
+       "salt": scenario(profile, True, "tenant-1"), "events": scenario(profile, True, None, events=True)}
 with tempfile.TemporaryDirectory() as tmp:
     out["probes"] = {}
     for probe in run_probes(make_installed_adapter, profile, tmp, "vllm", num_gpu_blocks=8, level="manager"):
@@ -117,6 +121,16 @@ _HEAD_FIRST_WITHOUT_CACHING: dict[str, Any] = {
 }
 # 0.8.x's Request has no cache_salt: declared, so no salted request is sent.
 _NOT_APPLICABLE: dict[str, Any] = {"verdict": "not applicable"}
+# With the pool's events and hit statistics checked (config.events): up to 0.24 (of the releases measured)
+# the manager counts a request in get_computed_blocks, at the lookup; vLLM 0.33 and the spec count it at
+# admission (the scheduler's record_prefix_cache_stats after a successful allocate_slots), so a lookup
+# whose allocation is refused and retried is counted once. A's lookup is step 1.
+_STATS_AT_LOOKUP: dict[str, Any] = {
+    "verdict": "diverges",
+    "step": 1,
+    "op": "get_computed_blocks",
+    "message": "the hit statistics differ from the spec's: local.requests: spec 0 vs implementation 1",
+}
 _PRE_ALLOCATION = "allocate_slots: pre-allocation"
 _SCHEDULER_CAP = "get_computed_blocks: len-1 cap in the manager"
 # Every release before 0.31: its chain is not kvspec's (releases.py, measured), hash values compared as names.
@@ -136,6 +150,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
+        "events": _STATS_AT_LOOKUP,
+        "events_provides": ["prefix_cache_stats", "reset_prefix_cache"],
     },
     "0.8.4": {
         "image_end_keyed": True,
@@ -144,6 +160,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
+        "events": _STATS_AT_LOOKUP,
+        "events_provides": ["prefix_cache_stats", "reset_prefix_cache"],
     },
     "0.8.5.post1": {
         "image_end_keyed": True,
@@ -152,6 +170,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
+        "events": _STATS_AT_LOOKUP,
+        "events_provides": ["prefix_cache_stats", "reset_prefix_cache"],
     },
     "0.9.2": {
         "image_end_keyed": True,
@@ -160,6 +180,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "on": _CONFORMS,
         "off": _CONFORMS,
         "salt": _CONFORMS,
+        "events": _STATS_AT_LOOKUP,
+        "events_provides": ["prefix_cache_stats", "reset_prefix_cache", "take_events"],
     },
     "0.10.2": {
         "image_end_keyed": True,
@@ -168,6 +190,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "on": _CONFORMS,
         "off": _CONFORMS,
         "salt": _CONFORMS,
+        "events": _STATS_AT_LOOKUP,
+        "events_provides": ["prefix_cache_stats", "reset_prefix_cache", "take_events"],
     },
     "0.33.0": {
         "image_end_keyed": False,
@@ -176,6 +200,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "on": _CONFORMS,
         "off": _CONFORMS,
         "salt": _CONFORMS,
+        "events": _CONFORMS,
+        "events_provides": ["evict_blocks", "prefix_cache_stats", "reset_prefix_cache", "take_events"],
     },
 }
 
@@ -202,6 +228,16 @@ def test_seed_requests_at_the_request_level(version: str) -> None:
         if want["verdict"] == "diverges":
             assert (got["step"], got["op"]) == (want["step"], want["op"]), (scenario, got)
             assert want["message"] in got["message"], (scenario, got)
+    # With events and statistics: what the adapter provides is what the release's manager has (0.33 alone
+    # takes the scheduler's hit cap), and what vLLM counts and publishes is checked against the spec.
+    events = out["events"]
+    assert events["provides"] == expected["events_provides"], events
+    assert events["hit_cap"] == (version == "0.33.0"), events
+    assert "connector statistics" in events["not_applicable"], events
+    assert events["verdict"] == expected["events"]["verdict"], events
+    if expected["events"]["verdict"] == "diverges":
+        assert (events["step"], events["op"]) == (expected["events"]["step"], expected["events"]["op"]), events
+        assert expected["events"]["message"] in events["message"], events
     # C hits block 1 only: 8 tokens, the last one must be computed (len - 1 cap) ...
     assert out["on"]["steps"][-2] == ["get_computed_blocks", [[1], 4]]
     # ... which 0.8.0 to 0.8.2 leave to the scheduler: their manager hits both blocks.
@@ -659,3 +695,179 @@ def test_kv_cache_groups_campaigns_on_vllm_0_33_conform() -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for key, (verdict, message) in out.items():
         assert verdict == "conforms", (key, message)
+
+
+# What the pool tells the world at the request level (config.events), on vLLM 0.33: every step's KV cache
+# events and the hit statistics are compared with the spec's by the lock-step (the router's mirror rules
+# first); the script lists what the implementation published, by hash name. Block size 4, 10 blocks.
+# Steps: 1-2 admit A (10 tokens), 3-4 admit B (A's 8 tokens and 2 more: a 2-block hit), 5 free A,
+# 6 preempt B (free), 7-8 re-admit B (num_preemptions 1: counted apart), 9 a lookup capped at 4 tokens
+# (the scheduler's max_cache_hit_length), 10 admit D (A's 8 tokens and 4 more) without its hit: it
+# registers A's keys again on other blocks, 11 evict block 1 (held by B, keyed like D's first block),
+# 12-13 free B and D, 14 reset.
+_EVENTS_SCRIPT = r"""
+import json, logging, sys, tempfile
+logging.disable(logging.WARNING)
+from dataclasses import replace
+from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.kv_events import describe_events
+from kvspec.conformance.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.runner import replay
+from kvspec.conformance.trace import write_trace
+from kvspec.conformance.vllm.adapter import make_installed_adapter
+from kvspec.conformance.vllm.manager import make_full_report_adapter
+from kvspec.spec.manager import Request
+
+A = Request("A", tuple(range(10)))
+B = Request("B", tuple(range(8)) + (99, 98))
+D = Request("D", tuple(range(8)) + (5, 5, 5, 5))
+
+
+def run(factory, impl, caching, steps, tmp, name):
+    config = AdapterConfig(level="manager", num_gpu_blocks=10, block_size=4, profile="vllm-v1",
+                           enable_caching=caching, events=True)
+    lock = LockStep(factory, config)
+    out = {"published": []}
+    try:
+        lock.check()
+        for op, *args in steps:
+            lock.call(op, *args)
+            lock.check()
+            record = lock.records[-1]
+            out["published"].append(describe_events(record.impl.events, lock.hash_names.impl_name))
+        out["verdict"] = "conforms"
+        out["stats"] = repr(lock.adapter.prefix_cache_stats())
+    except ConformanceFailure as f:
+        e = f.failure
+        path = write_trace(f"{tmp}/{name}.trace.jsonl", lock.trace(impl))
+        again = replay(str(path), factory, impl=impl, isolate=False)
+        out.update(verdict=e.kind.value, step=e.step, op=e.op, message=e.message, rule=e.invariant,
+                   replayed=[str(again.verdict), again.failure.step if again.failure else None])
+    return out
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    story = [
+        ("get_computed_blocks", A, None), ("allocate_slots", A, 10, 0, [], 0),
+        ("get_computed_blocks", B, None), ("allocate_slots", B, 2, 8, [1, 2], 0),
+        ("free", "A"),
+        ("free", "B"),
+        ("get_computed_blocks", replace(B, num_preemptions=1), None),
+        ("allocate_slots", replace(B, num_preemptions=1), 2, 8, [1, 2], 0),
+        ("get_computed_blocks", Request("E", tuple(range(10))), 4),
+        ("allocate_slots", D, 12, 0, [], 0),
+        ("evict_blocks", [1]),
+        ("free", "B"), ("free", "D"),
+        ("reset_prefix_cache",),
+    ]
+    admit_then_hit = [("get_computed_blocks", A, None), ("allocate_slots", A, 10, 0, [], 0),
+                      ("get_computed_blocks", B, None)]
+    print(json.dumps({
+        "story": run(make_installed_adapter, "vllm", True, story, tmp, "story"),
+        "caching_off": run(make_installed_adapter, "vllm", False, admit_then_hit[:2], tmp, "caching-off"),
+        "full_report": run(make_full_report_adapter, "kvspec.conformance.vllm.manager:make_full_report_adapter",
+                           True, admit_then_hit, tmp, "full-report"),
+    }))
+"""
+
+
+def test_events_and_hit_statistics_at_the_request_level_on_vllm_0_33() -> None:
+    python = ensure_venv("0.33.0", lambda msg: print(msg, file=sys.stderr))
+    proc = subprocess.run([str(python), "-c", _EVENTS_SCRIPT], capture_output=True, text=True, timeout=600,
+                          check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    story = out["story"]
+    assert story["verdict"] == "conforms", story
+    published = story["published"]
+    # A's admission registers its two full blocks, a chain from the first (parent none), with their tokens.
+    assert published[1] == "stored h1 h2 (parent -, tokens [0, 1, 2, 3, 4, 5, 6, 7], extra keys [None, None])"
+    assert published[2:9] == ["none"] * 7  # B's hit, the frees, the preemption, the capped lookup: nothing
+    # D registers A's keys on new blocks (identical full blocks are kept apart) and one more, chained.
+    assert published[9] == (
+        "stored h1 h2 h3 (parent -, tokens [0, 1, 2, 3, 4, 5, 6, 7, 5, 5, 5, 5], extra keys [None, None, None])"
+    )
+    # Evicting block 1 removes h1 while D's block still holds it: a router must count references.
+    assert published[10] == "removed h1"
+    assert published[13] == "cleared"
+    # Counted at admission: A (10 tokens, no hit), B (10 tokens, 8 hit), D (12 tokens, its hit not taken);
+    # B again after its preemption apart; the capped lookup E is never admitted; one reset.
+    assert story["stats"] == (
+        "PrefixCacheStats(local=CacheCounters(requests=3, queries=32, hits=8, preempted_requests=1, "
+        "preempted_queries=10, preempted_hits=8), connector=CacheCounters(requests=0, queries=0, hits=0, "
+        "preempted_requests=0, preempted_queries=0, preempted_hits=0), num_resets=1)"
+    )
+    # Finding: with caching off vLLM 0.33 counts no request (prefix_cache_lookup_enabled is False, so the
+    # scheduler's record_prefix_cache_stats returns); the spec counts the admission, with no hit.
+    off = out["caching_off"]
+    assert (off["verdict"], off["step"], off["op"]) == ("diverges", 2, "allocate_slots"), off
+    assert "local.requests: spec 1 vs implementation 0; local.queries: spec 10 vs implementation 0" in off["message"]
+    assert off["replayed"] == ["diverges", 2], off
+    # Finding: a request in kv_cache_report_mode "full" (read with getattr; nothing in vLLM 0.33 sets it)
+    # makes B's lookup publish its hit blocks as stored again: a reference-counting router then holds each
+    # of them twice, with one block each in the table (event_mirror_exact breaks).
+    full = out["full_report"]
+    assert (full["verdict"], full["step"], full["op"], full["rule"]) == (
+        "invariant", 3, "get_computed_blocks", "event_mirror_exact"
+    ), full
+    assert "stored h1 h2 (parent -" in full["message"], full
+    assert full["replayed"] == ["diverges", 3], full
+
+
+# The findings' traces kept in tests/data/vllm_events (the README names each with its replay command), each
+# replayed in its release's environment to the verdict it shows.
+_REPLAY_SCRIPT = r"""
+import json, logging, sys, tempfile
+logging.disable(logging.WARNING)
+from kvspec.conformance.registry import load_factory
+from kvspec.conformance.runner import replay
+
+out = {}
+with tempfile.TemporaryDirectory() as tmp:
+    for path, impl in zip(sys.argv[1::2], sys.argv[2::2]):
+        r = replay(path, load_factory(impl), impl=impl, isolate=False, trace_dir=tmp, step_timeout_s=120)
+        f = r.failure
+        got = [str(r.verdict), f.step, f.op, f.invariant, f.message[:300]] if f else [str(r.verdict)]
+        out[path.rsplit("/", 1)[-1]] = got
+print(json.dumps(out))
+"""
+_EVENTS_DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_events"
+_EVENTS_ONLY = "kvspec.conformance.vllm.manager:make_events_only_adapter"
+_FULL_REPORT = "kvspec.conformance.vllm.manager:make_full_report_adapter"
+FINDING_TRACES: dict[str, list[tuple[str, str, list[Any]]]] = {
+    # Up to 0.24 a request is counted at its lookup (step 1); the spec counts it at admission.
+    "0.10.2": [
+        ("stats_at_lookup-0.10.2.trace.jsonl", "vllm", ["diverges", 1, "get_computed_blocks", None,
+                                                         "local.requests: spec 0 vs implementation 1"]),
+        # With events on, registering a block of a single sliding-window group whose parent position the
+        # window has left (the null block there) trips `assert parent_block.block_hash is not None`.
+        ("sliding_parent_assert-0.10.2.trace.jsonl", _EVENTS_ONLY, ["crashed", 6, "allocate_slots", None,
+                                                                    "AssertionError"]),
+        # With events on, a LoRA request's BlockStored reads lora_request.id (0.9.0 to 0.11.0), which vLLM's
+        # LoRARequest does not have (lora_int_id, adapter_id): the registration raises AttributeError.
+        ("lora_event_crash-0.10.2.trace.jsonl", _EVENTS_ONLY, ["crashed", 2, "allocate_slots", None,
+                                                               "'LoRARequest' object has no attribute 'id'"]),
+    ],  # fmt: skip
+    "0.33.0": [
+        # Without caching vLLM 0.33 counts no request; the spec counts the admission, with no hit.
+        ("stats_without_caching-0.33.0.trace.jsonl", "vllm", ["diverges", 2, "allocate_slots", None,
+                                                               "local.requests: spec 1 vs implementation 0"]),
+        # kv_cache_report_mode "full": a lookup's hit blocks are published as stored again.
+        ("full_report_mode-0.33.0.trace.jsonl", _FULL_REPORT, ["diverges", 3, "get_computed_blocks",
+                                                               "event_mirror_exact", "published: stored h1 h2"]),
+    ],  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("version", list(FINDING_TRACES))
+def test_the_events_findings_traces_replay_to_their_verdict(version: str) -> None:
+    python = ensure_venv(version, lambda msg: print(msg, file=sys.stderr))
+    args = [a for name, impl, _ in FINDING_TRACES[version] for a in (str(_EVENTS_DATA / name), impl)]
+    proc = subprocess.run([str(python), "-c", _REPLAY_SCRIPT, *args], capture_output=True, text=True, timeout=600,
+                          check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, _, (verdict, step, op, rule, words) in FINDING_TRACES[version]:
+        got = out[name]
+        assert got[:4] == [verdict, step, op, rule], (name, got)
+        assert words in got[4], (name, got)
