@@ -59,7 +59,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--bench", action="store_true", help="instead: benchmark the reference against vLLM's BlockPool")
     p.add_argument("--bench-version", default=None, help="the release to benchmark (default: the newest)")
     p.set_defaults(run=run_oracle_cmd)
+    _register_hashes(subparsers)
 
+
+def _register_hashes(subparsers: Any) -> None:
+    """Add the `hashes` subcommand."""
     h = subparsers.add_parser(
         "hashes",
         help="golden hash vectors: kvspec's block-hash chain against vLLM's, on the same inputs",
