@@ -114,7 +114,6 @@ def hash_values() -> st.SearchStrategy[BlockHash]:
     return st.sampled_from(HASH_UNIVERSE)
 
 
-@lru_cache(maxsize=512)
 @lru_cache(maxsize=1024)
 def token_ids(min_size: int, max_size: int) -> st.SearchStrategy[tuple[int, ...]]:
     """Tokens from the small vocabulary."""
@@ -172,7 +171,6 @@ def _images(draw: st.DrawFn, num_tokens: int, block_size: int, most: int) -> tup
     return tuple(images)
 
 
-@lru_cache(maxsize=512)
 @lru_cache(maxsize=1024)
 def mm_inputs(num_tokens: int, block_size: int) -> st.SearchStrategy[tuple[MultiModalInput, ...]]:
     """Mostly none; else one or two images placed inside the prompt, possibly spanning blocks."""
@@ -243,6 +241,7 @@ def continue_chat(prompt: Request, turn: tuple[int, ...]) -> Request:
 
 
 @lru_cache(maxsize=512)
+@lru_cache(maxsize=512)
 def external_tokens(max_tokens: int) -> st.SearchStrategy[int]:
     """Tokens an external KV connector loads after the prefix hit: mostly none."""
     if max_tokens <= 0:
@@ -250,11 +249,13 @@ def external_tokens(max_tokens: int) -> st.SearchStrategy[int]:
     return st.one_of(st.just(0), st.integers(1, max_tokens))
 
 
+@lru_cache(maxsize=512)
 def hit_caps(num_tokens: int) -> st.SearchStrategy[int | None]:
     """The scheduler's cap on a request's local hit (an external connector's): mostly none, else 0..len - 1."""
     return st.one_of(st.none(), st.none(), st.integers(0, max(num_tokens - 1, 0)))
 
 
+@lru_cache(maxsize=1)
 def bad_hit_caps() -> st.SearchStrategy[object]:
     """Caps no scheduler may pass: negative, fractional, boolean, text (None is no cap, valid)."""
     return st.sampled_from((-1, -7, 1.5, True, "2"))
