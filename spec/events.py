@@ -35,8 +35,7 @@ carry undelivered events.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvspec.spec.hashing import ExtraKey, MultiModalInput, block_extra_keys
@@ -130,13 +129,13 @@ def _untagged(keys: tuple[ExtraKey, ...] | None) -> tuple[object, ...] | None:
     return tuple(tuple(k[1:]) if k[0] == "mm" else k[1] for k in keys)
 
 
-def table_counts(hash_to_blocks: HashTable) -> Counter[BlockHash]:
+def table_counts(hash_to_blocks: HashTable) -> dict[BlockHash, int]:
     """How many blocks the hash table holds under each key: what a reference-counting mirror must hold.
 
     >>> table_counts(((BlockHash(b"a"), (1, 4)),))
-    Counter({b'a': 2})
+    {b'a': 2}
     """
-    return Counter({h: len(blocks) for h, blocks in hash_to_blocks if blocks})
+    return {h: len(blocks) for h, blocks in hash_to_blocks if blocks}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,13 +153,15 @@ class EventMirror:
         """Whether the mirror holds `key` now."""
         return self.counts.get(key, 0) > 0
 
-    def apply(self, events: Iterable[KVCacheEvent]) -> EventMirror:
+    def apply(self, events: Sequence[KVCacheEvent]) -> EventMirror:
         """The mirror after `events`, in order (a removal of a key it does not hold leaves a negative count).
 
         >>> m = EventMirror().apply([BlockStored((BlockHash(b"a"), BlockHash(b"a")), None)])
         >>> dict(m.counts), dict(m.apply([BlockRemoved((BlockHash(b"a"),))]).counts)
         ({b'a': 2}, {b'a': 1})
         """
+        if not events:  # most steps publish nothing: the same mirror (it is a value)
+            return self
         counts = dict(self.counts)
         known = set(self.known)
         for event in events:
@@ -178,7 +179,7 @@ class EventMirror:
 
     def matches(self, hash_to_blocks: HashTable) -> bool:
         """Whether the mirror holds exactly the table's keys, each as many times as blocks are registered under it."""
-        return dict(self.counts) == dict(table_counts(hash_to_blocks))
+        return self.counts == table_counts(hash_to_blocks)
 
 
 def naive_misreads(before: EventMirror, events: Sequence[KVCacheEvent]) -> list[BlockHash]:
