@@ -65,11 +65,22 @@ def test_reset_prefix_cache_exists_from_0_7_0() -> None:
     assert "reset_prefix_cache" in capabilities(make_v0_light_adapter("0.7.3")(config))
 
 
-def test_the_oracle_s_check_diverges_under_every_profile_at_the_swap(tmp_path: object) -> None:
+# The two differences the tests above pin down, as the check reports them. Which
+# one a campaign shrinks to depends on the order Hypothesis draws in, so the
+# check may report either, never a third.
+V0_KNOWN_DIFFERENCES = {
+    "cache_full_blocks": "ref_cnt: spec",  # the swap: one block per hash
+    "free_blocks": "free_queue: spec",  # a block without content freed to the front
+}
+
+
+def test_the_oracle_s_check_diverges_under_every_profile_at_one_of_v0_s_known_differences(tmp_path: object) -> None:
     for profile in ("lru-timestamp", "vllm-v1", "vllm-v1-tail"):
         result = run_check("vllm-v0@0.6.6", level="pool", profile=profile, max_examples=50, trace_dir=str(tmp_path))
         assert result.verdict is Verdict.DIVERGES, profile
-        assert result.failure is not None and result.failure.op == "cache_full_blocks"
+        failure = result.failure
+        assert failure is not None and failure.op in V0_KNOWN_DIFFERENCES, (profile, failure)
+        assert V0_KNOWN_DIFFERENCES[failure.op] in failure.message, (profile, failure.message)
 
 
 def test_a_release_before_the_0_5_allocator_api_could_not_run_with_why() -> None:
