@@ -205,6 +205,14 @@ def _insert(data: st.DataObject, items: list[Any], extra: Any) -> list[Any]:
 VALID = "valid"
 
 
+NEW_PROMPT = "new prompt"
+# What an admission sends (ManagerMachine._prompt): a new prompt (a system prompt, then the user's tokens;
+# twice as likely, and what a prompt shrinks to), or an earlier prompt again or built on.
+PROMPT_KINDS = (
+    NEW_PROMPT, "the same prompt again", "next chat turn", NEW_PROMPT, "long continuation", "same tokens, other keys"
+)
+
+
 def _kinds(*mistakes: str) -> tuple[str, ...]:
     return (VALID,) * (3 * max(len(mistakes), 1)) + mistakes
 
@@ -528,7 +536,6 @@ class _Running:
 class ManagerMachine(_LockStepMachine):
     """The KVCacheManager level: requests sharing prefixes, chunked prefill, decode, preemption."""
 
-    prompts = Bundle("prompts")  # request templates: system-prompt families and growing chats
     running = Bundle("running")  # ids of running requests
     preempted = Bundle("preempted")  # ids of preempted requests waiting to be re-admitted
 
@@ -537,6 +544,7 @@ class ManagerMachine(_LockStepMachine):
         self.block_size = 1
         self.num_groups = 1  # KV cache groups: a hit has this many blocks per position
         self.shared: tuple[tuple[int, ...], ...] = ()
+        self.prompts: list[Request] = []  # every prompt sent: system-prompt families and growing chats
         self.requests: dict[str, _Running] = {}
         self.waiting: dict[str, Request] = {}
         self.finished: list[str] = []
@@ -581,40 +589,47 @@ class ManagerMachine(_LockStepMachine):
         """Whether requests may carry multimodal inputs (and so misplaced ones, as a mistake)."""
         return "multimodal inputs" not in self._lock.not_applicable
 
-    @rule(target=prompts, data=st.data())
-    def new_prompt(self, data: st.DataObject) -> Request:
-        return self._sendable(data.draw(strat.prompts(self.block_size, self.shared), label="prompt"))
+    def _prompt(self, data: st.DataObject) -> Request:
+        """The prompt an admission sends: a new one, or one built on an earlier prompt (see `PROMPT_KINDS`).
 
-    @rule(target=prompts, prompt=prompts, data=st.data())
-    def continue_chat(self, prompt: Request, data: st.DataObject) -> Request:
-        return strat.continue_chat(prompt, data.draw(strat.chat_turns(self.block_size), label="turn"))
-
-    @rule(target=prompts, prompt=prompts, data=st.data())
-    def long_continuation(self, prompt: Request, data: st.DataObject) -> Request:
-        """An earlier prompt followed by more tokens than the whole pool holds (a long document).
-
-        Its admission hits the cached prefix and then runs out of blocks: the
-        failed allocation that must leave no block touched and none taken.
-        Independent prompts are short, so without this that case is rare.
+        Every prompt is kept, so a chat grows turn by turn. Prompts are drawn
+        inside the rules that send them, not made by rules of their own: such
+        rules checked nothing, and they were almost half the rules a campaign ran.
         """
-        extra = self._state.pool.num_gpu_blocks * self.block_size
-        tail = data.draw(strat.long_tokens(extra, extra + self.block_size), label="long continuation")
-        return replace(prompt, token_ids=prompt.token_ids + tail)
+        kind = data.draw(_sampled(PROMPT_KINDS), label="prompt") if self.prompts else NEW_PROMPT
+        if kind == NEW_PROMPT:
+            prompt = self._sendable(data.draw(strat.prompts(self.block_size, self.shared), label="new prompt"))
+        else:
+            # The most recent prompt first: it shrinks toward the prompt just made.
+            back = data.draw(st.integers(0, len(self.prompts) - 1), label="earlier prompt, counted back")
+            prompt = self._built_on(kind, self.prompts[-1 - back], data)
+            if prompt is self.prompts[-1 - back]:
+                return prompt
+        self.prompts.append(prompt)
+        return prompt
 
-    @rule(target=prompts, prompt=prompts, data=st.data())
-    def new_prompt_other_keys(self, prompt: Request, data: st.DataObject) -> Request:
-        """An earlier prompt's tokens again, under another cache_salt, LoRA adapter or image.
-
-        Isolation bugs (a chain that leaves out a key) show only when the same
-        tokens arrive under different keys; independent prompts almost never
-        repeat a whole prefix with only a key changed.
-        """
-        return self._sendable(data.draw(strat.other_keys(prompt, self.block_size), label="same tokens, other keys"))
+    def _built_on(self, kind: str, earlier: Request, data: st.DataObject) -> Request:
+        if kind == "the same prompt again":
+            return earlier
+        if kind == "next chat turn":
+            return strat.continue_chat(earlier, data.draw(strat.chat_turns(self.block_size), label="turn"))
+        if kind == "long continuation":
+            # More tokens than the whole pool holds (a long document): its admission hits the cached prefix
+            # and then runs out of blocks, the failed allocation that must leave no block touched and none
+            # taken. Independent prompts are short, so without this that case is rare.
+            extra = self._state.pool.num_gpu_blocks * self.block_size
+            tail = data.draw(strat.long_tokens(extra, extra + self.block_size), label="long continuation")
+            return replace(earlier, token_ids=earlier.token_ids + tail)
+        # The same tokens under another cache_salt, LoRA adapter or image: isolation bugs (a chain that
+        # leaves out a key) show only then, and independent prompts almost never repeat a whole prefix
+        # with only a key changed.
+        return self._sendable(data.draw(strat.other_keys(earlier, self.block_size), label="same tokens, other keys"))
 
     # --- adapter calls ---------------------------------------------------------------------
 
-    @rule(prompt=prompts, data=st.data())
-    def get_computed_blocks(self, prompt: Request, data: st.DataObject) -> None:
+    @rule(data=st.data())
+    def get_computed_blocks(self, data: st.DataObject) -> None:
+        prompt = self._prompt(data)
         kind = data.draw(
             _sampled(
                 _kinds(
@@ -681,8 +696,9 @@ class ManagerMachine(_LockStepMachine):
         self.requests[request.request_id] = _Running(request, num_hit + ext + chunk, loading=delayed)
         return request.request_id
 
-    @rule(target=running, prompt=prompts, data=st.data())
-    def allocate_slots_admit(self, prompt: Request, data: st.DataObject) -> Any:
+    @rule(target=running, data=st.data())
+    def allocate_slots_admit(self, data: st.DataObject) -> Any:
+        prompt = self._prompt(data)
         images = ["misplaced images"] if self._images else []
         mistakes = ["no id", "no tokens", *images, "no tokens scheduled", "bad count"]
         mistakes += ["more tokens than the request has", "hit count mismatch"]
@@ -698,8 +714,8 @@ class ManagerMachine(_LockStepMachine):
         return multiple()
 
     @precondition(lambda self: self.enable_caching and self.lock is not None)
-    @rule(target=running, prompt=prompts, data=st.data())
-    def allocate_slots_admit_on_a_full_pool(self, prompt: Request, data: st.DataObject) -> Any:
+    @rule(target=running, data=st.data())
+    def allocate_slots_admit_on_a_full_pool(self, data: st.DataObject) -> Any:
         """Admit a prompt whose prefix is cached in free blocks after a filler took the pool to the edge.
 
         The edge is where the prompt's new blocks fit but not together with
@@ -707,6 +723,7 @@ class ManagerMachine(_LockStepMachine):
         check must count those hits (vLLM's `num_evictable_computed_blocks`),
         and a random workload reaches that edge rarely.
         """
+        prompt = self._prompt(data)
         request = replace(prompt, request_id=self._new_id())
         state = self._state
         hits, _ = spec_manager.get_computed_blocks(state, request).result
@@ -798,14 +815,15 @@ class ManagerMachine(_LockStepMachine):
         if out.error is None and out.result is not None:
             run.num_computed_tokens += num
 
-    @rule(target=running, prompt=prompts, data=st.data())
-    def prefill_in_chunks(self, prompt: Request, data: st.DataObject) -> Any:
+    @rule(target=running, data=st.data())
+    def prefill_in_chunks(self, data: st.DataObject) -> Any:
         """A new request prefilled in two to four equal chunks, then one decode step.
 
         Each chunk moves a sliding window or a chunk boundary past several
         blocks at once, so the next step frees several in one call (their
         order is then the free order); one token at a time frees one.
         """
+        prompt = self._prompt(data)
         request = replace(prompt, request_id=self._new_id())
         hit = self._call("get_computed_blocks", request, None)
         self._lock.check()
@@ -860,6 +878,36 @@ class ManagerMachine(_LockStepMachine):
                 self._lock.tag("allocate_slots: decode")
             run.num_computed_tokens += remaining
             remaining = 0
+            self._lock.check()
+
+    @precondition(lambda self: bool(self.requests))
+    @rule()
+    def schedule_running(self) -> None:
+        """One engine step: every running request advances, in admission order, by the rest of its
+        prompt or one decoded token; the step ends at the first allocation that fails (where the
+        scheduler would preempt).
+
+        Serving engines advance all their requests each step, so the requests'
+        blocks interleave in the pool and one request's window frees blocks
+        between another's allocations; rules that move one request at a time
+        rarely interleave them. Nothing is drawn (a decoded token follows from
+        the request's length), so the campaign checks several steps per rule
+        it draws. A request waiting for an external load is not scheduled.
+        """
+        for run in list(self.requests.values()):
+            if run.loading:
+                continue
+            remaining = len(run.request.token_ids) - run.num_computed_tokens
+            decode = remaining == 0
+            if decode:
+                token = len(run.request.token_ids) % strat.VOCABULARY_SIZE
+                run.request, remaining = strat.continue_chat(run.request, (token,)), 1
+            out = self._call("allocate_slots", run.request, remaining, 0, [], 0)
+            if out.error is not None or out.result is None:
+                return
+            if decode:
+                self._lock.tag("allocate_slots: decode")
+            run.num_computed_tokens += remaining
             self._lock.check()
 
     @rule(request_id=consumes(running))

@@ -22,7 +22,7 @@ from kvspec.spec.state import BlockId
 
 # Enough examples that a salted prompt is drawn many times over (salts are one
 # draw in three of a prompt's keys, and more in the "other keys" rule).
-N = 40
+N = 25
 
 
 class _RefusingManager(ReferenceManagerAdapter):

@@ -161,7 +161,7 @@ def test_kvspec_check_conforms_for_every_builtin_implementation(profile, tmp_pat
     gpu = pytest.importorskip("kvspec.gpu_impl.adapter", reason="gpu_impl needs torch (the gpu extra)")
     for impl in ("reference", "spec", gpu.make_adapter):
         for level in ("pool", "manager"):
-            result = run_check(impl, level=level, profile=profile, max_examples=30, seed=0, trace_dir=tmp_path)
+            result = run_check(impl, level=level, profile=profile, max_examples=15, seed=0, trace_dir=tmp_path)
             assert result.verdict == "conforms", (impl, level, result.message)
             assert result.steps_run > 0
 
