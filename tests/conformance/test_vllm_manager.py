@@ -415,20 +415,20 @@ version, profile, caching = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
 declared = manager_reactions(version, caching)
 # vLLM's first import takes longer than a step may: build one manager before the campaign times steps.
 make_installed_adapter(AdapterConfig(level="manager", num_gpu_blocks=4, enable_caching=caching, profile=profile))
-result = run_check(make_installed_adapter, level="manager", enable_caching=caching, profile=profile,
-                   max_examples=60, isolate=False)
 
 
 def text_only(config):
     # Releases before 0.19 key a block filled in decode right after an image by that image (the
-    # oracle's probe): a survey, which stops at a valid call that diverges, leaves images out there.
+    # oracle's probe): the campaign, which stops at the first divergence, and the survey, which stops
+    # at a valid call that diverges, leave images out there.
     adapter = make_installed_adapter(config)
     adapter.not_applicable = {**adapter.not_applicable, "multimodal inputs": "the known image-end keying"}
     return adapter
 
 
-surveyed = text_only if sys.argv[4] == "text-only" else make_installed_adapter
-seen = survey_reactions(surveyed, "manager", caching, max_examples=60, profile=profile)
+checked = text_only if sys.argv[4] == "text-only" else make_installed_adapter
+result = run_check(checked, level="manager", enable_caching=caching, profile=profile, max_examples=60, isolate=False)
+seen = survey_reactions(checked, "manager", caching, max_examples=60, profile=profile)
 print(json.dumps({
     "verdict": result.verdict, "failure": result.failure.message if result.failure else None,
     "declared": {m: [r.kind, r.error] for m, r in declared.items()},
