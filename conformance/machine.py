@@ -865,20 +865,9 @@ class ManagerMachine(_LockStepMachine):
         run = self.requests[request_id]
         num_steps = data.draw(st.integers(2, 4 * max(self.block_size, 8) + 2), label="decode steps")
         first = data.draw(st.integers(0, strat.VOCABULARY_SIZE - 1), label="first output token")
-        remaining = len(run.request.token_ids) - run.num_computed_tokens
         for k in range(num_steps):
-            decode = remaining == 0
-            if decode:
-                run.request = strat.continue_chat(run.request, ((first + k) % strat.VOCABULARY_SIZE,))
-                remaining = 1
-            out = self._call("allocate_slots", run.request, remaining, 0, [], 0)
-            if out.error is not None or out.result is None:
+            if not self._advance(run, (first + k) % strat.VOCABULARY_SIZE):
                 return
-            if decode:
-                self._lock.tag("allocate_slots: decode")
-            run.num_computed_tokens += remaining
-            remaining = 0
-            self._lock.check()
 
     @precondition(lambda self: bool(self.requests))
     @rule()
@@ -895,20 +884,23 @@ class ManagerMachine(_LockStepMachine):
         it draws. A request waiting for an external load is not scheduled.
         """
         for run in list(self.requests.values()):
-            if run.loading:
-                continue
-            remaining = len(run.request.token_ids) - run.num_computed_tokens
-            decode = remaining == 0
-            if decode:
-                token = len(run.request.token_ids) % strat.VOCABULARY_SIZE
-                run.request, remaining = strat.continue_chat(run.request, (token,)), 1
-            out = self._call("allocate_slots", run.request, remaining, 0, [], 0)
-            if out.error is not None or out.result is None:
+            if not run.loading and not self._advance(run, len(run.request.token_ids) % strat.VOCABULARY_SIZE):
                 return
-            if decode:
-                self._lock.tag("allocate_slots: decode")
-            run.num_computed_tokens += remaining
-            self._lock.check()
+
+    def _advance(self, run: _Running, token: int) -> bool:
+        """One step of a running request: the rest of its prompt, or else `token` decoded; whether it fit."""
+        remaining = len(run.request.token_ids) - run.num_computed_tokens
+        decode = remaining == 0
+        if decode:
+            run.request, remaining = strat.continue_chat(run.request, (token,)), 1
+        out = self._call("allocate_slots", run.request, remaining, 0, [], 0)
+        if out.error is not None or out.result is None:
+            return False
+        if decode:
+            self._lock.tag("allocate_slots: decode")
+        run.num_computed_tokens += remaining
+        self._lock.check()
+        return True
 
     @rule(request_id=consumes(running))
     def free_finished(self, request_id: str) -> None:
