@@ -602,15 +602,14 @@ class ManagerMachine(_LockStepMachine):
         else:
             # The most recent prompt first: it shrinks toward the prompt just made.
             back = data.draw(st.integers(0, len(self.prompts) - 1), label="earlier prompt, counted back")
-            prompt = self._built_on(kind, self.prompts[-1 - back], data)
-            if prompt is self.prompts[-1 - back]:
-                return prompt
+            earlier = self.prompts[-1 - back]
+            if kind == "the same prompt again":
+                return earlier
+            prompt = self._built_on(kind, earlier, data)
         self.prompts.append(prompt)
         return prompt
 
     def _built_on(self, kind: str, earlier: Request, data: st.DataObject) -> Request:
-        if kind == "the same prompt again":
-            return earlier
         if kind == "next chat turn":
             return strat.continue_chat(earlier, data.draw(strat.chat_turns(self.block_size), label="turn"))
         if kind == "long continuation":
