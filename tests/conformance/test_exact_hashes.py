@@ -20,7 +20,7 @@ import pytest
 
 from kvspec.conformance.adapter import AdapterConfig
 from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.lockstep import ConformanceFailure, Factory, LockStep
+from kvspec.conformance.lockstep import Factory
 from kvspec.conformance.runner import run_check
 from kvspec.conformance.vllm import lightmode
 from kvspec.conformance.vllm.adapter import VllmRelease, make_pool_adapter, spec_hashing_for
@@ -29,8 +29,10 @@ from kvspec.conformance.vllm.releases import RELEASES, facts_for, hash_chain_not
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, VLLM_NONE_HASH_SEED
 from kvspec.spec.state import BlockHash
 from tests.conformance.miniature import miniature_release
+from tests.conformance.wide_keys import register_and_free, wide_group_id_factory
 
 MINI = "0.0.1"  # the miniature release's version
+H1 = BlockHash(b"h1")
 FIXTURE = Path(__file__).parent / "plugin_fixture" / "mini_vllm"
 
 
@@ -47,36 +49,15 @@ def _pool_factory(*, wide_group_id: bool, names_only: bool = False) -> Factory:
     """The miniature's BlockPool (a fresh copy) behind vLLM's pool adapter; ``wide_group_id``: its hash-table
     key carries the group id in 8 bytes where vLLM's carries 4 (a key format a router does not expect)."""
     light = lightmode.load_release(MINI, fresh=True)
-    if wide_group_id:
-        light.block_pool.make_block_hash_with_group_id = lambda h, g: h + g.to_bytes(8, "big")
     release = VllmRelease(MINI, "light", light.block_pool, light.kv_cache_utils, {}, light.module)
-
-    def factory(config: AdapterConfig) -> object:
-        adapter = make_pool_adapter(release, config)
-        if names_only:
-            adapter.uses_kvspec_hash_chain = False
-        return adapter
-
-    return factory
-
-
-def _register(factory: Factory) -> tuple[str, int | None, str]:
-    """Take a block, register it, look it up, free it: the verdict, the failing step and its message."""
-    lock = LockStep(factory, AdapterConfig("pool", 4))
-    try:
-        lock.check()
-        for op, args in (("get_new_blocks", (1,)), ("cache_full_blocks", ([1], [BlockHash(b"h1")])),
-                         ("get_cached_block", (BlockHash(b"h1"),)), ("free_blocks", ([1],))):  # fmt: skip
-            lock.call(op, *args)
-            lock.check()
-    except ConformanceFailure as f:
-        return f.failure.kind.value, f.failure.step, f.failure.message
-    return "conforms", None, ""
+    if wide_group_id:
+        return wide_group_id_factory(release, names_only=names_only)
+    return lambda config: make_pool_adapter(release, config)
 
 
 def test_the_pool_level_compares_the_hash_values_it_hands_over_exactly() -> None:
-    assert _register(_pool_factory(wide_group_id=False)) == ("conforms", None, "")
-    verdict, step, message = _register(_pool_factory(wide_group_id=True))
+    assert register_and_free(_pool_factory(wide_group_id=False), H1) == ("conforms", None, "")
+    verdict, step, message = register_and_free(_pool_factory(wide_group_id=True), H1)
     # the first registration: the key the pool made no longer carries the value it was handed
     assert (verdict, step) == ("diverges", 2), message
     assert message.startswith("block 1's hash is "), message
@@ -85,7 +66,7 @@ def test_the_pool_level_compares_the_hash_values_it_hands_over_exactly() -> None
 
 def test_compared_as_names_the_same_key_format_passes() -> None:
     # One name per value whatever its bytes: the pool keys, finds and frees consistently, so names see nothing.
-    assert _register(_pool_factory(wide_group_id=True, names_only=True)) == ("conforms", None, "")
+    assert register_and_free(_pool_factory(wide_group_id=True, names_only=True), H1) == ("conforms", None, "")
 
 
 # --- the request level: the spec hashes with what the factory names ------------------------------

@@ -26,6 +26,7 @@ from kvspec.conformance.vllm.oracle import run_probes
 from kvspec.conformance.vllm.reactions import pool_reactions, reaction_change_points
 from kvspec.conformance.vllm.releases import RELEASES, facts_for, version_key
 from kvspec.spec.state import BlockHash, BlockId
+from tests.conformance.wide_keys import register_and_free, wide_group_id_factory
 
 pytestmark = pytest.mark.vllm
 logging.disable(logging.WARNING)
@@ -170,44 +171,17 @@ def test_the_survey_sees_the_declared_reactions(version: str) -> None:
 
 
 # Hash values at the pool level: the harness hands them over and every release must keep them exactly,
-# not only which blocks share one. A copy of 0.33.0 whose hash-table key carries the group id in 8
-# bytes (vLLM: 4) still keys, finds and frees consistently, so names alone see nothing.
-def _wide_group_id_factory(names_only: bool) -> object:
-    release = light_release("0.33.0", fresh=True)  # its own module globals: the patch reaches no other test
-    release.block_pool.make_block_hash_with_group_id = lambda h, g: release.kv_cache_utils.BlockHash(
-        bytes(h) + g.to_bytes(8, "big")
-    )
-
-    def factory(config: AdapterConfig) -> VllmPoolAdapter:
-        adapter = make_pool_adapter(release, config)
-        if names_only:
-            adapter.uses_kvspec_hash_chain = False
-        return adapter
-
-    return factory
-
-
+# not only which blocks share one (tests/conformance/wide_keys.py).
 @pytest.mark.parametrize("names_only", [False, True])
 def test_a_pool_that_changes_the_value_it_was_handed_diverges_where_values_are_compared(names_only: bool) -> None:
-    from kvspec.conformance.lockstep import ConformanceFailure, LockStep
-
-    lock = LockStep(_wide_group_id_factory(names_only), AdapterConfig(level="pool", num_gpu_blocks=4))
-    steps = [("get_new_blocks", (1,)), ("cache_full_blocks", ([1], [H1])), ("get_cached_block", (H1,)),
-             ("free_blocks", ([1],))]  # fmt: skip
-    try:
-        lock.check()
-        for op, args in steps:
-            lock.call(op, *args)
-            lock.check()
-    except ConformanceFailure as f:
-        assert not names_only, f.failure.message
-        assert (f.failure.step, f.failure.op) == (2, "cache_full_blocks")
-        # H1 with 4 more zero bytes: the adapter takes vLLM's 4 bytes of group id off the key
-        assert f.failure.message.startswith("block 1's hash is 00010000, but the harness handed it 0001 "), (
-            f.failure.message
-        )
+    release = light_release("0.33.0", fresh=True)  # its own module globals: the patch reaches no other test
+    verdict, step, message = register_and_free(wide_group_id_factory(release, names_only=names_only), H1)
+    if names_only:
+        assert verdict == "conforms", message
         return
-    assert names_only, "exact comparison let a changed hash value through"
+    assert (verdict, step) == ("diverges", 2), message  # at cache_full_blocks
+    # H1 with 4 more zero bytes: the adapter takes vLLM's 4 bytes of group id off the key
+    assert message.startswith("block 1's hash is 00010000, but the harness handed it 0001 "), message
 
 
 def test_the_spec_hashes_as_the_release_where_its_chain_is_kvspecs() -> None:
