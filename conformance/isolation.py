@@ -15,19 +15,20 @@ from __future__ import annotations
 
 import faulthandler
 import multiprocessing
+import multiprocessing.connection
 import os
 import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.results import CampaignReport, Verdict
 
-__all__ = ["Death", "Progress", "Work", "run_isolated"]
+__all__ = ["Death", "Progress", "Work", "run_isolated", "run_isolated_jobs"]
 
 # The work a child runs: (stream_fd, heartbeat) -> its report. stream_fd and
 # heartbeat are None when it runs in this process.
@@ -59,62 +60,127 @@ def run_isolated(
 
     `progress` is called every `PROGRESS_EVERY_S` seconds while the child runs (not in this process).
     """
+    outcome = run_isolated_jobs([work], step_timeout_s, isolate, progress)[0]
+    assert outcome is not None, "the first job is never stopped"
+    return outcome
+
+
+def run_isolated_jobs(
+    works: Sequence[Work],
+    step_timeout_s: float | None,
+    isolate: bool,
+    progress: Progress | None = None,
+    stops_later_jobs: Callable[[CampaignReport | Death], bool] = lambda outcome: False,
+) -> list[CampaignReport | Death | None]:
+    """Run every work at once, each in its own forked child (in turn, in this process, where a child cannot be
+    used); what each handed back, in order.
+
+    A job whose outcome `stops_later_jobs` is killed as soon as it is known,
+    and the jobs after it are stopped (their entry is None): the jobs before it
+    run on, so the first job in order to end that way is the same however the
+    jobs' timing falls. `progress` is told the jobs' examples and steps, added up.
+    """
     # NOTE: CUDA cannot be started again in a child forked from a process that
     # started it. The harness never touches CUDA itself (gpu_impl picks and
     # starts its device inside the child); if the calling process did, the
     # campaign runs here instead, without the child's crash protection.
     if isolate and "fork" in multiprocessing.get_all_start_methods() and not _cuda_started_here():
-        return _in_child(work, step_timeout_s, progress)
-    return work(None, None)
+        return _in_children(works, step_timeout_s, progress, stops_later_jobs)
+    outcomes: list[CampaignReport | Death | None] = []
+    for work in works:
+        outcome = work(None, None)
+        outcomes.append(outcome)
+        if stops_later_jobs(outcome):
+            break
+    return outcomes + [None] * (len(works) - len(outcomes))
 
 
-def _in_child(work: Work, step_timeout_s: float | None, progress: Progress | None) -> CampaignReport | Death:
-    """Run `work(stream_fd, heartbeat)` in a forked child; its report, or how it died.
+class _Child:
+    """One forked child running a work: its process, the pipe its report comes back on, its heartbeat and
+    the file its steps are streamed to.
 
     The child turns off the traceback dump on a fatal signal that test runners
     enable (faulthandler): the report names the step, and the replays that cut a
     crash trace down would each print one.
     """
-    ctx = multiprocessing.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    heartbeat = ctx.RawArray("d", 3)  # call started, examples, steps (watch.StepWatch writes them)
-    fd, stream_path = tempfile.mkstemp(prefix="kvspec-steps-", suffix=".jsonl")
-    os.close(fd)
-    proc = ctx.Process(target=_child_main, args=(work, send, heartbeat, stream_path), daemon=True)
-    try:
-        proc.start()
+
+    def __init__(self, work: Work) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.recv, send = ctx.Pipe(duplex=False)
+        self.heartbeat = ctx.RawArray("d", 3)  # call started, examples, steps (watch.StepWatch writes them)
+        fd, self.stream_path = tempfile.mkstemp(prefix="kvspec-steps-", suffix=".jsonl")
+        os.close(fd)
+        self.proc = ctx.Process(target=_child_main, args=(work, send, self.heartbeat, self.stream_path), daemon=True)
+        self.proc.start()
         send.close()
-        report, hung = _wait(proc, recv, heartbeat, step_timeout_s, progress)
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        if report is not None:
-            return report
-        stream = Path(stream_path).read_text(encoding="utf-8", errors="replace").splitlines()
-        return Death(hung=hung, exitcode=proc.exitcode, stream=stream)
-    finally:
-        recv.close()
-        Path(stream_path).unlink(missing_ok=True)
 
-
-def _wait(
-    proc: Any, recv: Any, heartbeat: Any, step_timeout_s: float | None, progress: Progress | None
-) -> tuple[CampaignReport | None, bool]:
-    """Wait for the child's report, its death, or a call that outlived the step limit (then kill it)."""
-    told = time.monotonic()
-    while True:
-        if progress is not None and time.monotonic() - told >= PROGRESS_EVERY_S:
-            progress(int(heartbeat[1]), int(heartbeat[2]))
-            told = time.monotonic()
-        if recv.poll(0.05):
-            return _receive(recv), False
-        if not proc.is_alive():
-            return (_receive(recv) if recv.poll(0.2) else None), False
-        started = heartbeat[0]
+    def outcome(self, step_timeout_s: float | None) -> CampaignReport | Death | None:
+        """Its report, or how it died (killed here for a call that outlived the step limit); None while it runs."""
+        if self.recv.poll():
+            report = _receive(self.recv)
+            return report if report is not None else self._death(hung=False)
+        if not self.proc.is_alive():
+            report = _receive(self.recv) if self.recv.poll(0.2) else None
+            return report if report is not None else self._death(hung=False)
+        started = self.heartbeat[0]
         if step_timeout_s is not None and started and time.monotonic() - started > step_timeout_s + _KILL_GRACE_S:
-            proc.kill()
-            return None, True
+            self.proc.kill()
+            return self._death(hung=True)
+        return None
+
+    def _death(self, hung: bool) -> Death:
+        self.proc.join(10)
+        stream = Path(self.stream_path).read_text(encoding="utf-8", errors="replace").splitlines()
+        return Death(hung=hung, exitcode=self.proc.exitcode, stream=stream)
+
+    def close(self) -> None:
+        """Wait for it to end (kill it if it does not), and remove its pipe and step file."""
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.recv.close()
+        Path(self.stream_path).unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        """Kill it: its outcome is no longer wanted."""
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _in_children(
+    works: Sequence[Work],
+    step_timeout_s: float | None,
+    progress: Progress | None,
+    stops_later_jobs: Callable[[CampaignReport | Death], bool],
+) -> list[CampaignReport | Death | None]:
+    """Run each work in a forked child, all at once; each one's report, how it died, or None if stopped."""
+    children = [_Child(work) for work in works]
+    outcomes: list[CampaignReport | Death | None] = [None] * len(children)
+    running = set(range(len(children)))
+    told = time.monotonic()
+    try:
+        while running:
+            if progress is not None and time.monotonic() - told >= PROGRESS_EVERY_S:
+                progress(sum(int(c.heartbeat[1]) for c in children), sum(int(c.heartbeat[2]) for c in children))
+                told = time.monotonic()
+            multiprocessing.connection.wait([children[i].recv for i in running], timeout=0.05)
+            for i in sorted(running):
+                if i not in running:
+                    continue  # stopped by an earlier job in this pass
+                outcome = children[i].outcome(step_timeout_s)
+                if outcome is None:
+                    continue
+                outcomes[i] = outcome
+                running.discard(i)
+                if stops_later_jobs(outcome):
+                    for later in [j for j in running if j > i]:
+                        children[later].stop()
+                        running.discard(later)
+    finally:
+        for child in children:
+            child.close()
+    return outcomes
 
 
 def _receive(recv: Any) -> CampaignReport | None:

@@ -59,7 +59,7 @@ def replay_example(
         examples=1,
         steps=observer.steps,
         coverage=dict(observer.coverage),
-        states=len(observer.states),
+        state_hashes=frozenset(observer.states),
         invariants_checked=observer.invariants_checked,
         seconds=time.monotonic() - start,
         failure=failure,

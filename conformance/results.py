@@ -239,7 +239,7 @@ class CampaignReport:
     examples: int = 0
     steps: int = 0
     coverage: Mapping[str, int] = field(default_factory=dict)  # branch -> times reached
-    states: int = 0  # distinct spec states reached
+    state_hashes: frozenset[int] = frozenset()  # the distinct spec states reached (their hashes, up to renaming)
     invariants_checked: int = 0
     seconds: float = 0.0
     not_exercised: tuple[str, ...] = ()  # what the adapter's declarations left out
@@ -251,6 +251,12 @@ class CampaignReport:
     failure: Failure | None = None
     trace: Any = None  # the failing (or replayed) example as a Trace
     deepest: Any = None  # the example that reached the most branches, as a Trace, when kept
+    deepest_score: tuple[int, int] = (0, 0)  # the deepest example's (branches reached, steps)
+
+    @property
+    def states(self) -> int:
+        """How many distinct spec states were reached."""
+        return len(self.state_hashes)
 
 
 @dataclass
@@ -284,6 +290,7 @@ class CheckResult:
     examples_asked: int | None = None  # max_examples as asked for; None for a replay
     groups: str = "full"  # the KV cache groups at the manager level ("drawn": a layout per example)
     events: bool = False  # the KV cache events and hit statistics were checked too
+    jobs: int = 1  # processes the campaign's examples were shared among (kvspec.conformance.jobs)
 
     @property
     def exit_code(self) -> int:

@@ -33,7 +33,8 @@ from hypothesis import settings
 
 from kvspec.conformance.campaign import CampaignPlan, layout_name, plan_problem, run_campaign
 from kvspec.conformance.coverage import expected_branches, reachable_branches
-from kvspec.conformance.isolation import Death, Progress, run_isolated
+from kvspec.conformance.isolation import Death, Progress, run_isolated, run_isolated_jobs
+from kvspec.conformance.jobs import decides, job_plans, merged
 from kvspec.conformance.minimize import shrink_by_replay, trace_from_death
 from kvspec.conformance.registry import BUILTIN_IMPLS, DEFAULT_IMPLS, Factory, FactoryError, factory_name, load_factory
 from kvspec.conformance.replaying import replay_example
@@ -77,6 +78,7 @@ class _Where:
     max_examples: int | None = None  # what a campaign was asked for; None for a replay
     groups: str = "full"  # the KV cache groups at the manager level, or "drawn"
     events: bool = False  # the KV cache events and hit statistics were checked too
+    jobs: int = 1  # processes the campaign was shared among
 
 
 # --- results ------------------------------------------------------------------------------
@@ -142,6 +144,7 @@ def _check_result(report: CampaignReport, where: _Where, failure: Failure | None
         spec_branches=branches,
         absent_ops=report.absent_ops,
         examples_asked=where.max_examples,
+        jobs=where.jobs,
     )
 
 
@@ -223,6 +226,7 @@ def run_check(
     progress: Progress | None = None,
     groups: str = "full",
     events: bool = False,
+    jobs: int = 1,
 ) -> CheckResult:
     """Check one implementation at one level against the spec.
 
@@ -232,9 +236,9 @@ def run_check(
         enable_caching: prefix caching on or off.
         profile: the ordering profile the implementation claims (spec.ordering.PROFILES).
         max_examples: Hypothesis examples (each up to `steps_per_example` rules).
-        seed: the random seed; the same seed gives the same campaign in the same program. Hypothesis
-            also mixes constants from the loaded first-party modules into its draws, so a program
-            that has imported other modules of its own (a test suite) may draw a different campaign.
+        seed: the random seed; the same seed (and jobs) gives the same campaign with the same Hypothesis,
+            whatever else the program has imported and however kvspec is installed (the campaign draws
+            without the constants Hypothesis collects from loaded modules; campaign.py).
         time_budget_s: stop starting new examples after this long (a failure is still shrunk).
         step_timeout_s: the most one implementation call may take; None: no limit.
         trace_dir: where failure traces go (default ./kvspec-traces, created when a trace is written).
@@ -255,6 +259,8 @@ def run_check(
             or "drawn": one to three groups drawn per example. The pool level has no groups.
         events: check what the pool tells the world too: the KV cache events every call publishes
             (`take_events`, the router's mirror rules) and, at the request level, the hit statistics.
+        jobs: processes the campaign's examples are shared among, each in its own forked child and on its own
+            seeds (kvspec.conformance.jobs); 1 runs them all in one. The same seed and jobs give the same campaign.
 
     Returns:
         The verdict, what ran and was reached, and the failure with its saved trace and story.
@@ -274,15 +280,18 @@ def run_check(
             factory = load_factory(factory)
         except FactoryError as e:
             return _could_not_run(str(e), where)
-    problem = plan_problem(level, profile, max_examples, cover_rounds, groups)
+    problem = plan_problem(level, profile, max_examples, cover_rounds, groups, jobs)
     if problem is not None:
         return _could_not_run(problem, where)
     chosen: Factory = factory
     plan = CampaignPlan(level, enable_caching, profile, max_examples, seed, time_budget_s, step_timeout_s,
                         steps_per_example, keep_deepest, impl, database, device, shrink, cover_rounds,
                         layout, bool(events))  # fmt: skip
-    raw = run_isolated(lambda fd, hb: run_campaign(chosen, plan, fd, hb), step_timeout_s, isolate, progress)
-    return _result(raw, chosen, where, started)
+    plans = job_plans(plan, jobs)
+    works = [lambda fd, hb, p=p: run_campaign(chosen, p, fd, hb) for p in plans]
+    outcomes = run_isolated_jobs(works, step_timeout_s, isolate, progress, stops_later_jobs=decides)
+    where = dataclasses.replace(where, jobs=len(plans))
+    return _result(merged(outcomes, time.monotonic() - started), chosen, where, started)
 
 
 def replay(
@@ -367,18 +376,9 @@ def make_conformance_test(
     def make_test(lv: str, caching: bool) -> Callable[[unittest.TestCase], None]:
         def test(self: unittest.TestCase) -> None:
             n = max_examples if max_examples is not None else settings().max_examples
-            result = run_check(
-                factory,
-                level=lv,
-                enable_caching=caching,
-                profile=profile,
-                max_examples=n,
-                seed=seed,
-                step_timeout_s=step_timeout_s,
-                trace_dir=trace_dir,
-                impl=impl,
-                events=events,
-            )
+            result = run_check(factory, level=lv, enable_caching=caching, profile=profile, max_examples=n,
+                               seed=seed, step_timeout_s=step_timeout_s, trace_dir=trace_dir, impl=impl,
+                               events=events)  # fmt: skip
             if result.verdict is Verdict.NOT_APPLICABLE:
                 self.skipTest(f"{lv} level not provided: {result.message}")
             if result.verdict is not Verdict.CONFORMS:

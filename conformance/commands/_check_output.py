@@ -144,7 +144,12 @@ def _more_examples_why(r: CheckResult) -> str | None:
         return None
     rounds = r.examples_asked * (1 + r.extra_rounds)
     parts = [f"{r.examples_run} run for --max-examples {r.examples_asked}"]
-    if r.extra_rounds:
+    if r.extra_rounds and r.jobs > 1:
+        parts.append(
+            f"up to {r.extra_rounds} more round(s) of {r.examples_asked} to reach every branch (--cover-rounds; "
+            f"each of the {r.jobs} jobs runs its share of a round while a branch is unreached in it)"
+        )
+    elif r.extra_rounds:
         parts.append(f"{r.extra_rounds} more round(s) of {r.examples_asked} to reach every branch (--cover-rounds)")
     if r.examples_run > rounds:
         parts.append(
@@ -216,6 +221,7 @@ def _result_json(r: CheckResult) -> dict[str, Any]:
         "not_expressed": dict(r.not_expressed),
         "extra_rounds": r.extra_rounds,
         "seed": r.seed,
+        "jobs": r.jobs,
         "failure": None
         if f is None
         else {**f.to_json(), "trace": f.trace_path, "num_steps": f.num_steps, "is_shrunk": f.is_shrunk},

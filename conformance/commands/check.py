@@ -125,23 +125,7 @@ def register(subparsers: Any) -> None:
 
 def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
     """How much to run, how long to wait, and where the outputs go."""
-    p.add_argument(
-        "--max-examples",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help=f"examples per configuration (default {DEFAULT_MAX_EXAMPLES}; unbounded with --time-budget)",
-    )
-    p.add_argument("--steps", type=positive_int, default=50, metavar="N", help="rules per example (default 50)")
-    p.add_argument(
-        "--cover-rounds",
-        type=non_negative_int,
-        default=DEFAULT_COVER_ROUNDS,
-        metavar="N",
-        help="while a branch is unreached after the examples, up to N more rounds of as many examples on the "
-        f"next seeds (default {DEFAULT_COVER_ROUNDS}; 0: none)",
-    )
-    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed (default 0); same seed, same campaign")
+    _add_campaign_arguments(p)
     p.add_argument(
         "--time-budget",
         type=positive_float,
@@ -180,6 +164,37 @@ def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
         type=output_dir,
         metavar="DIR",
         help="a Hypothesis example database directory, shared by campaigns and machines",
+    )
+
+
+def _add_campaign_arguments(p: argparse.ArgumentParser) -> None:
+    """The size and seeds of each configuration's campaign, and the processes it is shared among."""
+    p.add_argument(
+        "--max-examples",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"examples per configuration (default {DEFAULT_MAX_EXAMPLES}; unbounded with --time-budget)",
+    )
+    p.add_argument("--steps", type=positive_int, default=50, metavar="N", help="rules per example (default 50)")
+    p.add_argument(
+        "--cover-rounds",
+        type=non_negative_int,
+        default=DEFAULT_COVER_ROUNDS,
+        metavar="N",
+        help="while a branch is unreached after the examples, up to N more rounds of as many examples on the "
+        f"next seeds (default {DEFAULT_COVER_ROUNDS}; 0: none)",
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="random seed (default 0); same seed and jobs, same campaign"
+    )
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="processes per campaign: its examples are shared among N forked children, each on its own seeds, "
+        "run at once (one per core is fastest; default 1)",
     )
 
 
@@ -236,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
     per = "time budget" if args.time_budget else f"{max_examples} examples"
     layout = f", KV cache groups {args.groups}" if args.groups != "full" and "manager" in levels else ""
     layout += ", KV cache events and hit statistics checked" if args.events else ""
+    layout += f", each campaign over {args.jobs} jobs" if args.jobs > 1 else ""
     print(
         f"kvspec check: profile {args.profile}, seed {args.seed}{layout}, {per} x up to {args.steps} steps "
         "per configuration"
@@ -287,6 +303,7 @@ def _run_configs(
             cover_rounds=args.cover_rounds,
             groups=args.groups,
             events=args.events,
+            jobs=args.jobs,
             progress=_progress_line(f"{impl} {lv} caching {'on' if caching else 'off'}", budget),
         )
         _clear_progress_line()
@@ -349,8 +366,9 @@ def _run_auto(
             left = args.time_budget - (time.monotonic() - start)
             budget = max(left / (len(configs) - i), 1.0)
         found = detect_profiles(
-            impl, lv, caching, max_examples, time_budget_s=budget, trace_dir=args.trace_dir, seed=args.seed
-        )
+            impl, lv, caching, max_examples, time_budget_s=budget, trace_dir=args.trace_dir, seed=args.seed,
+            jobs=args.jobs,
+        )  # fmt: skip
         for r in found.values():
             attach_page(r, args.html_dir)
         where = f"{impl} {lv} caching {'on' if caching else 'off'}"

@@ -106,6 +106,7 @@ def detect_profiles(
     trace_dir: str | None = None,
     seed: int = 0,
     profiles: Sequence[str] = PROFILES,
+    jobs: int = 1,
 ) -> dict[str, Any]:
     """Run the harness against ``factory`` once per vLLM profile.
 
@@ -123,6 +124,7 @@ def detect_profiles(
         trace_dir: Where failing traces go.
         seed: The harness seed.
         profiles: The profiles to try (``PROFILES`` for v1; ``V0_PROFILES`` for v0's allocator).
+        jobs: Processes each profile's campaign is shared among (``run_check``).
 
     Returns:
         ``{profile: CheckResult}`` for every profile tried.
@@ -140,6 +142,7 @@ def detect_profiles(
             seed=seed,
             time_budget_s=budget,
             trace_dir=trace_dir,
+            jobs=jobs,
         )
         for profile in profiles
     }

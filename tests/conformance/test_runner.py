@@ -6,6 +6,9 @@ checks the verdict, the failure's kind and step, the saved trace, and that
 replaying the trace gives the same verdict.
 """
 
+import subprocess
+import sys
+
 import pytest
 
 from kvspec.conformance import runner
@@ -195,6 +198,38 @@ def test_the_same_seed_gives_the_same_campaign(tmp_path):
     b = check(adapters.make_drifting_hashes, tmp_path / "b", level="pool", seed=5)
     assert (a.examples_run, a.steps_run) == (b.examples_run, b.steps_run)
     assert read_trace(a.failure.trace_path).steps == read_trace(b.failure.trace_path).steps
+
+
+_LOADED_MODULES_SCRIPT = """
+import sys
+from hypothesis.internal.conjecture import providers
+from kvspec.conformance.builtin import make_reference
+from kvspec.conformance.runner import run_check
+
+def campaign():
+    r = run_check(make_reference, level="manager", groups="full,sliding:4", max_examples=30, isolate=False,
+                  trace_dir=sys.argv[1])
+    return r.examples_run, r.steps_run, r.states_reached, r.coverage
+
+before = campaign()
+known = len(providers._get_local_constants())
+sys.path.insert(0, sys.argv[1])
+import lots_of_literals  # a first-party module: not a library's, not a test's
+assert len(providers._get_local_constants()) > known, "Hypothesis did not pick its literals up"
+print("same" if campaign() == before else "differs")
+"""
+
+
+def test_a_seed_draws_the_same_campaign_whatever_modules_the_process_has_loaded(tmp_path):
+    # Hypothesis mixes literals of loaded first-party modules into its draws; a campaign draws without them.
+    # In a process of its own: the suite's other Hypothesis tests keep the modules they see.
+    (tmp_path / "lots_of_literals.py").write_text(
+        "NUMBERS = (" + ", ".join(str(n) for n in range(3, 4000, 7)) + ")\nBYTES = (b'\\x01\\x02',)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", _LOADED_MODULES_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["same"]
 
 
 def test_a_time_budget_stops_a_campaign_that_would_run_forever(tmp_path):
