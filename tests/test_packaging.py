@@ -76,7 +76,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wheel built from a copy of the source tree (build isolation off: no network, no new downloads)."""
     work = tmp_path_factory.mktemp("build")
     src = work / "src"
-    ignore = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
+    ignore = shutil.ignore_patterns(".venv*", ".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
                                     ".mypy_cache", ".ruff_cache", "kvspec-failures")
     shutil.copytree(ROOT, src, ignore=ignore)
     out = work / "dist"

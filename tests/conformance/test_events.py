@@ -19,7 +19,7 @@ from kvspec.conformance.runner import replay, run_check
 from kvspec.conformance.trace import read_trace
 from kvspec.mutants.events import EvictionWithoutBlockRemoved
 
-N = 40
+N = 25
 
 
 def check(factory, tmp_path, **kw):
