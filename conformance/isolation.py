@@ -75,10 +75,10 @@ def run_isolated_jobs(
     """Run every work at once, each in its own forked child (in turn, in this process, where a child cannot be
     used); what each handed back, in order.
 
-    A job whose outcome `stops_later_jobs` is killed as soon as it is known,
-    and the jobs after it are stopped (their entry is None): the jobs before it
-    run on, so the first job in order to end that way is the same however the
-    jobs' timing falls. `progress` is told the jobs' examples and steps, added up.
+    When a job's outcome `stops_later_jobs`, the jobs after it are killed
+    (their entry is None) and the jobs before it run on, so the first job in
+    order to end that way is the same however the jobs' timing falls.
+    `progress` is told the jobs' examples and steps, added up.
     """
     # NOTE: CUDA cannot be started again in a child forked from a process that
     # started it. The harness never touches CUDA itself (gpu_impl picks and
