@@ -63,8 +63,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvspec.conformance.commands._arguments import OneLineParser, json_output, profile_name
-from kvspec.conformance.commands._check_output import write_json
+from kvspec.conformance.tools.commands._arguments import OneLineParser, json_output, profile_name
+from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.kv_cache import PagedKVCache
@@ -482,6 +482,7 @@ def content_layers_that_fit(num_blocks: int, device: str | None = None, fraction
 
     The free memory is the CUDA device's, or on the CPU the free physical memory (without the page cache).
     """
+    # optional dependency (the gpu extra): torch is imported only when a device is asked for
     from kvspec.gpu_impl.sizing import device_free_memory
 
     dev = pick_device(device)

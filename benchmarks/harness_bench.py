@@ -4,7 +4,7 @@ One run, every layout side by side (the same seed, the same examples per
 layout): one full-attention group, the layout the founding harness checked,
 then KV cache groups (a sliding window, chunked local attention, three
 groups). Each layout's campaign runs once in one process and once shared
-among two jobs (`kvspec check --jobs 2`, kvspec.conformance.jobs), each in
+among two jobs (`kvspec check --jobs 2`, kvspec.conformance.runner.jobs), each in
 a forked child, as a CI machine with two cores runs it. A step is one
 operation run on the spec and the reference and checked (result,
 invariants, hit rules, the whole state); the rate is checked steps per
@@ -19,9 +19,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvspec.conformance.commands._arguments import OneLineParser, group_layout, positive_int
-from kvspec.conformance.results import Verdict
-from kvspec.conformance.runner import run_check
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.tools.commands._arguments import OneLineParser, group_layout, positive_int
 
 __all__ = ["DEFAULT_JOBS", "DEFAULT_LAYOUTS", "TARGET_STEPS_PER_S", "LayoutSpeed", "main", "measure"]
 

@@ -38,9 +38,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvspec.conformance.commands._arguments import OneLineParser, json_output
+from kvspec.conformance.targets.vllm.lightmode import LightModeError
+from kvspec.conformance.targets.vllm.v0 import load_lru_evictor
+from kvspec.conformance.tools.commands._arguments import OneLineParser, json_output
 from kvspec.reference import BlockPool, KVCacheManager
+from kvspec.reference.free_queue import KVCacheBlock
+from kvspec.reference.keyed_free import KeyedFreeBlocks
 from kvspec.spec.manager import Request
+from kvspec.spec.ordering import profile_rule
 from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = [
@@ -226,9 +231,6 @@ def _evictor_trace(num_blocks: int, rounds: int, seed: int) -> list[tuple[str, i
 
 
 def _replay_keyed(num_blocks: int, trace: Sequence[tuple[str, int]]) -> float:
-    from kvspec.reference.free_queue import KVCacheBlock
-    from kvspec.reference.keyed_free import KeyedFreeBlocks
-    from kvspec.spec.ordering import profile_rule
 
     blocks = [KVCacheBlock(b) for b in range(num_blocks)]
     free = KeyedFreeBlocks(blocks, profile_rule("lru-timestamp"))
@@ -271,7 +273,7 @@ def measure_v0_evictor(
     """Replay one add/remove/evict trace per size on both, best of ``repeat``, the sizes in one run.
 
     Args:
-        evictor_cls: v0's ``LRUEvictor`` (``kvspec.conformance.vllm.v0.load_lru_evictor``).
+        evictor_cls: v0's ``LRUEvictor`` (``kvspec.conformance.targets.vllm.v0.load_lru_evictor``).
         sizes: blocks per trace.
         rounds: rounds of (evict, add, remove, add) per trace.
         seed: seeds which free block each round's hit takes.
@@ -357,8 +359,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(results))
     print("\n(ratio = time / time at the smallest pool; flat ~1x means the cost does not grow with the pool)")
     if args.v0_evictor:
-        from kvspec.conformance.vllm.lightmode import LightModeError
-        from kvspec.conformance.vllm.v0 import load_lru_evictor
 
         try:
             evictor_cls = load_lru_evictor(args.v0_evictor)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import logging
 import random
 import sys
 import time
@@ -43,6 +44,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.vllm.adapter import light_release
 from kvspec.reference import BlockPool
 
 OPS = ("construct", "get_cached_block", "touch", "get_new_blocks", "cache_full_blocks", "free_blocks")
@@ -161,7 +165,6 @@ def bench_reference(num_blocks: int, trace: list[Req], checked_touch: bool = Tru
 
 def bench_vllm(version: str, num_blocks: int, trace: list[Req]) -> dict[str, float]:
     """vLLM's BlockPool of ``version`` (light mode: the release's own modules) on the trace."""
-    from kvspec.conformance.vllm.adapter import light_release
 
     release = light_release(version)
     ku, bp = release.kv_cache_utils, release.block_pool
@@ -210,8 +213,6 @@ def _touch_without_checks(pool: BlockPool) -> Callable[[list[Any]], None]:
 
 def harness_speed(version: str, max_examples: int = 100) -> tuple[float, float]:
     """Pool-level harness steps per second against the reference and against vLLM ``version``, same campaign."""
-    from kvspec.conformance.results import Verdict
-    from kvspec.conformance.runner import run_check
 
     rates = []
     for factory in ("reference", f"vllm@{version}"):
@@ -246,7 +247,6 @@ def whole_trace(spent: dict[str, float]) -> float:
 
 def main(version: str = "0.33.0", num_requests: int = 20_000, runs: int = 3) -> int:
     """Print seconds per operation and the reference/vLLM ratio, per pool size (best of `runs` replays)."""
-    import logging
 
     logging.disable(logging.WARNING)
     trace = make_trace(num_requests)

@@ -19,7 +19,7 @@ field and keeps every counter, so nothing is declared not applicable.
 
 from __future__ import annotations
 
-from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
+from kvspec.conformance.core.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.kv_cache_manager import TensorKVCacheManager
 

@@ -149,9 +149,9 @@ else
 fi
 
 # The harness with the same seed on the CPU and on the device: the same campaign, so the same rows.
-step "kvspec check, cpu" check-cpu 100 'result:' "$PY" -m kvspec.conformance.cli check "${check_args[@]}" --device cpu
+step "kvspec check, cpu" check-cpu 100 'result:' "$PY" -m kvspec.conformance.tools.cli check "${check_args[@]}" --device cpu
 step "kvspec check, $device" check-device 140 'result:' \
-    "$PY" -m kvspec.conformance.cli check "${check_args[@]}" --device "$device" --step-timeout 60
+    "$PY" -m kvspec.conformance.tools.cli check "${check_args[@]}" --device "$device" --step-timeout 60
 start=$(date +%s)
 if same="$("$PY" - "$logs/check-cpu.log" "$logs/check-device.log" 2>&1 <<'EOF'
 import sys

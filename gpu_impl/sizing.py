@@ -219,6 +219,7 @@ def device_free_memory(device: str | None = None) -> tuple[int, str]:
     """
     import torch  # here, not at module level: the arithmetic above needs no torch
 
+    # optional dependency (the gpu extra): torch is imported only when a device is asked for
     from kvspec.gpu_impl.device import pick_device
 
     dev = pick_device(device)

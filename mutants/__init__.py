@@ -20,7 +20,7 @@ import importlib
 import pkgutil
 from dataclasses import dataclass, field
 
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.tools.mutants import Mutant
 
 __all__ = ["REQUIRED_KINDS", "Discovery", "Mutant", "all_mutants", "discover"]
 

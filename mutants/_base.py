@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import ReferencePoolAdapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import ReferencePoolAdapter
 from kvspec.reference.free_queue import KVCacheBlock
 
 __all__ = ["ListFreeKVCacheBlockQueue", "ListQueuePool", "is_count"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.mutants._base import is_count
 from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 from kvspec.spec.errors import InvalidBlock, PoolExhausted

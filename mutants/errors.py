@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import ReferencePoolAdapter
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import ReferencePoolAdapter
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.mutants._base import ListQueuePool, is_count
 from kvspec.reference.free_queue import KVCacheBlock
 from kvspec.spec.errors import InvalidBlock

@@ -12,8 +12,8 @@ as a new request's hit, or the external cache's tokens as local hits.
 
 from __future__ import annotations
 
-from kvspec.conformance.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.reference.free_queue import KVCacheBlock
 from kvspec.reference.kv_cache_manager import _AllocationStep, _GroupManager
 from kvspec.spec.events import BlockStored

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec.conformance.builtin import ReferencePoolAdapter
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.targets.builtin import ReferencePoolAdapter
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.reference.free_queue import KVCacheBlock
 from kvspec.spec.errors import InvalidBlock, InvalidRequest
 from kvspec.spec.state import BlockHash, BlockId

@@ -22,8 +22,8 @@ from dataclasses import replace
 
 import torch
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.gpu_impl.adapter import TensorManagerAdapter
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockId

@@ -7,8 +7,8 @@ layout where it shows: full attention and a sliding window of 8 tokens.
 
 from __future__ import annotations
 
-from kvspec.conformance.builtin import ReferenceManagerAdapter
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.reference.kv_cache_manager import _GroupManager
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId
 

@@ -13,8 +13,8 @@ spec keeps apart, or the reverse.
 
 from __future__ import annotations
 
-from kvspec.conformance.builtin import ReferenceManagerAdapter
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.spec.hashing import ExtraKey, block_extra_keys, hash_block_tokens, hash_request_blocks, none_hash
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash

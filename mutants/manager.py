@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvspec.conformance.builtin import ReferenceManagerAdapter
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.reference.kv_cache_manager import _AllocationStep, _check_request, _GroupManager
 from kvspec.spec.hashing import block_extra_keys, hash_block_tokens, none_hash
 from kvspec.spec.manager import Request

@@ -11,9 +11,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import ReferencePoolAdapter
-from kvspec.conformance.mutants import Mutant
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import ReferencePoolAdapter
+from kvspec.conformance.tools.mutants import Mutant
 from kvspec.reference.free_queue import KVCacheBlock
 from kvspec.reference.keyed_free import Key, KeyedFreeBlocks
 from kvspec.spec.ordering import profile_rule

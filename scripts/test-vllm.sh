@@ -19,13 +19,13 @@ VENV="${KVSPEC_VENV:-.venv}"
 "$VENV/bin/python" -m pip install -q -e '.[vllm]'
 # fetch every release's pool modules up front, so test timings are not download timings
 "$VENV/bin/python" - <<'PY'
-from kvspec.conformance.vllm.lightmode import fetch_release
-from kvspec.conformance.vllm.releases import RELEASES
+from kvspec.conformance.targets.vllm.lightmode import fetch_release
+from kvspec.conformance.targets.vllm.releases import RELEASES
 for version in RELEASES:
     fetch_release(version)
-# and the plugin targets' distributions (kvspec.conformance.plugins: ~/.cache/kvspec/plugins)
-from kvspec.conformance.plugins.dist import fetch_dist
-from kvspec.conformance.plugins.targets import TARGETS
+# and the plugin targets' distributions (kvspec.conformance.targets.plugins: ~/.cache/kvspec/plugins)
+from kvspec.conformance.targets.plugins.dist import fetch_dist
+from kvspec.conformance.targets.plugins.targets import TARGETS
 for target in TARGETS.values():
     fetch_dist(target.dist)
 PY

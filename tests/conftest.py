@@ -15,6 +15,9 @@ import sys
 import pytest
 from hypothesis import HealthCheck, settings
 
+# Fixtures shared across test folders: `register_target` installs a target through an entry point.
+pytest_plugins = ["tests.conformance.entry_points"]
+
 settings.register_profile(
     "ci", derandomize=True, deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -50,7 +53,7 @@ def _traces_out_of_the_checkout(request: pytest.FixtureRequest):
     if _in_hypofuzz_run():
         yield
         return
-    from kvspec.conformance import runner
+    from kvspec.conformance.runner import run as runner
 
     saved = runner.DEFAULT_TRACE_DIR
     tmp_path_factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")

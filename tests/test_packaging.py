@@ -120,14 +120,14 @@ def test_the_console_script_is_declared(wheel: Path) -> None:
     (entry_points,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
     text = archive.read(entry_points).decode()
     assert "[console_scripts]" in text
-    assert "kvspec = kvspec.conformance.cli:main" in text
+    assert "kvspec = kvspec.conformance.tools.cli:main" in text
 
 
 _IMPORT_CHECK = """
 import argparse, importlib.util, json, sys
 import kvspec.spec, kvspec.reference, kvspec.mutants
 from kvspec.reference import BlockPool, KVCacheManager
-from kvspec.conformance.commands import demo
+from kvspec.conformance.tools.commands import demo
 with open(sys.argv[1], "w") as out:
     json.dump({
         "spec": kvspec.spec.__file__,

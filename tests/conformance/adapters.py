@@ -16,8 +16,8 @@ import signal
 import time
 from collections.abc import Sequence
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 

@@ -29,9 +29,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from kvspec.conformance.machine import conformance_machine
-from kvspec.conformance.runner import DEFAULT_TRACE_DIR, load_factory
-from kvspec.conformance.trace import dumps_trace
+from kvspec.conformance.core.machine import conformance_machine
+from kvspec.conformance.core.trace import dumps_trace
+from kvspec.conformance.runner.run import DEFAULT_TRACE_DIR, load_factory
 
 _IMPL = os.environ.get("KVSPEC_FUZZ_IMPL", "reference")
 _FACTORY = load_factory(_IMPL)

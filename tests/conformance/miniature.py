@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.vllm import lightmode
+from kvspec.conformance.targets.vllm import lightmode
 
 __all__ = ["miniature_release"]
 

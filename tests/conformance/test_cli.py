@@ -3,11 +3,10 @@
 import dataclasses
 import xml.etree.ElementTree as ET
 
-from kvspec.conformance import runner
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.cli import main
-from kvspec.conformance.commands.check import _default_impls
-from kvspec.conformance.trace import read_trace
+from kvspec.conformance.core.trace import read_trace
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.commands.check import _default_impls
 
 ADAPTERS = "tests.conformance.adapters"
 
@@ -152,13 +151,21 @@ def test_check_with_bad_arguments_exits_2(capsys):
     assert main(["check", "--level", "rack"]) == 2  # argparse's own refusal
 
 
-def test_default_implementations_skip_a_registered_one_whose_module_is_missing(monkeypatch):
-    monkeypatch.setitem(runner.BUILTIN_IMPLS, "gpu", "kvspec.no_such_gpu_impl.adapter:make_adapter")
+def test_default_implementations_skip_a_registered_one_whose_module_is_missing(register_target):
+    # A distribution registers a target checked by default whose factory's module is not there.
+    register_target(
+        "later-pool",
+        "later",
+        "later_targets:LATER",
+        "from kvspec.conformance import Target\n"
+        "LATER = Target(name='later', summary='not written yet', factory='later_pool.adapter:make_adapter', "
+        "default_order=4)\n",
+    )
     chosen, notes = _default_impls()
-    assert chosen[:2] == ["reference", "spec"] and "gpu" not in chosen
+    assert chosen[:2] == ["reference", "spec"] and "later" not in chosen
     assert notes == [
-        "gpu: not checked (implementation 'gpu': module kvspec.no_such_gpu_impl.adapter does not import "
-        "(ModuleNotFoundError: No module named 'kvspec.no_such_gpu_impl'))"
+        "later: not checked (implementation 'later': module later_pool.adapter does not import "
+        "(ModuleNotFoundError: No module named 'later_pool'))"
     ]
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance import error_contract as ec
-from kvspec.conformance.operations import OPERATIONS
+from kvspec.conformance.core import error_contract as ec
+from kvspec.conformance.core.operations import OPERATIONS
 from kvspec.spec.errors import BlockManagerError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
-from kvspec.conformance.builtin import ReferencePoolAdapter, make_reference, make_spec
-from kvspec.conformance.coverage import EVENT_BRANCHES, MANAGER_EVENT_BRANCHES
-from kvspec.conformance.runner import replay, run_check
-from kvspec.conformance.trace import read_trace
+from kvspec.conformance.core.coverage import EVENT_BRANCHES, MANAGER_EVENT_BRANCHES
+from kvspec.conformance.core.trace import read_trace
+from kvspec.conformance.runner.run import replay, run_check
+from kvspec.conformance.targets.builtin import ReferencePoolAdapter, make_reference, make_spec
 from kvspec.mutants.events import EvictionWithoutBlockRemoved
 
 N = 25

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.lockstep import Factory
-from kvspec.conformance.runner import run_check
-from kvspec.conformance.vllm import lightmode
-from kvspec.conformance.vllm.adapter import VllmRelease, make_pool_adapter, spec_hashing_for
-from kvspec.conformance.vllm.hashes import GOLDEN_CASES, ProcessChains, judge_release
-from kvspec.conformance.vllm.releases import RELEASES, facts_for, hash_chain_note
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import Factory
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.targets.vllm import lightmode
+from kvspec.conformance.targets.vllm.adapter import VllmRelease, make_pool_adapter, spec_hashing_for
+from kvspec.conformance.targets.vllm.hashes import GOLDEN_CASES, ProcessChains, judge_release
+from kvspec.conformance.targets.vllm.releases import RELEASES, facts_for, hash_chain_note
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, VLLM_NONE_HASH_SEED
 from kvspec.spec.state import BlockHash
 from tests.conformance.miniature import miniature_release
@@ -106,7 +106,9 @@ def test_the_spec_hashes_as_a_release_only_where_its_chain_is_kvspecs() -> None:
     assert note == "vLLM 0.30.0's chain is not kvspec's (its extra keys are untagged)"
 
 
-@pytest.mark.parametrize("name", ["kvspec.conformance.vllm.releases", "kvspec.conformance.vllm.adapter"])
+@pytest.mark.parametrize(
+    "name", ["kvspec.conformance.targets.vllm.releases", "kvspec.conformance.targets.vllm.adapter"]
+)
 def test_doctests(name: str) -> None:
     result = doctest.testmod(importlib.import_module(name), verbose=False)
     assert result.attempted > 0 and result.failed == 0
@@ -157,7 +159,7 @@ def test_chain_differences_name_the_first_one_found_under_the_seed_then_unset() 
 
 
 def test_the_oracle_matrix_has_a_fleet_column_and_the_whole_answer_in_its_notes() -> None:
-    from kvspec.conformance.vllm.oracle import ReleaseRow, format_matrix
+    from kvspec.conformance.tools.oracle import ReleaseRow, format_matrix
 
     rows = [ReleaseRow("0.20.0", hashes="differs (8/32 vectors match)", fleet="only with PYTHONHASHSEED set",
                        fleet_detail="fleet-consistent hashes: only with PYTHONHASHSEED set (...)"),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.registry import factory_name, load_factory
+from kvspec.conformance.runner.registry import factory_name, load_factory
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -75,7 +75,7 @@ def test_a_factory_loaded_from_a_file_is_named_by_that_file(monkeypatch):
     factory = load_factory("examples/pool_example.py:factory")
     assert factory_name(factory) == "examples/pool_example.py:factory"
     assert load_factory("pool_example:factory") is factory  # one module, whichever way it is named
-    assert factory_name(load_factory("kvspec.conformance.builtin:make_reference")) == "reference"
+    assert factory_name(load_factory("kvspec.conformance.targets.builtin:make_reference")) == "reference"
 
 
 def _pytest_examples(tmp_path, bug=None, only=None):

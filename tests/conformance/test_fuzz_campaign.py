@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from kvspec.conformance.results import Verdict
-from kvspec.conformance.runner import replay
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.runner.run import replay
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = "tests/conformance/fuzz_targets.py"

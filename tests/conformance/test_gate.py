@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.results import Verdict
-from kvspec.conformance.runner import make_conformance_test, run_check
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.runner.run import make_conformance_test, run_check
 from tests.conformance import adapters
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 
 from kvspec.benchmarks import harness_bench
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.cli import main
-from kvspec.conformance.coverage import expected_branches
-from kvspec.conformance.groups_demo import run_groups_demo
-from kvspec.conformance.results import Verdict
-from kvspec.conformance.runner import replay, run_check
-from kvspec.conformance.trace import dumps_trace, parse_trace, read_trace
-from kvspec.conformance.view import build_view, trace_to_page_data
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.coverage import expected_branches
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.core.trace import dumps_trace, parse_trace, read_trace
+from kvspec.conformance.runner.run import replay, run_check
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.groups_demo import run_groups_demo
+from kvspec.conformance.tools.view import build_view, trace_to_page_data
 from kvspec.mutants.groups import KeyWithoutGroupId
 from kvspec.reference.kv_cache_manager import KVCacheManager
 from kvspec.spec.manager import Request

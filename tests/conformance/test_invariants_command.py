@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.cli import main
-from kvspec.conformance.commands.invariants import INDIRECT, lemma_claims_from_source, render_text, rows
-from kvspec.conformance.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.commands.invariants import INDIRECT, lemma_claims_from_source, render_text, rows
 from kvspec.mutants import all_mutants
 from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.invariants import EVENT_RULES, HIT_RULES, INVARIANTS, STEP_RULES

@@ -1,6 +1,6 @@
 """A campaign shared among jobs is its jobs' campaigns added up, and its verdict is the first job's in order to fail.
 
-Real campaigns in real forked children (kvspec.conformance.jobs): two jobs
+Real campaigns in real forked children (kvspec.conformance.runner.jobs): two jobs
 are compared with the one-job campaigns on their seeds, parallel jobs with
 the same jobs run in turn, and the stopping rule with children that sleep.
 """
@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.cli import main
-from kvspec.conformance.isolation import Death, run_isolated_jobs
-from kvspec.conformance.jobs import decides, merged
-from kvspec.conformance.results import CampaignReport, Failure, FailureKind, Verdict
-from kvspec.conformance.runner import replay, run_check
-from kvspec.conformance.trace import read_trace
+from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Verdict
+from kvspec.conformance.core.trace import read_trace
+from kvspec.conformance.runner.isolation import Death, run_isolated_jobs
+from kvspec.conformance.runner.jobs import decides, merged
+from kvspec.conformance.runner.run import replay, run_check
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.tools.cli import main
 from tests.conformance import adapters
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvspec.conformance.runner import run_check
+from kvspec.conformance.runner.run import run_check
 
 
 @pytest.mark.slow

@@ -10,12 +10,12 @@ import json
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.cli import main
-from kvspec.conformance.lockstep import LockStep
-from kvspec.conformance.router_mirror import replay_mirrors
-from kvspec.conformance.trace import read_trace, write_trace
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import LockStep
+from kvspec.conformance.core.trace import read_trace, write_trace
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.router_mirror import replay_mirrors
 from kvspec.mutants.events import EvictionWithoutBlockRemoved
 from kvspec.spec.state import BlockHash
 

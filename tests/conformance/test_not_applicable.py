@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import ReferenceManagerAdapter
-from kvspec.conformance.runner import run_check
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter
 from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockId

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.runner import replay
-from kvspec.conformance.trace import read_trace
+from kvspec.conformance.core.trace import read_trace
+from kvspec.conformance.runner.run import replay
 
 TRACES = sorted((Path(__file__).resolve().parents[1] / "data" / "traces_before_the_split").glob("*.trace.jsonl"))
 

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig, capabilities
-from kvspec.conformance.builtin import ReferencePoolAdapter
-from kvspec.conformance.coverage import expected_branches
-from kvspec.conformance.lockstep import ConformanceFailure, LockStep, Observer
-from kvspec.conformance.operations import OPERATIONS, Operation, as_id, level_operations, operation_added
-from kvspec.conformance.report import render_story
-from kvspec.conformance.results import FailureKind, Verdict
-from kvspec.conformance.runner import replay
-from kvspec.conformance.trace import read_trace, write_trace
+from kvspec.conformance.core.adapter import AdapterConfig, capabilities
+from kvspec.conformance.core.coverage import expected_branches
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep, Observer
+from kvspec.conformance.core.operations import OPERATIONS, Operation, as_id, level_operations, operation_added
+from kvspec.conformance.core.report import render_story
+from kvspec.conformance.core.results import FailureKind, Verdict
+from kvspec.conformance.core.trace import read_trace, write_trace
+from kvspec.conformance.runner.run import replay
+from kvspec.conformance.targets.builtin import ReferencePoolAdapter
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.events import AllBlocksCleared
 from kvspec.spec.state import BlockHash, PoolState, Snapshot

@@ -1,4 +1,4 @@
-"""The overlay mechanism on a plugin written here, without downloads (kvspec.conformance.plugins).
+"""The overlay mechanism on a plugin written here, without downloads (kvspec.conformance.targets.plugins).
 
 The base is a miniature vLLM release (plugin_fixture/mini_vllm: a pool with
 vLLM 0.33's shapes and free order), zipped into a wheel and loaded by light
@@ -22,18 +22,18 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.plugins import kvcached_device
-from kvspec.conformance.plugins.dist import PluginDist, fetch_dist
-from kvspec.conformance.plugins.findings import Finding, PluginProbe, match_finding, run_probe
-from kvspec.conformance.plugins.matrix import PluginRow, format_plugin_matrix
-from kvspec.conformance.plugins.overlay import Overlay, OverlayError, load_overlay
-from kvspec.conformance.plugins.targets import TARGETS, factory_for
-from kvspec.conformance.registry import PLUGIN_IMPLS, FactoryError, load_factory
-from kvspec.conformance.results import Failure, FailureKind, Verdict
-from kvspec.conformance.runner import replay, run_check
-from kvspec.conformance.vllm import lightmode
-from kvspec.conformance.vllm.adapter import make_pool_adapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.results import Failure, FailureKind, Verdict
+from kvspec.conformance.runner.registry import FactoryError, find_target, load_factory
+from kvspec.conformance.runner.run import replay, run_check
+from kvspec.conformance.targets.plugins import kvcached_device
+from kvspec.conformance.targets.plugins.dist import PluginDist, fetch_dist
+from kvspec.conformance.targets.plugins.findings import Finding, PluginProbe, match_finding, run_probe
+from kvspec.conformance.targets.plugins.overlay import Overlay, OverlayError, load_overlay
+from kvspec.conformance.targets.plugins.targets import TARGETS, factory_for
+from kvspec.conformance.targets.vllm import lightmode
+from kvspec.conformance.targets.vllm.adapter import make_pool_adapter
+from kvspec.conformance.tools.plugin_matrix import PluginRow, format_plugin_matrix
 from tests.conformance.miniature import miniature_release
 
 FIXTURE = Path(__file__).parent / "plugin_fixture"
@@ -155,7 +155,7 @@ def test_an_overlay_provides_the_pool_level_only(tmp_path: Path) -> None:
 
 def test_kvspec_check_runs_an_overlay_from_the_command_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "kvspec.conformance.cli", "check", "--impl", OVERLAY, "--level", "pool",
+    cmd = [sys.executable, "-m", "kvspec.conformance.tools.cli", "check", "--impl", OVERLAY, "--level", "pool",
            "--profile", "vllm-v1-tail", "--max-examples", "20", "--trace-dir", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -177,8 +177,9 @@ def test_a_malformed_plugin_name_is_one_line(name: str, why: str) -> None:
 
 
 def test_the_registry_knows_every_target() -> None:
-    assert tuple(TARGETS) == PLUGIN_IMPLS
-    for name in PLUGIN_IMPLS:
+    # every plugin target is registered through its entry point, and resolves to its factory
+    assert {name for name in TARGETS if (target := find_target(name)) and target.name == name} == set(TARGETS)
+    for name in TARGETS:
         factory = factory_for(name)
         assert factory.__name__ == name and set(factory.levels) <= {"pool", "manager"}  # type: ignore[attr-defined]
 

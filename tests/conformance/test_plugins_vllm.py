@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.plugins import kvcached, tpu_inference, vllm_mlx
-from kvspec.conformance.plugins.dist import fetch_dist
-from kvspec.conformance.plugins.findings import match_finding, run_probe
-from kvspec.conformance.plugins.targets import TARGETS
-from kvspec.conformance.results import Verdict
-from kvspec.conformance.runner import replay, run_check
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.runner.run import replay, run_check
+from kvspec.conformance.targets.plugins import kvcached, tpu_inference, vllm_mlx
+from kvspec.conformance.targets.plugins.dist import fetch_dist
+from kvspec.conformance.targets.plugins.findings import match_finding, run_probe
+from kvspec.conformance.targets.plugins.targets import TARGETS
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockId
 

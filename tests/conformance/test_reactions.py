@@ -10,10 +10,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
-from kvspec.conformance.lockstep import ConformanceFailure, LockStep, Observer
-from kvspec.conformance.reactions import (
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep, Observer
+from kvspec.conformance.core.reactions import (
     IGNORES,
     SPEC_ERROR,
     NotExpressible,
@@ -25,12 +24,13 @@ from kvspec.conformance.reactions import (
     raises,
     reaction_problem,
 )
-from kvspec.conformance.replaying import replay_example
-from kvspec.conformance.results import Outcome
-from kvspec.conformance.runner import run_check
-from kvspec.conformance.strategies import HASH_UNIVERSE
-from kvspec.conformance.survey import survey_reactions
-from kvspec.conformance.trace import dumps_trace, parse_trace
+from kvspec.conformance.core.results import Outcome
+from kvspec.conformance.core.strategies import HASH_UNIVERSE
+from kvspec.conformance.core.trace import dumps_trace, parse_trace
+from kvspec.conformance.runner.replaying import replay_example
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.runner.survey import survey_reactions
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.spec.state import BlockId
 
 N = 120
@@ -240,11 +240,11 @@ def test_the_survey_of_the_reference_sees_the_spec_error_for_every_mistake_it_ma
 
 
 def test_vllm_declared_reactions_name_every_mistake_of_their_level_and_only_those():
-    """vLLM's tables (kvspec.conformance.vllm.reactions) list every mistake of their level, so absent means
+    """vLLM's tables (kvspec.conformance.targets.vllm.reactions) list every mistake of their level, so absent means
     "declared None" (no one reaction), and a table with a typo'd mistake name cannot load into an adapter."""
-    from kvspec.conformance.operations import OPERATIONS
-    from kvspec.conformance.vllm import reactions as vllm_reactions
-    from kvspec.conformance.vllm.releases import RELEASES
+    from kvspec.conformance.core.operations import OPERATIONS
+    from kvspec.conformance.targets.vllm import reactions as vllm_reactions
+    from kvspec.conformance.targets.vllm.releases import RELEASES
 
     request_level = {f"{op.name}: {m}" for op in OPERATIONS.values() if "manager" in op.levels for m in op.mistakes}
     assert set(vllm_reactions._MANAGER_REACTIONS) == request_level

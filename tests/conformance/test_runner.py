@@ -11,10 +11,9 @@ import sys
 
 import pytest
 
-from kvspec.conformance import runner
-from kvspec.conformance.builtin import make_reference, make_spec
-from kvspec.conformance.runner import FactoryError, load_factory, replay, run_check
-from kvspec.conformance.trace import read_trace
+from kvspec.conformance.core.trace import read_trace
+from kvspec.conformance.runner.run import FactoryError, load_factory, replay, run_check
+from kvspec.conformance.targets.builtin import make_reference, make_spec
 from tests.conformance import adapters
 
 # Small campaigns: every wrong adapter here is caught within a few dozen examples.
@@ -135,7 +134,7 @@ def test_an_adapter_missing_a_method_could_not_run(tmp_path):
 @pytest.mark.parametrize(
     "name, says",
     [
-        ("nonsense", "neither a built-in name"),
+        ("nonsense", "neither a registered target"),
         ("kvspec.no_such_module:make", "module kvspec.no_such_module does not import"),
         ("tests.conformance.adapters:no_such_factory", "has no attribute 'no_such_factory'"),
         ("tests.conformance.adapters:NOT_CALLABLE", "is a int, not a callable factory"),
@@ -149,11 +148,18 @@ def test_load_factory_names_what_is_wrong(name, says):
 
 def test_load_factory_resolves_builtin_names_and_module_paths():
     assert load_factory("reference") is make_reference
-    assert load_factory("kvspec.conformance.builtin:make_spec") is make_spec
+    assert load_factory("kvspec.conformance.targets.builtin:make_spec") is make_spec
 
 
-def test_a_registered_implementation_whose_module_is_missing_could_not_run(monkeypatch, tmp_path):
-    monkeypatch.setitem(runner.BUILTIN_IMPLS, "later", "kvspec.not_written_yet.adapter:make_adapter")
+def test_a_registered_implementation_whose_module_is_missing_could_not_run(register_target, tmp_path):
+    register_target(
+        "later-pool",
+        "later",
+        "later_targets:LATER",
+        "from kvspec.conformance import Target\n"
+        "LATER = Target(name='later', summary='not written yet',\n"
+        "               factory='kvspec.not_written_yet.adapter:make_adapter')\n",
+    )
     r = run_check("later", level="pool", max_examples=5, trace_dir=tmp_path)
     assert r.verdict == "could-not-run" and r.impl == "later"
     assert "kvspec.not_written_yet.adapter does not import" in r.message
@@ -203,8 +209,8 @@ def test_the_same_seed_gives_the_same_campaign(tmp_path):
 _LOADED_MODULES_SCRIPT = """
 import sys
 from hypothesis.internal.conjecture import providers
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.runner import run_check
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.runner.run import run_check
 
 def campaign():
     r = run_check(make_reference, level="manager", groups="full,sliding:4", max_examples=30, isolate=False,
@@ -300,7 +306,7 @@ def test_make_conformance_test_gives_one_test_per_configuration_that_fails_with_
 
 
 def test_the_prefix_kv_source_names_each_prefix_once():
-    from kvspec.conformance.lockstep import PrefixKVSource
+    from kvspec.conformance.core.lockstep import PrefixKVSource
     from kvspec.spec.hashing import MultiModalInput
     from kvspec.spec.manager import Request
 

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from kvspec.conformance.cli import main
-from kvspec.conformance.simulate import SimRequest, WorkloadError, read_workload, simulate
-from kvspec.conformance.workloads import WORKLOADS, builtin_workload
+from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.simulate import SimRequest, WorkloadError, read_workload, simulate
+from kvspec.conformance.tools.workloads import WORKLOADS, builtin_workload
 from kvspec.reference.kv_cache_manager import KVCacheManager
 
 # A (10 tokens) generates 2; B arrives after A finished and shares A's first 8 tokens.

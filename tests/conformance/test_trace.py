@@ -4,12 +4,9 @@ import json
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import make_reference, make_spec
-from kvspec.conformance.cli import main
-from kvspec.conformance.results import Failure, FailureKind, Verdict
-from kvspec.conformance.runner import replay
-from kvspec.conformance.trace import (
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.results import Failure, FailureKind, Verdict
+from kvspec.conformance.core.trace import (
     MalformedTrace,
     Outcome,
     Trace,
@@ -19,6 +16,9 @@ from kvspec.conformance.trace import (
     read_trace,
     write_trace,
 )
+from kvspec.conformance.runner.run import replay
+from kvspec.conformance.targets.builtin import make_reference, make_spec
+from kvspec.conformance.tools.cli import main
 from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.manager import Request
@@ -175,7 +175,7 @@ def test_a_hand_written_trace_replays_on_the_spec_and_the_reference():
         r = replay(trace, factory, isolate=False)
         assert r.verdict == "conforms" and r.steps_run == 5
     # The spec's own outcomes, step by step: block 3 (unhashed) was freed to the left end, so it is taken first.
-    from kvspec.conformance.lockstep import run_spec
+    from kvspec.conformance.core.lockstep import run_spec
 
     outcomes = run_spec(trace.config, [(s.op, s.args) for s in trace.steps])
     assert [o.result for o, _ in outcomes] == [[1, 2, 3], None, None, [3], 1]

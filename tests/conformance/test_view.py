@@ -22,21 +22,21 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.cli import main
-from kvspec.conformance.lockstep import LockStep
-from kvspec.conformance.runner import replay
-from kvspec.conformance.trace import Trace, TraceStep, read_trace
-from kvspec.conformance.view import (
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import LockStep
+from kvspec.conformance.core.trace import Trace, TraceStep, read_trace
+from kvspec.conformance.runner.run import replay
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.view import (
     build_view,
     render_page,
     trace_to_page_data,
     walkthrough_to_page_data,
 )
-from kvspec.conformance.view.model import RULES
-from kvspec.conformance.view.serve import make_server
-from kvspec.conformance.walkthrough import load_golden, run_walkthrough
+from kvspec.conformance.tools.view.model import RULES
+from kvspec.conformance.tools.view.serve import make_server
+from kvspec.conformance.tools.walkthrough import load_golden, run_walkthrough
 from kvspec.spec.invariants import INVARIANTS
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash

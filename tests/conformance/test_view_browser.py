@@ -27,12 +27,12 @@ from typing import Any
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.cli import main
-from kvspec.conformance.runner import replay, run_check
-from kvspec.conformance.trace import Trace, TraceStep, read_trace
-from kvspec.conformance.view import trace_to_page_data, write_page, write_trace_page
-from kvspec.conformance.walkthrough import load_golden
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.trace import Trace, TraceStep, read_trace
+from kvspec.conformance.runner.run import replay, run_check
+from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.view import trace_to_page_data, write_page, write_trace_page
+from kvspec.conformance.tools.walkthrough import load_golden
 from kvspec.mutants import all_mutants
 from tests.conformance.chromium import Browser, chromium_session
 from tests.conformance.test_view import content_failure_trace, fifty_step_trace

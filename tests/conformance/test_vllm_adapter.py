@@ -12,19 +12,14 @@ import logging
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig, capabilities
-from kvspec.conformance.reactions import NotExpressible, raises
-from kvspec.conformance.survey import survey_reactions
-from kvspec.conformance.vllm.adapter import (
-    VllmPoolAdapter,
-    factory_for,
-    light_release,
-    make_light_adapter,
-    make_pool_adapter,
-)
-from kvspec.conformance.vllm.oracle import run_probes
-from kvspec.conformance.vllm.reactions import pool_reactions, reaction_change_points
-from kvspec.conformance.vllm.releases import RELEASES, facts_for, version_key
+from kvspec.conformance.core.adapter import AdapterConfig, capabilities
+from kvspec.conformance.core.reactions import NotExpressible, raises
+from kvspec.conformance.runner.survey import survey_reactions
+from kvspec.conformance.targets.vllm.adapter import VllmPoolAdapter, light_release, make_pool_adapter
+from kvspec.conformance.targets.vllm.factories import factory_for, make_light_adapter
+from kvspec.conformance.targets.vllm.probes import run_probes
+from kvspec.conformance.targets.vllm.reactions import pool_reactions, reaction_change_points
+from kvspec.conformance.targets.vllm.releases import RELEASES, facts_for, version_key
 from kvspec.spec.state import BlockHash, BlockId
 from tests.conformance.wide_keys import register_and_free, wide_group_id_factory
 
@@ -136,7 +131,7 @@ REACTION_CHANGES = sorted({*reaction_change_points(), RELEASES[-1]}, key=version
 @pytest.mark.parametrize("caching", [True, False])
 def test_harness_conforms_under_the_release_profile_with_every_declared_reaction(version: str, caching: bool) -> None:
     # Every caller mistake with a declared reaction is sent to vLLM, and the reaction checked.
-    from kvspec.conformance.runner import run_check
+    from kvspec.conformance.runner.run import run_check
 
     result = run_check(make_light_adapter(version), level="pool", enable_caching=caching,
                        profile=_profile(version, caching), max_examples=100)  # fmt: skip

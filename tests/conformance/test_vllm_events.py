@@ -1,4 +1,4 @@
-"""vLLM's KV cache events at the pool level (kvspec.conformance.vllm.events, the pool adapter's take_events).
+"""vLLM's KV cache events at the pool level (kvspec.conformance.targets.vllm.events, the pool adapter's take_events).
 
 The unmarked tests need no vLLM: they translate event objects shaped as
 vLLM's (same class names and fields) and check the declared facts and the
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.vllm.events import (
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.vllm.events import (
     AmbiguousEventKey,
     EventTranslator,
     PoolEventRequest,
@@ -27,7 +27,7 @@ from kvspec.conformance.vllm.events import (
     event_facts,
     fields_not_published,
 )
-from kvspec.conformance.vllm.releases import RELEASES, version_key
+from kvspec.conformance.targets.vllm.releases import RELEASES, version_key
 from kvspec.spec.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, event_extra_keys
 from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.state import BlockHash, BlockId
@@ -164,7 +164,7 @@ H1, H2, H3 = BlockHash(b"\x00\x01"), BlockHash(b"\xff"), BlockHash(b"hash-3")
 
 
 def _pool(version: str, events: bool = True, n: int = 6) -> Any:
-    from kvspec.conformance.vllm.adapter import light_release, make_pool_adapter
+    from kvspec.conformance.targets.vllm.adapter import light_release, make_pool_adapter
 
     logging.disable(logging.WARNING)
     return make_pool_adapter(light_release(version), AdapterConfig("pool", n, events=events))
@@ -173,7 +173,7 @@ def _pool(version: str, events: bool = True, n: int = 6) -> Any:
 @pytest.mark.vllm
 @pytest.mark.parametrize("version", RELEASES)
 def test_every_release_from_0_9_builds_with_events_and_publishes_the_declared_fields(version: str) -> None:
-    from kvspec.conformance.vllm.adapter import light_release
+    from kvspec.conformance.targets.vllm.adapter import light_release
 
     facts = event_facts(version)
     pool = _pool(version)
@@ -268,8 +268,8 @@ def _profile(version: str) -> str:
 @pytest.mark.vllm
 @pytest.mark.parametrize("version", CAMPAIGN_RELEASES)
 def test_a_pool_campaign_with_events_conforms(version: str) -> None:
-    from kvspec.conformance.runner import run_check
-    from kvspec.conformance.vllm.adapter import make_light_adapter
+    from kvspec.conformance.runner.run import run_check
+    from kvspec.conformance.targets.vllm.factories import make_light_adapter
 
     # An eviction (BlockRemoved) needs a full pool of cached blocks: rounds on the next seeds while it is unreached.
     result = run_check(make_light_adapter(version), level="pool", enable_caching=True, profile=_profile(version),
@@ -282,8 +282,8 @@ def test_a_pool_campaign_with_events_conforms(version: str) -> None:
 @pytest.mark.vllm
 def test_a_translation_that_drops_removals_is_caught_by_the_mirror_rule(tmp_path: Any) -> None:
     # The check can fail: the same adapter with every BlockRemoved dropped breaks event_mirror_exact.
-    from kvspec.conformance.runner import run_check
-    from kvspec.conformance.vllm.adapter import make_light_adapter
+    from kvspec.conformance.runner.run import run_check
+    from kvspec.conformance.targets.vllm.factories import make_light_adapter
 
     base = make_light_adapter("0.33.0")
 
@@ -303,7 +303,7 @@ def test_a_translation_that_drops_removals_is_caught_by_the_mirror_rule(tmp_path
 
 
 def test_the_events_column_says_ok_no_events_the_rule_broken_or_the_verdict() -> None:
-    from kvspec.conformance.vllm.oracle import Cell, ReleaseRow, format_matrix
+    from kvspec.conformance.tools.oracle import Cell, ReleaseRow, format_matrix
 
     def ran(verdict: str, **extra: Any) -> Cell:
         return Cell("ran", "", {"vllm-v1": {"verdict": verdict, "step": 3, "op": "evict_blocks", "message": "m",
@@ -325,7 +325,7 @@ def test_the_events_column_says_ok_no_events_the_rule_broken_or_the_verdict() ->
 
 @pytest.mark.vllm
 def test_the_oracle_events_column_on_a_release_without_events_and_two_with(tmp_path: Any) -> None:
-    from kvspec.conformance.vllm.oracle import format_matrix, run_oracle
+    from kvspec.conformance.tools.oracle import format_matrix, run_oracle
 
     rows = run_oracle(["0.8.5", "0.9.0", "0.33.0"], levels=("pool",), caching="on", max_examples=20,
                       time_budget=40.0, trace_dir=str(tmp_path), events=True)  # fmt: skip

@@ -1,7 +1,7 @@
 """kvspec's block-hash chain against vLLM's.
 
 The unmarked test needs no vLLM: it checks kvspec's chain against the vectors
-vLLM 0.33.0's own hasher produced (``conformance/vllm/golden_hashes.json``).
+vLLM 0.33.0's own hasher produced (``conformance/targets/vllm/golden_hashes.json``).
 The ``vllm`` tests recompute vLLM's side (KVSPEC_VLLM=1), and measure every
 release's fleet answer and whether its chain is kvspec's in fresh processes.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.vllm.hashes import (
+from kvspec.conformance.targets.vllm.hashes import (
     GOLDEN_CASES,
     compare_release,
     golden_vectors,
@@ -24,7 +24,7 @@ from kvspec.conformance.vllm.hashes import (
     measure_release,
     measure_releases,
 )
-from kvspec.conformance.vllm.releases import RELEASES, facts_for, version_key
+from kvspec.conformance.targets.vllm.releases import RELEASES, facts_for, version_key
 
 
 def test_kvspec_chain_equals_vllm_0_33_golden_vectors() -> None:
@@ -108,7 +108,7 @@ def test_every_release_s_hash_facts_are_what_fresh_processes_measure() -> None:
 def test_kvspec_hashes_prints_the_fleet_answer_and_what_the_harness_compares(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from kvspec.conformance.cli import main
+    from kvspec.conformance.tools.cli import main
 
     logging.disable(logging.WARNING)
     assert main(["hashes", "--version", "0.33.0"]) == 0
@@ -124,7 +124,7 @@ def test_kvspec_hashes_prints_the_fleet_answer_and_what_the_harness_compares(
 
 @pytest.mark.vllm
 def test_the_oracle_reports_each_release_s_fleet_answer(tmp_path: Path) -> None:
-    from kvspec.conformance.vllm.oracle import format_matrix, run_oracle
+    from kvspec.conformance.tools.oracle import format_matrix, run_oracle
 
     (row,) = run_oracle(["0.30.0"], levels=("pool",), caching="on", max_examples=10, trace_dir=str(tmp_path))
     assert row.fleet == "yes", row

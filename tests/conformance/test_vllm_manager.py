@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
-from kvspec.conformance.vllm import oracle
-from kvspec.conformance.vllm.oracle import WORKER_ENV, ensure_venv
-from kvspec.conformance.vllm.releases import facts_for
+from kvspec.conformance.targets.vllm.releases import facts_for
+from kvspec.conformance.tools import oracle
+from kvspec.conformance.tools.oracle import WORKER_ENV, ensure_venv
 
 pytestmark = pytest.mark.vllm
 
@@ -39,11 +39,11 @@ pytestmark = pytest.mark.vllm
 _SCRIPT = r"""
 import json, logging, sys, tempfile
 logging.disable(logging.WARNING)
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.lockstep import ConformanceFailure, LockStep
-from kvspec.conformance.runner import replay
-from kvspec.conformance.vllm.adapter import make_installed_adapter
-from kvspec.conformance.vllm.oracle import run_probes
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.runner.run import replay
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter
+from kvspec.conformance.targets.vllm.probes import run_probes
 from kvspec.spec.manager import Request
 
 A = Request("A", tuple(range(10)))
@@ -272,9 +272,10 @@ def test_seed_requests_at_the_request_level(version: str) -> None:
 _EXACT_SCRIPT = r"""
 import json, logging
 logging.disable(logging.WARNING)
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.lockstep import ConformanceFailure, LockStep
-from kvspec.conformance.vllm.adapter import installed_release, make_installed_adapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.targets.vllm.adapter import installed_release
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter
 from kvspec.spec.hashing import hash_request_blocks
 from kvspec.spec.manager import Request
 
@@ -398,18 +399,18 @@ def test_an_environment_made_from_another_checkout_runs_this_one(
 
 
 # The request level's declared reactions, per release and caching setting
-# (kvspec.conformance.vllm.reactions): a campaign sends every declared mistake
+# (kvspec.conformance.targets.vllm.reactions): a campaign sends every declared mistake
 # and checks its reaction, and a survey (every mistake, to a replica) sees only
 # the declared reactions. A mistake declared None ("no one reaction") is never
 # sent and the survey may see anything for it.
 _REACTIONS_SCRIPT = r"""
 import json, logging, sys
 logging.disable(logging.WARNING)
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.runner import run_check
-from kvspec.conformance.survey import survey_reactions
-from kvspec.conformance.vllm.adapter import make_installed_adapter
-from kvspec.conformance.vllm.reactions import manager_reactions
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.runner.survey import survey_reactions
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter
+from kvspec.conformance.targets.vllm.reactions import manager_reactions
 
 version, profile, caching = sys.argv[1], sys.argv[2], sys.argv[3] == "on"
 declared = manager_reactions(version, caching)
@@ -448,7 +449,7 @@ def _kind(seen: str) -> str:
 def test_every_declared_request_level_reaction_is_sent_and_is_what_a_survey_sees(version: str, caching: str) -> None:
     if caching == "off" and EXPECTED[version]["off"]["verdict"] != "conforms":
         # 0.8.x frees head first without caching: every campaign diverges before a mistake counts.
-        from kvspec.conformance.vllm.reactions import manager_reactions
+        from kvspec.conformance.targets.vllm.reactions import manager_reactions
 
         assert manager_reactions(version, False) == {}
         return
@@ -479,10 +480,10 @@ def test_every_declared_request_level_reaction_is_sent_and_is_what_a_survey_sees
 _SIMULATE_SCRIPT = r"""
 import json, logging
 logging.disable(logging.WARNING)
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.simulate import simulate
-from kvspec.conformance.vllm.adapter import make_installed_adapter
-from kvspec.conformance.workloads import builtin_workload
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.tools.simulate import simulate
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter
+from kvspec.conformance.tools.workloads import builtin_workload
 
 out = []
 for name, block_size, pool in (("chat", 16, 300), ("chat", 32, 2000), ("rag", 16, 400)):
@@ -518,9 +519,9 @@ def test_simulate_counts_the_hits_vllm_0_33_s_own_manager_gives_on_the_same_work
 _GROUPS_SCRIPT = r"""
 import json, logging, sys
 logging.disable(logging.WARNING)
-from kvspec.conformance.adapter import AdapterConfig, LevelNotProvided
-from kvspec.conformance.lockstep import ConformanceFailure, LockStep
-from kvspec.conformance.vllm.adapter import make_installed_adapter
+from kvspec.conformance.core.adapter import AdapterConfig, LevelNotProvided
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter
 from kvspec.spec.manager import Request
 
 A = Request("A", tuple(range(16)))
@@ -669,9 +670,9 @@ def test_kv_cache_groups_at_the_request_level(version: str) -> None:
 _GROUPS_CAMPAIGN_SCRIPT = r"""
 import json, logging, sys, tempfile
 logging.disable(logging.WARNING)
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.runner import run_check
-from kvspec.conformance.vllm.adapter import make_installed_adapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter
 
 # vLLM's first import takes longer than a step may: build one manager before the campaign times steps.
 make_installed_adapter(AdapterConfig(level="manager", num_gpu_blocks=4))
@@ -709,13 +710,13 @@ _EVENTS_SCRIPT = r"""
 import json, logging, sys, tempfile
 logging.disable(logging.WARNING)
 from dataclasses import replace
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.kv_events import describe_events
-from kvspec.conformance.lockstep import ConformanceFailure, LockStep
-from kvspec.conformance.runner import replay
-from kvspec.conformance.trace import write_trace
-from kvspec.conformance.vllm.adapter import make_installed_adapter
-from kvspec.conformance.vllm.manager import make_full_report_adapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.kv_events import describe_events
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.runner.run import replay
+from kvspec.conformance.core.trace import write_trace
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter
+from kvspec.conformance.targets.vllm.manager import make_full_report_adapter
 from kvspec.spec.manager import Request
 
 A = Request("A", tuple(range(10)))
@@ -765,7 +766,7 @@ with tempfile.TemporaryDirectory() as tmp:
     print(json.dumps({
         "story": run(make_installed_adapter, "vllm", True, story, tmp, "story"),
         "caching_off": run(make_installed_adapter, "vllm", False, admit_then_hit[:2], tmp, "caching-off"),
-        "full_report": run(make_full_report_adapter, "kvspec.conformance.vllm.manager:make_full_report_adapter",
+        "full_report": run(make_full_report_adapter, "kvspec.conformance.targets.vllm.manager:make_full_report_adapter",
                            True, admit_then_hit, tmp, "full-report"),
     }))
 """
@@ -819,8 +820,8 @@ def test_events_and_hit_statistics_at_the_request_level_on_vllm_0_33() -> None:
 _REPLAY_SCRIPT = r"""
 import json, logging, sys, tempfile
 logging.disable(logging.WARNING)
-from kvspec.conformance.registry import load_factory
-from kvspec.conformance.runner import replay
+from kvspec.conformance.runner.registry import load_factory
+from kvspec.conformance.runner.run import replay
 
 out = {}
 with tempfile.TemporaryDirectory() as tmp:
@@ -832,8 +833,8 @@ with tempfile.TemporaryDirectory() as tmp:
 print(json.dumps(out))
 """
 _EVENTS_DATA = Path(__file__).resolve().parents[1] / "data" / "vllm_events"
-_EVENTS_ONLY = "kvspec.conformance.vllm.manager:make_events_only_adapter"
-_FULL_REPORT = "kvspec.conformance.vllm.manager:make_full_report_adapter"
+_EVENTS_ONLY = "kvspec.conformance.targets.vllm.manager:make_events_only_adapter"
+_FULL_REPORT = "kvspec.conformance.targets.vllm.manager:make_full_report_adapter"
 FINDING_TRACES: dict[str, list[tuple[str, str, list[Any]]]] = {
     # Up to 0.24 a request is counted at its lookup (step 1); the spec counts it at admission.
     "0.10.2": [

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig, capabilities
-from kvspec.conformance.results import Verdict
-from kvspec.conformance.runner import run_check
-from kvspec.conformance.vllm import lightmode
-from kvspec.conformance.vllm.v0 import VllmV0PoolAdapter, make_v0_light_adapter
+from kvspec.conformance.core.adapter import AdapterConfig, capabilities
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.vllm import lightmode
+from kvspec.conformance.targets.vllm.v0 import VllmV0PoolAdapter, make_v0_light_adapter
 from kvspec.spec.state import BlockHash, BlockId
 from tests.conformance.miniature import miniature_release
 
@@ -86,7 +86,7 @@ def test_caching_off_and_the_request_level_are_refused_with_why() -> None:
 
 def test_the_evictor_benchmark_row_replays_one_trace_on_both_and_prints_each_size_s_ratio() -> None:
     from kvspec.benchmarks.reference_bench import measure_v0_evictor, render_v0_evictor
-    from kvspec.conformance.vllm.v0 import load_lru_evictor
+    from kvspec.conformance.targets.vllm.v0 import load_lru_evictor
 
     results = measure_v0_evictor(load_lru_evictor(MINI), sizes=(20, 40), rounds=30, repeat=1)
     assert [(m.num_blocks, m.num_operations) for m in results] == [(20, 120), (40, 120)]

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig, capabilities
-from kvspec.conformance.lockstep import ConformanceFailure, LockStep
-from kvspec.conformance.results import Verdict
-from kvspec.conformance.runner import run_check
-from kvspec.conformance.vllm import lightmode
-from kvspec.conformance.vllm.v0 import V0_RELEASES, load_lru_evictor, make_v0_light_adapter
+from kvspec.conformance.core.adapter import AdapterConfig, capabilities
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.vllm import lightmode
+from kvspec.conformance.targets.vllm.v0 import V0_RELEASES, load_lru_evictor, make_v0_light_adapter
 from kvspec.spec.state import BlockHash, BlockId
 
 pytestmark = pytest.mark.vllm
@@ -122,7 +122,7 @@ def test_the_evictor_benchmark_agrees_with_v0_s_real_lru_evictor_on_every_evicti
 
 
 def test_the_oracle_runs_a_v0_release_in_its_own_process_and_names_each_difference(tmp_path: object) -> None:
-    from kvspec.conformance.vllm.oracle import format_matrix, run_oracle
+    from kvspec.conformance.tools.oracle import format_matrix, run_oracle
 
     (row,) = run_oracle(["0.6.6"], caching="both", max_examples=20, time_budget=30.0, trace_dir=str(tmp_path))
     on, off = row.cells["pool/on"], row.cells["pool/off"]

@@ -8,9 +8,9 @@ Shared by the miniature release's test (test_exact_hashes.py, default suite) and
 
 from __future__ import annotations
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.lockstep import ConformanceFailure, Factory, LockStep
-from kvspec.conformance.vllm.adapter import VllmRelease, make_pool_adapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import ConformanceFailure, Factory, LockStep
+from kvspec.conformance.targets.vllm.adapter import VllmRelease, make_pool_adapter
 from kvspec.spec.state import BlockHash
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvspec.conformance.adapter import (
+from kvspec.conformance.core.adapter import (
     AdapterConfig,
     BlockManagerAdapter,
     KVCacheManagerAdapter,

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import SpecManagerAdapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import SpecManagerAdapter
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.kv_cache_manager import TensorKVCacheManager, prefix_kv_source
 from kvspec.spec.errors import BlockManagerError, InvalidRequest

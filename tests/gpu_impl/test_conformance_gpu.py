@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.coverage import EVENT_BRANCHES, MANAGER_EVENT_BRANCHES
-from kvspec.conformance.runner import make_conformance_test, run_check
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.coverage import EVENT_BRANCHES, MANAGER_EVENT_BRANCHES
+from kvspec.conformance.runner.run import make_conformance_test, run_check
 from kvspec.gpu_impl.adapter import make_adapter
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import SpecManagerAdapter
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import SpecManagerAdapter
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.kv_cache_manager import TensorKVCacheManager

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.gpu_impl.adapter import make_adapter
 from kvspec.gpu_impl.kv_cache import PagedKVCache
 from kvspec.gpu_impl.kv_cache_manager import TensorKVCacheManager, prefix_kv_source

@@ -44,7 +44,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.gpu_impl.adapter import make_adapter
 from kvspec.gpu_impl.kv_cache_manager import prefix_kv_source
 from kvspec.reference import KVCacheManager

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvspec.conformance.adapter import AdapterConfig
+from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.gpu_impl.kv_cache_manager import prefix_kv_source
 from kvspec.mutants.gpu_memory import MUTANTS, ReuseWithoutEviction, WriteSharedBlock, WriteWrongSlot
 from kvspec.spec.errors import BlockManagerError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvspec.conformance.cli import main
+from kvspec.conformance.tools.cli import main
 from kvspec.gpu_impl.device import cuda_available
 from kvspec.gpu_impl.sizing import KVLayout, device_free_memory, format_size, parse_size, plan_capacity
 from kvspec.spec.errors import InvalidRequest

@@ -1,6 +1,6 @@
 """Seed 000's six-block walkthrough on gpu_impl: every golden state, through the built-in adapter."""
 
-from kvspec.conformance.walkthrough import load_golden, run_walkthrough
+from kvspec.conformance.tools.walkthrough import load_golden, run_walkthrough
 from kvspec.gpu_impl.adapter import make_adapter
 from kvspec.spec.invariants import check_all
 

@@ -24,12 +24,13 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvspec.conformance.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.cli import main
-from kvspec.conformance.lockstep import ConformanceFailure, StepTimeout, StepWatch
-from kvspec.conformance.machine import conformance_machine
-from kvspec.conformance.mutants import (
+from kvspec.conformance.core.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
+from kvspec.conformance.core.lockstep import ConformanceFailure, StepTimeout, StepWatch
+from kvspec.conformance.core.machine import conformance_machine
+from kvspec.conformance.runner.run import replay, run_check
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.mutants import (
     KILLING_VERDICTS,
     MEDIAN_TRACE_TARGET,
     Mutant,
@@ -38,7 +39,6 @@ from kvspec.conformance.mutants import (
     run_mutants,
     summarize,
 )
-from kvspec.conformance.runner import replay, run_check
 from kvspec.mutants import REQUIRED_KINDS, all_mutants
 from kvspec.mutants._base import ListQueuePool
 

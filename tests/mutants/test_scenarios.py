@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import ReferenceManagerAdapter, make_reference, make_spec
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, make_reference, make_spec
 from kvspec.mutants import Mutant, all_mutants
 from kvspec.mutants._base import ListQueuePool
 from kvspec.spec.errors import AlreadyCached, BlockManagerError, DoubleFree, InvalidBlock, PoolExhausted

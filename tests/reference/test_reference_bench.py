@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvspec.benchmarks import reference_bench
-from kvspec.conformance.commands import bench
+from kvspec.conformance.tools.commands import bench
 
 
 def test_measure_times_every_operation_at_every_size() -> None:

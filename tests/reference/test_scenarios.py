@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from kvspec.conformance.adapter import AdapterConfig
-from kvspec.conformance.builtin import make_reference, make_spec
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.targets.builtin import make_reference, make_spec
 from kvspec.spec.hashing import hash_request_blocks
 from kvspec.spec.invariants import check_all
 from kvspec.spec.manager import Request

@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from kvspec.conformance import contracts
-from kvspec.conformance.cli import main
+from kvspec.conformance.tools import contracts
+from kvspec.conformance.tools.cli import main
 from kvspec.spec import ops
 from tests.spec.crosshair_bugs import BUGS, Bug
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import z3
 
-from kvspec.conformance.cli import main
+from kvspec.conformance.tools.cli import main
 from kvspec.spec.lemmas import LEMMAS, Lemma, lemma_by_name
 from kvspec.spec.lemmas.backend import Universe
 from kvspec.spec.lemmas.prover import Formula, Obligation, decide_false, decide_true
@@ -107,7 +107,7 @@ def test_registry_lists_design_lemmas_one_module_each():
 
 
 def test_report_json_and_text_name_the_slowest_and_the_breaks(report):
-    from kvspec.conformance.commands.prove import render_text
+    from kvspec.conformance.tools.commands.prove import render_text
 
     data = report.as_json()
     assert data["ok"] is True

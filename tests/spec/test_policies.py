@@ -7,9 +7,9 @@ from fractions import Fraction
 
 import pytest
 
-from kvspec.conformance.builtin import make_reference
-from kvspec.conformance.cli import main
-from kvspec.conformance.runner import run_check
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.builtin import make_reference
+from kvspec.conformance.tools.cli import main
 from kvspec.reference.block_pool import BlockPool
 from kvspec.spec import ops
 from kvspec.spec.errors import InvalidRequest

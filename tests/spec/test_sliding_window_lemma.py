@@ -9,7 +9,7 @@ import re
 import pytest
 import z3
 
-from kvspec.conformance.cli import main
+from kvspec.conformance.tools.cli import main
 from kvspec.spec import attention
 from kvspec.spec.lemmas import lemma_by_name, sliding_window
 from kvspec.spec.lemmas.backend import Z3

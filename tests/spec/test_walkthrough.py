@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvspec.conformance.builtin import make_reference, make_spec
-from kvspec.conformance.walkthrough import load_golden, render_step, run_walkthrough
+from kvspec.conformance.targets.builtin import make_reference, make_spec
+from kvspec.conformance.tools.walkthrough import load_golden, render_step, run_walkthrough
 from kvspec.spec.invariants import check_all
 
 

@@ -1,0 +1,114 @@
+"""The mechanics around a campaign's implementation calls: the step time limit, the heartbeat, the step stream.
+
+The harness must survive an implementation that hangs or kills its process.
+`StepWatch` is what makes that possible from inside the campaign's process:
+it arms a per-call alarm (SIGALRM, where this thread can use it) so that a
+call hung in Python code stops with `StepTimeout` at once; it keeps a
+heartbeat (when the running call started) that the parent process watches,
+to kill a child hung in C code; and it writes every step to a stream before
+the implementation runs it, so a process that dies still leaves the steps
+that led there. It also knows which example is running and which one failed
+last, which is what the campaign reports.
+
+Statistics (what a campaign reached) are the `Observer`'s
+(kvspec.conformance.core.lockstep), not this object's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.trace import encode_value, header_line
+
+__all__ = ["StepTimeout", "StepWatch"]
+
+
+class StepTimeout(BaseException):
+    """One implementation call ran past the step time limit.
+
+    A BaseException on purpose: Hypothesis lets it through at once instead of
+    shrinking it, since every shrink attempt of a hang would cost a full time
+    limit.
+    """
+
+
+class StepWatch:
+    """Times each implementation call, beats a heartbeat, streams the steps, and remembers the failing example."""
+
+    def __init__(
+        self,
+        step_timeout_s: float | None = None,
+        stream_fd: int | None = None,
+        heartbeat: Any = None,
+        impl_name: str | None = None,
+    ) -> None:
+        self.step_timeout_s = step_timeout_s  # per implementation call; None: no limit
+        self.stream_fd = stream_fd  # where each step is written before it runs (a crash leaves it)
+        # Shared doubles the parent reads: [0] when the running call started (0 when none), [1] examples
+        # started, [2] steps checked (the parent's progress line).
+        self.heartbeat = heartbeat
+        self.impl_name = impl_name  # written into the stream's trace header
+        self.current: Any = None  # the LockStep of the example running now
+        self.failed: Any = None  # the LockStep of the latest example that failed (the shrunk one, last)
+        self._alarm_ready = False
+
+    def start_example(self, lock: Any, config: AdapterConfig) -> None:
+        """A new example begins: it is the current one, and its stream starts afresh."""
+        self.current = lock
+        if self.stream_fd is not None:
+            os.ftruncate(self.stream_fd, 0)
+            os.lseek(self.stream_fd, 0, os.SEEK_SET)
+            os.write(self.stream_fd, (header_line(config, self.impl_name) + "\n").encode())
+
+    def stream_step(self, index: int, op: str, args: Sequence[Any]) -> None:
+        """Write the step about to run, so a crash or hang of the process still shows it."""
+        if self.stream_fd is not None:
+            line = json.dumps({"step": index, "op": op, "args": encode_value(list(args))})
+            os.write(self.stream_fd, (line + "\n").encode())
+
+    def install_alarm(self) -> Callable[[], None]:
+        """Arm the per-step time limit with SIGALRM, if this thread can; returns the undo."""
+        if self.step_timeout_s is None or not hasattr(signal, "setitimer"):
+            return lambda: None
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def on_alarm(signum: int, frame: object) -> None:
+            raise StepTimeout()
+
+        old = signal.signal(signal.SIGALRM, on_alarm)
+        self._alarm_ready = True
+
+        def undo() -> None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+            self._alarm_ready = False
+
+        return undo
+
+    def impl_started(self) -> None:
+        """An implementation call begins: start its clock."""
+        if self._alarm_ready and self.step_timeout_s is not None:
+            signal.setitimer(signal.ITIMER_REAL, self.step_timeout_s)
+        if self.heartbeat is not None:
+            self.heartbeat[0] = time.monotonic()
+
+    def impl_finished(self) -> None:
+        """The implementation call returned (or raised): stop its clock."""
+        if self._alarm_ready:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if self.heartbeat is not None:
+            self.heartbeat[0] = 0.0
+
+    def progress(self, examples: int, steps: int) -> None:
+        """How far the campaign has got, for the parent's progress line."""
+        if self.heartbeat is not None:
+            self.heartbeat[1] = examples
+            self.heartbeat[2] = steps

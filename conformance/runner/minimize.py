@@ -1,0 +1,129 @@
+"""Minimisation of what Hypothesis cannot shrink: a trace left by a child that died or hung, cut down by replaying.
+
+Hypothesis shrinks a failure that raises. A child process that died (a
+segfault, `os._exit`) leaves only the steps it had streamed, and a hang must
+not be retried by Hypothesis at a full time limit per attempt. Here the
+stream becomes a trace (each step checked on the spec: up to its last step
+the implementation matched it), and the trace is cut down by delta
+debugging: drop chunks of steps while a replay still crashes or hangs the
+same way, within a time budget.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Sequence
+
+from kvspec.conformance.core.lockstep import Factory, run_spec
+from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Outcome
+from kvspec.conformance.core.trace import MalformedTrace, Trace, TraceStep, parse_trace
+from kvspec.conformance.runner.isolation import Death, run_isolated
+from kvspec.conformance.runner.replaying import replay_example
+
+__all__ = ["shrink_by_replay", "trace_from_death"]
+
+
+def trace_from_death(death: Death, impl: str | None, step_timeout_s: float | None) -> Trace | None:
+    """The steps a dead child had started, checked on the spec, with the last one marked crashed or hung."""
+    if not death.stream:
+        return None
+    try:
+        partial = parse_trace(death.stream, "<steps of the dead process>")
+    except MalformedTrace:
+        return None
+    if death.hung:
+        what = f"no answer within the step time limit of {step_timeout_s:g} s; the process was killed"
+        kind = FailureKind.HUNG
+    else:
+        code = death.exitcode
+        sig = f"signal {-code} ({signal.Signals(-code).name})" if code is not None and code < 0 else f"exit code {code}"
+        what = f"the process died ({sig}) during this step"
+        kind = FailureKind.CRASHED
+    steps = _spec_side(partial)
+    op = steps[-1].op if steps else "init"
+    outcome = Outcome(hung=True, message=what) if kind is FailureKind.HUNG else Outcome(crashed=True, message=what)
+    if steps:
+        s = steps[-1]
+        steps[-1] = TraceStep(s.index, s.op, s.args, s.spec, outcome, s.spec_snapshot, None, s.mistake, s.without)
+    failure = Failure(kind, len(steps), op, what)
+    return Trace(config=partial.config, steps=tuple(steps), impl=impl, verdict=kind.verdict, failure=failure)
+
+
+def _spec_side(trace: Trace) -> list[TraceStep]:
+    """Each step's spec outcome and state (the implementation matched them up to its last step)."""
+    outcomes = run_spec(trace.config, [(s.op, s.args) for s in trace.steps])
+    return [
+        TraceStep(s.index, s.op, s.args, o, None, snap, None, s.mistake, s.without)
+        for s, (o, snap) in zip(trace.steps, outcomes)
+    ]
+
+
+def _replay(trace: Trace, factory: Factory, step_timeout_s: float | None) -> CampaignReport | Death:
+    return run_isolated(
+        lambda fd, hb: replay_example(trace, factory, trace.impl, step_timeout_s, fd, hb), step_timeout_s, True
+    )
+
+
+def _minimize(
+    trace: Trace, factory: Factory, kind: FailureKind, step_timeout_s: float | None, budget_s: float
+) -> tuple[Trace, bool]:
+    """Cut steps from a crash or hang trace while it still crashes or hangs (delta debugging by replay).
+
+    Returns the shortest trace found and whether the search finished within `budget_s`.
+    """
+    deadline = time.monotonic() + budget_s
+    steps = list(trace.steps)
+
+    def still_fails(candidate: list[TraceStep]) -> bool:
+        outcome = _replay(
+            Trace(config=trace.config, steps=tuple(_renumber(candidate)), impl=trace.impl), factory, step_timeout_s
+        )
+        if isinstance(outcome, Death):
+            return (kind is FailureKind.HUNG) == outcome.hung
+        return outcome.verdict is kind.verdict
+
+    chunk = max(len(steps) // 2, 1)
+    while chunk >= 1 and len(steps) > 1:
+        i, changed = 0, False
+        while i < len(steps) - 1:
+            if time.monotonic() > deadline:
+                return Trace(config=trace.config, steps=tuple(_renumber(steps)), impl=trace.impl), False
+            # The failing step is the last one; it always stays.
+            candidate = steps[:i] + steps[i + chunk :]
+            if candidate and candidate[-1] is steps[-1] and still_fails(candidate):
+                steps, changed = candidate, True
+            else:
+                i += chunk
+        if not changed:
+            chunk //= 2
+    return Trace(config=trace.config, steps=tuple(_renumber(steps)), impl=trace.impl), True
+
+
+def _renumber(steps: Sequence[TraceStep]) -> list[TraceStep]:
+    return [TraceStep(i + 1, s.op, s.args, mistake=s.mistake, without=s.without) for i, s in enumerate(steps)]
+
+
+def shrink_by_replay(
+    trace: Trace, factory: Factory, impl: str | None, step_timeout_s: float | None, budget_s: float
+) -> tuple[Trace, bool]:
+    """The shortest trace that still crashes or hangs the same way, replayed for its outcomes.
+
+    `trace` carries its failure. Returns the trace (with its failure) and
+    whether the search finished within the budget.
+    """
+    assert trace.failure is not None, "only a failing trace is shrunk"
+    kind = trace.failure.kind
+    if budget_s <= 0:
+        return trace, len(trace.steps) <= 1
+    shorter, finished = _minimize(trace, factory, kind, step_timeout_s, budget_s)
+    if len(shorter.steps) == len(trace.steps):
+        return trace, finished
+    again = _replay(shorter, factory, step_timeout_s)
+    if isinstance(again, Death):
+        rebuilt = trace_from_death(again, impl, step_timeout_s)
+        if rebuilt is not None:
+            return rebuilt, finished
+    elif again.verdict is kind.verdict and again.failure is not None and again.trace is not None:
+        return again.trace, finished
+    return trace, False  # the shorter trace did not fail again: keep the one that did

@@ -1,0 +1,241 @@
+"""Argument types every command shares: each value is checked before any work starts, and refused in one line.
+
+An argparse `type=` function raises `argparse.ArgumentTypeError` with what
+was wrong; the CLI's parser (kvspec.conformance.tools.cli) prints that as one line
+on stderr and exits 2. Paths that a command will write are checked up front
+too, so a run is never lost to an output that cannot be written at its end,
+and nothing is created outside the paths the user named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+from pathlib import Path
+from typing import NoReturn
+
+from kvspec.conformance.runner import run as runner
+from kvspec.conformance.runner.campaign import DRAWN
+from kvspec.spec.attention import format_groups, parse_groups
+from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.ordering import is_profile, known_profiles
+
+__all__ = [
+    "DEFAULT_TRACE_DIR",
+    "OneLineParser",
+    "fraction",
+    "group_layout",
+    "group_layout_or_drawn",
+    "json_output",
+    "memory_size",
+    "non_negative_float",
+    "non_negative_int",
+    "output_dir",
+    "output_file",
+    "positive_float",
+    "port",
+    "positive_int",
+    "profile_name",
+]
+
+DEFAULT_TRACE_DIR = str(runner.DEFAULT_TRACE_DIR)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose refusal is one line on stderr (`kvspec check: --steps: must be at least 1; got 0`).
+
+    argparse's own prints the whole usage first; a user's mistake should read
+    as one sentence, with `--help` for the rest.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {_one_line(message)} (see {self.prog} --help)\n")
+
+
+def _one_line(message: str) -> str:
+    # "argument --steps: must be at least 1" reads better as "--steps: must be at least 1".
+    return " ".join(message.removeprefix("argument ").split())
+
+
+
+def _number(text: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1 (a count of examples, steps, blocks).
+
+    >>> positive_int("3")
+    3
+    """
+    value = int(_number(text, int))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1; got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0 (a seed, a number of extra rounds, a port)."""
+    value = int(_number(text, int))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0; got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number above 0 (seconds of a budget or a timeout).
+
+    >>> positive_float("0.5")
+    0.5
+    """
+    value = float(_number(text, float))
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0; got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A number of at least 0 (a memory share, a per-path budget that may be off)."""
+    value = float(_number(text, float))
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0; got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A fraction in [0, 1) (a safety margin: 1 would keep everything free).
+
+    >>> fraction("0.2")
+    0.2
+    """
+    value = float(_number(text, float))
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1); got {text}")
+    return value
+
+
+_UNITS = {"": None, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+
+
+def memory_size(text: str) -> int:
+    """A memory size with its unit: 141GiB, 80GB, 512MiB (0 needs none). A bare number is refused: GiB or GB?
+
+    >>> memory_size("2KiB"), memory_size("1.5GB"), memory_size("0")
+    (2048, 1500000000, 0)
+    """
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; a memory size is at least 0")
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 141GiB, 80GB or 512MiB")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    if unit not in _UNITS:
+        units = "B, KiB, MiB, GiB, KB, MB or GB"
+        raise argparse.ArgumentTypeError(f"unknown unit {match.group(2)!r} in {text!r}; use {units}")
+    scale = _UNITS[unit]
+    if scale is None:
+        if number == 0:
+            return 0
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no unit: write {match.group(1)}GiB (2^30 bytes, as nvidia-smi reports) or {match.group(1)}GB"
+        )
+    return int(number * scale)
+
+
+def _writable_dir(path: Path) -> bool:
+    """Whether a file can be created in `path`, found by creating one (permission bits say nothing to root,
+    or on a read-only or virtual file system such as /proc)."""
+    if not path.is_dir():
+        return False
+    probe = path / f".kvspec-write-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    probe.unlink()
+    return True
+
+
+def output_file(text: str) -> Path:
+    """A file the command will write: its folder must exist and be writable; an existing file must be a file."""
+    path = Path(text)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path")
+    if not parent.exists():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: the folder {parent} does not exist")
+    if path.exists():
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror}") from None
+    elif not _writable_dir(parent):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: files cannot be created in {parent}")
+    return path
+
+
+def output_dir(text: str) -> Path:
+    """A folder the command will write into: an existing writable folder, or a new one in an existing writable folder.
+
+    It is not created here: only a run that writes something creates it.
+    """
+    path = Path(text)
+    if path.exists():
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} exists and is not a folder")
+        if not _writable_dir(path):
+            raise argparse.ArgumentTypeError(f"cannot write into {text}: files cannot be created there")
+        return path
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.exists():
+        raise argparse.ArgumentTypeError(f"cannot create {text}: the folder {parent} does not exist")
+    if not _writable_dir(parent):
+        raise argparse.ArgumentTypeError(f"cannot create {text}: files cannot be created in {parent}")
+    return path
+
+
+def json_output(text: str) -> str | Path:
+    """Where a command writes its JSON: `-` for stdout, else a file path checked as `output_file`."""
+    return text if text == "-" else output_file(text)
+
+
+def profile_name(text: str) -> str:
+    """The name of a profile (kvspec.spec.ordering: the named ones and lru-lfu:W)."""
+
+    if not is_profile(text):
+        raise argparse.ArgumentTypeError(f"unknown profile {text!r}; known: {known_profiles()}")
+    return text
+
+
+def group_layout(text: str) -> str:
+    """KV cache groups for the manager level: `full,sliding:8`, `chunked:16`, ... (spec.attention)."""
+
+    try:
+        return format_groups(parse_groups(text))
+    except InvalidRequest as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def group_layout_or_drawn(text: str) -> str:
+    """`group_layout`, or `drawn`: one to three groups drawn per example."""
+
+    return text if text == DRAWN else group_layout(text)
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 for any free one."""
+    value = int(_number(text, int))
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535; got {value}")
+    return value

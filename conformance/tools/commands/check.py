@@ -1,0 +1,399 @@
+"""`kvspec check`: the CI gate. Run the conformance machines against implementations.
+
+Without `--impl` it checks every built-in implementation whose module imports
+(reference, spec, gpu), at both levels, with prefix caching on and off, and
+prints one screen: a row per configuration (verdict, examples, steps,
+steps per second, distinct states, invariant checks, spec branches reached),
+what the whole run reached, then the story of each failure. A configuration
+that leaves a spec branch unreached runs up to `--cover-rounds` more rounds of
+examples on the next seeds; a branch still unreached is listed. Exit 0 when
+everything conforms (a level an implementation does not provide is n/a); 1
+when an implementation is wrong (it diverged, crashed or hung, with its
+trace); 2 when no verdict was reached (bad arguments, an implementation that
+cannot be loaded or built, an inconclusive run, or nothing checked at all).
+
+`--profile auto` asks which ordering profile an implementation follows (the
+vLLM regression oracle's question): every configuration is checked once per
+vLLM profile, and each profile's line says conforms, or gives the shortest
+trace that breaks it. Exit 0 when some profile conforms in every
+configuration, 1 when in some configuration none does, 2 when one could not run.
+
+`--impl vllm` is the installed vLLM (or, with KVSPEC_VLLM_VERSION=X.Y.Z set,
+that release in light mode); `--impl vllm@X.Y.Z` is release X.Y.Z's own pool
+modules, loaded from its wheel (fetched once, then cached), pool level only.
+`--impl vllm-mlx`, `kvcached[@X]`, `tpu-inference[@X]`, `vllm-ascend[@X]` and
+`overlay:vllm@X+module:function` are plugins of vLLM's block manager, loaded
+from their own distributions as they load in production (kvspec.conformance.targets.plugins).
+`--device cpu|cuda:0` is passed to device-backed implementations (gpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from kvspec.conformance.core.results import CheckResult, Verdict
+from kvspec.conformance.runner.isolation import Progress
+from kvspec.conformance.runner.profiles import PROFILES as VLLM_PROFILES
+from kvspec.conformance.runner.profiles import detect_profiles
+from kvspec.conformance.runner.registry import FactoryError, default_targets, find_target, load_factory, target_names
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.tools.commands._arguments import (
+    DEFAULT_TRACE_DIR,
+    group_layout_or_drawn,
+    json_output,
+    non_negative_int,
+    output_dir,
+    output_file,
+    positive_float,
+    positive_int,
+)
+from kvspec.conformance.tools.commands._check_output import (
+    exit_code,
+    header,
+    render_summary,
+    row,
+    summary_json,
+    write_json,
+    write_junit,
+)
+from kvspec.conformance.tools.view import attach_page
+from kvspec.spec.ordering import is_profile, known_profiles
+
+__all__ = ["register", "render_summary", "run", "write_junit"]
+
+DEFAULT_MAX_EXAMPLES = 100
+# Rare branches (a duplicate id, an eviction by the manager) can go unreached by
+# one seed's 100 examples; a few more rounds reach them, and the summary says so.
+DEFAULT_COVER_ROUNDS = 3
+# With a time budget and no example count, the budget alone decides.
+UNBOUNDED_EXAMPLES = 10**9
+
+
+def register(subparsers: Any) -> None:
+    """Add the `check` subcommand."""
+    p = subparsers.add_parser(
+        "check",
+        help="check implementations against the spec (exit 0 conforms, 1 wrong, 2 no verdict)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    names = target_names()
+    p.add_argument(
+        "--impl",
+        action="append",
+        metavar="NAME|module:function",
+        help=f"an implementation: a registered target ({names}) or a factory module:function or "
+        "path/file.py:function; repeatable "
+        "(default: every built-in whose module imports, vllm excepted)",
+    )
+    p.add_argument("--level", choices=("pool", "manager", "both"), default="both", help="adapter level (default both)")
+    p.add_argument(
+        "--profile",
+        default="vllm-v1",
+        help=f"eviction policy claimed ({known_profiles()}; default vllm-v1), "
+        "or auto: find which vLLM profiles the implementation conforms to",
+    )
+    p.add_argument(
+        "--groups",
+        type=group_layout_or_drawn,
+        default="full",
+        metavar="LAYOUT",
+        help="the KV cache groups of the manager level, in vLLM's group order: full, sliding:W (a window of W "
+        "tokens), chunked:C (chunked local attention), comma-separated, e.g. full,sliding:8 (default full); "
+        "or drawn: one to three groups drawn per example",
+    )
+    p.add_argument(
+        "--events",
+        action="store_true",
+        help="also check what the pool tells the world: the KV cache events every call publishes (BlockStored, "
+        "BlockRemoved, AllBlocksCleared; compared with the spec's, and the router's mirror rules) and, at the "
+        "manager level, the prefix-cache hit statistics",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="device for device-backed implementations: cpu, cuda, cuda:0 (default: the implementation picks)",
+    )
+    p.add_argument("--caching", choices=("on", "off", "both"), default="both", help="prefix caching (default both)")
+    _add_budget_arguments(p)
+    p.set_defaults(run=run)
+
+
+def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    """How much to run, how long to wait, and where the outputs go."""
+    _add_campaign_arguments(p)
+    p.add_argument(
+        "--time-budget",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="wall-clock budget for the whole run, shared among configurations",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="the most one implementation call may take (default 10)",
+    )
+    p.add_argument("--junit", type=output_file, metavar="PATH", help="also write a JUnit XML report")
+    p.add_argument(
+        "--json", type=json_output, metavar="PATH", help="also write the whole summary as JSON (- for stdout)"
+    )
+    p.add_argument(
+        "--trace-dir",
+        type=output_dir,
+        default=DEFAULT_TRACE_DIR,
+        metavar="DIR",
+        help=f"where failure traces are written (default ./{DEFAULT_TRACE_DIR}, created when one is written)",
+    )
+    p.add_argument(
+        "--html-dir", type=output_dir, metavar="DIR", help="also write a step-through page of each failure trace here"
+    )
+    p.add_argument(
+        "--keep-deepest",
+        action="store_true",
+        help="also save each configuration's deepest example (it replays to conforms)",
+    )
+    p.add_argument(
+        "--database",
+        type=output_dir,
+        metavar="DIR",
+        help="a Hypothesis example database directory, shared by campaigns and machines",
+    )
+
+
+def _add_campaign_arguments(p: argparse.ArgumentParser) -> None:
+    """The size and seeds of each configuration's campaign, and the processes it is shared among."""
+    p.add_argument(
+        "--max-examples",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"examples per configuration (default {DEFAULT_MAX_EXAMPLES}; unbounded with --time-budget)",
+    )
+    p.add_argument("--steps", type=positive_int, default=50, metavar="N", help="rules per example (default 50)")
+    p.add_argument(
+        "--cover-rounds",
+        type=non_negative_int,
+        default=DEFAULT_COVER_ROUNDS,
+        metavar="N",
+        help="while a branch is unreached after the examples, up to N more rounds of as many examples on the "
+        f"next seeds (default {DEFAULT_COVER_ROUNDS}; 0: none)",
+    )
+    p.add_argument(
+        "--seed", type=non_negative_int, default=0, help="random seed (default 0); same seed and jobs, same campaign"
+    )
+    p.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="processes per campaign: its examples are shared among N forked children, each on its own seeds, "
+        "run at once (one per core is fastest; default 1)",
+    )
+
+
+def _default_impls() -> tuple[list[str], list[str]]:
+    chosen, skipped = [], []
+    for name in (target.name for target in default_targets()):
+        try:
+            load_factory(name)
+        except FactoryError as e:
+            skipped.append(f"{name}: not checked ({e})")
+            continue
+        chosen.append(name)
+    return chosen, skipped
+
+
+def _named_impls(names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The implementations that load, and one line for each that does not (said once, not per configuration)."""
+    chosen, problems = [], []
+    for name in names:
+        try:
+            load_factory(name)
+        except FactoryError as e:
+            problems.append(str(e))
+            continue
+        chosen.append(name)
+    return chosen, problems
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
+    if args.profile != AUTO and not is_profile(args.profile):
+        known = known_profiles()
+        print(f"kvspec check: unknown profile {args.profile!r}; known profiles: {known}, or {AUTO}", file=sys.stderr)
+        return 2
+    impls, notes = _default_impls() if not args.impl else (args.impl, [])
+    if args.impl:
+        impls, problems = _named_impls(args.impl)
+        for problem in problems:
+            print(f"kvspec check: {problem}", file=sys.stderr)
+        if problems:
+            return 2
+    if any(getattr(find_target(name), "loads_vllm", False) for name in impls):
+        # vLLM logs a warning for every refused reset; the verdicts and the summary say it all.
+        logging.disable(logging.WARNING)
+    levels = ("pool", "manager") if args.level == "both" else (args.level,)
+    modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.caching]
+    configs = [(impl, lv, caching) for impl in impls for lv in levels for caching in modes]
+    max_examples = args.max_examples or (UNBOUNDED_EXAMPLES if args.time_budget else DEFAULT_MAX_EXAMPLES)
+    database = None
+    if args.database:
+        database = DirectoryBasedExampleDatabase(args.database)
+    per = "time budget" if args.time_budget else f"{max_examples} examples"
+    layout = f", KV cache groups {args.groups}" if args.groups != "full" and "manager" in levels else ""
+    layout += ", KV cache events and hit statistics checked" if args.events else ""
+    layout += f", each campaign over {args.jobs} jobs" if args.jobs > 1 else ""
+    print(
+        f"kvspec check: profile {args.profile}, seed {args.seed}{layout}, {per} x up to {args.steps} steps "
+        "per configuration"
+    )
+    for note in notes:
+        print(f"  {note}")
+    if args.profile == AUTO:
+        return _run_auto(args, configs, max_examples, database)
+    print(header(impls))
+    start = time.monotonic()
+    results = _run_configs(args, configs, max_examples, database, start)
+    seconds = time.monotonic() - start
+    print(render_summary(results, seconds))
+    if args.junit:
+        write_junit(results, args.junit)
+        print(f"JUnit report: {args.junit}")
+    if args.json is not None:
+        write_json(summary_json(results, seconds), args.json)
+        if str(args.json) != "-":
+            print(f"JSON report: {args.json}")
+    return exit_code(results)
+
+
+def _run_configs(
+    args: argparse.Namespace, configs: Sequence[tuple[str, str, bool]], max_examples: int, database: Any, start: float
+) -> list[CheckResult]:
+    """Each configuration in turn, its row printed as it ends; a time budget is shared among those left."""
+    results: list[CheckResult] = []
+    for i, (impl, lv, caching) in enumerate(configs):
+        budget = None
+        if args.time_budget is not None:
+            left = args.time_budget - (time.monotonic() - start)
+            budget = max(left / (len(configs) - i), 1.0)
+        result = run_check(
+            impl,
+            level=lv,
+            enable_caching=caching,
+            profile=args.profile,
+            max_examples=max_examples,
+            seed=args.seed,
+            time_budget_s=budget,
+            step_timeout_s=args.step_timeout,
+            trace_dir=args.trace_dir,
+            impl=impl,
+            steps_per_example=args.steps,
+            keep_deepest=args.keep_deepest,
+            database=database,
+            device=args.device,
+            cover_rounds=args.cover_rounds,
+            groups=args.groups,
+            events=args.events,
+            jobs=args.jobs,
+            progress=_progress_line(f"{impl} {lv} caching {'on' if caching else 'off'}", budget),
+        )
+        _clear_progress_line()
+        attach_page(result, args.html_dir)  # the story, printed below and in JUnit, names the page
+        results.append(result)
+        print(row(result, [i for i, _, _ in configs]), flush=True)
+    return results
+
+
+# A line every this many seconds while a configuration runs, where stderr is not a terminal (a CI log).
+_LOG_PROGRESS_EVERY_S = 10.0
+
+
+def _progress_line(where: str, budget: float | None) -> Progress:
+    """What a long configuration prints while it runs, on stderr: a live line on a terminal, else a line now
+    and then (examples, steps, elapsed, budget left)."""
+    start, last = time.monotonic(), [0.0]
+    live = sys.stderr.isatty()
+
+    def show(examples: int, steps: int) -> None:
+        elapsed = time.monotonic() - start
+        left = f", {max(budget - elapsed, 0.0):.0f} s of its budget left" if budget is not None else ""
+        line = f"  running {where}: {examples} examples, {steps} steps, {elapsed:.0f} s{left}"
+        if live:
+            sys.stderr.write("\r" + line.ljust(_LIVE_WIDTH)[:_LIVE_WIDTH])
+            sys.stderr.flush()
+        elif elapsed - last[0] >= _LOG_PROGRESS_EVERY_S:
+            print(line, file=sys.stderr, flush=True)
+            last[0] = elapsed
+
+    return show
+
+
+_LIVE_WIDTH = 110
+
+
+def _clear_progress_line() -> None:
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + " " * _LIVE_WIDTH + "\r")
+        sys.stderr.flush()
+
+
+AUTO = "auto"
+
+
+def _run_auto(
+    args: argparse.Namespace, configs: Sequence[tuple[str, str, bool]], max_examples: int, database: Any
+) -> int:
+    """`--profile auto`: every configuration once per vLLM profile; which ones it conforms to."""
+
+    print(f"profiles tried per configuration: {', '.join(VLLM_PROFILES)}")
+    start = time.monotonic()
+    codes: list[int] = []
+    everything: list[CheckResult] = []
+    for i, (impl, lv, caching) in enumerate(configs):
+        budget = None
+        if args.time_budget is not None:
+            left = args.time_budget - (time.monotonic() - start)
+            budget = max(left / (len(configs) - i), 1.0)
+        found = detect_profiles(
+            impl, lv, caching, max_examples, time_budget_s=budget, trace_dir=args.trace_dir, seed=args.seed,
+            jobs=args.jobs,
+        )  # fmt: skip
+        for r in found.values():
+            attach_page(r, args.html_dir)
+        where = f"{impl} {lv} caching {'on' if caching else 'off'}"
+        conforming = [p for p, r in found.items() if r.verdict is Verdict.CONFORMS]
+        everything += found.values()
+        if all(r.verdict is Verdict.NOT_APPLICABLE for r in found.values()):
+            print(f"\n{where}: n/a ({next(iter(found.values())).message})")
+            continue
+        wrong = [r for r in found.values() if r.exit_code == 1]
+        codes.append(0 if conforming else (1 if wrong else 2))
+        print(f"\n{where}: " + (f"conforms to {', '.join(conforming)}" if conforming else "conforms to no profile"))
+        for profile, r in found.items():
+            if r.verdict is Verdict.CONFORMS:
+                print(f"  {profile:<14} conforms ({r.examples_run} examples, {r.steps_run} steps)")
+            elif r.failure is not None:
+                f = r.failure
+                print(
+                    f"  {profile:<14} {r.verdict}: shortest trace {f.num_steps} steps, "
+                    f"first bad step {f.step} ({f.op}): {f.message[:200]}"
+                )
+                print(f"  {'':<14} trace: {f.trace_path}")
+            else:
+                print(f"  {profile:<14} {r.verdict}: {r.message[:300]}")
+    print(render_summary(everything, time.monotonic() - start, per_profile=True))
+    worst = max(codes, default=2)
+    meaning = {0: "some profile conforms in every configuration", 1: "in some configuration no profile conforms"}
+    print(f"result of profile auto: {meaning.get(worst, 'some configuration could not be checked')} (exit {worst})")
+    return worst

@@ -1,0 +1,167 @@
+"""`kvspec prove`: every lemma of docs/design.md proved, bounded or refuted by z3, with timings.
+
+A lemma is "proved" only when the negation of every obligation is unsat for
+every pool size; "bounded (n <= N)" when it was only checked up to a size;
+"refuted" with the counterexample printed as a pool state; "unknown" (z3 gave
+up) and "vacuous" (no state satisfies the hypotheses) are failures. Each
+lemma's deliberately false twin must come out refuted, and each profile is
+reported with the lemmas it breaks. Exit 0 when every answer is the expected
+one, 1 otherwise, 2 for an unknown profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from typing import TYPE_CHECKING, Any
+
+from kvspec.conformance.tools.commands._arguments import positive_float
+from kvspec.spec.ordering import is_profile, known_profiles
+
+if TYPE_CHECKING:
+    from kvspec.spec.lemmas.report import ProofReport
+
+__all__ = ["BUDGET_S", "register", "render_text", "run"]
+
+BUDGET_S = 60.0  # every lemma, every profile, on a 2-core machine
+
+
+def register(subparsers: Any) -> None:
+    """Add the `prove` subcommand."""
+    p = subparsers.add_parser(
+        "prove",
+        help="prove the eviction-order lemmas and the inductive invariants with z3",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument(
+        "--profile",
+        action="append",
+        metavar="P",
+        help="check under this profile (repeatable; default: every named profile and lru-lfu:0.5)",
+    )
+    p.add_argument(
+        "--lemma",
+        action="append",
+        metavar="NAME",
+        help="check only this lemma (a name like lemma_hit_cap_within_prompt, or its number; repeatable)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--timeout", type=positive_float, default=20.0, metavar="S", help="seconds per z3 call (default 20)")
+    p.set_defaults(run=run)
+
+
+def _row(number: str, name: str, profile: str, result: str, seconds: str) -> str:
+    return f"{number:>2}  {name:<44} {profile:<14} {result:<36} {seconds:>7}"
+
+
+def _breaks(report: ProofReport) -> list[str]:
+    """A line per profile: the lemmas it breaks, and those that do not speak of it."""
+    lines = []
+    for profile in report.profiles:
+        named = ", ".join(f"lemma {lem.number} ({lem.name})" for lem in report.breaks(profile)) or "no lemma"
+        outside = report.not_applicable(profile)
+        numbers = ", ".join(str(lem.number) for lem in outside)
+        verb = "lemmas {} do" if len(outside) > 1 else "lemma {} does"
+        aside = f"; {verb.format(numbers)} not speak of it"
+        lines.append(f"profile {profile} breaks {named}{aside if outside else ''}")
+    return lines
+
+
+def render_text(report: ProofReport) -> str:
+    """The report as the table a person reads, counterexamples under their rows."""
+    import z3  # the prover's dependency; imported here so `kvspec --help` never needs it
+
+    lines = [
+        f"kvspec prove: the lemmas of docs/design.md, checked with z3 {z3.get_version_string()} "
+        f"(profiles: {', '.join(report.profiles)})",
+        "  proved: the negation is unsat for every pool size; bounded (n <= N): only for sizes up to N;",
+        "  refuted: z3 found a counterexample (shown); unknown or vacuous: a failure.",
+        "",
+        _row("#", "lemma", "profile", "result", "seconds"),
+    ]
+    previous = None
+    for r in report.results:
+        lemma = r.lemma
+        if r.kind == "lemma" and previous != (lemma.number, "lemma"):
+            lines.append(_row(str(lemma.number), lemma.name, "", "", ""))
+            lines.append(f"    claim: {lemma.claim}; holds for {lemma.holds_for_text}")
+            if lemma.applies_to_text != "every profile":
+                lines.append(f"    speaks of: {lemma.applies_to_text}")
+        if r.kind == "twin" and previous != (lemma.number, "twin"):
+            lines.append(f"    false twin: {lemma.twin}")
+        previous = (lemma.number, r.kind)
+        if r.expected == "holds":
+            outcome = r.status_text
+        elif r.kind == "twin":
+            outcome = "refuted, as it must be" if r.ok else f"{r.status_text}: MUST BE REFUTED"
+        else:
+            outcome = "refuted: the profile breaks it" if r.ok else f"{r.status_text}: MUST BE REFUTED"
+        if not r.ok:
+            outcome += "  FAILED"
+        profile = r.profile or "(any profile)"
+        lines.append(_row("", "", profile, outcome, f"{r.verdict.seconds:.2f}"))
+        v = r.verdict
+        if v.status in ("refuted", "unknown", "vacuous") and v.obligation:
+            lines.append(f"      obligation: {v.obligation}")
+        if v.counterexample:
+            lines.append(textwrap.indent(v.counterexample, "    "))
+        if v.reason and v.status != "refuted":
+            lines.append(f"      z3: {v.reason}")
+    lines += ["", *_breaks(report)]
+    slowest = report.slowest
+    within = "within" if report.seconds <= BUDGET_S else "OVER"
+    failed = [r for r in report.results if not r.ok]
+    lines.append(
+        f"{len(report.results) - len(failed)} of {len(report.results)} checks as expected in "
+        f"{report.seconds:.1f} s ({within} the {BUDGET_S:.0f} s budget); slowest: lemma {slowest.lemma.number} "
+        f"{slowest.lemma.name}{'' if slowest.kind == 'lemma' else ' (twin)'}"
+        f"{f' under {slowest.profile}' if slowest.profile else ''}, {slowest.verdict.seconds:.2f} s"
+    )
+    if failed:
+        lines.append(
+            "FAILED: " + "; ".join(f"lemma {r.lemma.number} {r.kind} {r.profile or ''}".strip() for r in failed)
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check every lemma under the chosen profiles; exit 0 iff every answer is the expected one."""
+    unknown = [p for p in args.profile or () if not is_profile(p)]
+    if unknown:
+        print(f"kvspec prove: unknown profile={unknown[0]!r}; known profiles: {known_profiles()}", file=sys.stderr)
+        return 2
+    try:
+        # optional dependency (the proofs extra): the lemmas import z3
+        from kvspec.spec.lemmas import LEMMAS
+        from kvspec.spec.lemmas.report import prove
+    except ImportError as e:  # z3 is an optional dependency (the `proofs` extra)
+        print(f"kvspec prove: z3 does not import ({e}); install it with pip install 'kvspec[proofs]'", file=sys.stderr)
+        return 2
+    chosen = list(LEMMAS)
+    if args.lemma:
+        wanted = set(args.lemma)
+        chosen = [lem for lem in LEMMAS if lem.name in wanted or str(lem.number) in wanted]
+        found = {lem.name for lem in chosen} | {str(lem.number) for lem in chosen}
+        missing = sorted(wanted - found)
+        if missing:
+            names = ", ".join(lem.name for lem in LEMMAS)
+            print(
+                f"kvspec prove: unknown lemma={missing[0]!r}; known lemmas: {names} (or their numbers 1-{len(LEMMAS)})",
+                file=sys.stderr,
+            )
+            return 2
+    report = prove(args.profile, chosen, timeout_s=args.timeout)
+    if not report.results:  # no verdict for work not done
+        print(
+            f"kvspec prove: {', '.join(f'lemma {lem.number} ({lem.applies_to_text})' for lem in chosen)} "
+            f"speaks of none of the profiles {', '.join(report.profiles)}: nothing was checked",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json:
+        print(json.dumps(report.as_json(), indent=2))
+    else:
+        print(render_text(report))
+    return 0 if report.ok else 1

@@ -1,0 +1,106 @@
+"""`kvspec replay TRACE --impl X`: re-run a recorded trace and give its verdict again.
+
+The trace's steps (operations with literal arguments) run on the named
+implementation and on the spec in lock-step, checked exactly as the
+conformance machine checks them, so a failure found by `kvspec check`
+replays to the same verdict, and a fixed implementation replays to
+"conforms". Exit codes as `kvspec check`; a malformed trace file exits 2
+with the line that is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from typing import Any
+
+from kvspec.conformance.core.report import render_story
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.core.trace import MalformedTrace, read_trace
+from kvspec.conformance.runner.registry import target_names
+from kvspec.conformance.runner.run import replay
+from kvspec.conformance.tools.commands._arguments import DEFAULT_TRACE_DIR, json_output, output_dir, positive_float
+from kvspec.conformance.tools.commands._check_output import summary_json, write_json
+from kvspec.conformance.tools.view import attach_page
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the `replay` subcommand."""
+    p = subparsers.add_parser(
+        "replay",
+        help="re-run a trace on an implementation and print its story (exit as kvspec check)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace", metavar="TRACE", help="a .trace.jsonl file written by kvspec check")
+    p.add_argument(
+        "--impl",
+        metavar="NAME|module:function",
+        help=f"the implementation ({target_names()}, module:function "
+        "or path/file.py:function); "
+        "default: the one named in the trace",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="the most one implementation call may take (default 10)",
+    )
+    p.add_argument(
+        "--trace-dir",
+        type=output_dir,
+        default=DEFAULT_TRACE_DIR,
+        metavar="DIR",
+        help=f"where the replay's own failure trace is written (default ./{DEFAULT_TRACE_DIR})",
+    )
+    p.add_argument("--json", type=json_output, metavar="PATH", help="also write the result as JSON (- for stdout)")
+    p.add_argument(
+        "--html-dir", type=output_dir, metavar="DIR", help="also write a step-through page of the replay's failure here"
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        metavar="DEVICE",
+        help="run a device-backed implementation on this device instead of the trace's (cpu, cuda:0)",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay the trace; print the recorded and the new verdict and the story; exit per the new verdict."""
+    try:
+        trace = read_trace(args.trace)
+    except MalformedTrace as e:
+        print(f"kvspec replay: cannot read the trace: {e}", file=sys.stderr)
+        return 2
+    impl = args.impl or trace.impl
+    if not impl:
+        print(
+            "kvspec replay: the trace names no implementation; give one with --impl NAME or module:function",
+            file=sys.stderr,
+        )
+        return 2
+    recorded = trace.verdict or "not recorded"
+    print(f"replaying {args.trace} ({len(trace.steps)} steps, recorded verdict: {recorded}) on {impl}\n")
+    result = replay(
+        trace, impl, impl=impl, step_timeout_s=args.step_timeout, trace_dir=args.trace_dir, device=args.device
+    )
+    attach_page(result, args.html_dir)  # the story printed below names the page
+    if args.json is not None:
+        write_json(summary_json([result], result.seconds) | {"kvspec": "replay", "trace": str(args.trace)}, args.json)
+    if result.verdict is Verdict.COULD_NOT_RUN:
+        print(f"kvspec replay: {result.message}", file=sys.stderr)
+        return result.exit_code
+    if result.failure is not None:
+        print(result.failure.story)
+    elif result.verdict is Verdict.CONFORMS:
+        print(render_story(replace(trace, impl=impl, verdict=Verdict.CONFORMS, failure=None)))
+    else:
+        print(f"{result.verdict}: {result.message}")
+    same = "same as recorded" if result.verdict is trace.verdict else f"recorded: {recorded}"
+    print(f"\nverdict: {result.verdict} ({same})")
+    return result.exit_code

@@ -1,0 +1,67 @@
+"""`kvspec view TRACE`: a trace as a step-through page, spec beside implementation.
+
+The page is one self-contained HTML file (no network, works from file://):
+every block with its ref count and hash, the free queue left to right, the
+hash table and the request block tables at each step, the changed blocks
+framed; for a failure it opens at the first divergence with the differing
+fields marked and the broken rule in words. `-o PATH` writes it (default:
+beside the trace, named after it); `--serve` serves it on 127.0.0.1 until
+Ctrl-C. Exit 0, or 2 when the trace cannot be read or the page not written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvspec.conformance.core.trace import MalformedTrace, read_trace
+from kvspec.conformance.tools.commands._arguments import output_file, port
+from kvspec.conformance.tools.view import page_path_for, render_page, serve_page, trace_to_page_data, write_page
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: Any) -> None:
+    """Add the `view` subcommand."""
+    p = subparsers.add_parser(
+        "view",
+        help="a trace as a step-through browser page (spec beside implementation, first divergence marked)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("trace", metavar="TRACE", help="a .trace.jsonl file (kvspec check, kvspec replay)")
+    p.add_argument(
+        "-o", "--output", type=output_file, metavar="PATH", help="where the page is written (default: beside the trace)"
+    )
+    p.add_argument("--serve", action="store_true", help="serve the page on 127.0.0.1 until Ctrl-C instead")
+    p.add_argument("--port", type=port, default=0, metavar="N", help="the port for --serve (default: a free one)")
+    p.add_argument("--no-open", dest="open_browser", action="store_false", help="with --serve, do not open a browser")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write (or serve) the page of one trace."""
+    try:
+        doc = trace_to_page_data(read_trace(args.trace))
+    except MalformedTrace as e:
+        print(f"kvspec view: cannot read the trace: {e}", file=sys.stderr)
+        return 2
+    if args.serve:
+        if not 0 <= args.port <= 65535:
+            print(f"kvspec view: --port must be 0 to 65535; got {args.port}", file=sys.stderr)
+            return 2
+        try:
+            return serve_page(render_page(doc), args.port, args.open_browser, announce=lambda s: print(s, flush=True))
+        except OSError as e:
+            print(f"kvspec view: cannot serve on 127.0.0.1:{args.port} ({e})", file=sys.stderr)
+            return 2
+    out = Path(args.output) if args.output else page_path_for(args.trace, Path(args.trace).parent)
+    try:
+        path = write_page(out, doc)
+    except OSError as e:
+        print(f"kvspec view: cannot write the page {out} ({e})", file=sys.stderr)
+        return 2
+    print(f"page: {path} ({path.stat().st_size / 1024:.0f} KiB, {len(doc['steps']) - 1} steps)")
+    return 0

@@ -1,0 +1,638 @@
+"""The regression oracle: the harness against vLLM releases, one isolated process each, as one matrix.
+
+For each release, and for each level (pool, request) and caching setting
+(on, off), the harness runs against every vLLM profile; a release conforms to
+the profiles whose checks pass, and for each profile it breaks there is the
+shortest trace that shows it. Directed probes then replay the caller mistakes
+and historical bugs of vLLM's block manager on the release (a double free, the
+null block freed or touched, a block registered twice, usage counting the null
+block, a hash left behind by eviction, reset while blocks are held; at the
+request level a request freed twice, and a block filled in decode right after
+an image) and record what the release does; ``kvspec hashes`` adds hash
+compatibility, and whether two engine processes started alike compute the
+same chain (fleet-consistent hashes: measured in fresh processes, one
+answer per release in the matrix's ``fleet`` column and its notes). What a
+release lacks and the adapter declares not applicable (``cache_salt`` before
+0.9.0, pre-allocation driven off in 0.8.0 to 0.8.4) is listed in the notes,
+not reported as a divergence. With ``--events`` each release also runs, per
+level, one campaign with its KV cache events checked (the router's mirror
+rules, then the spec's events; at the request level the hit statistics
+too), under the profile its state conforms to: the events column says
+``ok``, ``no events`` (before 0.9.0), ``breaks <rule>`` with a trace, or the
+campaign's verdict with a trace.
+
+Design choice: every release runs in its own subprocess under a time budget.
+The pool level runs in this environment in light mode (the release's real
+``block_pool.py`` from its wheel); the request level needs vLLM installed, so
+it runs in a virtual environment per release, created on demand under the
+cache folder with the lean recipe (``pip install --no-deps vllm==X``, the CPU
+build of torch 2.13.0, a short list of dependencies). The rejected
+alternative, one process for all releases, would let one release's import
+side effects (NONE_HASH, loggers, a hang) spill into the next one's verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.runner.profiles import PROFILES, detect_profiles
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.vllm.events import FIRST_RELEASE_WITH_EVENTS, event_facts
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter, make_light_adapter
+from kvspec.conformance.targets.vllm.hashes import compare_release, measure_release
+from kvspec.conformance.targets.vllm.lightmode import LightModeError, cache_dir
+from kvspec.conformance.targets.vllm.probes import V0_PROBES, ProbeResult, run_probes
+from kvspec.conformance.targets.vllm.releases import RELEASES, version_key
+from kvspec.conformance.targets.vllm.v0 import V0_PROFILES, V0_RELEASES, make_v0_light_adapter
+
+__all__ = [
+    "Cell",
+    "ReleaseRow",
+    "ensure_venv",
+    "format_matrix",
+    "run_oracle",
+    "venv_root",
+]
+
+# The KV cache groups of the request level's hybrid answer: one full-attention
+# group and one sliding window, vLLM's simple hybrid (one coordinator round).
+HYBRID_GROUPS = "full,sliding:8"
+
+# Pinned: the CPU build on the registry; an unpinned torch is a multi-GB CUDA download.
+TORCH_PIN = "torch==2.13.0+cpu"
+# What importing vLLM's KVCacheManager, Request and SamplingParams needs on a CPU.
+LEAN_DEPS: tuple[str, ...] = (
+    "packaging", "psutil", "pyzmq", "urllib3", "regex", "numpy", "msgspec", "pydantic", "cbor2",
+    "aiohttp", "requests", "openai", "openai_harmony", "pillow", "pybase64", "cachetools", "cloudpickle",
+    "uvloop", "py-cpuinfo", "prometheus_client", "fastapi", "partial-json-parser", "blake3", "sentencepiece",
+    "tokenizers", "pyyaml", "einops", "setproctitle", "diskcache", "llguidance",
+)  # fmt: skip
+# Import names that differ from their distribution's name (for the missing-module loop).
+_MODULE_TO_DIST = {"yaml": "pyyaml", "cv2": "opencv-python-headless", "google": "protobuf", "PIL": "pillow",
+                   "cpuinfo": "py-cpuinfo", "zmq": "pyzmq"}  # fmt: skip
+# Set for every process that imports vLLM: 0.8.x decorates model code with
+# torch.compile at import, which torch 2.13's dynamo rejects; nothing here compiles.
+WORKER_ENV: dict[str, str] = {"TORCHDYNAMO_DISABLE": "1"}
+_IMPORT_CHECK = (
+    "from vllm.v1.core.kv_cache_manager import KVCacheManager; from vllm.v1.request import Request; "
+    "from vllm import SamplingParams; print('IMPORT OK')"
+)
+
+
+# ---------------------------------------------------------------------------
+# one release, in its own process
+
+
+@dataclass(slots=True)
+class Cell:
+    """One (level, caching) cell of the matrix: a verdict per profile."""
+
+    status: str  # "ran", "n/a" or "could not install" / "could not run"
+    why: str = ""  # for a cell that did not run
+    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # profile -> verdict, trace, story, steps
+    steps_per_s: float | None = None  # harness speed against this release
+    not_applicable: list[str] = field(default_factory=list)  # what the adapter declares absent, with why
+
+    def conforms_to(self) -> list[str]:
+        """The profiles whose check passed."""
+        return [p for p, r in self.profiles.items() if r["verdict"] == Verdict.CONFORMS]
+
+
+@dataclass(slots=True)
+class ReleaseRow:
+    """Everything the oracle found on one release."""
+
+    version: str  # the release
+    cells: dict[str, Cell] = field(default_factory=dict)  # "pool/on", "pool/off", "manager/on", "manager/off"
+    hashes: str = ""  # the hash-compatibility summary
+    # Whether two engine processes started alike compute the same chain (hashes.measure_release), and what it
+    # was measured on; "" where not measured (vLLM v0, the request level alone).
+    fleet: str = ""
+    fleet_detail: str = ""
+    probes: list[ProbeResult] = field(default_factory=list)  # the directed probes (pool level)
+    notes: list[str] = field(default_factory=list)  # findings in words
+    # The request level with KV cache groups HYBRID_GROUPS, caching on, under the profile the
+    # release's request level conforms to: "ran" with that one profile's verdict, or "n/a" with why
+    # (a release without the spec classes or a hybrid coordinator declares it). None: not run.
+    hybrid: Cell | None = None
+    # With --events: per level ("pool", "manager"), a campaign with the KV cache events checked (caching on,
+    # the release's profile): "ran" with its verdict, or "n/a" for a release without events. Empty: not run.
+    events: dict[str, Cell] = field(default_factory=dict)
+
+
+def _result_json(result: Any) -> dict[str, Any]:
+    failure = getattr(result, "failure", None)
+    out: dict[str, Any] = {"verdict": str(result.verdict), "steps_run": getattr(result, "steps_run", None)}
+    if getattr(result, "message", ""):
+        out["message"] = result.message  # why it could not run, or a note; a failure's own message replaces it
+    if failure is not None:
+        out.update(
+            step=failure.step,
+            op=failure.op,
+            message=failure.message,
+            trace=failure.trace_path,
+            num_steps=failure.num_steps,
+        )
+    return out
+
+
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    """Run one release at one level, in this process; returns the row's part as JSON."""
+    logging.disable(logging.WARNING)  # vLLM logs every refused reset; the verdicts say it all
+
+    version: str = args.worker
+    if is_v0_only(version):
+        v0_row = _v0_worker(args)
+        if getattr(args, "events", False):
+            v0_row["events"] = {args.level: asdict(Cell("n/a", "no events: vLLM v0's allocator publishes none"))}
+        return v0_row
+    light = args.level == "pool"
+    factory = make_light_adapter(version) if light else make_installed_adapter
+    impl_name = f"vllm@{version}" if light else "vllm"
+    # A request-level trace names its implementation "vllm" (the installed one): its folder names the
+    # release, whose environment replays it (`<venv_root()>/<version>/bin/kvspec replay TRACE`).
+    trace_dir = args.trace_dir if light else str(Path(args.trace_dir) / f"vllm-{version}")
+    row: dict[str, Any] = {"version": version, "cells": {}, "probes": [], "hashes": ""}
+    cachings = [True, False] if args.caching == "both" else [args.caching == "on"]
+    budget = None if args.time_budget is None else args.time_budget / (len(cachings) + 1)
+    for caching in cachings:
+        key = f"{args.level}/{'on' if caching else 'off'}"
+        start = time.monotonic()
+        results = detect_profiles(impl_name, args.level, caching, args.max_examples,
+                                  time_budget_s=budget, trace_dir=trace_dir)  # fmt: skip
+        elapsed = time.monotonic() - start
+        steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())
+        # Declared absences (adapter.py's not_applicable), as the summary lists them.
+        absent = sorted({m for r in results.values() for m in r.not_exercised if ": not applicable, " in m})
+        row["cells"][key] = asdict(Cell("ran", "", {p: _result_json(r) for p, r in results.items()},
+                                        steps / elapsed if elapsed > 0 else None, absent))  # fmt: skip
+    if light:
+        cell = row["cells"].get("pool/on")
+        conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == Verdict.CONFORMS]
+        probe_profile = conforming[0] if conforming else PROFILES[0]
+        row["probes"] = [asdict(r) for r in run_probes(factory, probe_profile, args.trace_dir, impl_name)]
+
+        row["hashes"] = compare_release(version, seeds=(None, "0"), builtin_in_subprocess=True).summary()
+        row.update(_fleet(version))
+    else:
+        cell = row["cells"].get("manager/on")
+        conforming = [p for p, r in (cell["profiles"] if cell else {}).items() if r["verdict"] == Verdict.CONFORMS]
+        # The probes free only hashed blocks, where both profiles agree; prefer a conforming one.
+        probe_profile = conforming[0] if conforming else PROFILES[0]
+        probes = run_probes(factory, probe_profile, trace_dir, impl_name, num_gpu_blocks=8, level="manager")
+        row["probes"] = [{**asdict(r), "name": f"request level: {r.name}"} for r in probes]
+        if args.caching != "off":
+            row["hybrid"] = asdict(_hybrid_cell(impl_name, probe_profile, args.max_examples, budget, trace_dir))
+    if getattr(args, "events", False):
+        events = _events_cell(version, impl_name, args.level, row["cells"], args.max_examples, budget, trace_dir)
+        row["events"] = {args.level: asdict(events)}
+    return row
+
+
+def _fleet(version: str) -> dict[str, str]:
+    """The release's fleet answer, measured in fresh processes (kvspec.conformance.targets.vllm.hashes), for the row."""
+
+    try:
+        measured = measure_release(version)
+    except RuntimeError as e:
+        return {"fleet": "not measured", "fleet_detail": str(e)[:300]}
+    return {"fleet": measured.fleet, "fleet_detail": f"{measured.fleet_line()}; {measured.chain_line()}"}
+
+
+# ---------------------------------------------------------------------------
+# what the pool tells the world: the KV cache events column (--events)
+
+# The event rules a router's mirror depends on (spec.invariants.EVENT_RULES): a campaign that breaks one
+# is reported by the rule's name; any other failure of an events campaign by its verdict.
+_EVENT_RULE_NAMES = ("event_mirror_exact", "event_parent_known")
+
+
+def _events_cell(
+    version: str, impl_name: str, level: str, cells: dict[str, Any], max_examples: int,
+    time_budget_s: float | None, trace_dir: str,
+) -> Cell:  # fmt: skip
+    """One campaign with ``config.events`` (caching on) under the profile the release's state conforms to.
+
+    It checks the release's stream against the router's mirror rules
+    (``event_mirror_exact``, ``event_parent_known``) and against the spec's
+    events, and at the request level the hit statistics too. A release
+    without events (before 0.9.0) is "n/a": no events.
+    """
+
+    if not event_facts(version).has_events:
+        why = f"no events: its BlockPool takes no enable_kv_cache_events (from {FIRST_RELEASE_WITH_EVENTS})"
+        return Cell("n/a", why)
+    on = cells.get(f"{level}/on", {})
+    conforming = [p for p, r in on.get("profiles", {}).items() if r["verdict"] == Verdict.CONFORMS]
+    profile = conforming[0] if conforming else PROFILES[0]
+    start = time.monotonic()
+    result = run_check(impl_name, level=level, enable_caching=True, profile=profile, events=True,
+                       max_examples=max_examples, time_budget_s=time_budget_s, trace_dir=trace_dir)  # fmt: skip
+    if result.verdict is Verdict.NOT_APPLICABLE:
+        return Cell("n/a", getattr(result, "message", "") or "the adapter does not provide this level")
+    elapsed = time.monotonic() - start
+    steps = getattr(result, "steps_run", 0) or 0
+    absent = sorted(m for m in result.not_exercised if ": not applicable, " in m)
+    out = _result_json(result)
+    failure = getattr(result, "failure", None)
+    rule = getattr(failure, "invariant", None) if failure is not None else None
+    if rule in _EVENT_RULE_NAMES:
+        out["rule"] = rule
+    return Cell("ran", "", {profile: out}, steps / elapsed if elapsed > 0 else None, absent)
+
+
+def events_text(cell: Cell | None, footnotes: list[str], where: str) -> str:
+    """An events cell in the matrix: ``ok``, ``no events``, ``breaks <rule>[n]`` or ``<verdict>[n]``."""
+    if cell is None:
+        return "not run"
+    if cell.status == Verdict.NOT_APPLICABLE.value:
+        return "no events" if cell.why.startswith("no events") else Verdict.NOT_APPLICABLE.value
+    if cell.status != "ran":
+        footnotes.append(f"{where}: {cell.status}: {cell.why}")
+        return f"{cell.status}[{len(footnotes)}]"
+    profile, r = next(iter(cell.profiles.items()))
+    if r["verdict"] == Verdict.CONFORMS:
+        return "ok"
+    footnotes.append(f"{where} under {profile}: {r['verdict']} at step {r.get('step')} ({r.get('op')}): "
+                     f"{str(r.get('message', ''))[:200]}  trace: {r.get('trace')}")  # fmt: skip
+    return f"{'breaks ' + r['rule'] if r.get('rule') else r['verdict']}[{len(footnotes)}]"
+
+
+def _hybrid_cell(impl_name: str, profile: str, max_examples: int, time_budget_s: float | None, trace_dir: str) -> Cell:
+    """The request level with KV cache groups ``HYBRID_GROUPS`` (caching on) under one profile.
+
+    A release whose adapter declares the groups not provided (no
+    ``SlidingWindowSpec``, no hybrid coordinator, KVCacheBlocks of one group
+    only) is "n/a" with the adapter's reason, never a divergence.
+    """
+
+    start = time.monotonic()
+    result = run_check(impl_name, level="manager", enable_caching=True, profile=profile, groups=HYBRID_GROUPS,
+                       max_examples=max_examples, time_budget_s=time_budget_s, trace_dir=trace_dir)  # fmt: skip
+    if result.verdict is Verdict.NOT_APPLICABLE:
+        return Cell("n/a", getattr(result, "message", "") or "the adapter does not provide these groups")
+    elapsed = time.monotonic() - start
+    steps = getattr(result, "steps_run", 0) or 0
+    absent = sorted(m for m in result.not_exercised if ": not applicable, " in m)
+    return Cell("ran", "", {profile: _result_json(result)}, steps / elapsed if elapsed > 0 else None, absent)
+
+
+def is_v0_only(version: str) -> bool:
+    """Whether the oracle drives ``version`` through v0's allocator: it ships one and no v1 BlockPool.
+
+    Releases 0.8.0 to 0.10.2 ship both; the oracle drives their v1 pool (their v0
+    allocator is ``kvspec check --impl vllm-v0@X``).
+    """
+
+    return version in V0_RELEASES and version not in RELEASES
+
+
+def _v0_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One v0 release at the pool level with caching on: v0's prefix-caching allocator under each v0 and v1 profile."""
+
+    version: str = args.worker
+    row: dict[str, Any] = {"version": version, "cells": {}, "probes": [], "hashes": ""}
+    cachings = [True, False] if args.caching == "both" else [args.caching == "on"]
+    for caching in cachings:
+        key = f"{args.level}/{'on' if caching else 'off'}"
+        if args.level != "pool":
+            row["cells"][key] = asdict(Cell("n/a", "vLLM v0 is driven at the pool level only"))
+            continue
+        if not caching:
+            why = "the v0 adapter drives the prefix-caching allocator; v0's NaiveBlockAllocator is not driven"
+            row["cells"][key] = asdict(Cell("not run", why))
+            continue
+        try:  # a release whose allocator API the adapter does not speak: one line, not three failed campaigns
+            make_v0_light_adapter(version)(AdapterConfig(level="pool", num_gpu_blocks=4))
+        except (ValueError, LightModeError) as e:
+            row["cells"][key] = asdict(Cell("could not run", str(e)))
+            continue
+        start = time.monotonic()
+        results = detect_profiles(f"vllm-v0@{version}", "pool", True, args.max_examples,
+                                  time_budget_s=args.time_budget, trace_dir=args.trace_dir,
+                                  profiles=V0_PROFILES)  # fmt: skip
+        elapsed = time.monotonic() - start
+        steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())
+        row["cells"][key] = asdict(Cell("ran", "", {p: _result_json(r) for p, r in results.items()},
+                                        steps / elapsed if elapsed > 0 else None))  # fmt: skip
+        impl_name = f"vllm-v0@{version}"
+        factory = make_v0_light_adapter(version)
+        found = run_probes(factory, "lru-timestamp", args.trace_dir, impl_name, num_gpu_blocks=4, probes=V0_PROBES)
+        row["probes"] = [asdict(r) for r in found]
+    return row
+
+
+# ---------------------------------------------------------------------------
+# environments for the request level
+
+
+def venv_root() -> Path:
+    """Where the per-release virtual environments live: beside the light-mode cache."""
+
+    return cache_dir().parent / "vllm-venvs"
+
+
+def _kvspec_source() -> Path | None:
+    """The kvspec project folder, when kvspec runs from a checkout (editable install)."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").exists() else None
+
+
+def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Path:
+    """A virtual environment with vLLM ``version`` and kvspec, created once under ``venv_root()``.
+
+    The lean recipe: ``pip install --no-deps vllm==X``, ``torch==2.13.0+cpu``,
+    ``LEAN_DEPS`` (and ``transformers<4.54`` before 0.24, whose imports break on
+    later ones), then up to 12 rounds of installing whatever module the import
+    of vLLM's KVCacheManager still misses, then kvspec itself without
+    dependencies plus hypothesis and icontract. The environments are shared by
+    every kvspec checkout on the machine: one made from another checkout gets
+    this one's kvspec installed (a few seconds) before it is used.
+
+    Returns:
+        The environment's python.
+
+    Raises:
+        RuntimeError: a step failed; the message names the step and pip's last words.
+    """
+    root = venv_root() / version
+    python = root / "bin" / "python"
+    done = root / "KVSPEC_READY"  # the release, then the kvspec checkout installed in it
+    source = _kvspec_source()
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+
+    def run(cmd: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
+        log(f"vllm=={version}: {what}")
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False, env={**os.environ, **WORKER_ENV})
+        if proc.returncode != 0 and "IMPORT" not in what:
+            tail = "\n".join(line for line in proc.stderr.splitlines() if "WARNING" not in line)[-600:]
+            raise RuntimeError(f"{what} failed (rc={proc.returncode}): {tail}")
+        return proc
+
+    if done.exists():
+        # The environments are shared by every checkout on this machine: one made
+        # from another checkout is pointed at this one, so it runs this kvspec.
+        if source is not None and done.read_text().split("\n")[1:2] != [str(source)]:
+            run([*pip, "--no-deps", "-e", str(source)], f"pip install kvspec from {source}")
+            done.write_text(f"{version}\n{source}\n")
+        return python
+
+    root.parent.mkdir(parents=True, exist_ok=True)
+    run([sys.executable, "-m", "venv", str(root)], "create the environment")
+    run([*pip, "--no-deps", f"vllm=={version}"], "pip install --no-deps vllm")
+    run([*pip, TORCH_PIN], f"pip install {TORCH_PIN}")
+    transformers = "transformers>=4.51.1,<4.54" if version_key(version) < version_key("0.24.0") else "transformers"
+    run([*pip, *LEAN_DEPS, transformers], "pip install the lean dependencies")
+    run([*pip, "--no-deps", "xgrammar", "apache-tvm-ffi"], "pip install --no-deps xgrammar")
+    for _ in range(12):
+        proc = run([str(python), "-c", _IMPORT_CHECK], "IMPORT check")
+        if "IMPORT OK" in proc.stdout:
+            break
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        if "No module named '" not in last:
+            raise RuntimeError(f"importing vLLM's KVCacheManager fails: {last}")
+        module = last.split("No module named '")[1].split("'")[0].split(".")[0]
+        run([*pip, _MODULE_TO_DIST.get(module, module)], f"pip install {module} (missing at import)")
+    else:
+        raise RuntimeError("importing vLLM's KVCacheManager still misses modules after 12 rounds")
+    if source is None:
+        raise RuntimeError("kvspec is not running from a source checkout; cannot install it into the environment")
+    run([*pip, "--no-deps", "-e", str(source)], "pip install kvspec")
+    run([*pip, "hypothesis", "icontract", "cbor2"], "pip install kvspec's dependencies")
+    done.write_text(f"{version}\n{source}\n")
+    return python
+
+
+# ---------------------------------------------------------------------------
+# the matrix
+
+
+def _spawn(
+    python: Path | str, version: str, level: str, caching: str, max_examples: int, time_budget: float | None,
+    trace_dir: str, env: dict[str, str], extra: Sequence[str] = (),
+) -> dict[str, Any]:  # fmt: skip
+    cmd = [str(python), "-m", "kvspec.conformance.tools.oracle", "--worker", version, "--level", level,
+           "--caching", caching, "--max-examples", str(max_examples), "--trace-dir", trace_dir, *extra]  # fmt: skip
+    if time_budget is not None:
+        cmd += ["--time-budget", str(time_budget)]
+    # the budget is the harness's; import and start-up get a fixed allowance on top
+    timeout = None if time_budget is None else time_budget * 1.5 + 120
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"could not run: no answer within {timeout:.0f} s"}
+    if proc.returncode != 0:
+        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
+        return {"error": f"could not run: worker exited rc={proc.returncode}: {tail[0][:300]}"}
+    try:
+        parsed: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (json.JSONDecodeError, IndexError):
+        return {"error": f"could not run: worker printed no result ({proc.stdout[-200:]!r})"}
+    return parsed
+
+
+def _notes(row: ReleaseRow) -> list[str]:
+    """Findings in words, from the cells and probes."""
+    notes: list[str] = []
+    on, off = row.cells.get("pool/on"), row.cells.get("pool/off")
+    if on and on.status == "ran":
+        got = on.conforms_to()
+        if got == ["vllm-v1-tail"]:
+            notes.append("free order: every freed block to the right end (vllm-v1-tail)")
+        if on and off and off.status == "ran" and got and off.conforms_to() and set(got) != set(off.conforms_to()):
+            notes.append(f"free order flips when caching is off: on conforms to {', '.join(got)}, "
+                         f"off to {', '.join(off.conforms_to())}")  # fmt: skip
+    for key in ("manager/on", "manager/off", "hybrid"):
+        cell = row.hybrid if key == "hybrid" else row.cells.get(key)
+        for entry in cell.not_applicable if cell is not None and cell.status == "ran" else ():
+            note = f"request level{f' with groups {HYBRID_GROUPS}' if key == 'hybrid' else ''}: {entry}"
+            if note not in notes:
+                notes.append(note)
+    if is_v0_only(row.version):
+        notes.append("v0's prefix-caching allocator (vllm/core/block); v1's probes and hash vectors not run on it")
+        held = [p.name for p in row.probes if p.verdict == Verdict.CONFORMS]
+        if held:
+            notes.append(f"probes that found nothing (v0 as the spec under lru-timestamp): {'; '.join(held)}")
+    hybrid = row.hybrid
+    if hybrid is not None and hybrid.status != "ran":
+        notes.append(f"request level with groups {HYBRID_GROUPS}: {hybrid.status}: {hybrid.why}")
+    elif hybrid is not None:
+        for profile, r in hybrid.profiles.items():
+            if r["verdict"] != Verdict.CONFORMS:
+                notes.append(f"request level with groups {HYBRID_GROUPS} under {profile}: {r['verdict']} at step "
+                             f"{r.get('step')} ({r.get('op')}): {str(r.get('message', ''))[:160]}; "
+                             f"trace {r.get('trace')}")  # fmt: skip
+    for p in row.probes:
+        if p.verdict != Verdict.CONFORMS:
+            notes.append(f"{p.name} (step {p.step} {p.op}: {p.message[:120]}; trace {p.trace_path})")
+    return notes
+
+
+def run_oracle(
+    versions: Sequence[str],
+    *,
+    levels: Sequence[str] = ("pool",),
+    caching: str = "both",
+    max_examples: int = 100,
+    time_budget: float | None = 120.0,
+    trace_dir: str = "kvspec-oracle-traces",
+    log: Callable[[str], None] = lambda _: None,
+    events: bool = False,
+) -> list[ReleaseRow]:
+    """Run the oracle over releases: one subprocess per (release, level).
+
+    Args:
+        versions: Releases, e.g. ``["0.10.2", "0.33.0"]``.
+        levels: ``"pool"`` (light mode) and/or ``"manager"`` (an environment per release).
+        caching: ``"on"``, ``"off"`` or ``"both"``.
+        max_examples: Harness examples per (profile, caching).
+        time_budget: Seconds of harness time per (release, level).
+        trace_dir: Where traces go.
+        log: Progress messages.
+        events: Also run, per level, a campaign with the KV cache events checked (the events column).
+
+    Returns:
+        One row per release, in the order given.
+    """
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    cachings = ["on", "off"] if caching == "both" else [caching]
+    rows: list[ReleaseRow] = []
+    for version in versions:
+        row = ReleaseRow(version)
+        for level in levels:
+            env = {**os.environ, **WORKER_ENV}
+            env.pop("KVSPEC_VLLM_VERSION", None)
+            python: Path | str = sys.executable
+            if level == "manager" and not is_v0_only(version):
+                try:
+                    python = ensure_venv(version, log)
+                except RuntimeError as e:
+                    for c in cachings:
+                        row.cells[f"{level}/{c}"] = Cell("could not install", str(e)[:300])
+                    continue
+            log(f"vllm=={version}: {level} level")
+            data = _spawn(python, version, level, caching, max_examples, time_budget, trace_dir, env,
+                          ["--events"] if events else [])  # fmt: skip
+            if "error" in data:
+                for c in cachings:
+                    row.cells[f"{level}/{c}"] = Cell("could not run", data["error"])
+                continue
+            for key, cell in data["cells"].items():
+                row.cells[key] = Cell(**cell)
+            row.probes += [ProbeResult(**p) for p in data["probes"]]
+            if data.get("hybrid"):
+                row.hybrid = Cell(**data["hybrid"])
+            row.events.update({lv: Cell(**cell) for lv, cell in data.get("events", {}).items()})
+            if level == "pool":
+                row.hashes = data["hashes"]
+                row.fleet, row.fleet_detail = data.get("fleet", ""), data.get("fleet_detail", "")
+        row.notes = _notes(row)
+        rows.append(row)
+    return rows
+
+
+# The fleet answers in the matrix column (the notes give them whole).
+_FLEET_SHORT = {"only with PYTHONHASHSEED set": "seed set", "only with PYTHONHASHSEED unset": "seed unset"}
+
+
+def _cell_text(cell: Cell | None, footnotes: list[str]) -> str:
+    if cell is None:
+        return "n/a"
+    if cell.status != "ran":
+        return f"{cell.status}"
+    parts = []
+    for profile, r in cell.profiles.items():
+        short = profile.replace("vllm-", "")
+        if r["verdict"] == Verdict.CONFORMS:
+            parts.append(f"{short} ok")
+        else:
+            footnotes.append(f"{r['verdict']} under {profile} at step {r.get('step')} ({r.get('op')}): "
+                             f"{str(r.get('message', ''))[:160]}  trace: {r.get('trace')}")  # fmt: skip
+            parts.append(f"{short} {r['verdict']}[{len(footnotes)}]")
+    return ", ".join(parts)
+
+
+def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: Sequence[str]) -> str:
+    """The matrix as text: one line per release, footnotes for every divergence and every cell that did not run."""
+    footnotes: list[str] = []
+    keys = [f"{lv}/{c}" for lv in levels for c in cachings]
+    # The hybrid answer (KV cache groups HYBRID_GROUPS) gets a column where some row has one.
+    hybrid = any(row.hybrid is not None for row in rows)
+    fleet = any(row.fleet for row in rows)
+    # The events columns (--events), one per level some row ran them at.
+    event_levels = [lv for lv in levels if any(lv in row.events for row in rows)]
+    header = ["version", *[k.replace("manager", "request") for k in keys], *(["request/hybrid"] if hybrid else []),
+              *[f"{lv.replace('manager', 'request')}/events" for lv in event_levels], "hashes",
+              *(["fleet"] if fleet else [])]  # fmt: skip
+    table: list[list[str]] = []
+    for row in rows:
+        cells = []
+        for k, cell in [*((k, row.cells.get(k)) for k in keys), *([("request/hybrid", row.hybrid)] if hybrid else [])]:
+            if cell is not None and cell.status != "ran":
+                footnotes.append(f"{row.version} {k}: {cell.status}: {cell.why}")
+                cells.append(f"{cell.status}[{len(footnotes)}]")
+            else:
+                cells.append(_cell_text(cell, footnotes))
+        cells += [events_text(row.events.get(lv), footnotes, f"{row.version} {lv} events") for lv in event_levels]
+        table.append([row.version, *cells, row.hashes.split(":")[0] if row.hashes else "n/a",
+                      *([_FLEET_SHORT.get(row.fleet, row.fleet or "n/a")] if fleet else [])])  # fmt: skip
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table]
+    if fleet:
+        lines.append("fleet: two engine processes started alike compute the same chain (fleet-consistent hashes): "
+                     "yes (PYTHONHASHSEED set or unset), seed set (only with PYTHONHASHSEED set), no; measured in "
+                     "two fresh processes per setting, see the notes")  # fmt: skip
+    lines.append("")
+    lines.append("notes:")
+    for row in rows:
+        for note in row.notes:
+            lines.append(f"  {row.version}: {note}")
+        if row.fleet_detail:
+            lines.append(f"  {row.version}: {row.fleet_detail}")
+        if row.hashes and not row.hashes.startswith("compatible"):
+            lines.append(f"  {row.version}: hashes {row.hashes[:300]}")
+    if footnotes:
+        lines.append("")
+        lines += [f"[{i}] {text}" for i, text in enumerate(footnotes, 1)]
+    return "\n".join(lines)
+
+
+def rows_to_json(rows: Sequence[ReleaseRow]) -> list[dict[str, Any]]:
+    """The rows as plain data, for ``--json``."""
+    return [asdict(row) for row in rows]
+
+
+def all_releases() -> tuple[str, ...]:
+    """Every release the oracle knows, oldest first."""
+    return RELEASES
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvspec.conformance.tools.oracle")
+    parser.add_argument("--worker", required=True, help="the release to check in this process")
+    parser.add_argument("--level", choices=("pool", "manager"), default="pool")
+    parser.add_argument("--caching", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--max-examples", type=int, default=100)
+    parser.add_argument("--time-budget", type=float, default=None)
+    parser.add_argument("--trace-dir", default="kvspec-oracle-traces")
+    parser.add_argument("--events", action="store_true", help="also run the events campaign (the events column)")
+    args = parser.parse_args(argv)
+    print(json.dumps(_worker(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
