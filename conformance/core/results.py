@@ -28,6 +28,9 @@ from kvspec.conformance.core.kv_events import event_to_json
 __all__ = [
     "CampaignReport",
     "CheckResult",
+    "EXIT_COULD_NOT_RUN",
+    "EXIT_DIVERGES",
+    "EXIT_OK",
     "Failure",
     "FailureKind",
     "Outcome",
@@ -61,14 +64,21 @@ class Verdict(str, Enum):
         return _EXIT_CODES[self]
 
 
+# Every command's exit codes: 0 conforms / proved / killed them all; 1 the implementation is wrong (it
+# diverged, crashed or hung) / a lemma refuted / a mutant survived; 2 no verdict (bad arguments, an
+# implementation that cannot be built, a malformed trace, an inconclusive run).
+EXIT_OK = 0
+EXIT_DIVERGES = 1
+EXIT_COULD_NOT_RUN = 2
+
 _EXIT_CODES = {
-    Verdict.CONFORMS: 0,
-    Verdict.DIVERGES: 1,
-    Verdict.CRASHED: 1,
-    Verdict.HUNG: 1,
-    Verdict.COULD_NOT_RUN: 2,
-    Verdict.INCONCLUSIVE: 2,
-    Verdict.NOT_APPLICABLE: 0,  # nothing wrong; a run where everything is n/a checked nothing, and exits 2
+    Verdict.CONFORMS: EXIT_OK,
+    Verdict.DIVERGES: EXIT_DIVERGES,
+    Verdict.CRASHED: EXIT_DIVERGES,
+    Verdict.HUNG: EXIT_DIVERGES,
+    Verdict.COULD_NOT_RUN: EXIT_COULD_NOT_RUN,
+    Verdict.INCONCLUSIVE: EXIT_COULD_NOT_RUN,
+    Verdict.NOT_APPLICABLE: EXIT_OK,  # nothing wrong; a run where everything is n/a checked nothing, and exits 2
 }
 
 # The fewest examples a campaign must run before it may say "conforms" (fewer when fewer

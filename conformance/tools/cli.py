@@ -18,15 +18,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hypothesis.configuration import set_hypothesis_home_dir
+
 import kvspec
 import kvspec.conformance.tools.commands as commands
+from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN
 from kvspec.conformance.tools.commands._arguments import OneLineParser
 
-__all__ = ["EXIT_COULD_NOT_RUN", "EXIT_DIVERGES", "EXIT_OK", "build_parser", "main"]
-
-EXIT_OK = 0
-EXIT_DIVERGES = 1
-EXIT_COULD_NOT_RUN = 2
+__all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +51,6 @@ def _keep_hypothesis_files_out_of_the_current_folder() -> None:
     """
     if "HYPOTHESIS_STORAGE_DIRECTORY" in os.environ:
         return
-    # imported when run: setting Hypothesis's home before its database module reads it
-    from hypothesis.configuration import set_hypothesis_home_dir
-
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvspec" / "hypothesis"
     set_hypothesis_home_dir(str(cache))
 

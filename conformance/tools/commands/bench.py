@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvspec.conformance.tools.cli import EXIT_COULD_NOT_RUN
+from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN
 
 # target -> the module whose `main(argv) -> int` runs it
 TARGETS = {

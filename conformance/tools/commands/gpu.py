@@ -16,7 +16,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from kvspec.conformance.tools.cli import EXIT_COULD_NOT_RUN, EXIT_OK
+from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_OK
 from kvspec.conformance.tools.commands._arguments import fraction, json_output, memory_size, positive_int
 from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.gpu_impl.sizing import DEFAULT_MARGIN, DTYPE_SIZES, KVLayout, parse_size, plan_capacity

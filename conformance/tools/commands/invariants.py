@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.core.operations import OPERATIONS
 from kvspec.spec import invariants as spec_invariants
 
 __all__ = ["INDIRECT", "Row", "lemma_claims_from_source", "register", "rows", "run"]
@@ -152,8 +153,6 @@ def _machine_roots() -> list[object] | None:
         roots.extend(v for v in vars(module).values() if getattr(v, "__module__", None) == module.__name__)
     # The lock-step core calls each operation's spec function through the operations table (a
     # mapping, which _reachable does not follow) and compares the implementation's result with it.
-    from kvspec.conformance.core.operations import OPERATIONS
-
     roots.extend(op.spec for op in OPERATIONS.values())
     return roots
 

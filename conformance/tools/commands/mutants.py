@@ -18,8 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvspec.conformance.core.results import CheckResult, Verdict
-from kvspec.conformance.tools.cli import EXIT_COULD_NOT_RUN, EXIT_DIVERGES, EXIT_OK
+from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_DIVERGES, EXIT_OK, CheckResult, Verdict
 from kvspec.conformance.tools.commands._arguments import (
     DEFAULT_TRACE_DIR,
     non_negative_int,
@@ -37,6 +36,7 @@ from kvspec.conformance.tools.mutants import (
     run_mutants,
     summarize,
 )
+from kvspec.mutants import discover
 
 
 def register(subparsers: Any) -> None:
@@ -89,9 +89,6 @@ def _row(result: MutantResult, level: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Run the selected mutants and print the table and the benchmark lines."""
-    # Imported here: the mutant set (kvspec.mutants) is a package `kvspec --help` need not load.
-    from kvspec.mutants import discover
-
     if args.max_examples < 1 or args.time_budget <= 0:
         print(
             f"kvspec mutants: --max-examples must be >= 1 and --time-budget > 0; "

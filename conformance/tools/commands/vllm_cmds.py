@@ -8,7 +8,7 @@ import logging
 import sys
 from typing import Any
 
-from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_DIVERGES, EXIT_OK, Verdict
 from kvspec.conformance.targets.plugins.targets import TARGETS
 from kvspec.conformance.targets.vllm.adapter import spec_hashing_for
 from kvspec.conformance.targets.vllm.hashes import FLEET_SEED, compare_release, measure_release, measure_releases
@@ -17,8 +17,6 @@ from kvspec.conformance.targets.vllm.v0 import V0_RELEASES
 from kvspec.conformance.tools import oracle
 from kvspec.conformance.tools import plugin_matrix as matrix
 from kvspec.conformance.tools.commands._arguments import output_dir, positive_float, positive_int
-
-EXIT_OK, EXIT_DIVERGES, EXIT_COULD_NOT_RUN = 0, 1, 2
 
 
 def register(subparsers: Any) -> None:
