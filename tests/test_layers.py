@@ -54,39 +54,39 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports() -> Iterator[Import]:
-    for module, path in MODULES.items():
-        source = path.read_text()
-        lines = source.splitlines()
-        is_package = path.name == "__init__.py"
-
-        def commented(line_no: int) -> bool:
-            k = line_no - 2
-            while k >= 0 and lines[k].strip().startswith(("from ", "import ")):
-                k -= 1
-            return "#" in lines[line_no - 1] or (k >= 0 and lines[k].strip().startswith("#"))
-
-        def visit(node: ast.AST, in_function: bool) -> Iterator[Import]:
-            for child in ast.iter_child_nodes(node):
-                inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-                if isinstance(child, ast.Import):
-                    for alias in child.names:
-                        yield Import(module, alias.name, in_function, commented(child.lineno))
-                elif isinstance(child, ast.ImportFrom):
-                    base = child.module or ""
-                    if child.level:
-                        anchor = module.split(".")[: len(module.split(".")) - child.level + is_package]
-                        base = ".".join([*anchor, base] if base else anchor)
-                    for alias in child.names:
-                        sub = f"{base}.{alias.name}"
-                        yield Import(module, sub if sub in MODULES else base, in_function, commented(child.lineno))
-                else:
-                    yield from visit(child, inside)
-
-        yield from visit(ast.parse(source), False)
+def _commented(lines: list[str], line_no: int) -> bool:
+    """A comment on the import's line, or on the line above the block of imports it stands in."""
+    k = line_no - 2
+    while k >= 0 and lines[k].strip().startswith(("from ", "import ")):
+        k -= 1
+    return "#" in lines[line_no - 1] or (k >= 0 and lines[k].strip().startswith("#"))
 
 
-IMPORTS = list(_imports())
+def _imports_of(module: str, path: Path) -> Iterator[Import]:
+    lines = path.read_text().splitlines()
+    is_package = path.name == "__init__.py"
+
+    def visit(node: ast.AST, in_function: bool) -> Iterator[Import]:
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    yield Import(module, alias.name, in_function, _commented(lines, child.lineno))
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = module.split(".")[: len(module.split(".")) - child.level + is_package]
+                    base = ".".join([*anchor, base] if base else anchor)
+                for alias in child.names:
+                    sub = f"{base}.{alias.name}"
+                    yield Import(module, sub if sub in MODULES else base, in_function, _commented(lines, child.lineno))
+            else:
+                yield from visit(child, inside)
+
+    yield from visit(ast.parse("\n".join(lines)), False)
+
+
+IMPORTS = [imp for module, path in MODULES.items() for imp in _imports_of(module, path)]
 
 
 def _layer(module: str) -> int | None:
