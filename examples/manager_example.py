@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from pool_example import ExamplePool
 
-from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance import AdapterConfig
 from kvspec.spec.hashing import hash_request_blocks
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot

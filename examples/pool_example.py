@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance import AdapterConfig
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
 BUG = os.environ.get("KVSPEC_EXAMPLE_BUG") == "pool"
