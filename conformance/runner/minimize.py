@@ -7,6 +7,15 @@ stream becomes a trace (each step checked on the spec: up to its last step
 the implementation matched it), and the trace is cut down by delta
 debugging: drop chunks of steps while a replay still crashes or hangs the
 same way, within a time budget.
+
+A shorter trace is one the campaign could have sent, or it is not tried:
+dropping a step can make a later call a caller mistake (a free of a block
+that was never taken is a double free in the spec's eyes), which the
+campaign sends only to an implementation declared to handle it. So a
+candidate keeps every step as the campaign sent it: a legal call stays legal
+on the spec, a deliberate mistake stays a mistake. The rejected alternative,
+keeping any candidate that still crashes, blamed an implementation that
+trusts its caller for a call it was never meant to get.
 """
 
 from __future__ import annotations
@@ -76,6 +85,8 @@ def _minimize(
     steps = list(trace.steps)
 
     def still_fails(candidate: list[TraceStep]) -> bool:
+        if not _as_sent(trace, candidate):
+            return False
         outcome = _replay(
             Trace(config=trace.config, steps=tuple(_renumber(candidate)), impl=trace.impl), factory, step_timeout_s
         )
@@ -98,6 +109,16 @@ def _minimize(
         if not changed:
             chunk //= 2
     return Trace(config=trace.config, steps=tuple(_renumber(steps)), impl=trace.impl), True
+
+
+def _as_sent(trace: Trace, candidate: Sequence[TraceStep]) -> bool:
+    """Whether every step of ``candidate`` is, on the spec, what it was when the campaign sent it:
+    a legal call still legal, a caller mistake still a mistake."""
+    outcomes = run_spec(trace.config, [(s.op, s.args) for s in candidate])
+    return all(
+        (outcome.error is None and not outcome.crashed) == (step.mistake is None)
+        for step, (outcome, _) in zip(candidate, outcomes)
+    )
 
 
 def _renumber(steps: Sequence[TraceStep]) -> list[TraceStep]:
