@@ -43,6 +43,8 @@ from kvspec.spec.ordering import is_profile, known_profiles
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
 __all__ = [
+    "MAX_TRACE_BYTES",
+    "MAX_TRACE_NUM_GPU_BLOCKS",
     "TRACE_FORMAT",
     "MalformedTrace",
     "Outcome",
@@ -59,6 +61,12 @@ __all__ = [
 ]
 
 TRACE_FORMAT = 1
+# Bounds on what a trace may ask of kvspec, so that no file makes it run out of memory or time.
+# A trace file is read whole: one of kvspec's own is a few KiB (shrunk) to tens of MiB (a kept deepest example).
+MAX_TRACE_BYTES = 256 * 1024 * 1024
+# The spec rebuilds its pool state (tuples of num_gpu_blocks entries) at every step: 100,000 blocks take about
+# 2 s to build and milliseconds a step; a pool ten thousand times larger would take hours before the first step.
+MAX_TRACE_NUM_GPU_BLOCKS = 100_000
 
 class MalformedTrace(ValueError):
     """A trace file that cannot be read: names the file, the line and what is wrong there."""
@@ -380,6 +388,11 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
     for name in ("num_gpu_blocks", "block_size"):
         if cfg[name] < 1:
             raise ValueError(f"header config {name} must be at least 1; got {name}={cfg[name]}")
+    if cfg["num_gpu_blocks"] > MAX_TRACE_NUM_GPU_BLOCKS:
+        raise ValueError(
+            f"header config num_gpu_blocks={cfg['num_gpu_blocks']} is more than a trace may ask for "
+            f"(at most {MAX_TRACE_NUM_GPU_BLOCKS:,}: the spec rebuilds the pool's state at every step)"
+        )
     if cfg["hash_fn"] not in HASH_FUNCTIONS:
         raise ValueError(f"header config hash_fn={cfg['hash_fn']!r} is not one of {', '.join(sorted(HASH_FUNCTIONS))}")
     if not is_profile(cfg["profile"]):
@@ -496,6 +509,8 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
             raise MalformedTrace(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        except RecursionError:
+            raise MalformedTrace(f"{where}: nested deeper than any trace of kvspec's") from None
         try:
             if config is None:
                 config, impl = _header(obj)
@@ -505,6 +520,8 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>") -> Trace:
                 steps.append(_step(obj, len(steps) + 1, config.level))
         except (ValueError, TypeError, KeyError) as e:
             raise MalformedTrace(f"{where}: {e}") from None
+        except RecursionError:
+            raise MalformedTrace(f"{where}: a value nested deeper than any trace of kvspec's") from None
     if config is None:
         raise MalformedTrace(f"{source}: empty file; a trace starts with a header line")
     return Trace(config=config, steps=tuple(steps), impl=impl, verdict=verdict, failure=failure)
@@ -518,6 +535,12 @@ def read_trace(path: str | Path) -> Trace:
     """
     p = Path(path)
     try:
+        size = p.stat().st_size
+        if size > MAX_TRACE_BYTES:
+            raise MalformedTrace(
+                f"{p}: {size / 2**20:.0f} MiB is more than kvspec reads ({MAX_TRACE_BYTES // 2**20} MiB at most); "
+                "a failure's shrunk trace is a few KiB"
+            )
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise MalformedTrace(f"{p}: no such file") from None

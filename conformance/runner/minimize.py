@@ -7,6 +7,16 @@ stream becomes a trace (each step checked on the spec: up to its last step
 the implementation matched it), and the trace is cut down by delta
 debugging: drop chunks of steps while a replay still crashes or hangs the
 same way, within a time budget.
+
+A shorter trace is one the campaign could have sent, or it is not tried:
+dropping a step can make a later call a caller mistake (a free of a block
+that was never taken is a double free in the spec's eyes), which the
+campaign sends only to an implementation declared to handle it. So a call
+that was legal on the spec when the campaign sent it stays legal in every
+shorter trace tried. The rejected alternative, keeping any candidate that
+still crashes, blamed an implementation that trusts its caller for a call it
+was never meant to get; the cost is a longer trace where a shorter one would
+have turned a legal call into a mistake the implementation does handle.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import signal
 import time
 from collections.abc import Sequence
 
+from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.lockstep import Factory, run_spec
 from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Outcome
 from kvspec.conformance.core.trace import MalformedTrace, Trace, TraceStep, parse_trace
@@ -74,8 +85,11 @@ def _minimize(
     """
     deadline = time.monotonic() + budget_s
     steps = list(trace.steps)
+    was_legal = _legal_steps(trace.config, steps)
 
     def still_fails(candidate: list[TraceStep]) -> bool:
+        if not _still_legal(trace, candidate, was_legal):
+            return False
         outcome = _replay(
             Trace(config=trace.config, steps=tuple(_renumber(candidate)), impl=trace.impl), factory, step_timeout_s
         )
@@ -98,6 +112,17 @@ def _minimize(
         if not changed:
             chunk //= 2
     return Trace(config=trace.config, steps=tuple(_renumber(steps)), impl=trace.impl), True
+
+
+def _legal_steps(config: AdapterConfig, steps: Sequence[TraceStep]) -> set[int]:
+    """The steps (by identity) that are legal calls on the spec: no caller mistake, in their place in ``steps``."""
+    outcomes = run_spec(config, [(s.op, s.args) for s in steps])
+    return {id(step) for step, (outcome, _) in zip(steps, outcomes) if outcome.error is None and not outcome.crashed}
+
+
+def _still_legal(trace: Trace, candidate: Sequence[TraceStep], was_legal: set[int]) -> bool:
+    """Whether every step of ``candidate`` that was legal in ``trace`` is still legal in its new place."""
+    return was_legal & {id(s) for s in candidate} <= _legal_steps(trace.config, candidate)
 
 
 def _renumber(steps: Sequence[TraceStep]) -> list[TraceStep]:

@@ -49,9 +49,13 @@ from kvspec.reference.kv_cache_manager import KVCacheManager
 from kvspec.spec.manager import Request
 
 __all__ = [
+    "BYTES_PER_BLOCK",
+    "MAX_POOL_BLOCKS",
     "SimRequest",
     "SimResult",
     "WorkloadError",
+    "available_memory",
+    "pool_size_refusal",
     "read_workload",
     "simulate",
 ]
@@ -62,6 +66,45 @@ MAX_RUNNING = 256  # requests running at once: vLLM's default max_num_seqs
 
 class WorkloadError(ValueError):
     """A workload file or request that cannot be simulated (the message names the line)."""
+
+
+# The reference manager's memory per pool block, measured with tracemalloc (a KVCacheBlock, its free-queue
+# links, the manager's tables): about 120 bytes; 200 leaves room for the run's own bookkeeping.
+BYTES_PER_BLOCK = 200
+# The largest pool simulate builds: 10,000,000 blocks take about 2 GB and a minute and a half to build.
+MAX_POOL_BLOCKS = 10_000_000
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the machine can still give (Linux's MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def pool_size_refusal(pools: Sequence[int], at_once: int) -> str | None:
+    """Why pools of these sizes, ``at_once`` built at the same time, will not be built; None when they fit.
+
+    >>> pool_size_refusal([2000], 1) is None
+    True
+    >>> pool_size_refusal([10**14], 1).split(";")[0]
+    '--pool 100000000000000 is more than simulate builds (at most 10,000,000 blocks)'
+    """
+    largest = max(pools)
+    if largest > MAX_POOL_BLOCKS:
+        return f"--pool {largest} is more than simulate builds (at most {MAX_POOL_BLOCKS:,} blocks); " \
+            "a pool's hit rate levels off long before"  # fmt: skip
+    need = BYTES_PER_BLOCK * sum(sorted(pools)[-at_once:])
+    free = available_memory()
+    if free is not None and need > free:
+        return f"pools of {', '.join(map(str, pools))} blocks, {at_once} at once, need about {need / 2**30:.1f} GiB; " \
+            f"{free / 2**30:.1f} GiB is available (fewer --jobs, or smaller pools)"  # fmt: skip
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,7 @@ from kvspec.conformance.tools.commands._arguments import (
     profile_name,
 )
 from kvspec.conformance.tools.commands._check_output import write_json
-from kvspec.conformance.tools.simulate import WorkloadError, read_workload, simulate
+from kvspec.conformance.tools.simulate import WorkloadError, pool_size_refusal, read_workload, simulate
 from kvspec.conformance.tools.workloads import WORKLOADS, builtin_workload
 
 __all__ = ["register", "run"]
@@ -121,7 +121,11 @@ def plot(results: list[Any], path: Path, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run every configuration; 0, or 2 for a workload or an output that cannot be used."""
-
+    configurations = len(args.profile) * len(args.block_size) * len(args.pool)
+    refusal = pool_size_refusal(args.pool, min(args.jobs, configurations))
+    if refusal:
+        print(f"kvspec simulate: {refusal}", file=sys.stderr)
+        return 2
     try:
         workload = _load(args.workload, args.seed)
     except (WorkloadError, FileNotFoundError) as e:

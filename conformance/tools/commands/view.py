@@ -41,8 +41,25 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why these arguments cannot mean anything, in one line; None when they can."""
+    if not args.serve and args.port:
+        return "--port goes with --serve (the page is written to a file otherwise)"
+    if not args.serve and not args.open_browser:
+        return "--no-open goes with --serve (a written page is never opened)"
+    if args.serve and args.output:
+        return "-o and --serve are two ways to show the page; give one"
+    if args.output and Path(args.output).resolve() == Path(args.trace).resolve():
+        return f"-o {args.output} is the trace itself; the page would replace it (give another path)"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Write (or serve) the page of one trace."""
+    refusal = _refusal(args)
+    if refusal:
+        print(f"kvspec view: {refusal}", file=sys.stderr)
+        return 2
     try:
         doc = trace_to_page_data(read_trace(args.trace))
     except MalformedTrace as e:

@@ -1,0 +1,105 @@
+"""A corpus of hostile inputs, kept: each one through the command line, answered in one line, exit 2, nothing touched.
+
+Every case is something a careless or hostile user gave kvspec (a trace that
+is not one, flags that mean nothing together, sizes no machine holds). The
+answer is one line on stderr naming what is wrong, exit 2 ("no verdict"),
+no traceback, and the folder it ran in exactly as it was: no trace written,
+no file replaced. The corpus grows with every report.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvspec.conformance.core import trace as trace_module
+from kvspec.conformance.tools.cli import main
+
+HEADER = {
+    "kvspec_trace": 1,
+    "level": "pool",
+    "config": {"num_gpu_blocks": 4, "enable_caching": True, "profile": "vllm-v1", "block_size": 4,
+               "hash_fn": "sha256_cbor", "seed": "kvspec", "device": None},
+    "impl": "reference",
+}  # fmt: skip
+
+
+def _trace(folder: Path, *lines: str, header: dict | None = None) -> Path:
+    path = folder / "given.trace.jsonl"
+    path.write_text("\n".join([json.dumps(header or HEADER), *lines]) + "\n")
+    return path
+
+
+def _state(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def answers_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """Run kvspec in a folder of its own; assert exit 2, one line on stderr that says ``says``, nothing changed."""
+    monkeypatch.chdir(tmp_path)
+
+    def check(argv: list[str], says: str) -> None:
+        before = _state(tmp_path)
+        code = main(argv)
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert code == 2, (argv, out, err)
+        assert len(lines) == 1 and says in lines[0], err
+        assert "Traceback" not in out + err
+        assert _state(tmp_path) == before, "a file was created or changed"
+
+    return check
+
+
+def test_a_trace_nested_two_hundred_thousand_deep(tmp_path: Path, answers_in_one_line: Callable) -> None:
+    path = _trace(tmp_path, "[" * 200_000)
+    for command in (["replay", str(path)], ["view", str(path)], ["mirror", str(path)]):
+        answers_in_one_line(command, "nested deeper than any trace of kvspec's")
+
+
+def test_a_trace_whose_pool_no_machine_holds(tmp_path: Path, answers_in_one_line: Callable) -> None:
+    header = {**HEADER, "config": {**HEADER["config"], "num_gpu_blocks": 10**9}}
+    path = _trace(tmp_path, json.dumps({"step": 1, "op": "get_new_blocks", "args": [1]}), header=header)
+    for command in (["replay", str(path)], ["view", str(path)]):
+        answers_in_one_line(command, "num_gpu_blocks=1000000000 is more than a trace may ask for")
+
+
+def test_a_trace_file_larger_than_kvspec_reads(tmp_path, answers_in_one_line, monkeypatch) -> None:
+    # The bound is 256 MiB; a test does not write that much, so it lowers the bound instead.
+    monkeypatch.setattr(trace_module, "MAX_TRACE_BYTES", 64)
+    path = _trace(tmp_path, json.dumps({"step": 1, "op": "get_new_blocks", "args": [1]}))
+    answers_in_one_line(["replay", str(path)], "is more than kvspec reads")
+
+
+def test_the_page_never_replaces_its_trace(tmp_path: Path, answers_in_one_line: Callable) -> None:
+    path = _trace(tmp_path, json.dumps({"step": 1, "op": "get_new_blocks", "args": [1]}))
+    answers_in_one_line(["view", str(path), "-o", str(path)], "is the trace itself")
+    answers_in_one_line(["view", str(path), "-o", f"./{path.name}"], "is the trace itself")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--port", "8080"], "--port goes with --serve"),
+        (["--no-open"], "--no-open goes with --serve"),
+        (["--serve", "-o", "page.html"], "-o and --serve are two ways"),
+    ],
+)
+def test_view_flags_that_do_nothing_together(tmp_path, answers_in_one_line, flags, says) -> None:
+    path = _trace(tmp_path, json.dumps({"step": 1, "op": "get_new_blocks", "args": [1]}))
+    answers_in_one_line(["view", str(path), *flags], says)
+
+
+def test_a_simulated_pool_no_machine_holds_is_refused_before_it_is_built(answers_in_one_line: Callable) -> None:
+    answers_in_one_line(["simulate", "--pool", "100000000000000"], "is more than simulate builds (at most 10,000,000")
+
+
+def test_simulated_pools_that_do_not_fit_in_memory_together(monkeypatch, answers_in_one_line) -> None:
+    from kvspec.conformance.tools import simulate
+
+    monkeypatch.setattr(simulate, "available_memory", lambda: 2**30)  # a machine with 1 GiB free
+    answers_in_one_line(["simulate", "--pool", "9000000", "8000000", "--jobs", "2"], "need about 3.2 GiB")

@@ -1,0 +1,78 @@
+"""A crash or hang is reported on a trace the campaign could have sent: shrinking keeps every step legal.
+
+An implementation that trusts its caller (``validates_bad_input = False``) is
+never sent a caller mistake. Cutting steps out of its crash trace can make a
+later call a mistake (the free of a block the trace no longer takes); such a
+shorter trace is not what the campaign sent, and blaming the implementation
+for it would be kvspec's fault. Shrinking by replay keeps every step as it
+was sent (kvspec.conformance.runner.minimize).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Sequence
+
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import run_spec
+from kvspec.conformance.core.trace import read_trace
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.targets.builtin import ReferencePoolAdapter
+from kvspec.spec.state import BlockId
+
+
+class _TrustsItsCaller(ReferencePoolAdapter):
+    validates_bad_input = False  # the harness sends it no caller mistake
+
+
+class SegfaultOnFreeingBlockOne(_TrustsItsCaller):
+    """Dies whenever block 1 is freed: legal only after block 1 was taken."""
+
+    def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
+        if 1 in block_ids:
+            ctypes.string_at(0)
+        super().free_blocks(block_ids)
+
+
+class HangOnTouchingBlockOne(_TrustsItsCaller):
+    """Never returns from a touch of block 1: legal only while block 1 holds a hash or is held."""
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        while 1 in block_ids:
+            time.sleep(0.01)
+        super().touch(block_ids)
+
+
+def make_segfault(config: AdapterConfig) -> object:
+    return SegfaultOnFreeingBlockOne(config)
+
+
+def make_hang(config: AdapterConfig) -> object:
+    return HangOnTouchingBlockOne(config)
+
+
+def _every_step_legal(path: str) -> tuple[int, list[str]]:
+    trace = read_trace(path)
+    outcomes = run_spec(trace.config, [(s.op, s.args) for s in trace.steps])
+    return len(trace.steps), [
+        f"step {s.index} {s.op}{list(s.args)}: {o.error}" for s, (o, _) in zip(trace.steps, outcomes) if o.error
+    ]
+
+
+def test_a_segfault_is_reported_on_legal_steps_only(tmp_path) -> None:
+    result = run_check(make_segfault, level="pool", enable_caching=True, max_examples=50, trace_dir=tmp_path)
+    assert result.verdict == "crashed" and result.failure is not None and result.failure.trace_path
+    steps, mistakes = _every_step_legal(result.failure.trace_path)
+    assert mistakes == [] and steps >= 2  # block 1 taken, then freed: never a free of a block not held
+    assert result.failure.op == "free_blocks"
+
+
+def test_a_hang_is_reported_on_legal_steps_only(tmp_path) -> None:
+    result = run_check(
+        make_hang, level="pool", enable_caching=True, max_examples=50, step_timeout_s=1.0, trace_dir=tmp_path
+    )
+    assert result.verdict == "hung" and result.failure is not None and result.failure.trace_path
+    steps, mistakes = _every_step_legal(result.failure.trace_path)
+    assert mistakes == [] and steps >= 2
+    assert result.failure.op == "touch"
