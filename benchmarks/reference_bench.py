@@ -143,7 +143,7 @@ class _PoolUnderTest:
         # A whole request: look up its prefix (a shared system prompt, then its
         # own tokens), allocate (touch the hit, take and register new blocks), free.
         own = tuple(rng.randrange(100_000) for _ in range((PROMPT_BLOCKS - SHARED_BLOCKS) * BLOCK_SIZE))
-        request = Request(f"r{self.num_requests}", _SHARED_PREFIX + own + (0,))
+        request = Request(request_id=f"r{self.num_requests}", token_ids=_SHARED_PREFIX + own + (0,))
         self.num_requests += 1
         times[cycle].append(_timed(lambda: self._request_cycle(request)))
 

@@ -778,7 +778,7 @@ class TensorBlockPool:
             if stored is not None:
                 queue.append(stored)
             elif block_ids:
-                queue.append(BlockStored(tuple(block_hashes), None))
+                queue.append(BlockStored(block_hashes=tuple(block_hashes), parent_block_hash=None))
 
     def _drop_entry(self, block_hash: BlockHash, block_id: int) -> None:
         """Remove one block from a hash's entry, if it is there; an emptied entry goes. Cost: O(1)."""

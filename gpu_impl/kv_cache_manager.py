@@ -181,10 +181,10 @@ def _check_step_counts(
 class _HitCounters:
     """The hit statistics as running totals: one row of six ints per cache, and the resets.
 
-    A row is `CacheCounters`' fields in order (requests, queries, hits, then
-    the same three for preempted requests), so the spec's value is one call
-    away; plain ints rather than the frozen value, because every admission
-    adds to them and only a reader needs the value.
+    A row holds `CacheCounters`' fields in their order (requests, queries,
+    hits, then the same three for preempted requests), named again only when
+    a reader asks for the spec's value; plain ints rather than the frozen
+    value, because every admission adds to them and only a reader needs it.
     """
 
     __slots__ = ("connector", "local", "num_resets")
@@ -207,7 +207,20 @@ class _HitCounters:
 
     def value(self) -> PrefixCacheStats:
         """The totals as the spec's value."""
-        return PrefixCacheStats(CacheCounters(*self.local), CacheCounters(*self.connector), self.num_resets)
+        return PrefixCacheStats(_as_counters(self.local), _as_counters(self.connector), self.num_resets)
+
+
+def _as_counters(row: list[int]) -> CacheCounters:
+    """A row of `_HitCounters` as the spec's value, each count under its field's name."""
+    requests, queries, hits, preempted_requests, preempted_queries, preempted_hits = row
+    return CacheCounters(
+        requests=requests,
+        queries=queries,
+        hits=hits,
+        preempted_requests=preempted_requests,
+        preempted_queries=preempted_queries,
+        preempted_hits=preempted_hits,
+    )
 
 
 class _Group:
@@ -668,7 +681,16 @@ class TensorKVCacheManager:
             raise InvalidRequest(
                 f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
             )
-        return _AllocationStep(request, running, hits, hashes, num_computed, num_local, total, delay_cache_blocks)
+        return _AllocationStep(
+            request=request,
+            running=running,
+            hits=hits,
+            hashes=hashes,
+            num_computed=num_computed,
+            write_start=num_local,
+            num_tokens=total,
+            delay_cache_blocks=delay_cache_blocks,
+        )
 
     def _check_hit_blocks(
         self,
@@ -1063,7 +1085,15 @@ class TensorKVCacheManager:
         if n < computed:
             self._clear_tokens(rid, n, computed)
         if self.enable_caching:
-            step = _AllocationStep(request, True, (), self._block_hashes(request), n, n, n)
+            step = _AllocationStep(
+                request=request,
+                running=True,
+                hits=(),
+                hashes=self._block_hashes(request),
+                num_computed=n,
+                write_start=n,
+                num_tokens=n,
+            )
             self._register_full_blocks(step, [grp.tables[rid] for grp in self._groups], num_cached)
         self.num_computed_tokens[rid] = n
 

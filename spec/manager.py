@@ -584,7 +584,17 @@ def _validate_allocation(
             f"has {len(request.token_ids)}"
         )
     num_local = entry.num_computed_tokens + num_new_computed_tokens
-    return _AllocationStep(request, running, entry, hits, num_computed, num_local, hashes, total, delay_cache_blocks)
+    return _AllocationStep(
+        request=request,
+        running=running,
+        entry=entry,
+        hits=hits,
+        num_computed=num_computed,
+        num_local_computed=num_local,
+        hashes=hashes,
+        num_tokens=total,
+        delay_cache_blocks=delay_cache_blocks,
+    )
 
 
 def _check_step_counts(
@@ -962,7 +972,17 @@ def cache_blocks(state: ManagerState, request: Request, num_computed_tokens: int
         )
     hashes = request_block_hashes(state, request)
     n = num_computed_tokens
-    step = _AllocationStep(request, True, entry, (), n, n, hashes, n)  # the registration phase reads these
+    # The registration phase reads these.
+    step = _AllocationStep(
+        request=request,
+        running=True,
+        entry=entry,
+        hits=(),
+        num_computed=n,
+        num_local_computed=n,
+        hashes=hashes,
+        num_tokens=n,
+    )
     pool, num_cached, stored = _register_full_blocks(state.pool, step, entry.tables, entry.num_cached_blocks, cfg)
     new_entry = RequestBlocks(entry.tables, num_cached, num_computed_tokens)
     return Step(_with_request(replace(state, pool=pool), request.request_id, new_entry), None, stored)
