@@ -52,6 +52,7 @@ asserted.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import random
@@ -302,33 +303,68 @@ def measure(
         for batch in batches:
             if batch > num_gpu_blocks - 1:
                 continue
-            impls = ("reference", "gpu", "gpu_tensor")
-            times: dict[tuple[str, str], list[float]] = {(op, impl): [] for op in OPERATIONS for impl in impls}
-            pair.round(batch, clock, times)  # warm-up: first-call allocations, lazy CUDA init
-            times = {key: [] for key in times}
-            gc.collect()
-            gc_was_enabled = gc.isenabled()
-            gc.disable()
-            try:
-                rounds, spent = 0, 0.0
-                while rounds < 3 or (spent < seconds_per_cell and rounds < max_rounds):
-                    start = time.perf_counter()
-                    pair.round(batch, clock, times)
-                    spent += time.perf_counter() - start
-                    rounds += 1
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
-            for op in OPERATIONS:
-                median = {impl: statistics.median(times[(op, impl)]) for impl in impls}
-                results.append(
-                    Measurement(
-                        num_gpu_blocks, batch, op, median["reference"], median["gpu"], median["gpu_tensor"], rounds
-                    )
-                )
+            results += _measure_cell(pair, batch, clock, seconds_per_cell, max_rounds)
         if verify:
             assert pair.gpu.snapshot() == pair.ref.snapshot(), f"the pools diverged at num_gpu_blocks={num_gpu_blocks}"
     return results
+
+
+_IMPLS = ("reference", "gpu", "gpu_tensor")  # what a round times: the reference, gpu_impl with lists, with tensors
+
+
+def _measure_cell(
+    pair: _Pair, batch: int, clock: _Clock, seconds_per_cell: float, max_rounds: int
+) -> list[Measurement]:
+    """One pool size and batch: a warm-up round, then timed rounds; the median per operation and implementation."""
+    times: dict[tuple[str, str], list[float]] = {(op, impl): [] for op in OPERATIONS for impl in _IMPLS}
+    pair.round(batch, clock, times)  # warm-up: first-call allocations, lazy CUDA init
+    times = {key: [] for key in times}
+    rounds = _timed_rounds(pair, batch, clock, times, seconds_per_cell, max_rounds)
+    results = []
+    for op in OPERATIONS:
+        median = {impl: statistics.median(times[(op, impl)]) for impl in _IMPLS}
+        results.append(
+            Measurement(
+                num_gpu_blocks=pair.num_gpu_blocks,
+                batch=batch,
+                operation=op,
+                reference=median["reference"],
+                gpu=median["gpu"],
+                gpu_tensor=median["gpu_tensor"],
+                num_calls=rounds,
+            )
+        )
+    return results
+
+
+def _timed_rounds(
+    pair: _Pair,
+    batch: int,
+    clock: _Clock,
+    times: dict[tuple[str, str], list[float]],
+    seconds_per_cell: float,
+    max_rounds: int,
+) -> int:
+    """Run rounds with the garbage collector off (at least 3, then until the cell's time is spent); return how many.
+
+    A collection's pause would land in whichever timed call happened to
+    trigger it; so the garbage is collected once before the first round and
+    the collector stays off until the last.
+    """
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        rounds, spent = 0, 0.0
+        while rounds < 3 or (spent < seconds_per_cell and rounds < max_rounds):
+            start = time.perf_counter()
+            pair.round(batch, clock, times)
+            spent += time.perf_counter() - start
+            rounds += 1
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return rounds
 
 
 def measure_hash_map(
@@ -378,7 +414,14 @@ def measure_hash_map(
     table_single = repeat(lambda: table_lookup_many([one]), n_single)
     dict_chain = repeat(lambda: [dict_lookup(h) for h in probes], 50)
     table_chain = repeat(lambda: table_lookup_many(probes), 50)
-    return HashMapTiming(num_entries, chain_length, dict_single, table_single, dict_chain, table_chain)
+    return HashMapTiming(
+        num_entries=num_entries,
+        chain_length=chain_length,
+        dict_lookup=dict_single,
+        table_lookup=table_single,
+        dict_chain=dict_chain,
+        table_chain=table_chain,
+    )
 
 
 _STAMP_MULTIPLIER = 0x5851F42D4C957F2D  # odd: spreads consecutive block positions over 64 bits
@@ -423,58 +466,87 @@ def measure_content(
         raise InvalidRequest(f"num_blocks and request_blocks must be >= 1; got {num_blocks} and {request_blocks}")
     if layout.block_bytes % 8:
         raise InvalidRequest(f"a block of {layout.block_bytes} bytes is not a whole number of 8-byte words")
-    dev = pick_device(device)
-    clock = _Clock(dev)
-    pool = TensorBlockPool(num_blocks + 1, device=dev)
-    kv = PagedKVCache.for_layout(pool, layout)
-    pages = kv.kv.view(num_blocks + 1, -1).view(torch.int64)  # each block's page as 64-bit words
-    pattern = torch.randint(-(2**62), 2**62, (pages.shape[1],), generator=torch.Generator().manual_seed(seed))
-    pattern = pattern.to(dev)
-    per_chunk = max(1, _CONTENT_CHUNK_BYTES.get(dev.type, _DEVICE_CONTENT_CHUNK_BYTES) // layout.block_bytes)
-    requests: list[tuple[torch.Tensor, torch.Tensor]] = []  # (block table, stamps)
-    write = 0.0
-    for first in range(0, num_blocks, request_blocks):
-        k = min(request_blocks, num_blocks - first)
-        stamps = (torch.arange(first, first + k, dtype=torch.int64, device=dev) + 1) * _STAMP_MULTIPLIER
+    check = _ContentCheck(num_blocks, layout, pick_device(device), seed)
+    requests = [  # (block table, stamps) of each request, in order
+        check.write_request(first, min(request_blocks, num_blocks - first))
+        for first in range(0, num_blocks, request_blocks)
+    ]
+    for table_ids, _ in requests:
+        check.pool.free_blocks(table_ids.flip(0))
+    for table_ids, stamps in requests:
+        check.hit_request(table_ids, stamps)
+    return ContentTiming(
+        num_blocks=num_blocks,
+        layout=layout,
+        device=str(check.device),
+        write=check.write / num_blocks,
+        touch=check.touch / num_blocks,
+        verify=check.verify / num_blocks,
+        read_back=check.read_back / num_blocks,
+        num_requests=len(requests),
+        is_intact=check.is_intact,
+    )
+
+
+class _ContentCheck:
+    """The content check's pool and paged KV tensor, its two steps per request, and the time each step took."""
+
+    def __init__(self, num_blocks: int, layout: KVLayout, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.clock = _Clock(device)
+        self.pool = TensorBlockPool(num_blocks + 1, device=device)
+        self.kv = PagedKVCache.for_layout(self.pool, layout)
+        self.block_size = layout.block_size
+        self.pages = self.kv.kv.view(num_blocks + 1, -1).view(torch.int64)  # each block's page as 64-bit words
+        pattern = torch.randint(
+            -(2**62), 2**62, (self.pages.shape[1],), generator=torch.Generator().manual_seed(seed)
+        )
+        self.pattern = pattern.to(device)  # every page is this XOR its block's stamp
+        chunk_bytes = _CONTENT_CHUNK_BYTES.get(device.type, _DEVICE_CONTENT_CHUNK_BYTES)
+        self.per_chunk = max(1, chunk_bytes // layout.block_bytes)  # pages written or compared per tensor operation
+        self.write = self.touch = self.verify = self.read_back = 0.0  # seconds spent in each step so far
+        self.is_intact = True  # every hit block so far passed its checksum and read back what was written
+
+    def write_request(self, first: int, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request of the blocks at positions [first, first + num_blocks): take, write, register, seal (timed).
+
+        Returns:
+            Its block table and its blocks' stamps.
+        """
+        pool, kv, per_chunk = self.pool, self.kv, self.per_chunk
+        positions = torch.arange(first, first + num_blocks, dtype=torch.int64, device=self.device)
+        stamps = (positions + 1) * _STAMP_MULTIPLIER
         hashes = [BlockHash(stamp.to_bytes(8, "little", signed=True)) for stamp in stamps.tolist()]
         taken: list[torch.Tensor] = []
 
-        def fill(
-            k: int = k, stamps: torch.Tensor = stamps, hashes: list[BlockHash] = hashes,
-            taken: list[torch.Tensor] = taken,
-        ) -> None:
-            table = pool.get_new_blocks_tensor(k)
-            for i in range(0, k, per_chunk):
-                words = pattern[None, :] ^ stamps[i : i + per_chunk, None]
-                kv.write_tokens(table, i * layout.block_size, words.view(kv.kv.dtype).reshape(-1, *kv.slot_shape))
+        def fill() -> None:
+            table = pool.get_new_blocks_tensor(num_blocks)
+            for i in range(0, num_blocks, per_chunk):
+                words = self.pattern[None, :] ^ stamps[i : i + per_chunk, None]
+                kv.write_tokens(table, i * self.block_size, words.view(kv.kv.dtype).reshape(-1, *kv.slot_shape))
             pool.cache_full_blocks(table, hashes)
             kv.seal(table)
             taken.append(table)
 
-        write += clock.time(fill)
-        requests.append((taken[0], stamps))
-    for table_ids, _ in requests:
-        pool.free_blocks(table_ids.flip(0))
-    touch = verify = read_back = 0.0
-    intact = [True]
-    for table_ids, stamps in requests:
+        self.write += self.clock.time(fill)
+        return taken[0], stamps
 
-        def check(table_ids: torch.Tensor = table_ids) -> None:
-            intact[0] &= bool(kv.intact(table_ids).all())
+    def hit_request(self, table_ids: torch.Tensor, stamps: torch.Tensor) -> None:
+        """A written request back as a prefix hit: touch, checksums, read back (each timed); then it finishes."""
 
-        def read(table_ids: torch.Tensor = table_ids, stamps: torch.Tensor = stamps) -> None:
+        def check() -> None:
+            self.is_intact &= bool(self.kv.intact(table_ids).all())
+
+        def read() -> None:
+            per_chunk = self.per_chunk
             for i in range(0, table_ids.numel(), per_chunk):
-                got = pages.index_select(0, table_ids[i : i + per_chunk]) ^ stamps[i : i + per_chunk, None]
-                intact[0] &= bool((got == pattern).all())
+                got = self.pages.index_select(0, table_ids[i : i + per_chunk]) ^ stamps[i : i + per_chunk, None]
+                self.is_intact &= bool((got == self.pattern).all())
 
-        touch += clock.time(lambda table_ids=table_ids: pool.touch(table_ids))
-        verify += clock.time(check)
-        read_back += clock.time(read)
-        pool.free_blocks(table_ids.flip(0))
-    return ContentTiming(
-        num_blocks, layout, str(dev), write / num_blocks, touch / num_blocks, verify / num_blocks,
-        read_back / num_blocks, len(requests), intact[0],
-    )
+        self.touch += self.clock.time(lambda: self.pool.touch(table_ids))
+        self.verify += self.clock.time(check)
+        self.read_back += self.clock.time(read)
+        self.pool.free_blocks(table_ids.flip(0))
 
 
 def content_layers_that_fit(num_blocks: int, device: str | None = None, fraction: float = 0.4) -> int:
@@ -595,6 +667,39 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Exit 0; 1 if a hit block of the content check read back wrong; 2 if it cannot run.
     """
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    pools = args.pools or (QUICK_POOLS if args.quick else FULL_POOLS if args.full else DEFAULT_POOLS)
+    batches = args.batches or (QUICK_BATCHES if args.quick else FULL_BATCHES if args.full else DEFAULT_BATCHES)
+    content_blocks = args.content_blocks or (FULL_CONTENT_BLOCKS if args.full else DEFAULT_CONTENT_BLOCKS)
+    try:
+        content_layers = _content_layers(args.content_layers, content_blocks, args.device)
+    except BlockManagerError as e:
+        return _cannot_run(e)
+    problem = _bad_arguments(args, pools, batches, content_blocks, content_layers)
+    if problem is not None:
+        return _cannot_run(problem)
+    try:
+        device, results, hash_map, content = _measure_all(args, pools, batches, content_blocks, content_layers)
+    except BlockManagerError as e:
+        return _cannot_run(e)
+    print(render(results, device, hash_map, content, args.profile, args.events))
+    if args.json is not None:
+        write_json(_document(results, device, hash_map, content, args.threads, args.profile, args.events), args.json)
+    return 1 if content is not None and not content.is_intact else 0
+
+
+def _cannot_run(reason: object) -> int:
+    """Say on stderr why the benchmark cannot run; exit status 2."""
+    print(f"kvspec bench gpu: {reason}", file=sys.stderr)
+    return 2
+
+
+def _parser() -> OneLineParser:
+    """The command line of `kvspec bench gpu`."""
     parser = OneLineParser(
         prog="kvspec bench gpu", description=(__doc__ or "").splitlines()[0],
     )
@@ -642,30 +747,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
     )
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    pools = args.pools or (QUICK_POOLS if args.quick else FULL_POOLS if args.full else DEFAULT_POOLS)
-    batches = args.batches or (QUICK_BATCHES if args.quick else FULL_BATCHES if args.full else DEFAULT_BATCHES)
-    content_blocks = args.content_blocks or (FULL_CONTENT_BLOCKS if args.full else DEFAULT_CONTENT_BLOCKS)
-    if args.content_layers == "auto":
-        try:
-            content_layers = content_layers_that_fit(content_blocks, args.device)
-        except BlockManagerError as e:
-            print(f"kvspec bench gpu: {e}", file=sys.stderr)
-            return 2
-    else:
-        content_layers = int(args.content_layers) if args.content_layers.lstrip("-").isdigit() else 0
+    return parser
+
+
+def _content_layers(content_layers: str, content_blocks: int, device: str | None) -> int:
+    """`--content-layers` as a count: auto asks the free memory; a value that is no integer is 0 (refused later).
+
+    Raises:
+        BlockManagerError: auto, and the memory cannot be read (content_layers_that_fit).
+    """
+    if content_layers == "auto":
+        return content_layers_that_fit(content_blocks, device)
+    return int(content_layers) if content_layers.lstrip("-").isdigit() else 0
+
+
+def _bad_arguments(
+    args: argparse.Namespace, pools: Sequence[int], batches: Sequence[int], content_blocks: int, content_layers: int
+) -> str | None:
+    """What is wrong with the grid or the counts, the grid first; None when nothing is."""
     if min(pools) < 2 or min(batches) < 1 or args.seconds <= 0:
-        print(f"kvspec bench gpu: pools must be >= 2, batches >= 1, seconds > 0; got pools={list(pools)} "
-              f"batches={list(batches)} seconds={args.seconds}", file=sys.stderr)
-        return 2
+        return (
+            f"pools must be >= 2, batches >= 1, seconds > 0; got pools={list(pools)} "
+            f"batches={list(batches)} seconds={args.seconds}"
+        )
     if args.threads < 1 or content_blocks < 1 or content_layers < 1:
-        print(f"kvspec bench gpu: threads, content blocks and content layers must be >= 1 (layers: or auto); got "
-              f"threads={args.threads} content_blocks={content_blocks} content_layers={args.content_layers}",
-              file=sys.stderr)
-        return 2
+        return (
+            f"threads, content blocks and content layers must be >= 1 (layers: or auto); got "
+            f"threads={args.threads} content_blocks={content_blocks} content_layers={args.content_layers}"
+        )
+    return None
+
+
+def _measure_all(
+    args: argparse.Namespace, pools: Sequence[int], batches: Sequence[int], content_blocks: int, content_layers: int
+) -> tuple[str, list[Measurement], HashMapTiming | None, ContentTiming | None]:
+    """Run the three tables' measurements with torch on `--threads` threads (restored after).
+
+    Returns:
+        The device, the comparison's measurements, the hash map's timing and the content check's (None: skipped).
+
+    Raises:
+        BlockManagerError: a measurement cannot run (a bad device, a pool or layout refused).
+    """
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -679,15 +802,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         layout = KVLayout(num_layers=content_layers, num_kv_heads=8, head_dim=128, block_size=16)
         content = None if args.no_content else measure_content(content_blocks, layout, device, seed=args.seed)
-    except BlockManagerError as e:
-        print(f"kvspec bench gpu: {e}", file=sys.stderr)
-        return 2
     finally:
         torch.set_num_threads(previous_threads)
-    print(render(results, device, hash_map, content, args.profile, args.events))
-    if args.json is not None:
-        write_json(_document(results, device, hash_map, content, args.threads, args.profile, args.events), args.json)
-    return 1 if content is not None and not content.is_intact else 0
+    return device, results, hash_map, content
 
 
 def _document(

@@ -56,7 +56,16 @@ def measure(
         for n in jobs:
             r = run_check("reference", level="manager", max_examples=max_examples, seed=seed, groups=groups,
                           shrink=False, jobs=n)  # fmt: skip
-            out.append(LayoutSpeed(groups, n, str(r.verdict), r.examples_run, r.steps_run, r.seconds))
+            out.append(
+                LayoutSpeed(
+                    groups=groups,
+                    jobs=n,
+                    verdict=str(r.verdict),
+                    examples=r.examples_run,
+                    steps=r.steps_run,
+                    seconds=r.seconds,
+                )
+            )
     return out
 
 

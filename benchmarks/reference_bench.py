@@ -148,7 +148,7 @@ class _PoolUnderTest:
         # A whole request: look up its prefix (a shared system prompt, then its
         # own tokens), allocate (touch the hit, take and register new blocks), free.
         own = tuple(rng.randrange(100_000) for _ in range((PROMPT_BLOCKS - SHARED_BLOCKS) * BLOCK_SIZE))
-        request = Request(f"r{self.num_requests}", _SHARED_PREFIX + own + (0,))
+        request = Request(request_id=f"r{self.num_requests}", token_ids=_SHARED_PREFIX + own + (0,))
         self.num_requests += 1
         times[cycle].append(_timed(lambda: self._request_cycle(request)))
 
@@ -320,25 +320,7 @@ def render(results: Sequence[Measurement]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table; returns the exit code (0, or 2 on bad arguments)."""
-    parser = OneLineParser(prog="kvspec bench reference", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--sizes",
-        type=int,
-        nargs="+",
-        default=list(DEFAULT_SIZES),
-        help="pool sizes in blocks (default: 1e3 1e4 1e5 1e6)",
-    )
-    parser.add_argument("--repeat", type=int, default=2000, help="calls timed per operation and size")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the block and token choices")
-    parser.add_argument(
-        "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
-    )
-    parser.add_argument(
-        "--v0-evictor",
-        metavar="VERSION",
-        default=None,
-        help="also time the keyed free blocks against this vLLM v0 release's LRUEvictor (e.g. 0.7.3)",
-    )
+    parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:
@@ -369,15 +351,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         document = {"kvspec": "bench reference", "repeat": args.repeat, "batch": BATCH,
                     "measurements": [dataclasses.asdict(m) for m in results]}  # fmt: skip
-        text = json.dumps(document, indent=2) + "\n"
-        if str(args.json) == "-":
-            sys.stdout.write(text)
-        else:
-            try:
-                Path(args.json).write_text(text, encoding="utf-8")
-            except OSError as e:
-                print(f"kvspec bench reference: cannot write {args.json} ({e.strerror})", file=sys.stderr)
-                return 2
+        return _write_json(document, str(args.json))
+    return 0
+
+
+def _parser() -> OneLineParser:
+    """The command line of `kvspec bench reference`."""
+    parser = OneLineParser(prog="kvspec bench reference", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_SIZES),
+        help="pool sizes in blocks (default: 1e3 1e4 1e5 1e6)",
+    )
+    parser.add_argument("--repeat", type=int, default=2000, help="calls timed per operation and size")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the block and token choices")
+    parser.add_argument(
+        "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
+    )
+    parser.add_argument(
+        "--v0-evictor",
+        metavar="VERSION",
+        default=None,
+        help="also time the keyed free blocks against this vLLM v0 release's LRUEvictor (e.g. 0.7.3)",
+    )
+    return parser
+
+
+def _write_json(document: dict[str, object], path: str) -> int:
+    """Write the measurements as JSON to `path` (- for stdout); the exit status (2: it cannot be written)."""
+    text = json.dumps(document, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        try:
+            Path(path).write_text(text, encoding="utf-8")
+        except OSError as e:
+            print(f"kvspec bench reference: cannot write {path} ({e.strerror})", file=sys.stderr)
+            return 2
     return 0
 
 

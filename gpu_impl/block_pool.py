@@ -115,7 +115,7 @@ from kvspec.spec.errors import (
 )
 from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvspec.spec.invariants import check_all
-from kvspec.spec.ordering import profile_rule
+from kvspec.spec.ordering import ProfileRule, profile_rule
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
 __all__ = ["HOST_PATH_MAX", "BlockIds", "TensorBlockPool"]
@@ -182,17 +182,7 @@ class TensorBlockPool:
 
         Cost: O(num_gpu_blocks).
         """
-        if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
-            raise InvalidRequest(
-                "num_gpu_blocks must be an integer >= 1 (block 0 is the null block); "
-                f"got num_gpu_blocks={num_gpu_blocks!r}"
-            )
-        try:
-            rule = profile_rule(profile)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        if host_path_max is not None and (not _is_int(host_path_max) or host_path_max < 0):
-            raise InvalidRequest(f"host_path_max must be an integer >= 0; got host_path_max={host_path_max!r}")
+        rule = self._check_arguments(num_gpu_blocks, profile, host_path_max)
         self.device = pick_device(device)  # fixed
         self.num_gpu_blocks = num_gpu_blocks  # fixed
         self.enable_caching = bool(enable_caching)  # fixed
@@ -200,49 +190,12 @@ class TensorBlockPool:
         self._unhashed_to_left = rule.unhashed_to_left  # fixed, read on every free
         # fixed: the longest batch run in Python over the host face
         self.host_path_max = HOST_PATH_MAX.get(self.device.type, 0) if host_path_max is None else host_path_max
-        n, dev = num_gpu_blocks, self.device
-        # After the per-block fields: the queue's key index (a keyed policy keeps its order on the host).
-        extra = 0 if rule.keyed else max(default_key_capacity(n) if key_capacity is None else key_capacity, 0)
-        try:
-            state = MirroredState(_NUM_FIELDS * n + extra, dev, share_host_memory)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        self._state = state  # every per-block field below, both faces
-        self._track = not state.is_shared  # fixed: writes are marked and synchronised
-        end, step = _NUM_FIELDS * n, _NUM_FIELDS
-        # NOTE: the null block's ref_cnt stays 0 and it is never queued: it is a
-        # placeholder for slots that need no memory, never handed out or freed.
-        self.ref_cnt = state.tensor[_REF:end:step]  # requests holding each block (device face)
-        # Whether each block is registered in the hash table (1) or not (0): the
-        # truth the dict below is read through.
-        self.has_hash = state.tensor[_HASH:end:step]
-        self.is_corrupt = state.tensor[_CORRUPT:end:step]  # held, found corrupt: quarantine on free (1)
-        self._ref = state.host[_REF:end:step]  # the host faces of the three, for Python
-        self._hash_flags = state.host[_HASH:end:step]
-        self._corrupt = state.host[_CORRUPT:end:step]
-        self._has_hash_host = state.host_tensor[_HASH:end:step]  # the host face of has_hash, as a tensor
-        # The eviction order. Queue policies: each block's key in its fourth field, the key
-        # index after the fields. Keyed policies: stamps and heaps on the host (the field stays 0).
-        self._stamped: StampedFreeBlocks | None = None  # the keyed policy's free blocks, when it is one
-        self.free_block_queue: KeyedFreeQueue | StampedFreeBlocks
-        if rule.keyed:
-            self._stamped = StampedFreeBlocks(n, rule, self._hash_flags, dev)
-            self.free_block_queue = self._stamped
-        else:
-            self.free_block_queue = KeyedFreeQueue(n, dev, key_capacity, state, (_FREE_KEY, step), end)
-        state.upload(0, end + extra)
-        # The hash map (host, see the module docstring): hash -> the blocks
-        # registered under it, in registration order (a dict used as an ordered
-        # set: the first live one is what a hit returns). Entries of blocks whose
-        # flag is clear are stale: skipped, and dropped when met.
-        self.cached_block_hash_to_block: dict[BlockHash, dict[int, None]] = {}
-        self._registered_hash: dict[int, BlockHash] = {}  # block -> the hash it was last registered under
-        self.quarantined: dict[int, None] = {}  # blocks found corrupt, in the order they were retired
-        self._num_corrupt_held = 0  # blocks with is_corrupt set (all held)
-        self._scratch = torch.empty(n, dtype=torch.int64, device=dev)  # duplicate detection for long batches
-        self._positions = torch.arange(n, dtype=torch.int64, device=dev)  # what each id of a batch writes there
-        self._ones = torch.ones(n, dtype=torch.int64, device=dev)  # increments for ref_cnt.index_add_
-        self._no_blocks = torch.empty(0, dtype=torch.int64, device=dev)
+        length = self._state_length(rule, key_capacity)
+        self._init_state(length, share_host_memory)
+        self._init_free_order(rule, key_capacity)
+        self._state.upload(0, length)  # built on the host face (the fields and the queue's keys): one copy
+        self._init_host_maps()
+        self._init_batch_tensors()
         self.capacity_plan: CapacityPlan | None = None  # set when the pool was sized from memory
         # Events published and not yet taken (take_events drains it); None: events off, nothing kept.
         self.kv_event_queue: list[KVCacheEvent] | None = [] if enable_kv_cache_events else None
@@ -286,6 +239,99 @@ class TensorBlockPool:
         pool = cls(plan.num_gpu_blocks, enable_caching, profile, dev)
         pool.capacity_plan = plan
         return pool
+
+    # --- the steps of __init__, in its order ----------------------------------------------
+
+    @staticmethod
+    def _check_arguments(num_gpu_blocks: int, profile: str, host_path_max: int | None) -> ProfileRule:
+        """Refuse a bad pool size, profile or host_path_max, in that order; return the profile's rule.
+
+        Raises:
+            InvalidRequest: as `__init__`.
+        """
+        if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
+            raise InvalidRequest(
+                "num_gpu_blocks must be an integer >= 1 (block 0 is the null block); "
+                f"got num_gpu_blocks={num_gpu_blocks!r}"
+            )
+        try:
+            rule = profile_rule(profile)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        if host_path_max is not None and (not _is_int(host_path_max) or host_path_max < 0):
+            raise InvalidRequest(f"host_path_max must be an integer >= 0; got host_path_max={host_path_max!r}")
+        return rule
+
+    def _state_length(self, rule: ProfileRule, key_capacity: int | None) -> int:
+        """The mirrored state's entries: the per-block fields, then the free queue's key index.
+
+        A keyed policy keeps its order on the host, so it has no key index.
+        """
+        n = self.num_gpu_blocks
+        extra = 0 if rule.keyed else max(default_key_capacity(n) if key_capacity is None else key_capacity, 0)
+        return _NUM_FIELDS * n + extra
+
+    def _init_state(self, length: int, share_host_memory: bool | None) -> None:
+        """The mirrored state, and each per-block field as a strided view of it on both faces.
+
+        Raises:
+            InvalidRequest: share_host_memory is asked for a device with its own memory.
+        """
+        try:
+            state = MirroredState(length, self.device, share_host_memory)
+        except ValueError as e:
+            raise InvalidRequest(str(e)) from None
+        self._state = state  # every per-block field below, both faces
+        self._track = not state.is_shared  # fixed: writes are marked and synchronised
+        end, step = _NUM_FIELDS * self.num_gpu_blocks, _NUM_FIELDS
+        # NOTE: the null block's ref_cnt stays 0 and it is never queued: it is a
+        # placeholder for slots that need no memory, never handed out or freed.
+        self.ref_cnt = state.tensor[_REF:end:step]  # requests holding each block (device face)
+        # Whether each block is registered in the hash table (1) or not (0): the
+        # truth the dict below is read through.
+        self.has_hash = state.tensor[_HASH:end:step]
+        self.is_corrupt = state.tensor[_CORRUPT:end:step]  # held, found corrupt: quarantine on free (1)
+        self._ref = state.host[_REF:end:step]  # the host faces of the three, for Python
+        self._hash_flags = state.host[_HASH:end:step]
+        self._corrupt = state.host[_CORRUPT:end:step]
+        self._has_hash_host = state.host_tensor[_HASH:end:step]  # the host face of has_hash, as a tensor
+
+    def _init_free_order(self, rule: ProfileRule, key_capacity: int | None) -> None:
+        """The eviction order, every usable block free in id order.
+
+        Queue policies: each block's key in its fourth field, the key index
+        after the fields. Keyed policies: stamps and heaps on the host (the
+        field stays 0).
+        """
+        n, dev = self.num_gpu_blocks, self.device
+        self._stamped: StampedFreeBlocks | None = None  # the keyed policy's free blocks, when it is one
+        self.free_block_queue: KeyedFreeQueue | StampedFreeBlocks
+        if rule.keyed:
+            self._stamped = StampedFreeBlocks(n, rule, self._hash_flags, dev)
+            self.free_block_queue = self._stamped
+        else:
+            self.free_block_queue = KeyedFreeQueue(
+                n, dev, key_capacity, self._state, (_FREE_KEY, _NUM_FIELDS), _NUM_FIELDS * n
+            )
+
+    def _init_host_maps(self) -> None:
+        """The host-only bookkeeping: the hash map and the quarantine."""
+        # The hash map (host, see the module docstring): hash -> the blocks
+        # registered under it, in registration order (a dict used as an ordered
+        # set: the first live one is what a hit returns). Entries of blocks whose
+        # flag is clear are stale: skipped, and dropped when met.
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, None]] = {}
+        self._registered_hash: dict[int, BlockHash] = {}  # block -> the hash it was last registered under
+        self.quarantined: dict[int, None] = {}  # blocks found corrupt, in the order they were retired
+        self._num_corrupt_held = 0  # blocks with is_corrupt set (all held)
+
+    def _init_batch_tensors(self) -> None:
+        """The device tensors the long path reuses, allocated once at the pool's size."""
+        n, dev = self.num_gpu_blocks, self.device
+        self._scratch = torch.empty(n, dtype=torch.int64, device=dev)  # duplicate detection for long batches
+        self._positions = torch.arange(n, dtype=torch.int64, device=dev)  # what each id of a batch writes there
+        self._ones = torch.ones(n, dtype=torch.int64, device=dev)  # increments for ref_cnt.index_add_
+        self._no_blocks = torch.empty(0, dtype=torch.int64, device=dev)
 
     # --- argument checks ------------------------------------------------------------------
 
@@ -568,6 +614,14 @@ class TensorBlockPool:
             if short is None:
                 return self._free_long(self._index(ids, "free_blocks"))
             ids = cast("list[BlockId]", short)
+        return self._free_short(ids)
+
+    def _free_short(self, ids: Sequence[BlockId]) -> None:
+        """`free_blocks` of a short batch, over the host face: drop every reference, then free the blocks that reach 0.
+
+        Raises:
+            InvalidBlock, InvalidRequest, DoubleFree: as `free_blocks`, every dropped reference handed back first.
+        """
         # Every finished request lands here, so one pass checks an id and drops
         # its reference at once; the queue changes only after every id passed.
         # Anything the pass does not accept hands back the references it
@@ -778,7 +832,7 @@ class TensorBlockPool:
             if stored is not None:
                 queue.append(stored)
             elif block_ids:
-                queue.append(BlockStored(tuple(block_hashes), None))
+                queue.append(BlockStored(block_hashes=tuple(block_hashes), parent_block_hash=None))
 
     def _drop_entry(self, block_hash: BlockHash, block_id: int) -> None:
         """Remove one block from a hash's entry, if it is there; an emptied entry goes. Cost: O(1)."""

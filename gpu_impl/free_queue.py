@@ -136,10 +136,21 @@ class KeyedFreeQueue:
         if state is None:
             state, free_key_at, key_index_at = MirroredState(n + cap, device), (0, 1), n
         assert key_index_at is not None, "a shared state needs key_index_at"
-        fk_start, fk_step = free_key_at
-        fk_end, k2b_end = fk_start + fk_step * n, key_index_at + cap
         self.device = device  # fixed
         self.key_capacity = cap  # fixed: keys are 0..cap-1
+        self._init_views(n, state, free_key_at, key_index_at)
+        self._keys = torch.arange(cap, dtype=torch.int64, device=device)  # every key: a batch's keys are a slice
+        self._queue_every_block(n)
+        if owns_state:
+            state.upload(0, n + cap)  # else the owner uploads its whole state once
+        self.num_relabels = 0  # how many times the keys were renumbered (for benchmarks and tests)
+
+    def _init_views(
+        self, num_gpu_blocks: int, state: MirroredState, free_key_at: tuple[int, int], key_index_at: int
+    ) -> None:
+        """Where the keys live in the state: `free_key` and `key_to_block` as views of both faces."""
+        fk_start, fk_step = free_key_at
+        fk_end, k2b_end = fk_start + fk_step * num_gpu_blocks, key_index_at + self.key_capacity
         self._state = state  # fixed: where the keys live (shared with the pool)
         self._track = not state.is_shared  # fixed: mark writes, so the two faces can be made equal
         self._fk_start, self._fk_step = fk_start, fk_step  # fixed: free_key[b] is state entry start + step * b
@@ -154,12 +165,14 @@ class KeyedFreeQueue:
         self._key_to_block_host = state.host_tensor[key_index_at:k2b_end]
         self._fk = state.host[fk_start:fk_end:fk_step]  # host face, for Python
         self._k2b = state.host[key_index_at:k2b_end]
-        self._keys = torch.arange(cap, dtype=torch.int64, device=device)  # every key: a batch's keys are a slice
-        num_free = n - 1
+
+    def _queue_every_block(self, num_gpu_blocks: int) -> None:
+        """The initial queue, written on the host face: blocks 1..num_gpu_blocks-1 free in id order."""
+        num_free = num_gpu_blocks - 1
         # The spec's initial keys (block b gets initial_free_key(b) = b, lo = 1,
         # hi = n - 1), shifted by a constant to the middle of the index so that
         # both ends have room: the same order.
-        shift = (cap - num_free) // 2 - initial_free_key(1)
+        shift = (self.key_capacity - num_free) // 2 - initial_free_key(1)
         lo, hi = initial_key_counters(num_gpu_blocks)
         self.lo = lo + shift  # <= every free key; changed by takes, left batches, relabels
         self.hi = hi + shift  # >= every free key; changed by right batches, relabels
@@ -168,12 +181,9 @@ class KeyedFreeQueue:
         self._free_key_host.fill_(EMPTY)
         self._key_to_block_host.fill_(EMPTY)
         if num_free:
-            blocks = torch.arange(1, n, dtype=torch.int64)
+            blocks = torch.arange(1, num_gpu_blocks, dtype=torch.int64)
             self._key_to_block_host[self.lo : self.hi + 1] = blocks
             self._free_key_host[1:] = blocks + shift
-        if owns_state:
-            state.upload(0, n + cap)  # else the owner uploads its whole state once
-        self.num_relabels = 0  # how many times the keys were renumbered (for benchmarks and tests)
 
     # --- taking -------------------------------------------------------------------------------
 

@@ -181,10 +181,10 @@ def _check_step_counts(
 class _HitCounters:
     """The hit statistics as running totals: one row of six ints per cache, and the resets.
 
-    A row is `CacheCounters`' fields in order (requests, queries, hits, then
-    the same three for preempted requests), so the spec's value is one call
-    away; plain ints rather than the frozen value, because every admission
-    adds to them and only a reader needs the value.
+    A row holds `CacheCounters`' fields in their order (requests, queries,
+    hits, then the same three for preempted requests), named again only when
+    a reader asks for the spec's value; plain ints rather than the frozen
+    value, because every admission adds to them and only a reader needs it.
     """
 
     __slots__ = ("connector", "local", "num_resets")
@@ -207,7 +207,20 @@ class _HitCounters:
 
     def value(self) -> PrefixCacheStats:
         """The totals as the spec's value."""
-        return PrefixCacheStats(CacheCounters(*self.local), CacheCounters(*self.connector), self.num_resets)
+        return PrefixCacheStats(_as_counters(self.local), _as_counters(self.connector), self.num_resets)
+
+
+def _as_counters(row: list[int]) -> CacheCounters:
+    """A row of `_HitCounters` as the spec's value, each count under its field's name."""
+    requests, queries, hits, preempted_requests, preempted_queries, preempted_hits = row
+    return CacheCounters(
+        requests=requests,
+        queries=queries,
+        hits=hits,
+        preempted_requests=preempted_requests,
+        preempted_queries=preempted_queries,
+        preempted_hits=preempted_hits,
+    )
 
 
 class _Group:
@@ -607,32 +620,33 @@ class TensorKVCacheManager:
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
             delay_cache_blocks,
         )  # fmt: skip
-        starts = [self._write_start(grp, step) for grp in self._groups]
-        values = self._prepare_write(step, starts)
+        starts, values = self._prepare_write(step)
         if step.running and self._skips:
             self._free_skipped_blocks(step)
         if not self._fits(step):
             return None
+        return self._serve_allocation(step, starts, values)
+
+    def _serve_allocation(self, step: _AllocationStep, starts: list[int], values: torch.Tensor) -> list[BlockId]:
+        """Phases 5 to 9 of a step that fits: touch, take, write, register; then record the step.
+
+        `starts` and `values` are phase 2's: each group's first written
+        position, and the KV values the step writes.
+
+        Returns:
+            The newly taken blocks, group by group in table order.
+        """
         tables, num_cached = self._touch_hits(step)
         new_blocks = self._take_external_blocks(step, tables)
         table_ids = self._take_new_blocks(step, tables, new_blocks)
-        rid = request.request_id
-        for grp, ids, start in zip(self._groups, table_ids, starts):
-            group_values = values[start - step.write_start :] if start > step.write_start else values
-            if grp.group_id == 0:
-                self._write_step(rid, ids, start, group_values)
-            else:
-                self._write_group(grp.group_id, ids, start, group_values)
+        self._write_groups(step, table_ids, starts, values)
         if step.delay_cache_blocks:  # registered by cache_blocks once the load is done
+            rid = step.request.request_id
             for grp, cached in zip(self._groups, num_cached):
                 grp.num_cached[rid] = cached
         else:
             self._register_full_blocks(step, tables, num_cached, table_ids)
-        self.num_computed_tokens[rid] = step.num_tokens
-        if not step.running:
-            num_local = step.write_start  # a first step's local hit (nothing was computed before it)
-            num_external = step.num_computed - num_local
-            self._counters.admit(len(request.token_ids), num_local, num_external, request.num_preemptions > 0)
+        self._record_step(step)
         return new_blocks[0] if len(new_blocks) == 1 else [b for blocks in new_blocks for b in blocks]
 
     def _validate_allocation(
@@ -668,7 +682,16 @@ class TensorKVCacheManager:
             raise InvalidRequest(
                 f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
             )
-        return _AllocationStep(request, running, hits, hashes, num_computed, num_local, total, delay_cache_blocks)
+        return _AllocationStep(
+            request=request,
+            running=running,
+            hits=hits,
+            hashes=hashes,
+            num_computed=num_computed,
+            write_start=num_local,
+            num_tokens=total,
+            delay_cache_blocks=delay_cache_blocks,
+        )
 
     def _check_hit_blocks(
         self,
@@ -751,23 +774,27 @@ class TensorKVCacheManager:
             n += 1
         return n
 
-    def _prepare_write(self, step: _AllocationStep, starts: list[int]) -> torch.Tensor:
-        """Phase 2: the KV values the step writes, once they and the blocks already held to take them are checked.
+    def _prepare_write(self, step: _AllocationStep) -> tuple[list[int], torch.Tensor]:
+        """Phase 2: where and what the step writes, once the values and the blocks held to take them are checked.
 
         Everything that can refuse runs before anything changes: the freeing
         of skipped blocks, the touch, the new blocks and the write come after
-        it. `starts` is each group's first written position (`_write_start`).
+        it.
+
+        Returns:
+            Each group's first written position (`_write_start`), and the KV values the step writes.
 
         Raises:
             InvalidRequest: as `_kv_values`.
             NotWritable: as `_check_held_blocks_writable`.
         """
+        starts = [self._write_start(grp, step) for grp in self._groups]
         values = self._kv_values(step.request, step.write_start, step.num_tokens)
         if step.running:
             rid = step.request.request_id
             for grp, start in zip(self._groups, starts):
                 self._check_held_blocks_writable(grp, grp.tables[rid], start, step.num_tokens)
-        return values
+        return starts, values
 
     def _free_skipped_blocks(self, step: _AllocationStep) -> None:
         """Phase 3: a running request frees, in every group, the blocks it no longer reads (`remove_skipped_blocks`).
@@ -891,6 +918,18 @@ class TensorKVCacheManager:
             grp.tables[rid] = table
         return table_ids
 
+    def _write_groups(
+        self, step: _AllocationStep, table_ids: list[torch.Tensor], starts: list[int], values: torch.Tensor
+    ) -> None:
+        """Phase 8: write the step's KV in every group, each from its first written position on."""
+        rid = step.request.request_id
+        for grp, ids, start in zip(self._groups, table_ids, starts):
+            group_values = values[start - step.write_start :] if start > step.write_start else values
+            if grp.group_id == 0:
+                self._write_step(rid, ids, start, group_values)
+            else:
+                self._write_group(grp.group_id, ids, start, group_values)
+
     def _write_step(self, request_id: str, block_table: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Phase 8 in group 0 (the only group by default): write the step's KV through its block table.
 
@@ -984,6 +1023,19 @@ class TensorKVCacheManager:
             group_idx=grp.group_id,
         )
 
+    def _record_step(self, step: _AllocationStep) -> None:
+        """The bookkeeping of a served step: the request's computed tokens, and its admission on a first step.
+
+        A first step served is the admission the hit statistics count (a step
+        refused for want of blocks is retried, and counted once, when served).
+        """
+        request = step.request
+        self.num_computed_tokens[request.request_id] = step.num_tokens
+        if not step.running:
+            num_local = step.write_start  # a first step's local hit (nothing was computed before it)
+            num_external = step.num_computed - num_local
+            self._counters.admit(len(request.token_ids), num_local, num_external, request.num_preemptions > 0)
+
     def _kv_values(self, request: Request, start: int, end: int) -> torch.Tensor:
         """The source's values for positions [start, end), checked, as an int64 device tensor.
 
@@ -1063,7 +1115,15 @@ class TensorKVCacheManager:
         if n < computed:
             self._clear_tokens(rid, n, computed)
         if self.enable_caching:
-            step = _AllocationStep(request, True, (), self._block_hashes(request), n, n, n)
+            step = _AllocationStep(
+                request=request,
+                running=True,
+                hits=(),
+                hashes=self._block_hashes(request),
+                num_computed=n,
+                write_start=n,
+                num_tokens=n,
+            )
             self._register_full_blocks(step, [grp.tables[rid] for grp in self._groups], num_cached)
         self.num_computed_tokens[rid] = n
 

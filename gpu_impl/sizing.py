@@ -207,7 +207,14 @@ def plan_capacity(
             "the null block and at least one usable block"
         )
     return CapacityPlan(
-        layout, memory_bytes, memory_source, weights_bytes, overhead_bytes, float(margin), kv_bytes, num_gpu_blocks
+        layout=layout,
+        memory_bytes=memory_bytes,
+        memory_source=memory_source,
+        weights_bytes=weights_bytes,
+        overhead_bytes=overhead_bytes,
+        margin=float(margin),
+        kv_bytes=kv_bytes,
+        num_gpu_blocks=num_gpu_blocks,
     )
 
 

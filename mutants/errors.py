@@ -106,38 +106,42 @@ class NullBlockQueued(ReferencePoolAdapter):
 
 MUTANTS: list[Mutant] = [
     Mutant(
-        "double_free_ignored",
-        "free_blocks silently skips a block with ref_cnt 0 instead of raising DoubleFree",
-        "pool",
-        DoubleFreeIgnored,
-        "a double free accepted",
+        name="double_free_ignored",
+        description="free_blocks silently skips a block with ref_cnt 0 instead of raising DoubleFree",
+        level="pool",
+        factory=DoubleFreeIgnored,
+        kind="a double free accepted",
     ),
     Mutant(
-        "ref_cnt_underflow",
-        "free_blocks decrements ref_cnt without a check, so a double free leaves it at -1",
-        "pool",
-        RefCntUnderflow,
-        "a ref_cnt underflow",
+        name="ref_cnt_underflow",
+        description="free_blocks decrements ref_cnt without a check, so a double free leaves it at -1",
+        level="pool",
+        factory=RefCntUnderflow,
+        kind="a ref_cnt underflow",
     ),
     Mutant(
-        "double_free_requeues",
-        "free_blocks clamps ref_cnt at 0 and queues the block again: a double free makes a duplicate queue entry",
-        "pool",
-        DoubleFreeRequeues,
-        "a duplicate queue entry",
+        name="double_free_requeues",
+        description=(
+            "free_blocks clamps ref_cnt at 0 and queues the block again: a double free makes a duplicate queue entry"
+        ),
+        level="pool",
+        factory=DoubleFreeRequeues,
+        kind="a duplicate queue entry",
     ),
     Mutant(
-        "null_block_accepted",
-        "block-id checks accept block 0: freeing the null block is reported as a double free, evicting it passes",
-        "pool",
-        NullBlockAccepted,
-        "the null block freed or queued",
+        name="null_block_accepted",
+        description=(
+            "block-id checks accept block 0: freeing the null block is reported as a double free, evicting it passes"
+        ),
+        level="pool",
+        factory=NullBlockAccepted,
+        kind="the null block freed or queued",
     ),
     Mutant(
-        "null_block_queued",
-        "the null block is never taken out of the free queue and is handed out by get_new_blocks",
-        "pool",
-        NullBlockQueued,
-        "the null block freed or queued",
+        name="null_block_queued",
+        description="the null block is never taken out of the free queue and is handed out by get_new_blocks",
+        level="pool",
+        factory=NullBlockQueued,
+        kind="the null block freed or queued",
     ),
 ]

@@ -12,6 +12,8 @@ as a new request's hit, or the external cache's tokens as local hits.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.conformance.tools.mutants import Mutant
 from kvspec.reference.free_queue import KVCacheBlock
@@ -60,7 +62,9 @@ class HitAnnouncedAgain(ReferencePoolAdapter):
         super().touch(block_ids)
         if self.kv_event_queue is not None and block_ids:  # MUTANT: reused blocks announced as stored
             keys = tuple(self.blocks[b].block_hash for b in block_ids)
-            self.kv_event_queue.append(BlockStored(tuple(k for k in keys if k is not None), None))
+            self.kv_event_queue.append(
+                BlockStored(block_hashes=tuple(k for k in keys if k is not None), parent_block_hash=None)
+            )
 
 
 class _ParentIsFirstBlock(_GroupManager):
@@ -69,10 +73,7 @@ class _ParentIsFirstBlock(_GroupManager):
     ) -> BlockStored:
         event = super()._stored(step, num_cached, num_full, positions, keys)
         parent = self.key(step.hashes[num_cached]) if num_cached else None  # MUTANT: not num_cached - 1
-        return BlockStored(
-            event.block_hashes, parent, event.token_ids, event.block_size, event.lora_name, event.extra_keys,
-            event.group_idx,
-        )  # fmt: skip
+        return replace(event, parent_block_hash=parent)
 
 
 class StoredWithWrongParent(ReferenceManagerAdapter):
@@ -104,51 +105,51 @@ class ExternalCountedAsLocal(ReferenceManagerAdapter):
 
 MUTANTS: list[Mutant] = [
     Mutant(
-        "eviction_without_block_removed",
-        "an evicted cached block publishes no BlockRemoved",
-        "pool",
-        EvictionWithoutBlockRemoved,
-        "an eviction that publishes no BlockRemoved",
+        name="eviction_without_block_removed",
+        description="an evicted cached block publishes no BlockRemoved",
+        level="pool",
+        factory=EvictionWithoutBlockRemoved,
+        kind="an eviction that publishes no BlockRemoved",
         events=True,
     ),
     Mutant(
-        "reset_without_all_blocks_cleared",
-        "a successful reset publishes no AllBlocksCleared",
-        "pool",
-        ResetWithoutAllBlocksCleared,
-        "a reset without AllBlocksCleared",
+        name="reset_without_all_blocks_cleared",
+        description="a successful reset publishes no AllBlocksCleared",
+        level="pool",
+        factory=ResetWithoutAllBlocksCleared,
+        kind="a reset without AllBlocksCleared",
         events=True,
     ),
     Mutant(
-        "hit_announced_again",
-        "a prefix hit publishes BlockStored for blocks that were cached already",
-        "pool",
-        HitAnnouncedAgain,
-        "a stored event for a block already cached",
+        name="hit_announced_again",
+        description="a prefix hit publishes BlockStored for blocks that were cached already",
+        level="pool",
+        factory=HitAnnouncedAgain,
+        kind="a stored event for a block already cached",
         events=True,
     ),
     Mutant(
-        "stored_with_wrong_parent",
-        "a registration's BlockStored names its first block as parent, not the block before",
-        "manager",
-        StoredWithWrongParent,
-        "a BlockStored with the wrong parent",
+        name="stored_with_wrong_parent",
+        description="a registration's BlockStored names its first block as parent, not the block before",
+        level="manager",
+        factory=StoredWithWrongParent,
+        kind="a BlockStored with the wrong parent",
         events=True,
     ),
     Mutant(
-        "preempted_counted_as_new",
-        "a re-admitted preempted request's hits are counted as a new request's",
-        "manager",
-        PreemptedCountedAsNew,
-        "a hit counted for a preempted request",
+        name="preempted_counted_as_new",
+        description="a re-admitted preempted request's hits are counted as a new request's",
+        level="manager",
+        factory=PreemptedCountedAsNew,
+        kind="a hit counted for a preempted request",
         events=True,
     ),
     Mutant(
-        "external_counted_as_local",
-        "the external connector's tokens are counted as local prefix-cache hits",
-        "manager",
-        ExternalCountedAsLocal,
-        "an external hit counted as local",
+        name="external_counted_as_local",
+        description="the external connector's tokens are counted as local prefix-cache hits",
+        level="manager",
+        factory=ExternalCountedAsLocal,
+        kind="an external hit counted as local",
         events=True,
     ),
 ]

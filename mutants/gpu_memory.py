@@ -122,25 +122,27 @@ def _on_cpu(adapter: type[TensorManagerAdapter]) -> Callable[[AdapterConfig], Te
 
 MUTANTS: list[Mutant] = [
     Mutant(
-        "gpu_write_wrong_slot",
-        "gpu_impl stores each token's KV one slot further along its block",
-        "manager",
-        _on_cpu(WriteWrongSlot),
-        "a write into the wrong slot",
+        name="gpu_write_wrong_slot",
+        description="gpu_impl stores each token's KV one slot further along its block",
+        level="manager",
+        factory=_on_cpu(WriteWrongSlot),
+        kind="a write into the wrong slot",
     ),
     Mutant(
-        "gpu_write_shared_block",
-        "gpu_impl indexes the block table with cdiv(p, block_size) - 1, writing a block's first token "
+        name="gpu_write_shared_block",
+        description="gpu_impl indexes the block table with cdiv(p, block_size) - 1, writing a block's first token "
         "into the previous (possibly shared, cached) block",
-        "manager",
-        _on_cpu(WriteSharedBlock),
-        "a write into a shared block",
+        level="manager",
+        factory=_on_cpu(WriteSharedBlock),
+        kind="a write into a shared block",
     ),
     Mutant(
-        "gpu_reuse_without_eviction",
-        "gpu_impl recycles a freed block's page while the block is still cached, so a hit reads overwritten KV",
-        "manager",
-        _on_cpu(ReuseWithoutEviction),
-        "a block reused without eviction",
+        name="gpu_reuse_without_eviction",
+        description=(
+            "gpu_impl recycles a freed block's page while the block is still cached, so a hit reads overwritten KV"
+        ),
+        level="manager",
+        factory=_on_cpu(ReuseWithoutEviction),
+        kind="a block reused without eviction",
     ),
 ]

@@ -120,41 +120,45 @@ class FreeHeadFirst(ReferenceManagerAdapter):
 
 MUTANTS: list[Mutant] = [
     Mutant(
-        "allocate_from_right",
-        "get_new_blocks takes blocks from the right end of the free queue (MRU instead of LRU)",
-        "pool",
-        AllocateFromRight,
-        "wrong free end",
+        name="allocate_from_right",
+        description="get_new_blocks takes blocks from the right end of the free queue (MRU instead of LRU)",
+        level="pool",
+        factory=AllocateFromRight,
+        kind="wrong free end",
     ),
     Mutant(
-        "hashed_freed_to_left",
-        "free_blocks sends cached blocks to the left end and blocks without a hash to the right (ends swapped)",
-        "pool",
-        HashedFreedToLeft,
-        "wrong free end",
+        name="hashed_freed_to_left",
+        description=(
+            "free_blocks sends cached blocks to the left end and blocks without a hash to the right (ends swapped)"
+        ),
+        level="pool",
+        factory=HashedFreedToLeft,
+        kind="wrong free end",
     ),
     Mutant(
-        "unhashed_freed_to_right",
-        "free_blocks sends every freed block to the right end, as earlier vLLM v1 did, while claiming vllm-v1",
-        "pool",
-        UnhashedFreedToRight,
-        "wrong free end",
+        name="unhashed_freed_to_right",
+        description=(
+            "free_blocks sends every freed block to the right end, as earlier vLLM v1 did, while claiming vllm-v1"
+        ),
+        level="pool",
+        factory=UnhashedFreedToRight,
+        kind="wrong free end",
         # Without caching no block has a hash: every freed block must go left.
         enable_caching=False,
     ),
     Mutant(
-        "left_batch_reversed",
-        "free_blocks prepends the blocks it sends left one at a time, reversing the tail-first order",
-        "pool",
-        LeftBatchReversed,
-        "no tail-first order",
+        name="left_batch_reversed",
+        description="free_blocks prepends the blocks it sends left one at a time, reversing the tail-first order",
+        level="pool",
+        factory=LeftBatchReversed,
+        kind="no tail-first order",
         enable_caching=False,
     ),
     Mutant(
-        "free_head_first",
-        "KVCacheManager.free frees a request's block table head first, not reversed",
-        "manager",
-        FreeHeadFirst,
-        "a freed block not reversed",
+        name="free_head_first",
+        description="KVCacheManager.free frees a request's block table head first, not reversed",
+        level="manager",
+        factory=FreeHeadFirst,
+        kind="a freed block not reversed",
     ),
 ]

@@ -329,7 +329,7 @@ class BlockPool:
         if self._keyed is not None:
             self._keyed.registered(blocks)
         if self.kv_event_queue is not None and (stored is not None or blocks):
-            self.kv_event_queue.append(stored or BlockStored(tuple(block_hashes), None))
+            self.kv_event_queue.append(stored or BlockStored(block_hashes=tuple(block_hashes), parent_block_hash=None))
 
     def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
         """The first block registered under `block_hash`, or None. Cost: O(1).

@@ -484,7 +484,15 @@ class KVCacheManager:
             raise InvalidRequest(
                 f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
             )
-        return _AllocationStep(request, running, hits, hashes, num_computed, num_external_computed_tokens, total)
+        return _AllocationStep(
+            request=request,
+            running=running,
+            hits=hits,
+            hashes=hashes,
+            num_computed=num_computed,
+            num_external=num_external_computed_tokens,
+            num_tokens=total,
+        )
 
     def _check_hit_blocks(
         self,
@@ -574,7 +582,15 @@ class KVCacheManager:
                 f"{computed} computed tokens, {low} of them registered"
             )
         n = num_computed_tokens
-        step = _AllocationStep(request, True, (), self._block_hashes(request), n, 0, n)
+        step = _AllocationStep(
+            request=request,
+            running=True,
+            hits=(),
+            hashes=self._block_hashes(request),
+            num_computed=n,
+            num_external=0,
+            num_tokens=n,
+        )
         self._register_full_blocks(step)
         self.num_computed_tokens[rid] = n
 

@@ -506,30 +506,11 @@ def allocate_slots(
         state, request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
         delay_cache_blocks,
     )  # fmt: skip
-    cfg = state.config
-    pool, tables = _free_skipped_blocks(state.pool, step, cfg)
-    if step.running:
-        state = _with_request(replace(state, pool=pool), request.request_id, replace(step.entry, tables=tables))
-    if not _fits(pool, step, tables, cfg):
+    state, tables = _free_skipped_blocks(state, step)
+    if not _fits(state.pool, step, tables, state.config):
         return Step(state, None)
-    pool, tables, num_cached = _touch_hits(pool, step, tables, cfg)
-    pool, tables, removed_external = _take_external_blocks(pool, step, tables, cfg)
-    pool, tables, removed = _take_new_blocks(pool, step, tables, cfg)
-    stored: tuple[KVCacheEvent, ...] = ()
-    if not step.delay_cache_blocks:  # an asynchronous load's blocks are registered once it is done
-        pool, num_cached, stored = _register_full_blocks(pool, step, tables, num_cached, cfg)
-    before = step.entry.tables if step.running else tuple(() for _ in cfg.groups)
-    new_blocks = tuple(
-        b for g, table in enumerate(tables) for b in table[len(before[g]) + len(step.hits[g]) :] if b != NULL_BLOCK_ID
-    )
-    new_entry = RequestBlocks(tables, num_cached, step.num_tokens)
-    stats = state.stats
-    if not step.running:  # admitted: counted now, not at the lookup (a refused step is retried, not recounted)
-        num_external = step.num_computed - step.num_local_computed
-        preempted = request.num_preemptions > 0
-        stats = stats.admitted(len(request.token_ids), step.num_local_computed, num_external, preempted)
-    new_state = _with_request(replace(state, pool=pool, stats=stats), request.request_id, new_entry)
-    return Step(new_state, new_blocks, removed_external + removed + stored)
+    new_state, new_blocks, events = _serve_allocation(state, step, tables)
+    return Step(new_state, new_blocks, events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,7 +565,17 @@ def _validate_allocation(
             f"has {len(request.token_ids)}"
         )
     num_local = entry.num_computed_tokens + num_new_computed_tokens
-    return _AllocationStep(request, running, entry, hits, num_computed, num_local, hashes, total, delay_cache_blocks)
+    return _AllocationStep(
+        request=request,
+        running=running,
+        entry=entry,
+        hits=hits,
+        num_computed=num_computed,
+        num_local_computed=num_local,
+        hashes=hashes,
+        num_tokens=total,
+        delay_cache_blocks=delay_cache_blocks,
+    )
 
 
 def _check_step_counts(
@@ -658,8 +649,8 @@ def _check_hit_blocks(
 
 
 def _free_skipped_blocks(
-    pool: PoolState, step: _AllocationStep, cfg: ManagerConfig
-) -> tuple[PoolState, tuple[tuple[BlockId, ...], ...]]:
+    state: ManagerState, step: _AllocationStep
+) -> tuple[ManagerState, tuple[tuple[BlockId, ...], ...]]:
     """Phase 2: a running request frees, in every group, the blocks it no longer reads (`remove_skipped_blocks`).
 
     Counted from the tokens computed before this step (the window of its
@@ -667,13 +658,17 @@ def _free_skipped_blocks(
     group's freed blocks go to `free_blocks` in one call, last first, as a
     finished request's are: its later blocks are evicted before its earlier
     ones. The walk stops at a null block: everything before it went earlier.
+    The request's record keeps the nulled tables even if the step is then
+    refused: the freed blocks are gone either way.
 
     Returns:
-        The pool and the request's tables, skipped positions nulled.
+        The state (a running request's record with its new tables) and the request's tables,
+        skipped positions nulled.
     """
     tables = step.entry.tables
     if not step.running:
-        return pool, tables
+        return state, tables
+    pool, cfg = state.pool, state.config
     new_tables = []
     for group, table in zip(cfg.groups, tables):
         skipped = min(num_skipped_blocks(group, step.entry.num_computed_tokens, cfg.block_size), len(table))
@@ -685,7 +680,9 @@ def _free_skipped_blocks(
         if freed:
             pool = _free_blocks(pool, tuple(freed)).state
         new_tables.append((NULL_BLOCK_ID,) * skipped + table[skipped:] if freed else table)
-    return pool, tuple(new_tables)
+    tables = tuple(new_tables)
+    entry = replace(step.entry, tables=tables)
+    return _with_request(replace(state, pool=pool), step.request.request_id, entry), tables
 
 
 def _fits(pool: PoolState, step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...], cfg: ManagerConfig) -> bool:
@@ -849,6 +846,55 @@ def _stored(
     )
 
 
+def _serve_allocation(
+    state: ManagerState, step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...]
+) -> tuple[ManagerState, tuple[BlockId, ...], tuple[KVCacheEvent, ...]]:
+    """Phases 4 to 7 of a step that fits, then its record: touch the hits, take blocks, register the full ones.
+
+    Returns:
+        The new state (the request's record, and the statistics on a first step), the newly
+        taken blocks, and the events of every phase in order.
+    """
+    cfg = state.config
+    pool, tables, num_cached = _touch_hits(state.pool, step, tables, cfg)
+    pool, tables, removed_external = _take_external_blocks(pool, step, tables, cfg)
+    pool, tables, removed = _take_new_blocks(pool, step, tables, cfg)
+    stored: tuple[KVCacheEvent, ...] = ()
+    if not step.delay_cache_blocks:  # an asynchronous load's blocks are registered once it is done
+        pool, num_cached, stored = _register_full_blocks(pool, step, tables, num_cached, cfg)
+    new_entry = RequestBlocks(tables, num_cached, step.num_tokens)
+    stats = _admitted(state.stats, step)
+    new_state = _with_request(replace(state, pool=pool, stats=stats), step.request.request_id, new_entry)
+    return new_state, _new_blocks(step, tables, cfg), removed_external + removed + stored
+
+
+def _new_blocks(
+    step: _AllocationStep, tables: tuple[tuple[BlockId, ...], ...], cfg: ManagerConfig
+) -> tuple[BlockId, ...]:
+    """The blocks a served step took, group by group in table order: each table past its old blocks and hit.
+
+    Null positions are left out: they were never taken.
+    """
+    before = step.entry.tables if step.running else tuple(() for _ in cfg.groups)
+    return tuple(
+        b for g, table in enumerate(tables) for b in table[len(before[g]) + len(step.hits[g]) :] if b != NULL_BLOCK_ID
+    )
+
+
+def _admitted(stats: PrefixCacheStats, step: _AllocationStep) -> PrefixCacheStats:
+    """The statistics after a served step: a first step is the request's admission, counted now.
+
+    Counted when served, not at the lookup: a step refused for want of
+    blocks is retried, and not counted again.
+    """
+    if step.running:
+        return stats
+    request = step.request
+    num_external = step.num_computed - step.num_local_computed
+    preempted = request.num_preemptions > 0
+    return stats.admitted(len(request.token_ids), step.num_local_computed, num_external, preempted)
+
+
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda result: _holds(result.state))
 @icontract.ensure(lambda request_id, result: result.state.request(request_id) is None)
@@ -962,7 +1008,17 @@ def cache_blocks(state: ManagerState, request: Request, num_computed_tokens: int
         )
     hashes = request_block_hashes(state, request)
     n = num_computed_tokens
-    step = _AllocationStep(request, True, entry, (), n, n, hashes, n)  # the registration phase reads these
+    # The registration phase reads these.
+    step = _AllocationStep(
+        request=request,
+        running=True,
+        entry=entry,
+        hits=(),
+        num_computed=n,
+        num_local_computed=n,
+        hashes=hashes,
+        num_tokens=n,
+    )
     pool, num_cached, stored = _register_full_blocks(state.pool, step, entry.tables, entry.num_cached_blocks, cfg)
     new_entry = RequestBlocks(entry.tables, num_cached, num_computed_tokens)
     return Step(_with_request(replace(state, pool=pool), request.request_id, new_entry), None, stored)

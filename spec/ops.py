@@ -423,7 +423,8 @@ def cache_full_blocks(
         )
     # Told blocks and hashes only, the pool level publishes the keys; the request
     # level (spec.manager) publishes the parent, tokens and keys it knows instead.
-    return Step(new_state, None, (BlockStored(tuple(block_hashes), None),) if block_ids else ())
+    stored = BlockStored(block_hashes=tuple(block_hashes), parent_block_hash=None)
+    return Step(new_state, None, (stored,) if block_ids else ())
 
 
 @icontract.require(lambda state: _holds(state))

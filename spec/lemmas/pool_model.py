@@ -409,6 +409,85 @@ LeftKey = Callable[[Index, Index, Index], Index]  # (lo, batch_len, index) -> ke
 RightKey = Callable[[Index, Index], Index]  # (hi, index) -> key
 
 
+@dataclass(frozen=True)
+class _Release:
+    """What one free_blocks call does to the queue: its newly free blocks, split by the end they join.
+
+    The batch's blocks that reach ref_cnt 0 go left or right as
+    spec.ordering.freed_goes_left says; each side keeps its batch order, the
+    left ones before every free block, the right ones after.
+    """
+
+    s: PoolVars  # the state before the call
+    batch: Batch  # the blocks freed, in order
+    unhashed_to_left: bool  # the profile's rule for blocks freed without a hash
+    left: Filtered  # the newly free blocks that go left, in batch order
+    right: Filtered  # the newly free blocks that go right, in batch order
+
+    @staticmethod
+    def split(u: Universe, s: PoolVars, batch: Batch, unhashed_to_left: bool) -> _Release:
+        """The two sides of a free of `batch` from `s`, left first (the filters' names are drawn in that order)."""
+
+        def joins(i: Index, end_is_left: bool) -> z3.BoolRef:
+            b = batch.ids[i]
+            goes_left = _goes_left(s, unhashed_to_left, b)
+            return z3.And(_newly_free(s, batch, b), goes_left if end_is_left else z3.Not(goes_left))
+
+        left = filter_list(u, batch.ids, batch.length, lambda i: joins(i, True), "free.left")
+        right = filter_list(u, batch.ids, batch.length, lambda i: joins(i, False), "free.right")
+        return _Release(s=s, batch=batch, unhashed_to_left=unhashed_to_left, left=left, right=right)
+
+    def joins(self, b: Index) -> tuple[z3.BoolRef, z3.BoolRef]:
+        """Whether block b is newly free and joins the left end; whether it is newly free and joins the right."""
+        newly_free, goes_left = _newly_free(self.s, self.batch, b), _goes_left(self.s, self.unhashed_to_left, b)
+        return z3.And(newly_free, goes_left), z3.And(newly_free, z3.Not(goes_left))
+
+    def queue(self, i: z3.ArithRef) -> z3.ExprRef:
+        """Position i of the queue after the call: the left side, the queue before, then the right side."""
+        left, right, num_old = self.left, self.right, self.s.num_free
+        num_left = left.length
+        return z3.If(
+            i < num_left,
+            left.items[i],
+            z3.If(i < num_left + num_old, self.s.free_queue[i - num_left], right.items[i - num_left - num_old]),
+        )
+
+    def position(self, b: z3.ArithRef) -> z3.ExprRef:
+        """Block b's position in the queue after the call (-1 when not free)."""
+        s, batch, left, right = self.s, self.batch, self.left, self.right
+        num_left, num_old = left.length, s.num_free
+        new_left, new_right = self.joins(b)
+        return z3.If(
+            new_left,
+            left.dst_index[batch.pos[b]],
+            z3.If(
+                in_queue(s, b),
+                s.queue_pos[b] + num_left,
+                z3.If(new_right, num_left + num_old + right.dst_index[batch.pos[b]], -1),
+            ),
+        )
+
+    def key(self, b: z3.ArithRef, left_key: LeftKey, right_key: RightKey) -> z3.ExprRef:
+        """Block b's key after the call: a newly free block's from its side's batch keys, else unchanged."""
+        s, batch, left, right = self.s, self.batch, self.left, self.right
+        new_left, new_right = self.joins(b)
+        return z3.If(
+            new_left,
+            left_key(s.lo, left.length, left.dst_index[batch.pos[b]]),
+            z3.If(new_right, right_key(s.hi, right.dst_index[batch.pos[b]]), s.key[b]),
+        )
+
+
+def _newly_free(s: PoolVars, batch: Batch, b: Index) -> z3.BoolRef:
+    """Block b is named by the batch and loses its last reference."""
+    return z3.And(in_batch(batch, b), s.ref_cnt[b] == 1)
+
+
+def _goes_left(s: PoolVars, unhashed_to_left: bool, b: Index) -> z3.BoolRef:
+    """Block b, freed, joins the left end of the queue (spec.ordering.freed_goes_left)."""
+    return freed_goes_left(z3.BoolVal(unhashed_to_left), s.has_hash[b], Z3)
+
+
 def free_blocks(
     u: Universe,
     s: PoolVars,
@@ -429,64 +508,18 @@ def free_blocks(
     guard = _valid_block_ids(u, s, batch)
     if check_ref_cnt:
         guard = z3.And(guard, u.forall(0, batch.length, lambda t: s.ref_cnt[batch.ids[t]] > 0))
-
-    def newly_free(b: Index) -> z3.BoolRef:
-        return z3.And(in_batch(batch, b), s.ref_cnt[b] == 1)
-
-    def goes_left(b: Index) -> z3.BoolRef:
-        return freed_goes_left(z3.BoolVal(unhashed_to_left), s.has_hash[b], Z3)
-
-    left = filter_list(
-        u, batch.ids, batch.length, lambda i: z3.And(newly_free(batch.ids[i]), goes_left(batch.ids[i])), "free.left"
-    )
-    right = filter_list(
-        u,
-        batch.ids,
-        batch.length,
-        lambda i: z3.And(newly_free(batch.ids[i]), z3.Not(goes_left(batch.ids[i]))),
-        "free.right",
-    )
-    num_left, num_old = left.length, s.num_free
-
-    def queue(i: z3.ArithRef) -> z3.ExprRef:
-        return z3.If(
-            i < num_left,
-            left.items[i],
-            z3.If(i < num_left + num_old, s.free_queue[i - num_left], right.items[i - num_left - num_old]),
-        )
-
-    def position(b: z3.ArithRef) -> z3.ExprRef:
-        new_left = z3.And(newly_free(b), goes_left(b))
-        new_right = z3.And(newly_free(b), z3.Not(goes_left(b)))
-        return z3.If(
-            new_left,
-            left.dst_index[batch.pos[b]],
-            z3.If(
-                in_queue(s, b),
-                s.queue_pos[b] + num_left,
-                z3.If(new_right, num_left + num_old + right.dst_index[batch.pos[b]], -1),
-            ),
-        )
-
-    def key(b: z3.ArithRef) -> z3.ExprRef:
-        new_left = z3.And(newly_free(b), goes_left(b))
-        new_right = z3.And(newly_free(b), z3.Not(goes_left(b)))
-        return z3.If(
-            new_left,
-            left_key(s.lo, num_left, left.dst_index[batch.pos[b]]),
-            z3.If(new_right, right_key(s.hi, right.dst_index[batch.pos[b]]), s.key[b]),
-        )
-
+    freed = _Release.split(u, s, batch, unhashed_to_left)
+    left, right = freed.left, freed.right
     post = replace(
         s,
         ref_cnt=_lam(lambda b: s.ref_cnt[b] - z3.If(in_batch(batch, b), 1, 0), "free.ref"),
-        free_queue=_lam(queue, "free.q"),
-        num_free=num_left + num_old + right.length,
-        queue_pos=_lam(position, "free.pos"),
-        key=_lam(key, "free.key"),
-        key_free=_lam(lambda b: z3.Or(s.key_free[b], newly_free(b)), "free.kf"),
+        free_queue=_lam(freed.queue, "free.q"),
+        num_free=left.length + s.num_free + right.length,
+        queue_pos=_lam(freed.position, "free.pos"),
+        key=_lam(lambda b: freed.key(b, left_key, right_key), "free.key"),
+        key_free=_lam(lambda b: z3.Or(s.key_free[b], _newly_free(s, batch, b)), "free.kf"),
         # The new keys span [lo - num_left, hi + num_right]: the smallest and largest given.
-        lo=left_batch_key(s.lo, num_left, 0),
+        lo=left_batch_key(s.lo, left.length, 0),
         hi=right_batch_key(s.hi, right.length - 1),
     )
     return Step(guard, z3.And(left.axioms, right.axioms), post)

@@ -132,19 +132,25 @@ def decide_true(
         if result == z3.sat:
             small, small_text = _smallest_counterexample(ob, min(max_bound, ob.bound or max_bound), timeout_s)
             return Verdict(
-                "refuted",
-                time.perf_counter() - start,
-                len(obligations),
+                status="refuted",
+                seconds=time.perf_counter() - start,
+                num_obligations=len(obligations),
                 obligation=ob.name,
                 counterexample=small_text if small == z3.sat else text,
             )
         if result == z3.unknown:
-            return Verdict("unknown", time.perf_counter() - start, len(obligations), obligation=ob.name, reason=text)
+            return Verdict(
+                status="unknown",
+                seconds=time.perf_counter() - start,
+                num_obligations=len(obligations),
+                obligation=ob.name,
+                reason=text,
+            )
         if not _satisfiable(ob, min(max_bound, ob.bound or max_bound), timeout_s):
             return Verdict(
-                "vacuous",
-                time.perf_counter() - start,
-                len(obligations),
+                status="vacuous",
+                seconds=time.perf_counter() - start,
+                num_obligations=len(obligations),
                 obligation=ob.name,
                 reason=f"no state of size <= {max_bound} satisfies the hypotheses",
             )
@@ -152,8 +158,8 @@ def decide_true(
             smallest_bound = ob.bound if smallest_bound is None else min(smallest_bound, ob.bound)
     seconds = time.perf_counter() - start
     if smallest_bound is not None:
-        return Verdict("bounded", seconds, len(obligations), bound=smallest_bound)
-    return Verdict("proved", seconds, len(obligations))
+        return Verdict(status="bounded", seconds=seconds, num_obligations=len(obligations), bound=smallest_bound)
+    return Verdict(status="proved", seconds=seconds, num_obligations=len(obligations))
 
 
 def decide_false(
@@ -173,18 +179,32 @@ def decide_false(
         result, text = _smallest_counterexample(ob, min(max_bound, ob.bound or max_bound), timeout_s)
         if result == z3.sat:
             return Verdict(
-                "refuted", time.perf_counter() - start, len(obligations), obligation=ob.name, counterexample=text
+                status="refuted",
+                seconds=time.perf_counter() - start,
+                num_obligations=len(obligations),
+                obligation=ob.name,
+                counterexample=text,
             )
     for ob in obligations:
         result, text = _check(ob, Universe(bound=ob.bound), timeout_s)
         if result == z3.sat:
             return Verdict(
-                "refuted", time.perf_counter() - start, len(obligations), obligation=ob.name, counterexample=text
+                status="refuted",
+                seconds=time.perf_counter() - start,
+                num_obligations=len(obligations),
+                obligation=ob.name,
+                counterexample=text,
             )
         if result == z3.unknown:
-            return Verdict("unknown", time.perf_counter() - start, len(obligations), obligation=ob.name, reason=text)
+            return Verdict(
+                status="unknown",
+                seconds=time.perf_counter() - start,
+                num_obligations=len(obligations),
+                obligation=ob.name,
+                reason=text,
+            )
     bounds = [ob.bound for ob in obligations if ob.bound is not None]
     seconds = time.perf_counter() - start
     if bounds:
-        return Verdict("bounded", seconds, len(obligations), bound=min(bounds))
-    return Verdict("proved", seconds, len(obligations))
+        return Verdict(status="bounded", seconds=seconds, num_obligations=len(obligations), bound=min(bounds))
+    return Verdict(status="proved", seconds=seconds, num_obligations=len(obligations))
