@@ -21,12 +21,12 @@ too), under the profile its state conforms to: the events column says
 ``ok``, ``no events`` (before 0.9.0), ``breaks <rule>`` with a trace, or the
 campaign's verdict with a trace.
 
-Design choice: every release runs in its own subprocess under a time budget.
-The pool level runs in this environment in light mode (the release's real
-``block_pool.py`` from its wheel); the request level needs vLLM installed, so
-it runs in a virtual environment per release, created on demand under the
-cache folder with the lean recipe (``pip install --no-deps vllm==X``, the CPU
-build of torch 2.13.0, a short list of dependencies). The rejected
+Design choice: every release runs in its own worker process under a time
+budget (kvspec.conformance.runner.workers). The pool level runs in this
+environment in light mode (the release's real ``block_pool.py`` from its
+wheel); the request level needs vLLM installed, so it runs in a virtual
+environment per release, created on demand under the cache folder with the
+lean recipe (kvspec.conformance.targets.vllm.venvs). The rejected
 alternative, one process for all releases, would let one release's import
 side effects (NONE_HASH, loggers, a hang) spill into the next one's verdict.
 """
@@ -34,10 +34,7 @@ side effects (NONE_HASH, loggers, a hang) spill into the next one's verdict.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -49,47 +46,26 @@ from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.results import Verdict
 from kvspec.conformance.runner.profiles import PROFILES, detect_profiles
 from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.runner.workers import WorkerError, run_worker, serve_worker
 from kvspec.conformance.targets.vllm.events import FIRST_RELEASE_WITH_EVENTS, event_facts
 from kvspec.conformance.targets.vllm.factories import make_installed_adapter, make_light_adapter
 from kvspec.conformance.targets.vllm.hashes import compare_release, measure_release
-from kvspec.conformance.targets.vllm.lightmode import LightModeError, cache_dir
+from kvspec.conformance.targets.vllm.lightmode import LightModeError
 from kvspec.conformance.targets.vllm.probes import V0_PROBES, ProbeResult, run_probes
-from kvspec.conformance.targets.vllm.releases import RELEASES, version_key
+from kvspec.conformance.targets.vllm.releases import RELEASES
 from kvspec.conformance.targets.vllm.v0 import V0_PROFILES, V0_RELEASES, make_v0_light_adapter
+from kvspec.conformance.targets.vllm.venvs import WORKER_ENV, ensure_venv
 
 __all__ = [
     "Cell",
     "ReleaseRow",
-    "ensure_venv",
     "format_matrix",
     "run_oracle",
-    "venv_root",
 ]
 
 # The KV cache groups of the request level's hybrid answer: one full-attention
 # group and one sliding window, vLLM's simple hybrid (one coordinator round).
 HYBRID_GROUPS = "full,sliding:8"
-
-# Pinned: the CPU build on the registry; an unpinned torch is a multi-GB CUDA download.
-TORCH_PIN = "torch==2.13.0+cpu"
-# What importing vLLM's KVCacheManager, Request and SamplingParams needs on a CPU.
-LEAN_DEPS: tuple[str, ...] = (
-    "packaging", "psutil", "pyzmq", "urllib3", "regex", "numpy", "msgspec", "pydantic", "cbor2",
-    "aiohttp", "requests", "openai", "openai_harmony", "pillow", "pybase64", "cachetools", "cloudpickle",
-    "uvloop", "py-cpuinfo", "prometheus_client", "fastapi", "partial-json-parser", "blake3", "sentencepiece",
-    "tokenizers", "pyyaml", "einops", "setproctitle", "diskcache", "llguidance",
-)  # fmt: skip
-# Import names that differ from their distribution's name (for the missing-module loop).
-_MODULE_TO_DIST = {"yaml": "pyyaml", "cv2": "opencv-python-headless", "google": "protobuf", "PIL": "pillow",
-                   "cpuinfo": "py-cpuinfo", "zmq": "pyzmq"}  # fmt: skip
-# Set for every process that imports vLLM: 0.8.x decorates model code with
-# torch.compile at import, which torch 2.13's dynamo rejects; nothing here compiles.
-WORKER_ENV: dict[str, str] = {"TORCHDYNAMO_DISABLE": "1"}
-_IMPORT_CHECK = (
-    "from vllm.v1.core.kv_cache_manager import KVCacheManager; from vllm.v1.request import Request; "
-    "from vllm import SamplingParams; print('IMPORT OK')"
-)
-
 
 # ---------------------------------------------------------------------------
 # one release, in its own process
@@ -150,8 +126,6 @@ def _result_json(result: Any) -> dict[str, Any]:
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run one release at one level, in this process; returns the row's part as JSON."""
-    logging.disable(logging.WARNING)  # vLLM logs every refused reset; the verdicts say it all
-
     version: str = args.worker
     if is_v0_only(version):
         v0_row = _v0_worker(args)
@@ -335,112 +309,7 @@ def _v0_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
-# environments for the request level
-
-
-def venv_root() -> Path:
-    """Where the per-release virtual environments live: beside the light-mode cache."""
-
-    return cache_dir().parent / "vllm-venvs"
-
-
-def _kvspec_source() -> Path | None:
-    """The kvspec project folder, when kvspec runs from a checkout (editable install)."""
-    root = Path(__file__).resolve().parents[2]
-    return root if (root / "pyproject.toml").exists() else None
-
-
-def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Path:
-    """A virtual environment with vLLM ``version`` and kvspec, created once under ``venv_root()``.
-
-    The lean recipe: ``pip install --no-deps vllm==X``, ``torch==2.13.0+cpu``,
-    ``LEAN_DEPS`` (and ``transformers<4.54`` before 0.24, whose imports break on
-    later ones), then up to 12 rounds of installing whatever module the import
-    of vLLM's KVCacheManager still misses, then kvspec itself without
-    dependencies plus hypothesis and icontract. The environments are shared by
-    every kvspec checkout on the machine: one made from another checkout gets
-    this one's kvspec installed (a few seconds) before it is used.
-
-    Returns:
-        The environment's python.
-
-    Raises:
-        RuntimeError: a step failed; the message names the step and pip's last words.
-    """
-    root = venv_root() / version
-    python = root / "bin" / "python"
-    done = root / "KVSPEC_READY"  # the release, then the kvspec checkout installed in it
-    source = _kvspec_source()
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-
-    def run(cmd: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
-        log(f"vllm=={version}: {what}")
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False, env={**os.environ, **WORKER_ENV})
-        if proc.returncode != 0 and "IMPORT" not in what:
-            tail = "\n".join(line for line in proc.stderr.splitlines() if "WARNING" not in line)[-600:]
-            raise RuntimeError(f"{what} failed (rc={proc.returncode}): {tail}")
-        return proc
-
-    if done.exists():
-        # The environments are shared by every checkout on this machine: one made
-        # from another checkout is pointed at this one, so it runs this kvspec.
-        if source is not None and done.read_text().split("\n")[1:2] != [str(source)]:
-            run([*pip, "--no-deps", "-e", str(source)], f"pip install kvspec from {source}")
-            done.write_text(f"{version}\n{source}\n")
-        return python
-
-    root.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "venv", str(root)], "create the environment")
-    run([*pip, "--no-deps", f"vllm=={version}"], "pip install --no-deps vllm")
-    run([*pip, TORCH_PIN], f"pip install {TORCH_PIN}")
-    transformers = "transformers>=4.51.1,<4.54" if version_key(version) < version_key("0.24.0") else "transformers"
-    run([*pip, *LEAN_DEPS, transformers], "pip install the lean dependencies")
-    run([*pip, "--no-deps", "xgrammar", "apache-tvm-ffi"], "pip install --no-deps xgrammar")
-    for _ in range(12):
-        proc = run([str(python), "-c", _IMPORT_CHECK], "IMPORT check")
-        if "IMPORT OK" in proc.stdout:
-            break
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        if "No module named '" not in last:
-            raise RuntimeError(f"importing vLLM's KVCacheManager fails: {last}")
-        module = last.split("No module named '")[1].split("'")[0].split(".")[0]
-        run([*pip, _MODULE_TO_DIST.get(module, module)], f"pip install {module} (missing at import)")
-    else:
-        raise RuntimeError("importing vLLM's KVCacheManager still misses modules after 12 rounds")
-    if source is None:
-        raise RuntimeError("kvspec is not running from a source checkout; cannot install it into the environment")
-    run([*pip, "--no-deps", "-e", str(source)], "pip install kvspec")
-    run([*pip, "hypothesis", "icontract", "cbor2"], "pip install kvspec's dependencies")
-    done.write_text(f"{version}\n{source}\n")
-    return python
-
-
-# ---------------------------------------------------------------------------
 # the matrix
-
-
-def _spawn(
-    python: Path | str, version: str, level: str, caching: str, max_examples: int, time_budget: float | None,
-    trace_dir: str, env: dict[str, str], extra: Sequence[str] = (),
-) -> dict[str, Any]:  # fmt: skip
-    cmd = [str(python), "-m", "kvspec.conformance.tools.oracle", "--worker", version, "--level", level,
-           "--caching", caching, "--max-examples", str(max_examples), "--trace-dir", trace_dir, *extra]  # fmt: skip
-    if time_budget is not None:
-        cmd += ["--time-budget", str(time_budget)]
-    # the budget is the harness's; import and start-up get a fixed allowance on top
-    timeout = None if time_budget is None else time_budget * 1.5 + 120
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"could not run: no answer within {timeout:.0f} s"}
-    if proc.returncode != 0:
-        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
-        return {"error": f"could not run: worker exited rc={proc.returncode}: {tail[0][:300]}"}
-    try:
-        parsed: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        return {"error": f"could not run: worker printed no result ({proc.stdout[-200:]!r})"}
-    return parsed
 
 
 def _notes(row: ReleaseRow) -> list[str]:
@@ -508,39 +377,52 @@ def run_oracle(
     """
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     cachings = ["on", "off"] if caching == "both" else [caching]
+    worker_args = ["--caching", caching, "--max-examples", str(max_examples), "--trace-dir", trace_dir,
+                   *(["--time-budget", str(time_budget)] if time_budget is not None else []),
+                   *(["--events"] if events else [])]  # fmt: skip
     rows: list[ReleaseRow] = []
     for version in versions:
         row = ReleaseRow(version)
         for level in levels:
-            env = {**os.environ, **WORKER_ENV}
-            env.pop("KVSPEC_VLLM_VERSION", None)
-            python: Path | str = sys.executable
-            if level == "manager" and not is_v0_only(version):
-                try:
-                    python = ensure_venv(version, log)
-                except RuntimeError as e:
-                    for c in cachings:
-                        row.cells[f"{level}/{c}"] = Cell("could not install", str(e)[:300])
-                    continue
-            log(f"vllm=={version}: {level} level")
-            data = _spawn(python, version, level, caching, max_examples, time_budget, trace_dir, env,
-                          ["--events"] if events else [])  # fmt: skip
-            if "error" in data:
-                for c in cachings:
-                    row.cells[f"{level}/{c}"] = Cell("could not run", data["error"])
-                continue
-            for key, cell in data["cells"].items():
-                row.cells[key] = Cell(**cell)
-            row.probes += [ProbeResult(**p) for p in data["probes"]]
-            if data.get("hybrid"):
-                row.hybrid = Cell(**data["hybrid"])
-            row.events.update({lv: Cell(**cell) for lv, cell in data.get("events", {}).items()})
-            if level == "pool":
-                row.hashes = data["hashes"]
-                row.fleet, row.fleet_detail = data.get("fleet", ""), data.get("fleet_detail", "")
+            _run_level(row, level, cachings, worker_args, time_budget, log)
         row.notes = _notes(row)
         rows.append(row)
     return rows
+
+
+def _run_level(
+    row: ReleaseRow, level: str, cachings: Sequence[str], worker_args: Sequence[str], time_budget: float | None,
+    log: Callable[[str], None],
+) -> None:  # fmt: skip
+    """One release at one level, in its worker (the request level in the release's environment), into its row."""
+    version = row.version
+    env = {**os.environ, **WORKER_ENV}
+    env.pop("KVSPEC_VLLM_VERSION", None)
+    python: Path | str = sys.executable
+    if level == "manager" and not is_v0_only(version):
+        try:
+            python = ensure_venv(version, log)
+        except RuntimeError as e:
+            for c in cachings:
+                row.cells[f"{level}/{c}"] = Cell("could not install", str(e)[:300])
+            return
+    log(f"vllm=={version}: {level} level")
+    try:
+        data = run_worker("kvspec.conformance.tools.oracle", ["--worker", version, "--level", level, *worker_args],
+                          python=python, env=env, time_budget_s=time_budget)  # fmt: skip
+    except WorkerError as e:
+        for c in cachings:
+            row.cells[f"{level}/{c}"] = Cell("could not run", str(e))
+        return
+    for key, cell in data["cells"].items():
+        row.cells[key] = Cell(**cell)
+    row.probes += [ProbeResult(**p) for p in data["probes"]]
+    if data.get("hybrid"):
+        row.hybrid = Cell(**data["hybrid"])
+    row.events.update({lv: Cell(**cell) for lv, cell in data.get("events", {}).items()})
+    if level == "pool":
+        row.hashes = data["hashes"]
+        row.fleet, row.fleet_detail = data.get("fleet", ""), data.get("fleet_detail", "")
 
 
 # The fleet answers in the matrix column (the notes give them whole).
@@ -629,9 +511,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, default=None)
     parser.add_argument("--trace-dir", default="kvspec-oracle-traces")
     parser.add_argument("--events", action="store_true", help="also run the events campaign (the events column)")
-    args = parser.parse_args(argv)
-    print(json.dumps(_worker(args)))
-    return 0
+    return serve_worker(parser, _worker, argv)
 
 
 if __name__ == "__main__":
