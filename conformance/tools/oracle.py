@@ -20,6 +20,7 @@ rules, then the spec's events; at the request level the hit statistics
 too), under the profile its state conforms to: the events column says
 ``ok``, ``no events`` (before 0.9.0), ``breaks <rule>`` with a trace, or the
 campaign's verdict with a trace.
+The rows and the printed matrix are kvspec.conformance.tools.oracle_matrix's.
 
 Design choice: every release runs in its own worker process under a time
 budget (kvspec.conformance.runner.workers). The pool level runs in this
@@ -38,7 +39,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -55,57 +56,12 @@ from kvspec.conformance.targets.vllm.probes import V0_PROBES, ProbeResult, run_p
 from kvspec.conformance.targets.vllm.releases import RELEASES
 from kvspec.conformance.targets.vllm.v0 import V0_PROFILES, V0_RELEASES, make_v0_light_adapter
 from kvspec.conformance.targets.vllm.venvs import WORKER_ENV, ensure_venv
+from kvspec.conformance.tools.oracle_matrix import HYBRID_GROUPS, Cell, ReleaseRow
 
-__all__ = [
-    "Cell",
-    "ReleaseRow",
-    "format_matrix",
-    "run_oracle",
-]
-
-# The KV cache groups of the request level's hybrid answer: one full-attention
-# group and one sliding window, vLLM's simple hybrid (one coordinator round).
-HYBRID_GROUPS = "full,sliding:8"
+__all__ = ["all_releases", "is_v0_only", "run_oracle"]
 
 # ---------------------------------------------------------------------------
 # one release, in its own process
-
-
-@dataclass(slots=True)
-class Cell:
-    """One (level, caching) cell of the matrix: a verdict per profile."""
-
-    status: str  # "ran", "n/a" or "could not install" / "could not run"
-    why: str = ""  # for a cell that did not run
-    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # profile -> verdict, trace, story, steps
-    steps_per_s: float | None = None  # harness speed against this release
-    not_applicable: list[str] = field(default_factory=list)  # what the adapter declares absent, with why
-
-    def conforms_to(self) -> list[str]:
-        """The profiles whose check passed."""
-        return [p for p, r in self.profiles.items() if r["verdict"] == Verdict.CONFORMS]
-
-
-@dataclass(slots=True)
-class ReleaseRow:
-    """Everything the oracle found on one release."""
-
-    version: str  # the release
-    cells: dict[str, Cell] = field(default_factory=dict)  # "pool/on", "pool/off", "manager/on", "manager/off"
-    hashes: str = ""  # the hash-compatibility summary
-    # Whether two engine processes started alike compute the same chain (hashes.measure_release), and what it
-    # was measured on; "" where not measured (vLLM v0, the request level alone).
-    fleet: str = ""
-    fleet_detail: str = ""
-    probes: list[ProbeResult] = field(default_factory=list)  # the directed probes (pool level)
-    notes: list[str] = field(default_factory=list)  # findings in words
-    # The request level with KV cache groups HYBRID_GROUPS, caching on, under the profile the
-    # release's request level conforms to: "ran" with that one profile's verdict, or "n/a" with why
-    # (a release without the spec classes or a hybrid coordinator declares it). None: not run.
-    hybrid: Cell | None = None
-    # With --events: per level ("pool", "manager"), a campaign with the KV cache events checked (caching on,
-    # the release's profile): "ran" with its verdict, or "n/a" for a release without events. Empty: not run.
-    events: dict[str, Cell] = field(default_factory=dict)
 
 
 def _result_json(result: Any) -> dict[str, Any]:
@@ -225,23 +181,6 @@ def _events_cell(
     if rule in _EVENT_RULE_NAMES:
         out["rule"] = rule
     return Cell("ran", "", {profile: out}, steps / elapsed if elapsed > 0 else None, absent)
-
-
-def events_text(cell: Cell | None, footnotes: list[str], where: str) -> str:
-    """An events cell in the matrix: ``ok``, ``no events``, ``breaks <rule>[n]`` or ``<verdict>[n]``."""
-    if cell is None:
-        return "not run"
-    if cell.status == Verdict.NOT_APPLICABLE.value:
-        return "no events" if cell.why.startswith("no events") else Verdict.NOT_APPLICABLE.value
-    if cell.status != "ran":
-        footnotes.append(f"{where}: {cell.status}: {cell.why}")
-        return f"{cell.status}[{len(footnotes)}]"
-    profile, r = next(iter(cell.profiles.items()))
-    if r["verdict"] == Verdict.CONFORMS:
-        return "ok"
-    footnotes.append(f"{where} under {profile}: {r['verdict']} at step {r.get('step')} ({r.get('op')}): "
-                     f"{str(r.get('message', ''))[:200]}  trace: {r.get('trace')}")  # fmt: skip
-    return f"{'breaks ' + r['rule'] if r.get('rule') else r['verdict']}[{len(footnotes)}]"
 
 
 def _hybrid_cell(impl_name: str, profile: str, max_examples: int, time_budget_s: float | None, trace_dir: str) -> Cell:
@@ -423,78 +362,6 @@ def _run_level(
     if level == "pool":
         row.hashes = data["hashes"]
         row.fleet, row.fleet_detail = data.get("fleet", ""), data.get("fleet_detail", "")
-
-
-# The fleet answers in the matrix column (the notes give them whole).
-_FLEET_SHORT = {"only with PYTHONHASHSEED set": "seed set", "only with PYTHONHASHSEED unset": "seed unset"}
-
-
-def _cell_text(cell: Cell | None, footnotes: list[str]) -> str:
-    if cell is None:
-        return "n/a"
-    if cell.status != "ran":
-        return f"{cell.status}"
-    parts = []
-    for profile, r in cell.profiles.items():
-        short = profile.replace("vllm-", "")
-        if r["verdict"] == Verdict.CONFORMS:
-            parts.append(f"{short} ok")
-        else:
-            footnotes.append(f"{r['verdict']} under {profile} at step {r.get('step')} ({r.get('op')}): "
-                             f"{str(r.get('message', ''))[:160]}  trace: {r.get('trace')}")  # fmt: skip
-            parts.append(f"{short} {r['verdict']}[{len(footnotes)}]")
-    return ", ".join(parts)
-
-
-def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: Sequence[str]) -> str:
-    """The matrix as text: one line per release, footnotes for every divergence and every cell that did not run."""
-    footnotes: list[str] = []
-    keys = [f"{lv}/{c}" for lv in levels for c in cachings]
-    # The hybrid answer (KV cache groups HYBRID_GROUPS) gets a column where some row has one.
-    hybrid = any(row.hybrid is not None for row in rows)
-    fleet = any(row.fleet for row in rows)
-    # The events columns (--events), one per level some row ran them at.
-    event_levels = [lv for lv in levels if any(lv in row.events for row in rows)]
-    header = ["version", *[k.replace("manager", "request") for k in keys], *(["request/hybrid"] if hybrid else []),
-              *[f"{lv.replace('manager', 'request')}/events" for lv in event_levels], "hashes",
-              *(["fleet"] if fleet else [])]  # fmt: skip
-    table: list[list[str]] = []
-    for row in rows:
-        cells = []
-        for k, cell in [*((k, row.cells.get(k)) for k in keys), *([("request/hybrid", row.hybrid)] if hybrid else [])]:
-            if cell is not None and cell.status != "ran":
-                footnotes.append(f"{row.version} {k}: {cell.status}: {cell.why}")
-                cells.append(f"{cell.status}[{len(footnotes)}]")
-            else:
-                cells.append(_cell_text(cell, footnotes))
-        cells += [events_text(row.events.get(lv), footnotes, f"{row.version} {lv} events") for lv in event_levels]
-        table.append([row.version, *cells, row.hashes.split(":")[0] if row.hashes else "n/a",
-                      *([_FLEET_SHORT.get(row.fleet, row.fleet or "n/a")] if fleet else [])])  # fmt: skip
-    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table]
-    if fleet:
-        lines.append("fleet: two engine processes started alike compute the same chain (fleet-consistent hashes): "
-                     "yes (PYTHONHASHSEED set or unset), seed set (only with PYTHONHASHSEED set), no; measured in "
-                     "two fresh processes per setting, see the notes")  # fmt: skip
-    lines.append("")
-    lines.append("notes:")
-    for row in rows:
-        for note in row.notes:
-            lines.append(f"  {row.version}: {note}")
-        if row.fleet_detail:
-            lines.append(f"  {row.version}: {row.fleet_detail}")
-        if row.hashes and not row.hashes.startswith("compatible"):
-            lines.append(f"  {row.version}: hashes {row.hashes[:300]}")
-    if footnotes:
-        lines.append("")
-        lines += [f"[{i}] {text}" for i, text in enumerate(footnotes, 1)]
-    return "\n".join(lines)
-
-
-def rows_to_json(rows: Sequence[ReleaseRow]) -> list[dict[str, Any]]:
-    """The rows as plain data, for ``--json``."""
-    return [asdict(row) for row in rows]
 
 
 def all_releases() -> tuple[str, ...]:
