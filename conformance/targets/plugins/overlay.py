@@ -41,6 +41,10 @@ more of these, the way the plugin does it in production):
   ``factory(num_gpu_blocks, enable_caching, **kwargs)`` (the constructor
   arguments of the release's ``BlockPool``) instead.
 
+The overlay serves the plugin's modules with light mode's loader
+(kvspec.conformance.targets.loader): the same finder, the same mapped
+``import`` and ``importlib``, one more private package per plugin package.
+
 The harness then drives the result with the vLLM adapter
 (kvspec.conformance.targets.vllm.adapter) at the pool level, exactly as it drives
 the release itself. The rejected alternative, a subprocess with the plugin

@@ -40,7 +40,10 @@ process boundary and block objects could not be inspected directly.
 
 Imports inside the loaded code are redirected by giving each loaded module its
 own ``__builtins__`` whose ``__import__`` maps ``vllm`` to the private package
-name; this also covers imports that run lazily inside functions.
+name; this also covers imports that run lazily inside functions. The import
+machinery, the placeholders and the wheel cache are the overlay's too
+(kvspec.conformance.targets.loader and .archives); what this module adds is
+which of a release's modules are real (the `Layout`) and the `LightRelease`.
 
 NOTE: hash functions that pickle their input (``sha256``, ``xxhash``) hash the
 pickled qualified name of any vLLM class inside the input. The hash inputs of
