@@ -106,7 +106,7 @@ def test_the_wheel_ships_every_module_and_data_file(wheel: Path) -> None:
             if f.is_file() and f.suffix in (".py", ".json", ".jsonl"):
                 assert f"{package_path}/{f.name}" in names, f"{f.relative_to(ROOT)} is not in the wheel"
     assert "kvspec/conformance/data/seed_walkthrough.json" in names  # `kvspec demo` reads it
-    assert "kvspec/conformance/commands/demo.py" in names  # the CLI finds its commands here
+    assert "kvspec/conformance/tools/commands/demo.py" in names  # the CLI finds its commands here
     assert "kvspec/mutants/__init__.py" in names and "kvspec/mutants/manager.py" in names  # `kvspec mutants`
 
 

@@ -20,13 +20,14 @@ rules, then the spec's events; at the request level the hit statistics
 too), under the profile its state conforms to: the events column says
 ``ok``, ``no events`` (before 0.9.0), ``breaks <rule>`` with a trace, or the
 campaign's verdict with a trace.
+The rows and the printed matrix are kvspec.conformance.tools.oracle_matrix's.
 
-Design choice: every release runs in its own subprocess under a time budget.
-The pool level runs in this environment in light mode (the release's real
-``block_pool.py`` from its wheel); the request level needs vLLM installed, so
-it runs in a virtual environment per release, created on demand under the
-cache folder with the lean recipe (``pip install --no-deps vllm==X``, the CPU
-build of torch 2.13.0, a short list of dependencies). The rejected
+Design choice: every release runs in its own worker process under a time
+budget (kvspec.conformance.runner.workers). The pool level runs in this
+environment in light mode (the release's real ``block_pool.py`` from its
+wheel); the request level needs vLLM installed, so it runs in a virtual
+environment per release, created on demand under the cache folder with the
+lean recipe (kvspec.conformance.targets.vllm.venvs). The rejected
 alternative, one process for all releases, would let one release's import
 side effects (NONE_HASH, loggers, a hang) spill into the next one's verdict.
 """
@@ -34,14 +35,11 @@ side effects (NONE_HASH, loggers, a hang) spill into the next one's verdict.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -49,87 +47,21 @@ from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.results import Verdict
 from kvspec.conformance.runner.profiles import PROFILES, detect_profiles
 from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.runner.workers import WorkerError, run_worker, serve_worker
 from kvspec.conformance.targets.vllm.events import FIRST_RELEASE_WITH_EVENTS, event_facts
 from kvspec.conformance.targets.vllm.factories import make_installed_adapter, make_light_adapter
 from kvspec.conformance.targets.vllm.hashes import compare_release, measure_release
-from kvspec.conformance.targets.vllm.lightmode import LightModeError, cache_dir
+from kvspec.conformance.targets.vllm.lightmode import LightModeError
 from kvspec.conformance.targets.vllm.probes import V0_PROBES, ProbeResult, run_probes
-from kvspec.conformance.targets.vllm.releases import RELEASES, version_key
+from kvspec.conformance.targets.vllm.releases import RELEASES
 from kvspec.conformance.targets.vllm.v0 import V0_PROFILES, V0_RELEASES, make_v0_light_adapter
+from kvspec.conformance.targets.vllm.venvs import WORKER_ENV, ensure_venv
+from kvspec.conformance.tools.oracle_matrix import HYBRID_GROUPS, Cell, ReleaseRow
 
-__all__ = [
-    "Cell",
-    "ReleaseRow",
-    "ensure_venv",
-    "format_matrix",
-    "run_oracle",
-    "venv_root",
-]
-
-# The KV cache groups of the request level's hybrid answer: one full-attention
-# group and one sliding window, vLLM's simple hybrid (one coordinator round).
-HYBRID_GROUPS = "full,sliding:8"
-
-# Pinned: the CPU build on the registry; an unpinned torch is a multi-GB CUDA download.
-TORCH_PIN = "torch==2.13.0+cpu"
-# What importing vLLM's KVCacheManager, Request and SamplingParams needs on a CPU.
-LEAN_DEPS: tuple[str, ...] = (
-    "packaging", "psutil", "pyzmq", "urllib3", "regex", "numpy", "msgspec", "pydantic", "cbor2",
-    "aiohttp", "requests", "openai", "openai_harmony", "pillow", "pybase64", "cachetools", "cloudpickle",
-    "uvloop", "py-cpuinfo", "prometheus_client", "fastapi", "partial-json-parser", "blake3", "sentencepiece",
-    "tokenizers", "pyyaml", "einops", "setproctitle", "diskcache", "llguidance",
-)  # fmt: skip
-# Import names that differ from their distribution's name (for the missing-module loop).
-_MODULE_TO_DIST = {"yaml": "pyyaml", "cv2": "opencv-python-headless", "google": "protobuf", "PIL": "pillow",
-                   "cpuinfo": "py-cpuinfo", "zmq": "pyzmq"}  # fmt: skip
-# Set for every process that imports vLLM: 0.8.x decorates model code with
-# torch.compile at import, which torch 2.13's dynamo rejects; nothing here compiles.
-WORKER_ENV: dict[str, str] = {"TORCHDYNAMO_DISABLE": "1"}
-_IMPORT_CHECK = (
-    "from vllm.v1.core.kv_cache_manager import KVCacheManager; from vllm.v1.request import Request; "
-    "from vllm import SamplingParams; print('IMPORT OK')"
-)
-
+__all__ = ["all_releases", "is_v0_only", "run_oracle"]
 
 # ---------------------------------------------------------------------------
 # one release, in its own process
-
-
-@dataclass(slots=True)
-class Cell:
-    """One (level, caching) cell of the matrix: a verdict per profile."""
-
-    status: str  # "ran", "n/a" or "could not install" / "could not run"
-    why: str = ""  # for a cell that did not run
-    profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # profile -> verdict, trace, story, steps
-    steps_per_s: float | None = None  # harness speed against this release
-    not_applicable: list[str] = field(default_factory=list)  # what the adapter declares absent, with why
-
-    def conforms_to(self) -> list[str]:
-        """The profiles whose check passed."""
-        return [p for p, r in self.profiles.items() if r["verdict"] == Verdict.CONFORMS]
-
-
-@dataclass(slots=True)
-class ReleaseRow:
-    """Everything the oracle found on one release."""
-
-    version: str  # the release
-    cells: dict[str, Cell] = field(default_factory=dict)  # "pool/on", "pool/off", "manager/on", "manager/off"
-    hashes: str = ""  # the hash-compatibility summary
-    # Whether two engine processes started alike compute the same chain (hashes.measure_release), and what it
-    # was measured on; "" where not measured (vLLM v0, the request level alone).
-    fleet: str = ""
-    fleet_detail: str = ""
-    probes: list[ProbeResult] = field(default_factory=list)  # the directed probes (pool level)
-    notes: list[str] = field(default_factory=list)  # findings in words
-    # The request level with KV cache groups HYBRID_GROUPS, caching on, under the profile the
-    # release's request level conforms to: "ran" with that one profile's verdict, or "n/a" with why
-    # (a release without the spec classes or a hybrid coordinator declares it). None: not run.
-    hybrid: Cell | None = None
-    # With --events: per level ("pool", "manager"), a campaign with the KV cache events checked (caching on,
-    # the release's profile): "ran" with its verdict, or "n/a" for a release without events. Empty: not run.
-    events: dict[str, Cell] = field(default_factory=dict)
 
 
 def _result_json(result: Any) -> dict[str, Any]:
@@ -150,8 +82,6 @@ def _result_json(result: Any) -> dict[str, Any]:
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run one release at one level, in this process; returns the row's part as JSON."""
-    logging.disable(logging.WARNING)  # vLLM logs every refused reset; the verdicts say it all
-
     version: str = args.worker
     if is_v0_only(version):
         v0_row = _v0_worker(args)
@@ -253,23 +183,6 @@ def _events_cell(
     return Cell("ran", "", {profile: out}, steps / elapsed if elapsed > 0 else None, absent)
 
 
-def events_text(cell: Cell | None, footnotes: list[str], where: str) -> str:
-    """An events cell in the matrix: ``ok``, ``no events``, ``breaks <rule>[n]`` or ``<verdict>[n]``."""
-    if cell is None:
-        return "not run"
-    if cell.status == Verdict.NOT_APPLICABLE.value:
-        return "no events" if cell.why.startswith("no events") else Verdict.NOT_APPLICABLE.value
-    if cell.status != "ran":
-        footnotes.append(f"{where}: {cell.status}: {cell.why}")
-        return f"{cell.status}[{len(footnotes)}]"
-    profile, r = next(iter(cell.profiles.items()))
-    if r["verdict"] == Verdict.CONFORMS:
-        return "ok"
-    footnotes.append(f"{where} under {profile}: {r['verdict']} at step {r.get('step')} ({r.get('op')}): "
-                     f"{str(r.get('message', ''))[:200]}  trace: {r.get('trace')}")  # fmt: skip
-    return f"{'breaks ' + r['rule'] if r.get('rule') else r['verdict']}[{len(footnotes)}]"
-
-
 def _hybrid_cell(impl_name: str, profile: str, max_examples: int, time_budget_s: float | None, trace_dir: str) -> Cell:
     """The request level with KV cache groups ``HYBRID_GROUPS`` (caching on) under one profile.
 
@@ -335,112 +248,7 @@ def _v0_worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
-# environments for the request level
-
-
-def venv_root() -> Path:
-    """Where the per-release virtual environments live: beside the light-mode cache."""
-
-    return cache_dir().parent / "vllm-venvs"
-
-
-def _kvspec_source() -> Path | None:
-    """The kvspec project folder, when kvspec runs from a checkout (editable install)."""
-    root = Path(__file__).resolve().parents[2]
-    return root if (root / "pyproject.toml").exists() else None
-
-
-def ensure_venv(version: str, log: Callable[[str], None] = lambda _: None) -> Path:
-    """A virtual environment with vLLM ``version`` and kvspec, created once under ``venv_root()``.
-
-    The lean recipe: ``pip install --no-deps vllm==X``, ``torch==2.13.0+cpu``,
-    ``LEAN_DEPS`` (and ``transformers<4.54`` before 0.24, whose imports break on
-    later ones), then up to 12 rounds of installing whatever module the import
-    of vLLM's KVCacheManager still misses, then kvspec itself without
-    dependencies plus hypothesis and icontract. The environments are shared by
-    every kvspec checkout on the machine: one made from another checkout gets
-    this one's kvspec installed (a few seconds) before it is used.
-
-    Returns:
-        The environment's python.
-
-    Raises:
-        RuntimeError: a step failed; the message names the step and pip's last words.
-    """
-    root = venv_root() / version
-    python = root / "bin" / "python"
-    done = root / "KVSPEC_READY"  # the release, then the kvspec checkout installed in it
-    source = _kvspec_source()
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-
-    def run(cmd: Sequence[str], what: str) -> subprocess.CompletedProcess[str]:
-        log(f"vllm=={version}: {what}")
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, check=False, env={**os.environ, **WORKER_ENV})
-        if proc.returncode != 0 and "IMPORT" not in what:
-            tail = "\n".join(line for line in proc.stderr.splitlines() if "WARNING" not in line)[-600:]
-            raise RuntimeError(f"{what} failed (rc={proc.returncode}): {tail}")
-        return proc
-
-    if done.exists():
-        # The environments are shared by every checkout on this machine: one made
-        # from another checkout is pointed at this one, so it runs this kvspec.
-        if source is not None and done.read_text().split("\n")[1:2] != [str(source)]:
-            run([*pip, "--no-deps", "-e", str(source)], f"pip install kvspec from {source}")
-            done.write_text(f"{version}\n{source}\n")
-        return python
-
-    root.parent.mkdir(parents=True, exist_ok=True)
-    run([sys.executable, "-m", "venv", str(root)], "create the environment")
-    run([*pip, "--no-deps", f"vllm=={version}"], "pip install --no-deps vllm")
-    run([*pip, TORCH_PIN], f"pip install {TORCH_PIN}")
-    transformers = "transformers>=4.51.1,<4.54" if version_key(version) < version_key("0.24.0") else "transformers"
-    run([*pip, *LEAN_DEPS, transformers], "pip install the lean dependencies")
-    run([*pip, "--no-deps", "xgrammar", "apache-tvm-ffi"], "pip install --no-deps xgrammar")
-    for _ in range(12):
-        proc = run([str(python), "-c", _IMPORT_CHECK], "IMPORT check")
-        if "IMPORT OK" in proc.stdout:
-            break
-        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
-        if "No module named '" not in last:
-            raise RuntimeError(f"importing vLLM's KVCacheManager fails: {last}")
-        module = last.split("No module named '")[1].split("'")[0].split(".")[0]
-        run([*pip, _MODULE_TO_DIST.get(module, module)], f"pip install {module} (missing at import)")
-    else:
-        raise RuntimeError("importing vLLM's KVCacheManager still misses modules after 12 rounds")
-    if source is None:
-        raise RuntimeError("kvspec is not running from a source checkout; cannot install it into the environment")
-    run([*pip, "--no-deps", "-e", str(source)], "pip install kvspec")
-    run([*pip, "hypothesis", "icontract", "cbor2"], "pip install kvspec's dependencies")
-    done.write_text(f"{version}\n{source}\n")
-    return python
-
-
-# ---------------------------------------------------------------------------
 # the matrix
-
-
-def _spawn(
-    python: Path | str, version: str, level: str, caching: str, max_examples: int, time_budget: float | None,
-    trace_dir: str, env: dict[str, str], extra: Sequence[str] = (),
-) -> dict[str, Any]:  # fmt: skip
-    cmd = [str(python), "-m", "kvspec.conformance.tools.oracle", "--worker", version, "--level", level,
-           "--caching", caching, "--max-examples", str(max_examples), "--trace-dir", trace_dir, *extra]  # fmt: skip
-    if time_budget is not None:
-        cmd += ["--time-budget", str(time_budget)]
-    # the budget is the harness's; import and start-up get a fixed allowance on top
-    timeout = None if time_budget is None else time_budget * 1.5 + 120
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"could not run: no answer within {timeout:.0f} s"}
-    if proc.returncode != 0:
-        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
-        return {"error": f"could not run: worker exited rc={proc.returncode}: {tail[0][:300]}"}
-    try:
-        parsed: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        return {"error": f"could not run: worker printed no result ({proc.stdout[-200:]!r})"}
-    return parsed
 
 
 def _notes(row: ReleaseRow) -> list[str]:
@@ -508,111 +316,52 @@ def run_oracle(
     """
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     cachings = ["on", "off"] if caching == "both" else [caching]
+    worker_args = ["--caching", caching, "--max-examples", str(max_examples), "--trace-dir", trace_dir,
+                   *(["--time-budget", str(time_budget)] if time_budget is not None else []),
+                   *(["--events"] if events else [])]  # fmt: skip
     rows: list[ReleaseRow] = []
     for version in versions:
         row = ReleaseRow(version)
         for level in levels:
-            env = {**os.environ, **WORKER_ENV}
-            env.pop("KVSPEC_VLLM_VERSION", None)
-            python: Path | str = sys.executable
-            if level == "manager" and not is_v0_only(version):
-                try:
-                    python = ensure_venv(version, log)
-                except RuntimeError as e:
-                    for c in cachings:
-                        row.cells[f"{level}/{c}"] = Cell("could not install", str(e)[:300])
-                    continue
-            log(f"vllm=={version}: {level} level")
-            data = _spawn(python, version, level, caching, max_examples, time_budget, trace_dir, env,
-                          ["--events"] if events else [])  # fmt: skip
-            if "error" in data:
-                for c in cachings:
-                    row.cells[f"{level}/{c}"] = Cell("could not run", data["error"])
-                continue
-            for key, cell in data["cells"].items():
-                row.cells[key] = Cell(**cell)
-            row.probes += [ProbeResult(**p) for p in data["probes"]]
-            if data.get("hybrid"):
-                row.hybrid = Cell(**data["hybrid"])
-            row.events.update({lv: Cell(**cell) for lv, cell in data.get("events", {}).items()})
-            if level == "pool":
-                row.hashes = data["hashes"]
-                row.fleet, row.fleet_detail = data.get("fleet", ""), data.get("fleet_detail", "")
+            _run_level(row, level, cachings, worker_args, time_budget, log)
         row.notes = _notes(row)
         rows.append(row)
     return rows
 
 
-# The fleet answers in the matrix column (the notes give them whole).
-_FLEET_SHORT = {"only with PYTHONHASHSEED set": "seed set", "only with PYTHONHASHSEED unset": "seed unset"}
-
-
-def _cell_text(cell: Cell | None, footnotes: list[str]) -> str:
-    if cell is None:
-        return "n/a"
-    if cell.status != "ran":
-        return f"{cell.status}"
-    parts = []
-    for profile, r in cell.profiles.items():
-        short = profile.replace("vllm-", "")
-        if r["verdict"] == Verdict.CONFORMS:
-            parts.append(f"{short} ok")
-        else:
-            footnotes.append(f"{r['verdict']} under {profile} at step {r.get('step')} ({r.get('op')}): "
-                             f"{str(r.get('message', ''))[:160]}  trace: {r.get('trace')}")  # fmt: skip
-            parts.append(f"{short} {r['verdict']}[{len(footnotes)}]")
-    return ", ".join(parts)
-
-
-def format_matrix(rows: Sequence[ReleaseRow], levels: Sequence[str], cachings: Sequence[str]) -> str:
-    """The matrix as text: one line per release, footnotes for every divergence and every cell that did not run."""
-    footnotes: list[str] = []
-    keys = [f"{lv}/{c}" for lv in levels for c in cachings]
-    # The hybrid answer (KV cache groups HYBRID_GROUPS) gets a column where some row has one.
-    hybrid = any(row.hybrid is not None for row in rows)
-    fleet = any(row.fleet for row in rows)
-    # The events columns (--events), one per level some row ran them at.
-    event_levels = [lv for lv in levels if any(lv in row.events for row in rows)]
-    header = ["version", *[k.replace("manager", "request") for k in keys], *(["request/hybrid"] if hybrid else []),
-              *[f"{lv.replace('manager', 'request')}/events" for lv in event_levels], "hashes",
-              *(["fleet"] if fleet else [])]  # fmt: skip
-    table: list[list[str]] = []
-    for row in rows:
-        cells = []
-        for k, cell in [*((k, row.cells.get(k)) for k in keys), *([("request/hybrid", row.hybrid)] if hybrid else [])]:
-            if cell is not None and cell.status != "ran":
-                footnotes.append(f"{row.version} {k}: {cell.status}: {cell.why}")
-                cells.append(f"{cell.status}[{len(footnotes)}]")
-            else:
-                cells.append(_cell_text(cell, footnotes))
-        cells += [events_text(row.events.get(lv), footnotes, f"{row.version} {lv} events") for lv in event_levels]
-        table.append([row.version, *cells, row.hashes.split(":")[0] if row.hashes else "n/a",
-                      *([_FLEET_SHORT.get(row.fleet, row.fleet or "n/a")] if fleet else [])])  # fmt: skip
-    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in table]
-    if fleet:
-        lines.append("fleet: two engine processes started alike compute the same chain (fleet-consistent hashes): "
-                     "yes (PYTHONHASHSEED set or unset), seed set (only with PYTHONHASHSEED set), no; measured in "
-                     "two fresh processes per setting, see the notes")  # fmt: skip
-    lines.append("")
-    lines.append("notes:")
-    for row in rows:
-        for note in row.notes:
-            lines.append(f"  {row.version}: {note}")
-        if row.fleet_detail:
-            lines.append(f"  {row.version}: {row.fleet_detail}")
-        if row.hashes and not row.hashes.startswith("compatible"):
-            lines.append(f"  {row.version}: hashes {row.hashes[:300]}")
-    if footnotes:
-        lines.append("")
-        lines += [f"[{i}] {text}" for i, text in enumerate(footnotes, 1)]
-    return "\n".join(lines)
-
-
-def rows_to_json(rows: Sequence[ReleaseRow]) -> list[dict[str, Any]]:
-    """The rows as plain data, for ``--json``."""
-    return [asdict(row) for row in rows]
+def _run_level(
+    row: ReleaseRow, level: str, cachings: Sequence[str], worker_args: Sequence[str], time_budget: float | None,
+    log: Callable[[str], None],
+) -> None:  # fmt: skip
+    """One release at one level, in its worker (the request level in the release's environment), into its row."""
+    version = row.version
+    env = {**os.environ, **WORKER_ENV}
+    env.pop("KVSPEC_VLLM_VERSION", None)
+    python: Path | str = sys.executable
+    if level == "manager" and not is_v0_only(version):
+        try:
+            python = ensure_venv(version, log)
+        except RuntimeError as e:
+            for c in cachings:
+                row.cells[f"{level}/{c}"] = Cell("could not install", str(e)[:300])
+            return
+    log(f"vllm=={version}: {level} level")
+    try:
+        data = run_worker("kvspec.conformance.tools.oracle", ["--worker", version, "--level", level, *worker_args],
+                          python=python, env=env, time_budget_s=time_budget)  # fmt: skip
+    except WorkerError as e:
+        for c in cachings:
+            row.cells[f"{level}/{c}"] = Cell("could not run", str(e))
+        return
+    for key, cell in data["cells"].items():
+        row.cells[key] = Cell(**cell)
+    row.probes += [ProbeResult(**p) for p in data["probes"]]
+    if data.get("hybrid"):
+        row.hybrid = Cell(**data["hybrid"])
+    row.events.update({lv: Cell(**cell) for lv, cell in data.get("events", {}).items()})
+    if level == "pool":
+        row.hashes = data["hashes"]
+        row.fleet, row.fleet_detail = data.get("fleet", ""), data.get("fleet_detail", "")
 
 
 def all_releases() -> tuple[str, ...]:
@@ -629,9 +378,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time-budget", type=float, default=None)
     parser.add_argument("--trace-dir", default="kvspec-oracle-traces")
     parser.add_argument("--events", action="store_true", help="also run the events campaign (the events column)")
-    args = parser.parse_args(argv)
-    print(json.dumps(_worker(args)))
-    return 0
+    return serve_worker(parser, _worker, argv)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,6 @@ loggers stay in its own process, and a plugin that hangs costs only its row.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,6 +27,7 @@ from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.results import Verdict
 from kvspec.conformance.runner.registry import load_factory
 from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.runner.workers import WorkerError, run_worker, serve_worker
 from kvspec.conformance.targets.plugins.findings import EFFECTS, match_finding, run_probe
 from kvspec.conformance.targets.plugins.targets import TARGETS, PluginTarget
 
@@ -93,7 +90,6 @@ def _cell(target: PluginTarget, impl: str, level: str, caching: bool, args: argp
 
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     """One target's row, in this process."""
-    logging.disable(logging.WARNING)
     target = TARGETS[args.worker]
     base = args.base or None
     impl = target.impl_name(base)
@@ -125,28 +121,12 @@ def _declared_absences(factory: Callable[[Any], object]) -> set[str]:
     return found
 
 
-def _spawn(name: str, base: str | None, args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "kvspec.conformance.tools.plugin_matrix", "--worker", name, "--levels", args.levels,
-           "--caching", args.caching, "--max-examples", str(args.max_examples),
-           "--trace-dir", args.trace_dir]  # fmt: skip
-    if base:
-        cmd += ["--base", base]
-    if args.time_budget is not None:
-        cmd += ["--time-budget", str(args.time_budget)]
-    cells = len(args.levels.split(",")) * len(args.caching.split(","))
-    timeout = None if args.time_budget is None else args.time_budget * cells * 1.5 + 180
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, env=dict(os.environ))
-    except subprocess.TimeoutExpired:
-        return {"error": f"could not run: no answer within {timeout:.0f} s"}
-    if proc.returncode != 0:
-        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["?"]
-        return {"error": f"could not run: worker exited rc={proc.returncode}: {tail[0][:300]}"}
-    try:
-        parsed: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError):
-        return {"error": f"could not run: worker printed no result ({proc.stdout[-200:]!r})"}
-    return parsed
+def _worker_args(name: str, base: str | None, args: argparse.Namespace) -> list[str]:
+    """The worker's command line for one target."""
+    return ["--worker", name, "--levels", args.levels, "--caching", args.caching,
+            "--max-examples", str(args.max_examples), "--trace-dir", args.trace_dir,
+            *(["--base", base] if base else []),
+            *(["--time-budget", str(args.time_budget)] if args.time_budget is not None else [])]  # fmt: skip
 
 
 def run_plugin_matrix(
@@ -180,11 +160,16 @@ def run_plugin_matrix(
     for name, base in rows:
         target = TARGETS[name]
         log(f"plugins: {target.impl_name(base)}")
-        data = _spawn(name, base, args)
-        if data.get("error"):
+        # the budget is per cell; import and start-up get a fixed allowance on top
+        cells = len(levels) * len(cachings)
+        budget = None if time_budget is None else time_budget * cells
+        try:
+            data = run_worker("kvspec.conformance.tools.plugin_matrix", _worker_args(name, base, args),
+                              time_budget_s=budget, allowance_s=180.0)  # fmt: skip
+        except WorkerError as e:
             base_label = f"vllm {base or target.base}" if target.base else "own pool"
             out.append(PluginRow(name, target.impl_name(base), target.dist.label, base_label, target.profile,
-                                 error=data["error"]))  # fmt: skip
+                                 error=str(e)))  # fmt: skip
             continue
         out.append(PluginRow(**data))
     return out
@@ -270,8 +255,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-examples", type=int, default=100)
     parser.add_argument("--time-budget", type=float, default=None)
     parser.add_argument("--trace-dir", default="kvspec-oracle-traces")
-    print(json.dumps(_worker(parser.parse_args(argv))))
-    return 0
+    return serve_worker(parser, _worker, argv)
 
 
 if __name__ == "__main__":

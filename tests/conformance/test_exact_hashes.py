@@ -159,7 +159,7 @@ def test_chain_differences_name_the_first_one_found_under_the_seed_then_unset() 
 
 
 def test_the_oracle_matrix_has_a_fleet_column_and_the_whole_answer_in_its_notes() -> None:
-    from kvspec.conformance.tools.oracle import ReleaseRow, format_matrix
+    from kvspec.conformance.tools.oracle_matrix import ReleaseRow, format_matrix
 
     rows = [ReleaseRow("0.20.0", hashes="differs (8/32 vectors match)", fleet="only with PYTHONHASHSEED set",
                        fleet_detail="fleet-consistent hashes: only with PYTHONHASHSEED set (...)"),

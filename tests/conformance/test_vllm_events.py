@@ -303,7 +303,7 @@ def test_a_translation_that_drops_removals_is_caught_by_the_mirror_rule(tmp_path
 
 
 def test_the_events_column_says_ok_no_events_the_rule_broken_or_the_verdict() -> None:
-    from kvspec.conformance.tools.oracle import Cell, ReleaseRow, format_matrix
+    from kvspec.conformance.tools.oracle_matrix import Cell, ReleaseRow, format_matrix
 
     def ran(verdict: str, **extra: Any) -> Cell:
         return Cell("ran", "", {"vllm-v1": {"verdict": verdict, "step": 3, "op": "evict_blocks", "message": "m",
@@ -325,7 +325,8 @@ def test_the_events_column_says_ok_no_events_the_rule_broken_or_the_verdict() ->
 
 @pytest.mark.vllm
 def test_the_oracle_events_column_on_a_release_without_events_and_two_with(tmp_path: Any) -> None:
-    from kvspec.conformance.tools.oracle import format_matrix, run_oracle
+    from kvspec.conformance.tools.oracle import run_oracle
+    from kvspec.conformance.tools.oracle_matrix import format_matrix
 
     rows = run_oracle(["0.8.5", "0.9.0", "0.33.0"], levels=("pool",), caching="on", max_examples=20,
                       time_budget=40.0, trace_dir=str(tmp_path), events=True)  # fmt: skip

@@ -124,7 +124,8 @@ def test_kvspec_hashes_prints_the_fleet_answer_and_what_the_harness_compares(
 
 @pytest.mark.vllm
 def test_the_oracle_reports_each_release_s_fleet_answer(tmp_path: Path) -> None:
-    from kvspec.conformance.tools.oracle import format_matrix, run_oracle
+    from kvspec.conformance.tools.oracle import run_oracle
+    from kvspec.conformance.tools.oracle_matrix import format_matrix
 
     (row,) = run_oracle(["0.30.0"], levels=("pool",), caching="on", max_examples=10, trace_dir=str(tmp_path))
     assert row.fleet == "yes", row

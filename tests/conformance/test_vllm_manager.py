@@ -26,9 +26,9 @@ from typing import Any
 
 import pytest
 
+from kvspec.conformance.targets.vllm import venvs
 from kvspec.conformance.targets.vllm.releases import facts_for
-from kvspec.conformance.tools import oracle
-from kvspec.conformance.tools.oracle import WORKER_ENV, ensure_venv
+from kvspec.conformance.targets.vllm.venvs import WORKER_ENV, ensure_venv
 
 pytestmark = pytest.mark.vllm
 
@@ -387,7 +387,7 @@ def test_an_environment_made_from_another_checkout_runs_this_one(
     subprocess.run([sys.executable, "-m", "venv", str(env)], check=True)
     (env / "KVSPEC_READY").write_text("0.0.0\n/another/checkout\n")
     python = ensure_venv("0.0.0")
-    source = Path(oracle.__file__).resolve().parents[2]
+    source = Path(venvs.__file__).resolve().parents[3]
     assert (env / "KVSPEC_READY").read_text() == f"0.0.0\n{source}\n"
     where = subprocess.run(
         [str(python), "-c", "import importlib.util; print(importlib.util.find_spec('kvspec').origin)"],

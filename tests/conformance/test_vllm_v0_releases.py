@@ -122,7 +122,8 @@ def test_the_evictor_benchmark_agrees_with_v0_s_real_lru_evictor_on_every_evicti
 
 
 def test_the_oracle_runs_a_v0_release_in_its_own_process_and_names_each_difference(tmp_path: object) -> None:
-    from kvspec.conformance.tools.oracle import format_matrix, run_oracle
+    from kvspec.conformance.tools.oracle import run_oracle
+    from kvspec.conformance.tools.oracle_matrix import format_matrix
 
     (row,) = run_oracle(["0.6.6"], caching="both", max_examples=20, time_budget=30.0, trace_dir=str(tmp_path))
     on, off = row.cells["pool/on"], row.cells["pool/off"]

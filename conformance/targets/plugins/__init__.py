@@ -7,7 +7,6 @@
 - the targets, one module each: ``vllm_mlx``, ``kvcached`` (with ``kvcached_device``, its device
   placeholders), ``tpu_inference``, ``vllm_ascend``; ``targets`` names them for ``--impl``;
 - ``findings`` and ``probes``: the known divergences, in words, and the scenarios that show them;
-- ``matrix``: ``kvspec oracle --plugins``.
 """
 
 from kvspec.conformance.targets.plugins.overlay import Overlay, OverlayError, load_overlay, load_plugin

@@ -23,20 +23,17 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
-import tempfile
-import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from kvspec.conformance.targets.archives import cached_folder, extract_zip, is_release_number, pip_download
+
 __all__ = ["PluginDist", "PluginFetchError", "cache_dir", "fetch_dist"]
 
-_MARKER = "KVSPEC_EXTRACTED"  # written last: an extraction without it is incomplete
 _DEFAULT_CACHE = Path("~/.cache/kvspec/plugins")
-_VERSION_RE = re.compile(r"^[0-9]+(\.[0-9]+)*([.-]?(post|rc|a|b|dev)[0-9]*)*$")
 
 
 class PluginFetchError(RuntimeError):
@@ -72,16 +69,9 @@ def _wanted(path: str, files: Iterable[str]) -> bool:
 
 
 def _pip_download(dist: PluginDist, work: Path) -> subprocess.CompletedProcess[str]:
-    binary = "--only-binary=:all:" if dist.kind == "wheel" else "--no-binary=:all:"
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", binary, "--no-clean",
-        "--disable-pip-version-check", "-q", *dist.pip_args,
-        f"{dist.name}=={dist.version}", "-d", str(work / "download"),
-    ]  # fmt: skip
     # pip's temporary folders go under `work`, so --no-clean leaves the unpacked sdist there
-    env = {**os.environ, "TMPDIR": str(work / "tmp")}
-    (work / "tmp").mkdir(parents=True)
-    return subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    return pip_download(f"{dist.name}=={dist.version}", work / "download", wheel=dist.kind == "wheel",
+                        unpack_in=work / "tmp", args=dist.pip_args)  # fmt: skip
 
 
 def _unpacked_sdist(dist: PluginDist, work: Path) -> Path | None:
@@ -104,18 +94,10 @@ def _unpacked_sdist(dist: PluginDist, work: Path) -> Path | None:
 
 def _extract(dist: PluginDist, work: Path, target: Path) -> int:
     """Copy the wanted files into `target`; returns how many were kept."""
-    kept = 0
     if dist.kind == "wheel":
         wheels = sorted((work / "download").glob("*.whl"))
-        if not wheels:
-            return 0
-        with zipfile.ZipFile(wheels[0]) as zf:
-            for name in zf.namelist():
-                if _wanted(name, dist.files) and not name.endswith("/"):
-                    (target / name).parent.mkdir(parents=True, exist_ok=True)
-                    (target / name).write_bytes(zf.read(name))
-                    kept += 1
-        return kept
+        return extract_zip(wheels[0], target, lambda name: _wanted(name, dist.files))[1] if wheels else 0
+    kept = 0
     tree = _unpacked_sdist(dist, work)
     if tree is None:
         return 0
@@ -144,16 +126,10 @@ def fetch_dist(dist: PluginDist, *, cache: Path | None = None, archive: Path | N
         PluginFetchError: the version is malformed, pip found no such
             distribution, or it holds none of the wanted files.
     """
-    if not _VERSION_RE.match(dist.version):
+    if not is_release_number(dist.version):
         raise PluginFetchError(f"cannot fetch {dist.name} version={dist.version!r}: not a release number")
-    base = cache or cache_dir()
-    root = base / f"{dist.name}-{dist.version}"
-    if (root / _MARKER).exists():
-        return root
-    base.mkdir(parents=True, exist_ok=True)
-    # built in a private folder renamed into place, so concurrent fetches never see half of one
-    work = Path(tempfile.mkdtemp(prefix=f".{dist.name}-{dist.version}.", dir=base))
-    try:
+
+    def fill(work: Path, target: Path) -> str:
         if archive is None:
             proc = _pip_download(dist, work)
         else:
@@ -161,20 +137,11 @@ def fetch_dist(dist: PluginDist, *, cache: Path | None = None, archive: Path | N
             (work / "tmp").mkdir()
             shutil.copyfile(archive, work / "download" / Path(archive).name)
             proc = subprocess.CompletedProcess([], 0, "", "")
-        extracted = work / "extracted"
-        extracted.mkdir()
-        if _extract(dist, work, extracted) == 0:
+        if _extract(dist, work, target) == 0:
             raise PluginFetchError(
                 f"cannot fetch {dist.label} ({dist.kind}) from the package registry: pip exited "
                 f"rc={proc.returncode} and left none of {list(dist.files)}; {proc.stderr.strip()[-300:]}"
             )
-        (extracted / _MARKER).write_text(f"{dist.label} {dist.kind}\n")
-        try:
-            extracted.rename(root)
-        except OSError:
-            if not (root / _MARKER).exists():  # a stale, unfinished folder
-                shutil.rmtree(root)
-                extracted.rename(root)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return root
+        return f"{dist.label} {dist.kind}\n"
+
+    return cached_folder(cache or cache_dir(), f"{dist.name}-{dist.version}", fill)

@@ -41,6 +41,10 @@ more of these, the way the plugin does it in production):
   ``factory(num_gpu_blocks, enable_caching, **kwargs)`` (the constructor
   arguments of the release's ``BlockPool``) instead.
 
+The overlay serves the plugin's modules with light mode's loader
+(kvspec.conformance.targets.loader): the same finder, the same mapped
+``import`` and ``importlib``, one more private package per plugin package.
+
 The harness then drives the result with the vLLM adapter
 (kvspec.conformance.targets.vllm.adapter) at the pool level, exactly as it drives
 the release itself. The rejected alternative, a subprocess with the plugin
@@ -49,9 +53,7 @@ and vLLM installed, needs the plugin's device runtime to import at all.
 
 from __future__ import annotations
 
-import builtins
 import importlib
-import importlib.abc
 import importlib.machinery
 import inspect
 import itertools
@@ -59,11 +61,12 @@ import re
 import sys
 import threading
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.targets.loader import PrivateFinder, SourceTree, redirecting_builtins
 from kvspec.conformance.targets.vllm.adapter import VllmRelease
 from kvspec.conformance.targets.vllm.lightmode import LightRelease, load_release
 
@@ -267,24 +270,8 @@ def _install(overlay: Overlay) -> Overlay:
     return overlay
 
 
-class _ImportlibShim(types.ModuleType):
-    """``importlib`` inside plugin code: ``import_module`` maps names as ``import`` does there."""
-
-    def __init__(self, rename: Callable[[str], str]) -> None:
-        super().__init__("importlib")
-        self._rename = rename
-
-    def import_module(self, name: str, package: str | None = None) -> types.ModuleType:
-        """``importlib.import_module`` with ``vllm`` and the plugin's packages mapped to the overlay's."""
-        return importlib.import_module(self._rename(name), package)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(importlib, name)
-
-
-def _plugin_builtins(overlay: Overlay) -> dict[str, Any]:
-    """A ``__builtins__`` whose ``__import__`` maps ``vllm`` to the release, plugin packages to their private names."""
-    real_import = builtins.__import__
+def _plugin_rename(overlay: Overlay) -> Callable[[str], str]:
+    """How plugin code's imports are mapped: ``vllm`` to the release, plugin packages to their private names."""
     release = overlay.release.package_name if overlay.release is not None else None
 
     def rename(name: str) -> str:
@@ -294,88 +281,41 @@ def _plugin_builtins(overlay: Overlay) -> dict[str, Any]:
         private = overlay.private.get(top)  # read at each import: packages may be added later
         return private + dot + rest if private is not None else name
 
-    shim = _ImportlibShim(rename)
-
-    def plugin_import(
-        name: str,
-        globals: Mapping[str, Any] | None = None,
-        locals: Mapping[str, Any] | None = None,
-        fromlist: Sequence[str] | None = (),
-        level: int = 0,
-    ) -> types.ModuleType:
-        if level == 0 and (name == "importlib" or name.startswith("importlib.")):
-            found = real_import(name, globals, locals, fromlist or (), level)
-            return found if fromlist else shim
-        if level == 0 and name.partition(".")[0] in DEVICE_RUNTIMES:
-            raise ImportError(f"{name} is a device runtime, left out of the overlay {overlay.label}")
-        if level == 0:
-            name = rename(name)
-        return real_import(name, globals, locals, fromlist or (), level)
-
-    table = dict(builtins.__dict__)
-    table["__import__"] = plugin_import
-    return table
+    return rename
 
 
-class _PluginFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _PluginFinder(PrivateFinder):
     """Serves an overlay's private plugin packages: source modules, empty packages, placeholders."""
 
     def __init__(self, overlay: Overlay) -> None:
+        why = f"left out of the overlay {overlay.label}"
+        super().__init__(redirecting_builtins(_plugin_rename(overlay), refused=DEVICE_RUNTIMES, refused_why=why))
         self.overlay = overlay
-        self.builtins = _plugin_builtins(overlay)
 
-    def _real_name(self, fullname: str) -> str | None:
+    def real_name(self, fullname: str) -> str | None:
         head, dot, rest = fullname.partition(".")
         if not head.startswith("_kvspec_plugin_"):
             return None
         top = next((t for t, private in self.overlay.private.items() if private == head), None)
         return None if top is None else top + dot + rest
 
-    def _source(self, real: str) -> tuple[Path | None, bool]:
-        """The module's file (None: an empty package or a placeholder) and whether it is a package."""
+    def locate(self, real: str) -> tuple[Path | None, bool, Path | None]:
+        """A placeholder or an empty package runs no file; a package's ``__init__`` never runs."""
         top = real.split(".")[0]
-        base = self.overlay.roots[top] / real.replace(".", "/")
+        tree = SourceTree(self.overlay.roots[top], top)
         if real in self.overlay.placeholders:
-            return None, False
-        if base.with_suffix(".py").is_file():
-            return base.with_suffix(".py"), False
-        if base.is_dir():
-            return None, True
+            return None, False, None
+        source = tree.module_file(real)
+        if source is not None:
+            return source, False, None
+        folder = tree.package_dir(real)
+        if folder is not None:
+            return None, True, folder
         raise ModuleNotFoundError(f"{self.overlay.label}: no module {real!r} in the plugin's files")
 
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None = None,
-        target: types.ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        real = self._real_name(fullname)
-        if real is None:
-            return None
-        source, is_package = self._source(real)
-        spec = importlib.machinery.ModuleSpec(
-            fullname, self, origin=str(source) if source else None, is_package=is_package
-        )
-        spec.has_location = source is not None
-        if is_package:
-            top = real.split(".")[0]
-            spec.submodule_search_locations = [str(self.overlay.roots[top] / real.replace(".", "/"))]
-        return spec
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        real = self._real_name(spec.name)
-        assert real is not None, f"spec.name={spec.name!r} is not this overlay's"
+    def new_module(self, real: str, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         builder = self.overlay.placeholders.get(real)
         return builder(self.overlay) if builder is not None else None
 
-    def exec_module(self, module: types.ModuleType) -> None:
-        spec = module.__spec__
-        assert spec is not None, f"module={module.__name__!r} has no spec"
-        real = self._real_name(spec.name)
-        assert real is not None, f"spec.name={spec.name!r} is not this overlay's"
+    def register(self, real: str, module: types.ModuleType) -> None:
         self.overlay.plugin_modules[real] = module
-        if spec.origin is None:  # a placeholder, or a package whose __init__ does not run
-            return
-        module.__dict__["__builtins__"] = self.builtins
-        path = Path(spec.origin)
-        exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)

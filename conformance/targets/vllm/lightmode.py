@@ -40,7 +40,10 @@ process boundary and block objects could not be inspected directly.
 
 Imports inside the loaded code are redirected by giving each loaded module its
 own ``__builtins__`` whose ``__import__`` maps ``vllm`` to the private package
-name; this also covers imports that run lazily inside functions.
+name; this also covers imports that run lazily inside functions. The import
+machinery, the placeholders and the wheel cache are the overlay's too
+(kvspec.conformance.targets.loader and .archives); what this module adds is
+which of a release's modules are real (the `Layout`) and the `LightRelease`.
 
 NOTE: hash functions that pickle their input (``sha256``, ``xxhash``) hash the
 pickled qualified name of any vLLM class inside the input. The hash inputs of
@@ -51,28 +54,30 @@ matter.
 """
 
 from __future__ import annotations
-import __future__
 
-import ast
-import builtins
 import importlib
-import importlib.abc
 import importlib.machinery
 import inspect
 import logging
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import types
-import zipfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvspec.conformance.targets.archives import cached_folder, extract_zip, is_release_number, pip_download
+from kvspec.conformance.targets.loader import (
+    PlaceholderModule,
+    PrivateFinder,
+    SourceTree,
+    exec_definitions,
+    is_placeholder,
+    redirecting_builtins,
+)
 
 __all__ = [
     "LAYOUTS",
@@ -160,9 +165,7 @@ V0 = Layout(
 )
 LAYOUTS: Mapping[str, Layout] = {"v1": V1, "v0": V0}
 
-_MARKER = "KVSPEC_EXTRACTED"  # written last: an extraction without it is incomplete
 _DEFAULT_CACHE = Path("~/.cache/kvspec/vllm-wheels")
-_VERSION_RE = re.compile(r"^[0-9]+(\.[0-9]+)*([.-]?(post|rc|a|b|dev)[0-9]*)*$")
 
 _lock = threading.RLock()
 _loaded: dict[tuple[str, str], LightRelease] = {}
@@ -227,52 +230,32 @@ def fetch_release(
         LightModeError: the version is malformed, the download failed, or the
             wheel lacks ``layout.required`` (for ``V1``: releases before 0.8.0).
     """
-    if not _VERSION_RE.match(version):
+    if not is_release_number(version):
         raise LightModeError(f"cannot fetch vllm version={version!r}: not a release number")
-    base = cache or cache_dir()
-    root = base / (version + layout.suffix)
-    if (root / _MARKER).exists():
-        return root
-    base.mkdir(parents=True, exist_ok=True)
-    # everything happens in a private folder that is renamed into place at the
-    # end, so concurrent fetches of one release never see a half-written one
-    work = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=base))
-    try:
-        if wheel is None:
-            cmd = [
-                sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                "--disable-pip-version-check", "-q", f"vllm=={version}", "-d", str(work / "wheel"),
-            ]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            wheels = sorted((work / "wheel").glob("vllm-*.whl"))
-            if proc.returncode != 0 or not wheels:
-                raise LightModeError(
-                    f"cannot download vllm=={version}: pip exited rc={proc.returncode}; {proc.stderr.strip()[-500:]}"
-                )
-            wheel = wheels[0]
-        extracted = work / "extracted"
-        with zipfile.ZipFile(wheel) as zf:
-            names = set(zf.namelist())
-            if layout.required not in names:
-                raise LightModeError(
-                    f"cannot load vllm=={version} in light mode ({layout.name}): its wheel has no {layout.required}"
-                )
-            for name in sorted(set(release_files(layout)) & names):
-                target = extracted / name
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(zf.read(name))
-        (extracted / _MARKER).write_text(Path(wheel).name + "\n")
-        if keep_wheel and wheel.parent == work / "wheel":
-            wheel.rename(extracted / wheel.name)
-        try:
-            extracted.rename(root)
-        except OSError:
-            if not (root / _MARKER).exists():  # a stale, unfinished folder
-                shutil.rmtree(root)
-                extracted.rename(root)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return root
+
+    def fill(work: Path, target: Path) -> str:
+        found = wheel or _download_wheel(version, work / "wheel")
+        names, _ = extract_zip(found, target, set(release_files(layout)).__contains__)
+        if layout.required not in names:
+            raise LightModeError(
+                f"cannot load vllm=={version} in light mode ({layout.name}): its wheel has no {layout.required}"
+            )
+        if keep_wheel and found.parent == work / "wheel":
+            found.rename(target / found.name)
+        return found.name + "\n"
+
+    return cached_folder(cache or cache_dir(), version + layout.suffix, fill)
+
+
+def _download_wheel(version: str, dest: Path) -> Path:
+    """Download the release's wheel with pip into ``dest``."""
+    proc = pip_download(f"vllm=={version}", dest)
+    wheels = sorted(dest.glob("vllm-*.whl"))
+    if proc.returncode != 0 or not wheels:
+        raise LightModeError(
+            f"cannot download vllm=={version}: pip exited rc={proc.returncode}; {proc.stderr.strip()[-500:]}"
+        )
+    return wheels[0]
 
 
 @dataclass(eq=False)
@@ -313,6 +296,11 @@ class LightRelease:
         return self.modules[vllm_name]
 
     @property
+    def tree(self) -> SourceTree:
+        """The release's files: the extracted folder, holding ``vllm/...``."""
+        return SourceTree(self.root, "vllm")
+
+    @property
     def block_pool(self) -> types.ModuleType:
         """The release's ``vllm.v1.core.block_pool``."""
         return self.module("vllm.v1.core.block_pool")
@@ -346,13 +334,13 @@ class LightRelease:
         """
         found: dict[str, Callable[[Any], Any]] = {}
         for module_name in ("vllm.utils.hashing", "vllm.utils"):
-            path = _module_source(self.root, module_name, self.layout)
+            path = _module_source(self.tree, module_name, self.layout)
             if path is None:
                 continue
             mod = self.module(module_name)
             for name in ("sha256", "sha256_cbor", "sha256_cbor_64bit", "xxhash", "xxhash_cbor"):
                 fn = mod.__dict__.get(name)
-                if callable(fn) and not isinstance(fn, _PlaceholderMeta) and name not in found:
+                if callable(fn) and not is_placeholder(fn) and name not in found:
                     found[name] = fn
         # releases whose block hash is an int (before 0.10.2) also accept
         # Python's hash(); from 0.10.2 a hash must return bytes
@@ -443,114 +431,32 @@ def load_release(
 
 
 # ---------------------------------------------------------------------------
-# placeholders
+# import machinery (kvspec.conformance.targets.loader): which modules are real is the layout's
 
 
-class _PlaceholderMeta(type):
-    """Metaclass of placeholder classes: any attribute is another placeholder."""
-
-    _kvspec_path: str
-    _kvspec_release: LightRelease | None
-
-    def __getattr__(cls, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return _placeholder(f"{cls._kvspec_path}.{name}", cls._kvspec_release)
-
-    def __getitem__(cls, item: Any) -> Any:
-        return cls
-
-    def __repr__(cls) -> str:
-        return f"<light-mode placeholder {cls._kvspec_path}>"
-
-
-class _PlaceholderBase(metaclass=_PlaceholderMeta):
-    _kvspec_path = "?"
-    _kvspec_release = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return _placeholder(f"{type(self)._kvspec_path}().{name}", type(self)._kvspec_release)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self
-
-
-def _placeholder(path: str, release: LightRelease | None) -> type:
-    if release is not None:
-        release.placeholders_used.add(path)
-    return _PlaceholderMeta(
-        path.rsplit(".", 1)[-1],
-        (_PlaceholderBase,),
-        {"_kvspec_path": path, "_kvspec_release": release},
-    )
-
-
-class _PlaceholderModule(types.ModuleType):
-    """A stand-in for a heavy ``vllm`` module; also a package for submodules."""
-
-    _kvspec_release: LightRelease
-    _kvspec_vllm_name: str
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        release = self._kvspec_release
-        sub = f"{self._kvspec_vllm_name}.{name}"
-        if _module_source(release.root, sub, release.layout) is not None:
-            return release.module(sub)
-        value = _placeholder(f"{self._kvspec_vllm_name}:{name}", release)
-        setattr(self, name, value)
-        return value
-
-
-# ---------------------------------------------------------------------------
-# import machinery
-
-
-def _module_source(root: Path, vllm_name: str, layout: Layout) -> Path | None:
+def _module_source(tree: SourceTree, vllm_name: str, layout: Layout) -> Path | None:
     """The extracted source of a module light mode runs (whole or partially)."""
     rel = vllm_name.replace(".", "/")
-    for candidate in (f"{rel}.py", f"{rel}/__init__.py"):
-        if candidate in layout.whole_modules or (vllm_name in layout.partial_defs and (root / candidate).exists()):
-            path = root / candidate
-            if path.exists():
-                return path
+    is_partial = vllm_name in layout.partial_defs
+    candidates = ((f"{rel}.py", tree.module_file(vllm_name)), (f"{rel}/__init__.py", tree.init_file(vllm_name)))
+    for candidate, path in candidates:
+        if path is not None and (is_partial or candidate in layout.whole_modules):
+            return path
     return None
 
 
-def _make_builtins(package_name: str) -> dict[str, Any]:
-    """A ``__builtins__`` whose ``__import__`` maps ``vllm`` to ``package_name``."""
-    real_import = builtins.__import__
-
-    def light_import(
-        name: str,
-        globals: Mapping[str, Any] | None = None,
-        locals: Mapping[str, Any] | None = None,
-        fromlist: Sequence[str] | None = (),
-        level: int = 0,
-    ) -> types.ModuleType:
-        if level == 0 and (name == "vllm" or name.startswith("vllm.")):
-            name = package_name + name[len("vllm") :]
-        return real_import(name, globals, locals, fromlist or (), level)
-
-    table = dict(builtins.__dict__)
-    table["__import__"] = light_import
-    return table
-
-
-class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+class _ReleaseFinder(PrivateFinder):
     """Serves ``<package_name>.*``: real, partial or placeholder modules."""
 
     def __init__(self, release: LightRelease) -> None:
+        super().__init__(redirecting_builtins(self._private_name))
         self.release = release
-        self.builtins = _make_builtins(release.package_name)
 
-    def _vllm_name(self, fullname: str) -> str | None:
+    def _private_name(self, name: str) -> str:
+        top, dot, rest = name.partition(".")
+        return self.release.package_name + dot + rest if top == "vllm" else name
+
+    def real_name(self, fullname: str) -> str | None:
         pkg = self.release.package_name
         if fullname == pkg:
             return "vllm"
@@ -558,108 +464,27 @@ class _ReleaseFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return "vllm" + fullname[len(pkg) :]
         return None
 
-    def find_spec(
-        self,
-        fullname: str,
-        path: Sequence[str] | None = None,
-        target: types.ModuleType | None = None,
-    ) -> importlib.machinery.ModuleSpec | None:
-        vllm_name = self._vllm_name(fullname)
-        if vllm_name is None:
-            return None
-        source = _module_source(self.release.root, vllm_name, self.release.layout)
-        is_package = source is None or source.name == "__init__.py"
-        spec = importlib.machinery.ModuleSpec(
-            fullname, self, origin=str(source) if source else None, is_package=is_package
-        )
-        if source is not None:
-            spec.has_location = True
-        return spec
+    def locate(self, real: str) -> tuple[Path | None, bool, Path | None]:
+        source = _module_source(self.release.tree, real, self.release.layout)
+        return source, source is None or source.name == "__init__.py", None
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        vllm_name = self._vllm_name(spec.name)
-        assert vllm_name is not None, f"spec.name={spec.name!r} is not this release's"
-        module: types.ModuleType
-        if vllm_name in self.release.layout.partial_defs or spec.origin is None:
-            placeholder = _PlaceholderModule(spec.name)
-            placeholder._kvspec_release = self.release
-            placeholder._kvspec_vllm_name = vllm_name
-            module = placeholder
-        else:
-            module = types.ModuleType(spec.name)
-        return module
+    def new_module(self, real: str, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        if real in self.release.layout.partial_defs or spec.origin is None:
+            return PlaceholderModule(spec.name, real, self.release.placeholders_used, self._submodule)
+        return types.ModuleType(spec.name)
 
-    def exec_module(self, module: types.ModuleType) -> None:
-        spec = module.__spec__
-        assert spec is not None, f"module={module.__name__!r} has no spec"
-        vllm_name = self._vllm_name(spec.name)
-        assert vllm_name is not None, f"spec.name={spec.name!r} is not this release's"
-        module.__dict__["__builtins__"] = self.builtins
-        self.release.modules[vllm_name] = module
-        if vllm_name == "vllm.logger":
+    def _submodule(self, real: str) -> types.ModuleType | None:
+        release = self.release
+        return release.module(real) if _module_source(release.tree, real, release.layout) is not None else None
+
+    def register(self, real: str, module: types.ModuleType) -> None:
+        self.release.modules[real] = module
+
+    def execute(self, real: str, module: types.ModuleType, path: Path | None) -> None:
+        if real == "vllm.logger":
             module.__dict__["init_logger"] = logging.getLogger
-            module.__dict__["logger"] = logging.getLogger(vllm_name)
-            return
-        if spec.origin is None:
-            return
-        path = Path(spec.origin)
-        source = path.read_text(encoding="utf-8")
-        partial = self.release.layout.partial_defs
-        if vllm_name in partial:
-            self._exec_partial(module, source, path, partial[vllm_name])
+            module.__dict__["logger"] = logging.getLogger(real)
+        elif path is not None and real in self.release.layout.partial_defs:
+            exec_definitions(module, path, self.release.layout.partial_defs[real], self.builtins)
         else:
-            exec(compile(source, str(path), "exec"), module.__dict__)
-
-    def _exec_partial(self, module: types.ModuleType, source: str, path: Path, wanted: Iterable[str]) -> None:
-        """Run only the top-level statements that define ``wanted``, transitively."""
-        tree = ast.parse(source, str(path))
-        defines: dict[str, list[int]] = {}
-        uses: dict[int, set[str]] = {}
-        for index, node in enumerate(tree.body):
-            names: set[str] = set()
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                names.add(node.name)
-            elif isinstance(node, ast.Assign | ast.AnnAssign):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                names |= {t.id for t in targets if isinstance(t, ast.Name)}
-            elif isinstance(node, ast.Import | ast.ImportFrom):
-                for alias in node.names:
-                    names.add((alias.asname or alias.name).split(".")[0])
-            elif isinstance(node, ast.Try):  # ``try: import xxhash`` guards
-                for sub in ast.walk(node):
-                    if isinstance(sub, ast.Import | ast.ImportFrom):
-                        names |= {(a.asname or a.name).split(".")[0] for a in sub.names}
-                    elif isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
-                        names.add(sub.id)
-            for name in names:
-                defines.setdefault(name, []).append(index)
-            uses[index] = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-        chosen: set[int] = set()
-        todo = [n for n in wanted if n in defines]
-        seen: set[str] = set()
-        while todo:
-            name = todo.pop()
-            if name in seen:
-                continue
-            seen.add(name)
-            for index in defines.get(name, []):
-                if index not in chosen:
-                    chosen.add(index)
-                    todo += [n for n in uses[index] if n in defines]
-        for index in sorted(chosen):
-            node = tree.body[index]
-            # annotations stay unevaluated: they name heavy types (torch.Tensor)
-            # that a partial module does not define
-            code = compile(
-                ast.Module(body=[node], type_ignores=[]),
-                str(path),
-                "exec",
-                flags=__future__.annotations.compiler_flag,
-                dont_inherit=True,
-            )
-            try:
-                exec(code, module.__dict__)
-            except ImportError:
-                # a heavy import next to a wanted definition (torch, numpy):
-                # leave its names to the placeholder fallback
-                continue
+            super().execute(real, module, path)

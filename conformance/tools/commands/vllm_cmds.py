@@ -14,7 +14,7 @@ from kvspec.conformance.targets.vllm.adapter import spec_hashing_for
 from kvspec.conformance.targets.vllm.hashes import FLEET_SEED, compare_release, measure_release, measure_releases
 from kvspec.conformance.targets.vllm.releases import HASH_CHAIN_DIFFERENCES, RELEASES
 from kvspec.conformance.targets.vllm.v0 import V0_RELEASES
-from kvspec.conformance.tools import oracle
+from kvspec.conformance.tools import oracle, oracle_matrix
 from kvspec.conformance.tools import plugin_matrix as matrix
 from kvspec.conformance.tools.commands._arguments import output_dir, positive_float, positive_int
 
@@ -130,9 +130,9 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
         events=args.events,
     )
     if args.json:
-        print(json.dumps(oracle.rows_to_json(rows), indent=1))
+        print(json.dumps(oracle_matrix.rows_to_json(rows), indent=1))
     else:
-        print(oracle.format_matrix(rows, levels, cachings))
+        print(oracle_matrix.format_matrix(rows, levels, cachings))
     return _oracle_exit(rows)
 
 
