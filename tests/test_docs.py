@@ -225,6 +225,9 @@ def test_the_site_builds_in_strict_mode(tmp_path: Path) -> None:
     assert sorted(nav_pages) == on_disk, "mkdocs.yml's nav must list every page of docs/"
     walkthrough = (site / "walkthrough" / "seed-000.html").read_text(encoding="utf-8")
     assert "<html" in walkthrough.lower() and len(walkthrough) > 10_000
+    guide = site / "guides" / "walkthrough" / "index.html"
+    frames = re.findall(r'<iframe src="([^"]+)"', guide.read_text(encoding="utf-8"))
+    assert frames and all((guide.parent / src).resolve().is_file() for src in frames), frames
     for trace in _hooks().kept_traces():
         assert (site / "traces" / f"{_hooks().trace_name(trace)}.html").is_file(), trace.name
         assert (site / "traces" / trace.name).is_file(), trace.name
