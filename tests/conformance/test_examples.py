@@ -1,4 +1,4 @@
-"""The README's "Write an adapter" walkthrough, end to end: examples/ checked as a user checks them.
+"""The "Write an adapter" guide (docs/guides/adapter.md), end to end: examples/ checked as a user checks them.
 
 Every check runs the command line a user types, in a subprocess: `kvspec check`
 on the example pool by file path and by module name, with its documented bug

@@ -815,8 +815,8 @@ def test_events_and_hit_statistics_at_the_request_level_on_vllm_0_33() -> None:
     assert full["replayed"] == ["diverges", 3], full
 
 
-# The findings' traces kept in tests/data/vllm_events (the README names each with its replay command), each
-# replayed in its release's environment to the verdict it shows.
+# The findings' traces kept in tests/data/vllm_events (docs/reference/findings-vllm.md names each with its
+# replay command), each replayed in its release's environment to the verdict it shows.
 _REPLAY_SCRIPT = r"""
 import json, logging, sys, tempfile
 logging.disable(logging.WARNING)
