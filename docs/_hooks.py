@@ -300,14 +300,11 @@ def _replay_story(trace: Path, impl: str) -> str:
 
 def _vllm_module(name: str) -> Any:
     """A module of the vLLM target. NOTE: no command prints the release table or the event facts yet, so
-    they are imported: under the harness's layers (kvspec.conformance.targets.vllm) or where they were
-    before them (kvspec.conformance.vllm)."""
-    for package in ("kvspec.conformance.targets.vllm", "kvspec.conformance.vllm"):
-        try:
-            return importlib.import_module(f"{package}.{name}")
-        except ImportError:
-            continue
-    raise PluginError(f"no vLLM target module {name!r}: neither kvspec.conformance.targets.vllm nor .vllm has it")
+    they are read from the target's own modules."""
+    try:
+        return importlib.import_module(f"kvspec.conformance.targets.vllm.{name}")
+    except ImportError as e:
+        raise PluginError(f"no vLLM target module {name!r} ({e})") from None
 
 
 def _releases_module() -> Any:
