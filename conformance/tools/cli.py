@@ -66,8 +66,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_COULD_NOT_RUN
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+    except BrokenPipeError:
+        return _output_closed(args.command)
     return code
+
+
+def _output_closed(command: str) -> int:
+    """The reader of our output went away (``kvspec mutants --list | head``): say so once, reach no verdict.
+
+    Python would print a traceback at exit while flushing the closed stdout;
+    pointing stdout at /dev/null first leaves nothing to flush.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    print(f"kvspec {command}: the output was closed before the command finished", file=sys.stderr)
+    return EXIT_COULD_NOT_RUN
 
 
 if __name__ == "__main__":

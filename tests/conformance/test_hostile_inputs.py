@@ -103,3 +103,21 @@ def test_simulated_pools_that_do_not_fit_in_memory_together(monkeypatch, answers
 
     monkeypatch.setattr(simulate, "available_memory", lambda: 2**30)  # a machine with 1 GiB free
     answers_in_one_line(["simulate", "--pool", "9000000", "8000000", "--jobs", "2"], "need about 3.2 GiB")
+
+
+@pytest.mark.parametrize("command", [["mutants", "--list"], ["invariants"]])
+def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path, command: list[str]) -> None:
+    # `kvspec mutants --list | head -1`: the pipe closes while kvspec still writes. `true` reads nothing and
+    # is gone long before kvspec (a second of imports) writes its first line, so the pipe is always closed.
+    import shutil
+    import subprocess
+    import sys
+
+    kvspec = shutil.which("kvspec", path=str(Path(sys.executable).parent)) or "kvspec"
+    proc = subprocess.run(
+        f"{kvspec} {' '.join(command)} | true", shell=True, cwd=tmp_path, capture_output=True, text=True,
+        executable="/bin/bash", env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"kvspec {command[0]}: the output was closed before the command finished"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".cache"] or list(tmp_path.iterdir()) == []
