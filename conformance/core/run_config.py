@@ -42,11 +42,12 @@ __all__ = [
     "DEFAULT_TRACE_DIR",
     "DRAWN",
     "LIMITS",
+    "MAX_SECONDS",
     "ConfigError",
     "Configuration",
+    "Limit",
     "RunConfig",
     "adapter_config",
-    "default_flags",
 ]
 
 # Where failure traces go unless the caller says: a folder in the current one, created only
@@ -191,11 +192,6 @@ def adapter_config(
     )
 
 
-def default_flags() -> dict[str, object]:
-    """Each field's default, by name (what a command line compares to see which flags were given)."""
-    return {name: getattr(_DEFAULT, name) for name in RunConfig.__dataclass_fields__}
-
-
 # --- the checks -------------------------------------------------------------------------------------
 
 
@@ -302,7 +298,7 @@ def _flag_problems(config: RunConfig) -> Iterator[ConfigError]:
 
 
 _NOT_WITH_AUTO = ("steps", "step_timeout_s", "device", "groups", "events", "cover_rounds", "keep_deepest",
-                  "junit", "json")  # fmt: skip
+                  "junit", "json", "database")  # fmt: skip
 
 
 def _output_problems(config: RunConfig) -> Iterator[ConfigError]:

@@ -34,7 +34,7 @@ from hypothesis import settings
 from kvspec.conformance.core.coverage import expected_branches, reachable_branches
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
-from kvspec.conformance.core.run_config import DEFAULT_TRACE_DIR, ConfigError, Configuration, RunConfig
+from kvspec.conformance.core.run_config import AUTO, DEFAULT_TRACE_DIR, ConfigError, Configuration, RunConfig
 from kvspec.conformance.core.trace import Trace, dumps_trace, read_trace
 from kvspec.conformance.runner.campaign import run_campaign
 from kvspec.conformance.runner.isolation import Death, Progress, run_isolated, run_isolated_jobs
@@ -253,6 +253,11 @@ def check_configuration(
         progress: called every few seconds with (examples started, steps checked) while the campaign runs.
     """
     started = time.monotonic()
+    run = configuration.run
+    if run.profile == AUTO:  # a search over profiles (runner.profiles.detect_profiles), not a profile to check
+        message = f"profile={AUTO!r} names no one profile: runner.profiles.detect_profiles tries each vLLM profile"
+        c = configuration
+        return _refused(message, c.level, c.enable_caching, run.profile, c.impl, run.seed, c.groups, run.events)
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)
@@ -260,7 +265,6 @@ def check_configuration(
             return _could_not_run(str(e), configuration)
     chosen: Factory = factory
     works = [lambda fd, hb, p=p: run_campaign(chosen, p, fd, hb) for p in job_plans(configuration)]
-    run = configuration.run
     outcomes = run_isolated_jobs(works, run.step_timeout_s, run.isolate, progress, stops_later_jobs=decides)
     return _result(merged(outcomes, time.monotonic() - started), chosen, configuration, started)
 

@@ -89,6 +89,8 @@ def test_run_check_returns_a_refused_record_as_could_not_run(tmp_path):
     assert r.verdict == "could-not-run" and r.message.startswith("jobs must be at most 64")
     r = run_check(make_reference, level="pool", groups="full,sliding:8", trace_dir=tmp_path)
     assert r.verdict == "could-not-run" and "does nothing at the pool level" in r.message
+    r = run_check(make_reference, profile="auto", trace_dir=tmp_path)
+    assert r.verdict == "could-not-run" and r.message.startswith("profile='auto' names no one profile")
     assert list(tmp_path.iterdir()) == []
 
 
