@@ -228,6 +228,9 @@ def run_check(
         says why in one line).
     """
     name = impl or (factory if isinstance(factory, str) else None)
+    if profile == AUTO:  # the command line's search over profiles, not a profile one campaign can check
+        message = f"profile={AUTO!r} names no one profile: runner.profiles.detect_profiles tries each vLLM profile"
+        return _refused(message, level, enable_caching, profile, name, seed, groups, events)
     try:
         run = RunConfig(
             impls=(name,) if name else (), levels=(level,), caching=(enable_caching,), profile=profile,  # type: ignore[arg-type]
@@ -249,15 +252,11 @@ def check_configuration(
 
     Args:
         factory: builds an adapter from an `AdapterConfig`; or a name for `load_factory`.
-        configuration: what to check and how (`RunConfig.configurations`).
+        configuration: what to check and how (`RunConfig.configurations`), under one profile (not AUTO).
         progress: called every few seconds with (examples started, steps checked) while the campaign runs.
     """
     started = time.monotonic()
     run = configuration.run
-    if run.profile == AUTO:  # a search over profiles (runner.profiles.detect_profiles), not a profile to check
-        message = f"profile={AUTO!r} names no one profile: runner.profiles.detect_profiles tries each vLLM profile"
-        c = configuration
-        return _refused(message, c.level, c.enable_caching, run.profile, c.impl, run.seed, c.groups, run.events)
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)

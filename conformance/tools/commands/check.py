@@ -321,7 +321,8 @@ def _print_header(config: RunConfig, notes: Sequence[str]) -> None:
 
 def _shares(config: RunConfig, start: float) -> Iterator[tuple[int, Configuration]]:
     """Each configuration with its share of the run's time budget: the time left, split among those left."""
-    configurations = list(config.configurations())
+    # No implementation loaded (every default one missing): nothing to check, and the summary says so.
+    configurations = list(config.configurations()) if config.impls else []
     for i, c in enumerate(configurations):
         budget = None
         if config.time_budget_s is not None:
