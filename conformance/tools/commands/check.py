@@ -136,14 +136,14 @@ def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
         type=number,
         default=None,
         metavar="SECONDS",
-        help="wall-clock budget for the whole run, shared among configurations",
+        help="wall-clock budget for the whole run, shared among configurations (at most a week)",
     )
     p.add_argument(
         "--step-timeout",
         type=number,
         default=10.0,
         metavar="SECONDS",
-        help="the most one implementation call may take (default 10)",
+        help="the most one implementation call may take (default 10, at most a week)",
     )
     p.add_argument("--junit", type=output_file, metavar="PATH", help="also write a JUnit XML report")
     p.add_argument(
