@@ -14,7 +14,7 @@ import torch
 
 from kvspec.spec.errors import InvalidRequest
 
-__all__ = ["DEVICE_ENV_VAR", "cuda_available", "pick_device"]
+__all__ = ["DEVICE_ENV_VAR", "cuda_available", "device_problem", "pick_device"]
 
 DEVICE_ENV_VAR = "KVSPEC_DEVICE"
 
@@ -63,3 +63,26 @@ def pick_device(requested: str | torch.device | None = None) -> torch.device:
             f"{source}={requested!r} but this machine has {torch.cuda.device_count()} CUDA devices"
         )
     return torch.device("cuda", index)
+
+
+def device_problem(name: str) -> str | None:
+    """Why a device named `name` does not exist on this machine, or None (it exists, or it is not torch's).
+
+    Asked before a run starts (`kvspec check --device`), so that `cuda:99` is refused in one line rather
+    than by every adapter built. Only CUDA is judged: a name torch does not parse is some other
+    runtime's (an accelerator plugin's), left to the adapter that takes it.
+
+    >>> device_problem("cpu") is None
+    True
+    """
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        return None
+    if device.type != "cuda":
+        return None
+    try:
+        pick_device(name)
+    except InvalidRequest as e:
+        return str(e)
+    return None

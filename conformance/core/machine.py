@@ -51,9 +51,9 @@ from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.lockstep import Factory, LockStep, Observer, StepWatch
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import Outcome
+from kvspec.conformance.core.run_config import Configuration, RunConfig, adapter_config
 from kvspec.spec import manager as spec_manager
-from kvspec.spec.attention import format_groups, parse_groups
-from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.attention import parse_groups
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.manager import ManagerState, Request
 from kvspec.spec.state import NULL_BLOCK_ID, PoolState
@@ -62,6 +62,7 @@ __all__ = [
     "ManagerMachine",
     "PoolMachine",
     "conformance_machine",
+    "machine_for",
 ]
 
 
@@ -72,17 +73,18 @@ class _LockStepMachine(RuleBasedStateMachine):
     """What both levels share: one `LockStep` per example, checked after every rule."""
 
     factory: ClassVar[Factory]
-    enable_caching: ClassVar[bool] = True
-    profile: ClassVar[str] = "vllm-v1"
+    configuration: ClassVar[Configuration]  # what the campaign checks: the run's record, at one level and mode
     observer: ClassVar[Observer]  # what the campaign reached, across examples
     watch: ClassVar[StepWatch]  # the step time limit, the heartbeat and the step stream
-    device: ClassVar[str | None] = None  # AdapterConfig.device for every adapter built
-    kv_groups: ClassVar[str] = "full"  # the KV cache groups (manager level), or "drawn": one layout drawn per example
-    events: ClassVar[bool] = False  # AdapterConfig.events: check the KV cache events and hit statistics
 
     def __init__(self) -> None:
         super().__init__()
         self.lock: LockStep | None = None
+
+    @property
+    def enable_caching(self) -> bool:
+        """Prefix caching on or off in this campaign (the configuration's)."""
+        return type(self).configuration.enable_caching
 
     def _start(self, config: AdapterConfig) -> None:
         cls = type(self)
@@ -111,16 +113,14 @@ class _LockStepMachine(RuleBasedStateMachine):
         self, level: Literal["pool", "manager"], num_gpu_blocks: int, block_size: int = 4, groups: str = "full"
     ) -> AdapterConfig:
         cls = type(self)
+        assert level == cls.configuration.level, f"a {level} rule ran in a {cls.configuration.level}-level machine"
         # A factory may name the smallest pool it can build (a vLLM release
         # without a null block cannot build a pool of the null block alone).
         num_gpu_blocks = max(num_gpu_blocks, getattr(cls.factory, "min_num_gpu_blocks", 1))
         # It may name the hash function and seed its implementation hashes with (a vLLM release's own),
         # so that the spec's chain is the one it computes and hash values can be compared exactly.
-        hash_fn, seed = getattr(cls.factory, "spec_hashing", lambda: (DEFAULT_HASH_FN, DEFAULT_SEED))()
-        return AdapterConfig(
-            level, num_gpu_blocks, cls.enable_caching, cls.profile, block_size, hash_fn, seed, cls.device, groups,
-            events=cls.events,
-        )  # fmt: skip
+        hashing = getattr(cls.factory, "spec_hashing", lambda: (DEFAULT_HASH_FN, DEFAULT_SEED))()
+        return adapter_config(cls.configuration, num_gpu_blocks, block_size, groups, hashing)
 
     @invariant()
     def conforms(self) -> None:
@@ -402,18 +402,9 @@ class PoolMachine(_LockStepMachine):
     @rule(data=st.data())
     def cache_full_blocks(self, data: st.DataObject) -> None:
         """Blocks that filled later (decode) get registered; or one mistake the spec rejects."""
-        s, n = self._state, self._state.num_gpu_blocks
+        s = self._state
         if not self.enable_caching:
-            # Without prefix caching every call is a mistake, even a well-formed one.
-            if not self._mistakes("cache_full_blocks", "caching off"):
-                return
-            # At least one block: an empty call without caching changes nothing in any implementation.
-            ids = (
-                data.draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=2, unique=True), label="block_ids")
-                if n > 1
-                else []
-            )
-            self._call("cache_full_blocks", ids, [strat.HASH_UNIVERSE[0]] * len(ids), mistake="caching off")
+            self._cache_full_blocks_without_caching(data)
             return
         unhashed, hashed_held = self._held(hashed=False), self._held(hashed=True)
         # Free blocks without a hash: one with a hash is also "already cached", two mistakes in one.
@@ -460,6 +451,19 @@ class PoolMachine(_LockStepMachine):
         at = data.draw(st.integers(0, len(ok)), label="position of the mistake")
         ids, with_hashes, good = _with_bad_block(ok, hashes, bad, at, kind)
         self._call("cache_full_blocks", ids, with_hashes, mistake=kind, without=good)
+
+    def _cache_full_blocks_without_caching(self, data: st.DataObject) -> None:
+        """Without prefix caching every call is a mistake, even a well-formed one."""
+        n = self._state.num_gpu_blocks
+        if not self._mistakes("cache_full_blocks", "caching off"):
+            return
+        # At least one block: an empty call without caching changes nothing in any implementation.
+        ids = (
+            data.draw(st.lists(st.integers(1, n - 1), min_size=1, max_size=2, unique=True), label="block_ids")
+            if n > 1
+            else []
+        )
+        self._call("cache_full_blocks", ids, [strat.HASH_UNIVERSE[0]] * len(ids), mistake="caching off")
 
     @precondition(lambda self: self._has("evict_blocks"))
     @rule(data=st.data())
@@ -552,7 +556,7 @@ class ManagerMachine(_LockStepMachine):
 
     @initialize(num_gpu_blocks=strat.manager_pool_sizes(), block_size=strat.block_sizes(), data=st.data())
     def new_manager(self, num_gpu_blocks: int, block_size: int, data: st.DataObject) -> None:
-        groups = type(self).kv_groups
+        groups = type(self).configuration.groups
         if groups == "drawn":
             groups = data.draw(strat.group_layouts(block_size), label="KV cache groups")
         elif any(g.kind == "chunked" and g.size % block_size for g in parse_groups(groups)):
@@ -1031,34 +1035,42 @@ def conformance_machine(
     """A state machine class that checks `factory`'s adapters against the spec.
 
     Its `.TestCase` is an ordinary Hypothesis stateful test, usable directly
-    in a test suite or under a fuzzing engine (HypoFuzz). `device` becomes
-    every `AdapterConfig.device` (None: the adapter picks). `observer` adds up
-    what the campaign reached, `watch` times the implementation's calls (a
-    fresh one of each when not given). `groups`: the KV cache groups of every
-    manager built ("full,sliding:8"), or "drawn" for a layout drawn per example. `events`: check the
-    KV cache events every call publishes and, at the request level, the hit statistics.
+    in a test suite or under a fuzzing engine (HypoFuzz). The settings are the
+    `RunConfig` fields of the same meaning: `device` becomes every
+    `AdapterConfig.device` (None: the adapter picks); `groups` the KV cache
+    groups of every manager built ("full,sliding:8"), or "drawn" for a layout
+    drawn per example; `events` checks the KV cache events every call
+    publishes and, at the request level, the hit statistics. `observer` adds
+    up what the campaign reached, `watch` times the implementation's calls (a
+    fresh one of each when not given).
 
     Raises:
-        ValueError: level is not "pool" or "manager", or groups names no layout.
+        ValueError: a setting `RunConfig` refuses (a level other than "pool" or "manager", a groups text that
+            names no layout): its `ConfigError`.
     """
-    if level not in ("pool", "manager"):
-        raise ValueError(f"level must be 'pool' or 'manager'; got level={level!r}")
-    if groups != "drawn":
-        try:
-            groups = format_groups(parse_groups(groups))
-        except InvalidRequest as e:
-            raise ValueError(str(e)) from None
-    base: type[_LockStepMachine] = PoolMachine if level == "pool" else ManagerMachine
-    name = f"{base.__name__}_{'caching' if enable_caching else 'no_caching'}"
+    run = RunConfig(
+        levels=(level,),  # type: ignore[arg-type]  # checked by RunConfig
+        caching=(enable_caching,),
+        profile=profile,
+        device=device,
+        groups=groups,
+        events=events,
+    )
+    (configuration,) = run.configurations()
+    return machine_for(factory, configuration, observer, watch)
+
+
+def machine_for(
+    factory: Factory, configuration: Configuration, observer: Observer | None = None, watch: StepWatch | None = None
+) -> type[_LockStepMachine]:
+    """The state machine class of one configuration (`conformance_machine`, from the run's record)."""
+    base: type[_LockStepMachine] = PoolMachine if configuration.level == "pool" else ManagerMachine
+    name = f"{base.__name__}_{'caching' if configuration.enable_caching else 'no_caching'}"
     attrs = {
         "factory": staticmethod(factory),
-        "enable_caching": enable_caching,
-        "profile": profile,
+        "configuration": configuration,
         "observer": observer if observer is not None else Observer(),
         "watch": watch if watch is not None else StepWatch(),
-        "device": device,
-        "kv_groups": groups,
-        "events": events,
         "__module__": __name__,
     }
     return type(name, (base,), attrs)

@@ -27,75 +27,28 @@ from hypothesis.stateful import run_state_machine_as_test
 from kvspec.conformance.core.adapter import AdapterConfig, LevelNotProvided, provides_profile
 from kvspec.conformance.core.coverage import expected_branches, reachable_branches
 from kvspec.conformance.core.lockstep import ConformanceFailure, Factory, LockStep, Observer, SpecFailure, StepTimeout
-from kvspec.conformance.core.machine import conformance_machine
+from kvspec.conformance.core.machine import machine_for
 from kvspec.conformance.core.operations import required_methods
 from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Verdict
+from kvspec.conformance.core.run_config import Configuration, adapter_config
 from kvspec.conformance.core.watch import StepWatch
-from kvspec.spec.attention import format_groups, parse_groups
-from kvspec.spec.errors import InvalidRequest
-from kvspec.spec.ordering import is_profile, known_profiles
 
-__all__ = ["DRAWN", "CampaignPlan", "layout_name", "plan_problem", "run_campaign"]
+__all__ = ["CampaignPlan", "run_campaign"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CampaignPlan:
-    """Everything one campaign is asked to do."""
+    """One job's share of a configuration's campaign (kvspec.conformance.runner.jobs): its examples and seeds.
 
-    level: str
-    enable_caching: bool
-    profile: str
-    max_examples: int
-    seed: int
-    time_budget_s: float | None
-    step_timeout_s: float | None
-    steps_per_example: int
-    keep_deepest: bool
-    impl: str | None
-    database: Any
-    device: str | None = None
-    shrink: bool = True
-    cover_rounds: int = 0
-    groups: str = "full"  # the KV cache groups at the manager level, or "drawn"
-    events: bool = False  # check the KV cache events and hit statistics too (AdapterConfig.events)
+    Everything else a campaign does is the configuration's record (`Configuration.run`).
+    """
+
+    configuration: Configuration
+    max_examples: int  # this job's share of the run's max_examples
+    seed: int  # the seed of its first chunk
     # The step between the seeds of the campaign's chunks: a campaign spread over N jobs (jobs.py) runs
     # job j on the seeds seed + j, seed + j + N, ..., so no two jobs run the same examples.
     seed_stride: int = 1
-
-
-DRAWN = "drawn"  # `groups`: one layout drawn per example
-
-
-def layout_name(groups: object) -> str:
-    """`groups` in normal form ("full, sliding:8" -> "full,sliding:8"), as given when it names no layout."""
-    if groups == DRAWN or not isinstance(groups, str):
-        return str(groups)
-    try:
-        return format_groups(parse_groups(groups))
-    except InvalidRequest:
-        return groups
-
-
-def plan_problem(
-    level: str, profile: str, max_examples: object, cover_rounds: object, groups: object, jobs: object = 1
-) -> str | None:
-    """Why these campaign arguments cannot run, or None."""
-    if level not in ("pool", "manager"):
-        return f"level must be 'pool' or 'manager'; got level={level!r}"
-    if groups != DRAWN:
-        try:
-            parse_groups(groups if isinstance(groups, str) else repr(groups))
-        except InvalidRequest as e:
-            return f"{e}, or {DRAWN!r} for a layout drawn per example"
-    if not is_profile(profile):
-        return f"unknown profile={profile!r}; known profiles: {known_profiles()}"
-    if isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1:
-        return f"max_examples must be a positive integer; got max_examples={max_examples!r}"
-    if isinstance(cover_rounds, bool) or not isinstance(cover_rounds, int) or cover_rounds < 0:
-        return f"cover_rounds must be a non-negative integer; got cover_rounds={cover_rounds!r}"
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        return f"jobs must be a positive integer; got jobs={jobs!r}"
-    return None
 
 
 def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> tuple[Verdict, str] | None:
@@ -140,15 +93,14 @@ def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> tup
 def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, heartbeat: Any) -> CampaignReport:
     """Run one campaign; what it ran, reached and found."""
     start = time.monotonic()
-    observer = Observer(keep_deepest=plan.keep_deepest)
-    watch = StepWatch(plan.step_timeout_s, stream_fd, heartbeat, plan.impl)
+    configuration, run = plan.configuration, plan.configuration.run
+    observer = Observer(keep_deepest=run.keep_deepest)
+    watch = StepWatch(run.step_timeout_s, stream_fd, heartbeat, configuration.impl)
     undo = watch.install_alarm()
     try:
         watch.impl_started()
         try:
-            config = AdapterConfig(plan.level, 8, plan.enable_caching, plan.profile, device=plan.device,  # type: ignore[arg-type]
-                                   groups="full" if plan.groups == "drawn" else plan.groups, events=plan.events)
-            why = _probe(factory, config, plan.groups)
+            why = _probe(factory, adapter_config(configuration, 8), configuration.groups)
         finally:
             watch.impl_finished()
         if why is not None:
@@ -163,23 +115,24 @@ def _chunks(
     factory: Factory, plan: CampaignPlan, observer: Observer, watch: StepWatch, start: float
 ) -> tuple[tuple[Failure, LockStep | None] | None, str, int]:
     """Run chunks until the examples (and cover rounds) are done, the budget is spent, or a failure is found."""
-    deadline = start + plan.time_budget_s if plan.time_budget_s is not None else None
-    branches = expected_branches(plan.level, plan.enable_caching, plan.profile, plan.groups, plan.events)
+    c, run = plan.configuration, plan.configuration.run
+    deadline = start + c.time_budget_s if c.time_budget_s is not None else None
+    branches = expected_branches(c.level, c.enable_caching, run.profile, c.groups, run.events)
     remaining, chunk_seed, extra_rounds, message = plan.max_examples, plan.seed, 0, ""
     found: tuple[Failure, LockStep | None] | None = None
     while found is None:
         if remaining <= 0:
             reachable = reachable_branches(
-                plan.level, branches, observer.coverage, observer.not_exercised, observer.absent_ops
+                c.level, branches, observer.coverage, observer.not_exercised, observer.absent_ops
             )
-            if extra_rounds == plan.cover_rounds or all(observer.coverage.get(b) for b in reachable):
+            if extra_rounds == run.cover_rounds or all(observer.coverage.get(b) for b in reachable):
                 break
             remaining, extra_rounds = plan.max_examples, extra_rounds + 1
         n = remaining
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                message = f"time budget of {plan.time_budget_s:g} s spent"
+                message = f"time budget of {c.time_budget_s:g} s spent"
                 break
             per_example = (time.monotonic() - start) / observer.examples if observer.examples else None
             n = min(remaining, 20 if per_example is None else max(10, int(left / per_example)))
@@ -201,9 +154,9 @@ def _report(
     verdict = failure.kind.verdict if failure is not None else Verdict.CONFORMS
     trace = None
     if failure is not None and lock is not None:
-        trace = lock.trace(plan.impl)
+        trace = lock.trace(plan.configuration.impl)
         failure = trace.failure or failure
-    deepest = observer.deepest[1].trace(plan.impl) if observer.deepest is not None else None
+    deepest = observer.deepest[1].trace(plan.configuration.impl) if observer.deepest is not None else None
     return CampaignReport(
         verdict=verdict,
         message=message,
@@ -230,10 +183,7 @@ def _run_chunk(
     factory: Factory, plan: CampaignPlan, observer: Observer, watch: StepWatch, max_examples: int, seed: int
 ) -> tuple[tuple[Failure, LockStep | None] | None, str]:
     """One Hypothesis run of the machine; the failure it found (shrunk unless the plan says not) and a note."""
-    machine = conformance_machine(
-        factory, plan.level, plan.enable_caching, plan.profile, observer, device=plan.device, watch=watch,
-        groups=plan.groups, events=plan.events,
-    )
+    machine = machine_for(factory, plan.configuration, observer, watch)
     hypothesis_seed(seed)(machine)
     try:
         with _draws_independent_of_loaded_modules():
@@ -297,16 +247,17 @@ def _draws_independent_of_loaded_modules() -> Iterator[None]:
 
 
 def _settings(plan: CampaignPlan, max_examples: int) -> settings:
+    run = plan.configuration.run
     # Targeting (hill-climbing on the reuse of cached blocks) pays off only in
     # long runs; in a short one it spends the examples on one example's neighbours.
-    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if plan.shrink else [])
+    phases = [Phase.explicit, Phase.reuse, Phase.generate] + ([Phase.shrink] if run.shrink else [])
     if max_examples >= 1000:
         phases.append(Phase.target)
     return settings(
         max_examples=max_examples,
-        stateful_step_count=plan.steps_per_example,
+        stateful_step_count=run.steps,
         deadline=None,
-        database=plan.database,
+        database=run.database,
         derandomize=False,
         suppress_health_check=list(HealthCheck),
         verbosity=Verbosity.quiet,

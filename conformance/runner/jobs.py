@@ -20,28 +20,27 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
 
 from kvspec.conformance.core.results import CampaignReport, Verdict
+from kvspec.conformance.core.run_config import Configuration
 from kvspec.conformance.runner.campaign import CampaignPlan
 from kvspec.conformance.runner.isolation import Death
 
 __all__ = ["decides", "job_plans", "merged"]
 
 
-def job_plans(plan: CampaignPlan, jobs: int) -> list[CampaignPlan]:
-    """The plan of each job: its share of the examples and its seeds (one job: the plan itself).
+def job_plans(configuration: Configuration) -> list[CampaignPlan]:
+    """The plan of each job: its share of the examples and its seeds (one job: all of them, on the run's seed).
 
-    >>> from kvspec.conformance.runner.campaign import CampaignPlan
-    >>> plan = CampaignPlan("manager", True, "vllm-v1", 5, 10, None, None, 50, False, None, None)
-    >>> [(p.max_examples, p.seed, p.seed_stride) for p in job_plans(plan, 2)]
+    >>> from kvspec.conformance.core.run_config import RunConfig
+    >>> (c,) = RunConfig(levels=("manager",), caching=(True,), max_examples=5, seed=10, jobs=2).configurations()
+    >>> [(p.max_examples, p.seed, p.seed_stride) for p in job_plans(c)]
     [(3, 10, 2), (2, 11, 2)]
     """
-    jobs = min(jobs, plan.max_examples)
-    if jobs <= 1:
-        return [plan]
-    shares = [plan.max_examples // jobs + (1 if j < plan.max_examples % jobs else 0) for j in range(jobs)]
-    return [replace(plan, max_examples=n, seed=plan.seed + j, seed_stride=jobs) for j, n in enumerate(shares)]
+    run = configuration.run
+    jobs = min(run.jobs, run.max_examples)
+    shares = [run.max_examples // jobs + (1 if j < run.max_examples % jobs else 0) for j in range(jobs)]
+    return [CampaignPlan(configuration, n, run.seed + j, seed_stride=jobs) for j, n in enumerate(shares)]
 
 
 def decides(outcome: CampaignReport | Death) -> bool:

@@ -11,7 +11,8 @@ a unittest class. The work itself runs in parts, each in its module:
 - kvspec.conformance.runner.campaign: the Hypothesis runs of one configuration, in chunks;
 - kvspec.conformance.runner.replaying: a trace's steps fed to the lock-step core;
 - kvspec.conformance.runner.minimize: cutting down what a dead or hung child left;
-- this module: checking arguments, and turning a campaign's report into a result.
+- this module: the record of the run (kvspec.conformance.core.run_config.RunConfig) built from the
+  arguments, and a campaign's report turned into a result.
 
 Exit codes (the CLI's, `Verdict.exit_code`): 0 conforms; 1 the implementation
 is wrong (diverged, crashed or hung, with its trace); 2 no verdict (it could
@@ -25,7 +26,6 @@ import hashlib
 import time
 import unittest
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,9 @@ from hypothesis import settings
 from kvspec.conformance.core.coverage import expected_branches, reachable_branches
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
+from kvspec.conformance.core.run_config import AUTO, DEFAULT_TRACE_DIR, ConfigError, Configuration, RunConfig
 from kvspec.conformance.core.trace import Trace, dumps_trace, read_trace
-from kvspec.conformance.runner.campaign import CampaignPlan, layout_name, plan_problem, run_campaign
+from kvspec.conformance.runner.campaign import run_campaign
 from kvspec.conformance.runner.isolation import Death, Progress, run_isolated, run_isolated_jobs
 from kvspec.conformance.runner.jobs import decides, job_plans, merged
 from kvspec.conformance.runner.minimize import shrink_by_replay, trace_from_death
@@ -48,56 +49,33 @@ __all__ = [
     "Failure",
     "FactoryError",
     "Verdict",
+    "check_configuration",
     "load_factory",
     "make_conformance_test",
     "replay",
+    "replay_configured",
     "run_check",
 ]
-
-
-# Where failure traces go unless the caller says: a folder in the current one, created only
-# when a trace is written (never the temporary directory, where no one looks for them).
-DEFAULT_TRACE_DIR = Path("kvspec-traces")
-
-
-@dataclass(frozen=True)
-class _Where:
-    """The configuration a result is about, and how its failure is to be reported."""
-
-    level: str
-    enable_caching: bool
-    profile: str
-    impl: str | None
-    seed: int = 0
-    device: str | None = None
-    trace_dir: str | Path | None = None
-    step_timeout_s: float | None = None
-    minimize_s: float = 0.0
-    max_examples: int | None = None  # what a campaign was asked for; None for a replay
-    groups: str = "full"  # the KV cache groups at the manager level, or "drawn"
-    events: bool = False  # the KV cache events and hit statistics were checked too
-    jobs: int = 1  # processes the campaign was shared among
 
 
 # --- results ------------------------------------------------------------------------------
 
 
-def _save(text: str, trace_dir: str | Path | None, stem: str) -> str:
+def _save(text: str, trace_dir: Path, stem: str) -> str:
     digest = hashlib.sha256(text.encode()).hexdigest()[:6]
-    directory = Path(trace_dir) if trace_dir is not None else DEFAULT_TRACE_DIR
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{stem}-{digest}.trace.jsonl"
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    path = trace_dir / f"{stem}-{digest}.trace.jsonl"
     path.write_text(text, encoding="utf-8")
     return str(path)
 
 
-def _reported(trace: Trace, where: _Where, is_shrunk: bool) -> Failure:
+def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
     """The trace's failure with its trace saved and its story told."""
     assert trace.failure is not None and trace.verdict is not None, "only a failing trace is reported"
     verdict = trace.verdict
-    stem = f"{verdict}-{where.level}" if verdict in (Verdict.CRASHED, Verdict.HUNG) else f"failure-{where.level}"
-    path = _save(dumps_trace(trace), where.trace_dir, stem)
-    story = render_story(trace, path, where.impl)
+    stem = f"{verdict}-{c.level}" if verdict in (Verdict.CRASHED, Verdict.HUNG) else f"failure-{c.level}"
+    path = _save(dumps_trace(trace), c.run.trace_dir, stem)
+    story = render_story(trace, path, c.impl)
     if not is_shrunk:
         story += "\n(not shrunk: the process died or hung, and no shorter trace reproduced it in time)"
     return dataclasses.replace(
@@ -105,56 +83,58 @@ def _reported(trace: Trace, where: _Where, is_shrunk: bool) -> Failure:
     )
 
 
-def _check_result(report: CampaignReport, where: _Where, failure: Failure | None, seconds: float) -> CheckResult:
-    branches = expected_branches(where.level, where.enable_caching, where.profile, where.groups, where.events)
+def _check_result(report: CampaignReport, c: Configuration, failure: Failure | None, seconds: float) -> CheckResult:
+    run = c.run
+    branches = expected_branches(c.level, c.enable_caching, run.profile, c.groups, run.events)
     coverage = {b: 0 for b in branches}
     coverage.update(report.coverage)
-    expected = reachable_branches(where.level, branches, coverage, report.not_exercised, report.absent_ops)
+    expected = reachable_branches(c.level, branches, coverage, report.not_exercised, report.absent_ops)
     verdict, message = report.verdict, report.message
+    asked = None if c.is_replay else run.max_examples
     # No verdict without work: a run that checked (almost) nothing says so instead of "conforms".
-    why = inconclusive_why(report.examples, report.steps, where.max_examples) if verdict is Verdict.CONFORMS else None
+    why = inconclusive_why(report.examples, report.steps, asked) if verdict is Verdict.CONFORMS else None
     if why is not None:
         verdict, message = Verdict.INCONCLUSIVE, why + (f" ({message})" if message else "")
     return CheckResult(
         verdict=verdict,
-        level=where.level,
-        enable_caching=where.enable_caching,
-        profile=where.profile,
+        level=c.level,
+        enable_caching=c.enable_caching,
+        profile=run.profile,
         examples_run=report.examples,
         steps_run=report.steps,
         seconds=seconds,
         failure=failure,
         coverage=coverage,
-        impl=where.impl or "",
+        impl=c.impl or "",
         states_reached=report.states,
         invariants_checked=report.invariants_checked,
         branches=expected,
-        groups=where.groups,
-        events=where.events,
+        groups=c.groups,
+        events=run.events,
         message=message,
-        seed=where.seed,
+        seed=run.seed,
         not_exercised=report.not_exercised,
         mistakes_checked=dict(report.mistakes_checked),
         reactions=dict(report.reactions),
         not_expressed=dict(report.not_expressed),
-        device=where.device,
+        device=run.device,
         extra_rounds=report.extra_rounds,
         spec_branches=branches,
         absent_ops=report.absent_ops,
-        examples_asked=where.max_examples,
-        jobs=where.jobs,
+        examples_asked=asked,
+        jobs=1 if asked is None else len(job_plans(c)),
     )
 
 
-def _result(raw: CampaignReport | Death, factory: Factory, where: _Where, started: float) -> CheckResult:
+def _result(raw: CampaignReport | Death, factory: Factory, c: Configuration, started: float) -> CheckResult:
     """The result of a campaign or replay: its failure shrunk (where Hypothesis could not), saved and told."""
-    died = isinstance(raw, Death)
+    died, run = isinstance(raw, Death), c.run
     if isinstance(raw, Death):
         verdict = Verdict.HUNG if raw.hung else Verdict.CRASHED
-        rebuilt = trace_from_death(raw, where.impl, where.step_timeout_s)
+        rebuilt = trace_from_death(raw, c.impl, run.step_timeout_s)
         if rebuilt is None:
             report = CampaignReport(verdict, "the process died before its first step was written")
-            return _check_result(report, where, None, time.monotonic() - started)
+            return _check_result(report, c, None, time.monotonic() - started)
         raw = CampaignReport(verdict, trace=rebuilt, failure=rebuilt.failure)
     report, is_shrunk = raw, True
     trace: Trace | None = report.trace if report.failure is not None else None
@@ -162,39 +142,46 @@ def _result(raw: CampaignReport | Death, factory: Factory, where: _Where, starte
     # retry at a full time limit per attempt) is cut down here by replaying.
     must_shrink = report.verdict is Verdict.HUNG or (died and report.verdict is Verdict.CRASHED)
     if trace is not None and must_shrink:
-        trace, is_shrunk = shrink_by_replay(trace, factory, where.impl, where.step_timeout_s, where.minimize_s)
-    failure = _reported(trace, where, is_shrunk) if trace is not None else None
+        shrink_s = run.minimize_s if run.shrink else 0.0
+        trace, is_shrunk = shrink_by_replay(trace, factory, c.impl, run.step_timeout_s, shrink_s)
+    failure = _reported(trace, c, is_shrunk) if trace is not None else None
     seconds = time.monotonic() - started if died or (trace is not None and must_shrink) else report.seconds
-    result = _check_result(report, where, failure, seconds)
+    result = _check_result(report, c, failure, seconds)
     if report.deepest is not None:
-        caching = "on" if where.enable_caching else "off"
+        caching = "on" if c.enable_caching else "off"
         text = dumps_trace(dataclasses.replace(report.deepest, verdict=Verdict.CONFORMS))
-        result.deepest_trace_path = _save(text, where.trace_dir, f"deepest-{where.level}-caching-{caching}")
+        result.deepest_trace_path = _save(text, run.trace_dir, f"deepest-{c.level}-caching-{caching}")
     return result
 
 
-def _could_not_run(message: str, where: _Where) -> CheckResult:
-    branches = (
-        expected_branches(where.level, where.enable_caching, where.profile, where.groups, where.events)
-        if where.level in ("pool", "manager")
-        else ()
-    )
+def _could_not_run(message: str, c: Configuration) -> CheckResult:
+    """The result of a configuration whose implementation could not be loaded."""
+    branches = expected_branches(c.level, c.enable_caching, c.run.profile, c.groups, c.run.events)
+    return _refused(message, c.level, c.enable_caching, c.run.profile, c.impl, c.run.seed, c.groups, c.run.events,
+                    branches)  # fmt: skip
+
+
+def _refused(
+    message: str, level: object, caching: object, profile: object, impl: str | None, seed: object, groups: object,
+    events: object, branches: tuple[str, ...] = (),
+) -> CheckResult:  # fmt: skip
+    """A could-not-run result, from the arguments as given (a refused record has no configuration to read)."""
     return CheckResult(
         verdict=Verdict.COULD_NOT_RUN,
-        level=where.level,
-        enable_caching=where.enable_caching,
-        profile=where.profile,
+        level=str(level),
+        enable_caching=bool(caching),
+        profile=str(profile),
         examples_run=0,
         steps_run=0,
         seconds=0.0,
         failure=None,
         coverage={b: 0 for b in branches},
-        impl=where.impl or "",
+        impl=impl or "",
         branches=branches,
         message=message,
-        seed=where.seed,
-        groups=where.groups,
-        events=where.events,
+        seed=seed if isinstance(seed, int) else 0,
+        groups=str(groups),
+        events=bool(events),
     )
 
 
@@ -226,71 +213,59 @@ def run_check(
     events: bool = False,
     jobs: int = 1,
 ) -> CheckResult:
-    """Check one implementation at one level against the spec.
+    """Check one implementation at one level against the spec: the Python form of `kvspec check`.
+
+    The arguments make one `RunConfig` (kvspec.conformance.core.run_config: each field's meaning, default
+    and limit), checked once: `level` and `enable_caching` are its one level and caching mode,
+    `steps_per_example` its `steps`, `trace_dir` None its default ./kvspec-traces; `impl` names `factory`
+    in reports and trace headers (a name given as `factory` names itself). `factory` builds an adapter
+    from an `AdapterConfig`, or is a name for `load_factory`. `progress` is called every few seconds with
+    (examples started, steps checked) while the campaign runs in its child process.
+
+    Returns:
+        The verdict, what ran and was reached, and the failure with its saved trace and story; a
+        configuration the record refuses, or a factory that cannot be loaded, could not run (the message
+        says why in one line).
+    """
+    name = impl or (factory if isinstance(factory, str) else None)
+    if profile == AUTO:  # the command line's search over profiles, not a profile one campaign can check
+        message = f"profile={AUTO!r} names no one profile: runner.profiles.detect_profiles tries each vLLM profile"
+        return _refused(message, level, enable_caching, profile, name, seed, groups, events)
+    try:
+        run = RunConfig(
+            impls=(name,) if name else (), levels=(level,), caching=(enable_caching,), profile=profile,  # type: ignore[arg-type]
+            groups=groups, events=events, device=device, max_examples=max_examples, steps=steps_per_example,
+            cover_rounds=cover_rounds, time_budget_s=time_budget_s, step_timeout_s=step_timeout_s, seed=seed,
+            jobs=jobs, shrink=shrink, minimize_s=minimize_s, isolate=isolate, keep_deepest=keep_deepest,
+            trace_dir=Path(trace_dir) if trace_dir is not None else DEFAULT_TRACE_DIR, database=database,
+        )  # fmt: skip
+    except ConfigError as e:
+        return _refused(str(e), level, enable_caching, profile, name, seed, groups, events)
+    (configuration,) = run.configurations()
+    return check_configuration(factory, configuration, progress)
+
+
+def check_configuration(
+    factory: Factory | str, configuration: Configuration, progress: Progress | None = None
+) -> CheckResult:
+    """Check one configuration of a run (`run_check`'s work, from the record): its campaign, shared among jobs.
 
     Args:
         factory: builds an adapter from an `AdapterConfig`; or a name for `load_factory`.
-        level: "pool" (BlockPool) or "manager" (KVCacheManager).
-        enable_caching: prefix caching on or off.
-        profile: the ordering profile the implementation claims (spec.ordering.PROFILES).
-        max_examples: Hypothesis examples (each up to `steps_per_example` rules).
-        seed: the random seed; the same seed (and jobs) gives the same campaign with the same Hypothesis,
-            whatever else the program has imported and however kvspec is installed (the campaign draws
-            without the constants Hypothesis collects from loaded modules; campaign.py).
-        time_budget_s: stop starting new examples after this long (a failure is still shrunk).
-        step_timeout_s: the most one implementation call may take; None: no limit.
-        trace_dir: where failure traces go (default ./kvspec-traces, created when a trace is written).
-        impl: the implementation's name, for reports and trace headers.
-        steps_per_example: Hypothesis's stateful_step_count.
-        keep_deepest: also save the example that reached the most events (it replays to conforms).
-        isolate: run in a child process (crash- and hang-proof); False runs in this process.
-        database: a Hypothesis example database (e.g. a shared directory for long campaigns).
-        minimize_s: time allowed for cutting down a trace that a dead or hung process left.
-        device: `AdapterConfig.device` for every adapter built ("cpu", "cuda:0"; None: the adapter picks).
-            The device is first used inside the campaign's child process.
-        shrink: shrink a failure found by Hypothesis (False: report the first failing example as found).
-        cover_rounds: while an expected branch is unreached after `max_examples`, up to this many
-            more rounds of `max_examples` each, on the next seeds (within the time budget).
-        progress: called every few seconds with (examples started, steps checked) while the campaign
-            runs in its child process.
-        groups: the KV cache groups of the manager level ("full", "full,sliding:8", ...; spec.attention),
-            or "drawn": one to three groups drawn per example. The pool level has no groups.
-        events: check what the pool tells the world too: the KV cache events every call publishes
-            (`take_events`, the router's mirror rules) and, at the request level, the hit statistics.
-        jobs: processes the campaign's examples are shared among, each in its own forked child and on its own
-            seeds (kvspec.conformance.runner.jobs); 1 runs them all in one. The same seed and jobs give the same
-            campaign.
-
-    Returns:
-        The verdict, what ran and was reached, and the failure with its saved trace and story.
+        configuration: what to check and how (`RunConfig.configurations`), under one profile (not AUTO).
+        progress: called every few seconds with (examples started, steps checked) while the campaign runs.
     """
     started = time.monotonic()
-    if isinstance(factory, str):
-        impl = impl or factory
-    shrink_s = minimize_s if shrink else 0.0
-    asked = max_examples if isinstance(max_examples, int) else None
-    layout = layout_name(groups) if level == "manager" else "full"
-    where = _Where(
-        level, enable_caching, profile, impl, seed, device, trace_dir, step_timeout_s, shrink_s, asked, layout,
-        bool(events),
-    )  # fmt: skip
+    run = configuration.run
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)
         except FactoryError as e:
-            return _could_not_run(str(e), where)
-    problem = plan_problem(level, profile, max_examples, cover_rounds, groups, jobs)
-    if problem is not None:
-        return _could_not_run(problem, where)
+            return _could_not_run(str(e), configuration)
     chosen: Factory = factory
-    plan = CampaignPlan(level, enable_caching, profile, max_examples, seed, time_budget_s, step_timeout_s,
-                        steps_per_example, keep_deepest, impl, database, device, shrink, cover_rounds,
-                        layout, bool(events))  # fmt: skip
-    plans = job_plans(plan, jobs)
-    works = [lambda fd, hb, p=p: run_campaign(chosen, p, fd, hb) for p in plans]
-    outcomes = run_isolated_jobs(works, step_timeout_s, isolate, progress, stops_later_jobs=decides)
-    where = dataclasses.replace(where, jobs=len(plans))
-    return _result(merged(outcomes, time.monotonic() - started), chosen, where, started)
+    works = [lambda fd, hb, p=p: run_campaign(chosen, p, fd, hb) for p in job_plans(configuration)]
+    outcomes = run_isolated_jobs(works, run.step_timeout_s, run.isolate, progress, stops_later_jobs=decides)
+    return _result(merged(outcomes, time.monotonic() - started), chosen, configuration, started)
 
 
 def replay(
@@ -309,26 +284,51 @@ def replay(
 
     Raises:
         MalformedTrace: the trace file cannot be read.
+        ConfigError: a setting the run's record refuses (a step timeout of 0, ...).
+    """
+    name = impl or (factory if isinstance(factory, str) else None)
+    run = replay_record(
+        impls=(name,) if name else (), step_timeout_s=step_timeout_s, isolate=isolate, device=device,
+        trace_dir=Path(trace_dir) if trace_dir is not None else DEFAULT_TRACE_DIR,
+    )  # fmt: skip
+    return replay_configured(trace, factory, run)
+
+
+def replay_record(**fields: Any) -> RunConfig:
+    """The record of a replay: the fields given (by keyword), and no time to cut a trace down (it is one).
+
+    Raises:
+        ConfigError: a field the record refuses.
+    """
+    return RunConfig(shrink=False, minimize_s=0.0, cover_rounds=0, **fields)
+
+
+def replay_configured(trace: Trace | str | Path, factory: Factory | str, run: RunConfig) -> CheckResult:
+    """`replay` from the run's record (`replay_record`); the level, caching mode, profile, groups and events
+    are the trace's, and its device unless the record names one.
+
+    Raises:
+        MalformedTrace: the trace file cannot be read.
     """
     started = time.monotonic()
     t = trace if isinstance(trace, Trace) else read_trace(trace)
-    if device is not None:
-        t = dataclasses.replace(t, config=dataclasses.replace(t.config, device=device))
-    if isinstance(factory, str):
-        impl = impl or factory
+    if run.device is not None:
+        t = dataclasses.replace(t, config=dataclasses.replace(t.config, device=run.device))
     c = t.config
-    where = _Where(
-        c.level, c.enable_caching, c.profile, impl, 0, c.device, trace_dir, step_timeout_s, groups=c.groups,
-        events=c.events,
+    run = dataclasses.replace(
+        run, levels=(c.level,), caching=(c.enable_caching,), profile=c.profile, groups=c.groups, events=c.events,
+        device=c.device,
     )  # fmt: skip
+    configuration = dataclasses.replace(next(run.configurations()), is_replay=True)
     if isinstance(factory, str):
         try:
             factory = load_factory(factory)
         except FactoryError as e:
-            return _could_not_run(str(e), where)
+            return _could_not_run(str(e), configuration)
     chosen: Factory = factory
-    raw = run_isolated(lambda fd, hb: replay_example(t, chosen, impl, step_timeout_s, fd, hb), step_timeout_s, isolate)
-    return _result(raw, chosen, where, started)
+    impl, timeout = configuration.impl, run.step_timeout_s
+    raw = run_isolated(lambda fd, hb: replay_example(t, chosen, impl, timeout, fd, hb), timeout, run.isolate)
+    return _result(raw, chosen, configuration, started)
 
 
 def make_conformance_test(

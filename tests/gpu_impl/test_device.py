@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvspec.gpu_impl.device import DEVICE_ENV_VAR, cuda_available, pick_device
+from kvspec.gpu_impl.device import DEVICE_ENV_VAR, cuda_available, device_problem, pick_device
 from kvspec.spec.errors import InvalidRequest
 
 
@@ -48,3 +48,13 @@ def test_a_bad_environment_value_is_named(monkeypatch):
     monkeypatch.setenv(DEVICE_ENV_VAR, "gpu please")
     with pytest.raises(InvalidRequest, match=rf"^{DEVICE_ENV_VAR}='gpu please' is not a device name"):
         pick_device()
+
+
+def test_a_device_that_does_not_exist_here_is_named_and_another_runtimes_left_alone(monkeypatch):
+    monkeypatch.setenv(DEVICE_ENV_VAR, "cpu")  # the question is about the name given, never the environment
+    assert device_problem("cpu") is None
+    assert device_problem("tpu:0") is None and device_problem("meta") is None  # not CUDA: the adapter's to judge
+    many = torch.cuda.device_count() if cuda_available() else 0
+    assert device_problem(f"cuda:{many + 98}") is not None
+    assert device_problem(f"cuda:{many + 98}").startswith(f"device='cuda:{many + 98}' but this machine has ")
+    assert (device_problem("cuda:0") is None) is cuda_available()

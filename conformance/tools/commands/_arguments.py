@@ -13,31 +13,37 @@ import argparse
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import NoReturn
 
+from kvspec.conformance.core.run_config import DRAWN, ConfigError
 from kvspec.conformance.runner import run as runner
-from kvspec.conformance.runner.campaign import DRAWN
 from kvspec.spec.attention import format_groups, parse_groups
 from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.ordering import is_profile, known_profiles
 
 __all__ = [
     "DEFAULT_TRACE_DIR",
+    "FLAGS",
     "OneLineParser",
+    "check_device",
     "fraction",
     "group_layout",
     "group_layout_or_drawn",
+    "integer",
     "json_output",
     "memory_size",
     "non_negative_float",
     "non_negative_int",
+    "number",
     "output_dir",
     "output_file",
     "positive_float",
     "port",
     "positive_int",
     "profile_name",
+    "refuse",
 ]
 
 DEFAULT_TRACE_DIR = str(runner.DEFAULT_TRACE_DIR)
@@ -68,6 +74,56 @@ def _number(text: str, kind: type[int] | type[float]) -> int | float:
     if isinstance(value, float) and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def integer(text: str) -> int:
+    """An integer, its range left to the record it goes into (kvspec.conformance.core.run_config.LIMITS).
+
+    >>> integer("-3")
+    -3
+    """
+    return int(_number(text, int))
+
+
+def number(text: str) -> float:
+    """A finite number, its range left to the record it goes into (seconds of a budget or a timeout)."""
+    return float(_number(text, float))
+
+
+# The command line's flag for each RunConfig field, for a refusal of the record in the user's words.
+FLAGS: dict[str, str] = {
+    "impls": "--impl", "levels": "--level", "caching": "--caching", "profile": "--profile", "groups": "--groups",
+    "events": "--events", "device": "--device", "max_examples": "--max-examples", "steps": "--steps",
+    "cover_rounds": "--cover-rounds", "time_budget_s": "--time-budget", "step_timeout_s": "--step-timeout",
+    "seed": "--seed", "jobs": "--jobs", "trace_dir": "--trace-dir", "html_dir": "--html-dir", "junit": "--junit",
+    "json": "--json", "keep_deepest": "--keep-deepest", "database": "--database",
+}  # fmt: skip
+
+
+def refuse(prog: str, error: ConfigError) -> int:
+    """Print a refused record as one line naming the flag (`kvspec check: --jobs: must be at least 1; got 0`);
+    the exit code 2."""
+    print(f"{prog}: {FLAGS.get(error.name, error.name)}: {error.short}", file=sys.stderr)
+    return 2
+
+
+def check_device(device: str | None) -> None:
+    """Refuse a device this machine does not have, asking the runtime that would use it (torch, through
+    gpu_impl); a name torch does not know is some other runtime's, and left to its adapter.
+
+    Raises:
+        ConfigError: the device does not exist here (`cuda:99` on a machine with one GPU, or none).
+    """
+    if device is None:
+        return
+    try:
+        # NOTE: gpu_impl needs torch, an optional dependency: without it there is no torch device to ask about
+        from kvspec.gpu_impl.device import device_problem
+    except ImportError:
+        return
+    problem = device_problem(device)
+    if problem is not None:
+        raise ConfigError("device", problem)
 
 
 def positive_int(text: str) -> int:

@@ -30,29 +30,31 @@ from their own distributions as they load in production (kvspec.conformance.targ
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from kvspec.conformance.core.results import CheckResult, Verdict
+from kvspec.conformance.core.run_config import AUTO, LIMITS, ConfigError, Configuration, RunConfig
 from kvspec.conformance.runner.isolation import Progress
 from kvspec.conformance.runner.profiles import PROFILES as VLLM_PROFILES
 from kvspec.conformance.runner.profiles import detect_profiles
 from kvspec.conformance.runner.registry import FactoryError, default_targets, find_target, load_factory, target_names
-from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.runner.run import check_configuration
 from kvspec.conformance.tools.commands._arguments import (
     DEFAULT_TRACE_DIR,
-    group_layout_or_drawn,
+    check_device,
+    integer,
     json_output,
-    non_negative_int,
+    number,
     output_dir,
     output_file,
-    positive_float,
-    positive_int,
+    refuse,
 )
 from kvspec.conformance.tools.commands._check_output import (
     exit_code,
@@ -64,7 +66,7 @@ from kvspec.conformance.tools.commands._check_output import (
     write_junit,
 )
 from kvspec.conformance.tools.view import attach_page
-from kvspec.spec.ordering import is_profile, known_profiles
+from kvspec.spec.ordering import known_profiles
 
 __all__ = ["register", "render_summary", "run", "write_junit"]
 
@@ -102,7 +104,6 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--groups",
-        type=group_layout_or_drawn,
         default="full",
         metavar="LAYOUT",
         help="the KV cache groups of the manager level, in vLLM's group order: full, sliding:W (a window of W "
@@ -132,17 +133,17 @@ def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
     _add_campaign_arguments(p)
     p.add_argument(
         "--time-budget",
-        type=positive_float,
+        type=number,
         default=None,
         metavar="SECONDS",
-        help="wall-clock budget for the whole run, shared among configurations",
+        help="wall-clock budget for the whole run, shared among configurations (at most a week)",
     )
     p.add_argument(
         "--step-timeout",
-        type=positive_float,
+        type=number,
         default=10.0,
         metavar="SECONDS",
-        help="the most one implementation call may take (default 10)",
+        help="the most one implementation call may take (default 10, at most a week)",
     )
     p.add_argument("--junit", type=output_file, metavar="PATH", help="also write a JUnit XML report")
     p.add_argument(
@@ -175,30 +176,37 @@ def _add_campaign_arguments(p: argparse.ArgumentParser) -> None:
     """The size and seeds of each configuration's campaign, and the processes it is shared among."""
     p.add_argument(
         "--max-examples",
-        type=positive_int,
+        type=integer,
         default=None,
         metavar="N",
-        help=f"examples per configuration (default {DEFAULT_MAX_EXAMPLES}; unbounded with --time-budget)",
+        help=f"examples per configuration (default {DEFAULT_MAX_EXAMPLES}, at most {LIMITS['max_examples'].most}; "
+        "unbounded with --time-budget)",
     )
-    p.add_argument("--steps", type=positive_int, default=50, metavar="N", help="rules per example (default 50)")
+    p.add_argument(
+        "--steps",
+        type=integer,
+        default=50,
+        metavar="N",
+        help=f"rules per example (default 50, at most {LIMITS['steps'].most})",
+    )
     p.add_argument(
         "--cover-rounds",
-        type=non_negative_int,
+        type=integer,
         default=DEFAULT_COVER_ROUNDS,
         metavar="N",
         help="while a branch is unreached after the examples, up to N more rounds of as many examples on the "
-        f"next seeds (default {DEFAULT_COVER_ROUNDS}; 0: none)",
+        f"next seeds (default {DEFAULT_COVER_ROUNDS}; 0: none; at most {LIMITS['cover_rounds'].most})",
     )
     p.add_argument(
-        "--seed", type=non_negative_int, default=0, help="random seed (default 0); same seed and jobs, same campaign"
+        "--seed", type=integer, default=0, help="random seed (default 0); same seed and jobs, same campaign"
     )
     p.add_argument(
         "--jobs",
-        type=positive_int,
+        type=integer,
         default=1,
         metavar="N",
         help="processes per campaign: its examples are shared among N forked children, each on its own seeds, "
-        "run at once (one per core is fastest; default 1)",
+        f"run at once (one per core is fastest; default 1, at most {LIMITS['jobs'].most})",
     )
 
 
@@ -229,10 +237,6 @@ def _named_impls(names: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
-    if args.profile != AUTO and not is_profile(args.profile):
-        known = known_profiles()
-        print(f"kvspec check: unknown profile {args.profile!r}; known profiles: {known}, or {AUTO}", file=sys.stderr)
-        return 2
     impls, notes = _default_impls() if not args.impl else (args.impl, [])
     if args.impl:
         impls, problems = _named_impls(args.impl)
@@ -240,78 +244,103 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvspec check: {problem}", file=sys.stderr)
         if problems:
             return 2
+    try:
+        config = _record(args, impls)
+    except ConfigError as e:
+        return refuse("kvspec check", e)
     if any(getattr(find_target(name), "loads_vllm", False) for name in impls):
         # vLLM logs a warning for every refused reset; the verdicts and the summary say it all.
         logging.disable(logging.WARNING)
-    levels = ("pool", "manager") if args.level == "both" else (args.level,)
-    modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.caching]
-    configs = [(impl, lv, caching) for impl in impls for lv in levels for caching in modes]
-    max_examples = args.max_examples or (UNBOUNDED_EXAMPLES if args.time_budget else DEFAULT_MAX_EXAMPLES)
-    database = None
-    if args.database:
-        database = DirectoryBasedExampleDatabase(args.database)
-    per = "time budget" if args.time_budget else f"{max_examples} examples"
-    layout = f", KV cache groups {args.groups}" if args.groups != "full" and "manager" in levels else ""
-    layout += ", KV cache events and hit statistics checked" if args.events else ""
-    layout += f", each campaign over {args.jobs} jobs" if args.jobs > 1 else ""
+    _print_header(config, notes)
+    if config.profile == AUTO:
+        return _run_auto(config)
+    print(header(list(config.impls)))
+    start = time.monotonic()
+    results = _run_configs(config, start)
+    seconds = time.monotonic() - start
+    print(render_summary(results, seconds))
+    if config.junit:
+        write_junit(results, config.junit)
+        print(f"JUnit report: {config.junit}")
+    if config.json is not None:
+        write_json(summary_json(results, seconds), config.json)
+        if str(config.json) != "-":
+            print(f"JSON report: {config.json}")
+    return exit_code(results)
+
+
+def _record(args: argparse.Namespace, impls: Sequence[str]) -> RunConfig:
+    """The run's record from the command line: built once, here, and checked by `RunConfig` and the device's runtime.
+
+    Raises:
+        ConfigError: a value the record refuses, or a device this machine does not have.
+    """
+    if args.max_examples is not None:
+        max_examples = args.max_examples
+    else:
+        max_examples = UNBOUNDED_EXAMPLES if args.time_budget is not None else DEFAULT_MAX_EXAMPLES
+    config = RunConfig(
+        impls=tuple(impls),
+        levels=("pool", "manager") if args.level == "both" else (args.level,),
+        caching={"on": (True,), "off": (False,), "both": (True, False)}[args.caching],
+        profile=args.profile,
+        groups=args.groups,
+        events=args.events,
+        device=args.device,
+        max_examples=max_examples,
+        steps=args.steps,
+        cover_rounds=args.cover_rounds,
+        time_budget_s=args.time_budget,
+        step_timeout_s=args.step_timeout,
+        seed=args.seed,
+        jobs=args.jobs,
+        trace_dir=args.trace_dir,
+        html_dir=args.html_dir,
+        junit=args.junit,
+        json=args.json,
+        keep_deepest=args.keep_deepest,
+        database=DirectoryBasedExampleDatabase(args.database) if args.database else None,
+    )
+    check_device(config.device)
+    return config
+
+
+def _print_header(config: RunConfig, notes: Sequence[str]) -> None:
+    """The run's first line: what every configuration checks, and why a default implementation is left out."""
+    per = "time budget" if config.time_budget_s else f"{config.max_examples} examples"
+    layout = f", KV cache groups {config.groups}" if config.groups != "full" and "manager" in config.levels else ""
+    layout += ", KV cache events and hit statistics checked" if config.events else ""
+    layout += f", each campaign over {config.jobs} jobs" if config.jobs > 1 else ""
     print(
-        f"kvspec check: profile {args.profile}, seed {args.seed}{layout}, {per} x up to {args.steps} steps "
+        f"kvspec check: profile {config.profile}, seed {config.seed}{layout}, {per} x up to {config.steps} steps "
         "per configuration"
     )
     for note in notes:
         print(f"  {note}")
-    if args.profile == AUTO:
-        return _run_auto(args, configs, max_examples, database)
-    print(header(impls))
-    start = time.monotonic()
-    results = _run_configs(args, configs, max_examples, database, start)
-    seconds = time.monotonic() - start
-    print(render_summary(results, seconds))
-    if args.junit:
-        write_junit(results, args.junit)
-        print(f"JUnit report: {args.junit}")
-    if args.json is not None:
-        write_json(summary_json(results, seconds), args.json)
-        if str(args.json) != "-":
-            print(f"JSON report: {args.json}")
-    return exit_code(results)
 
 
-def _run_configs(
-    args: argparse.Namespace, configs: Sequence[tuple[str, str, bool]], max_examples: int, database: Any, start: float
-) -> list[CheckResult]:
+def _shares(config: RunConfig, start: float) -> Iterator[tuple[int, Configuration]]:
+    """Each configuration with its share of the run's time budget: the time left, split among those left."""
+    # No implementation loaded (every default one missing): nothing to check, and the summary says so.
+    configurations = list(config.configurations()) if config.impls else []
+    for i, c in enumerate(configurations):
+        budget = None
+        if config.time_budget_s is not None:
+            left = config.time_budget_s - (time.monotonic() - start)
+            budget = max(left / (len(configurations) - i), 1.0)
+        yield i, dataclasses.replace(c, time_budget_s=budget)
+
+
+def _run_configs(config: RunConfig, start: float) -> list[CheckResult]:
     """Each configuration in turn, its row printed as it ends; a time budget is shared among those left."""
     results: list[CheckResult] = []
-    for i, (impl, lv, caching) in enumerate(configs):
-        budget = None
-        if args.time_budget is not None:
-            left = args.time_budget - (time.monotonic() - start)
-            budget = max(left / (len(configs) - i), 1.0)
-        result = run_check(
-            impl,
-            level=lv,
-            enable_caching=caching,
-            profile=args.profile,
-            max_examples=max_examples,
-            seed=args.seed,
-            time_budget_s=budget,
-            step_timeout_s=args.step_timeout,
-            trace_dir=args.trace_dir,
-            impl=impl,
-            steps_per_example=args.steps,
-            keep_deepest=args.keep_deepest,
-            database=database,
-            device=args.device,
-            cover_rounds=args.cover_rounds,
-            groups=args.groups,
-            events=args.events,
-            jobs=args.jobs,
-            progress=_progress_line(f"{impl} {lv} caching {'on' if caching else 'off'}", budget),
-        )
+    for _, c in _shares(config, start):
+        where = f"{c.impl} {c.level} caching {'on' if c.enable_caching else 'off'}"
+        result = check_configuration(c.impl or "", c, _progress_line(where, c.time_budget_s))
         _clear_progress_line()
-        attach_page(result, args.html_dir)  # the story, printed below and in JUnit, names the page
+        attach_page(result, config.html_dir)  # the story, printed below and in JUnit, names the page
         results.append(result)
-        print(row(result, [i for i, _, _ in configs]), flush=True)
+        print(row(result, list(config.impls)), flush=True)
     return results
 
 
@@ -348,52 +377,48 @@ def _clear_progress_line() -> None:
         sys.stderr.flush()
 
 
-AUTO = "auto"
-
-
-def _run_auto(
-    args: argparse.Namespace, configs: Sequence[tuple[str, str, bool]], max_examples: int, database: Any
-) -> int:
+def _run_auto(config: RunConfig) -> int:
     """`--profile auto`: every configuration once per vLLM profile; which ones it conforms to."""
-
     print(f"profiles tried per configuration: {', '.join(VLLM_PROFILES)}")
     start = time.monotonic()
     codes: list[int] = []
     everything: list[CheckResult] = []
-    for i, (impl, lv, caching) in enumerate(configs):
-        budget = None
-        if args.time_budget is not None:
-            left = args.time_budget - (time.monotonic() - start)
-            budget = max(left / (len(configs) - i), 1.0)
+    for _, c in _shares(config, start):
         found = detect_profiles(
-            impl, lv, caching, max_examples, time_budget_s=budget, trace_dir=args.trace_dir, seed=args.seed,
-            jobs=args.jobs,
+            c.impl or "", c.level, c.enable_caching, config.max_examples, time_budget_s=c.time_budget_s,
+            trace_dir=str(config.trace_dir), seed=config.seed, jobs=config.jobs,
         )  # fmt: skip
         for r in found.values():
-            attach_page(r, args.html_dir)
-        where = f"{impl} {lv} caching {'on' if caching else 'off'}"
-        conforming = [p for p, r in found.items() if r.verdict is Verdict.CONFORMS]
+            attach_page(r, config.html_dir)
         everything += found.values()
-        if all(r.verdict is Verdict.NOT_APPLICABLE for r in found.values()):
-            print(f"\n{where}: n/a ({next(iter(found.values())).message})")
-            continue
-        wrong = [r for r in found.values() if r.exit_code == 1]
-        codes.append(0 if conforming else (1 if wrong else 2))
-        print(f"\n{where}: " + (f"conforms to {', '.join(conforming)}" if conforming else "conforms to no profile"))
-        for profile, r in found.items():
-            if r.verdict is Verdict.CONFORMS:
-                print(f"  {profile:<14} conforms ({r.examples_run} examples, {r.steps_run} steps)")
-            elif r.failure is not None:
-                f = r.failure
-                print(
-                    f"  {profile:<14} {r.verdict}: shortest trace {f.num_steps} steps, "
-                    f"first bad step {f.step} ({f.op}): {f.message[:200]}"
-                )
-                print(f"  {'':<14} trace: {f.trace_path}")
-            else:
-                print(f"  {profile:<14} {r.verdict}: {r.message[:300]}")
+        code = _print_profiles(f"{c.impl} {c.level} caching {'on' if c.enable_caching else 'off'}", found)
+        if code is not None:
+            codes.append(code)
     print(render_summary(everything, time.monotonic() - start, per_profile=True))
     worst = max(codes, default=2)
     meaning = {0: "some profile conforms in every configuration", 1: "in some configuration no profile conforms"}
     print(f"result of profile auto: {meaning.get(worst, 'some configuration could not be checked')} (exit {worst})")
     return worst
+
+
+def _print_profiles(where: str, found: dict[str, CheckResult]) -> int | None:
+    """One configuration's profiles, a line each; its exit code (None: n/a, the level is not provided)."""
+    conforming = [p for p, r in found.items() if r.verdict is Verdict.CONFORMS]
+    if all(r.verdict is Verdict.NOT_APPLICABLE for r in found.values()):
+        print(f"\n{where}: n/a ({next(iter(found.values())).message})")
+        return None
+    wrong = [r for r in found.values() if r.exit_code == 1]
+    print(f"\n{where}: " + (f"conforms to {', '.join(conforming)}" if conforming else "conforms to no profile"))
+    for profile, r in found.items():
+        if r.verdict is Verdict.CONFORMS:
+            print(f"  {profile:<14} conforms ({r.examples_run} examples, {r.steps_run} steps)")
+        elif r.failure is not None:
+            f = r.failure
+            print(
+                f"  {profile:<14} {r.verdict}: shortest trace {f.num_steps} steps, "
+                f"first bad step {f.step} ({f.op}): {f.message[:200]}"
+            )
+            print(f"  {'':<14} trace: {f.trace_path}")
+        else:
+            print(f"  {profile:<14} {r.verdict}: {r.message[:300]}")
+    return 0 if conforming else (1 if wrong else 2)

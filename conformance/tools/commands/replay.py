@@ -17,10 +17,18 @@ from typing import Any
 
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.core.run_config import ConfigError
 from kvspec.conformance.core.trace import MalformedTrace, read_trace
 from kvspec.conformance.runner.registry import target_names
-from kvspec.conformance.runner.run import replay
-from kvspec.conformance.tools.commands._arguments import DEFAULT_TRACE_DIR, json_output, output_dir, positive_float
+from kvspec.conformance.runner.run import replay_configured, replay_record
+from kvspec.conformance.tools.commands._arguments import (
+    DEFAULT_TRACE_DIR,
+    check_device,
+    json_output,
+    number,
+    output_dir,
+    refuse,
+)
 from kvspec.conformance.tools.commands._check_output import summary_json, write_json
 from kvspec.conformance.tools.view import attach_page
 
@@ -45,7 +53,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--step-timeout",
-        type=positive_float,
+        type=number,
         default=10.0,
         metavar="SECONDS",
         help="the most one implementation call may take (default 10)",
@@ -73,6 +81,14 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Replay the trace; print the recorded and the new verdict and the story; exit per the new verdict."""
     try:
+        record = replay_record(
+            step_timeout_s=args.step_timeout, trace_dir=args.trace_dir, json=args.json, html_dir=args.html_dir,
+            device=args.device,
+        )  # fmt: skip
+        check_device(record.device)
+    except ConfigError as e:
+        return refuse("kvspec replay", e)
+    try:
         trace = read_trace(args.trace)
     except MalformedTrace as e:
         print(f"kvspec replay: cannot read the trace: {e}", file=sys.stderr)
@@ -86,12 +102,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     recorded = trace.verdict or "not recorded"
     print(f"replaying {args.trace} ({len(trace.steps)} steps, recorded verdict: {recorded}) on {impl}\n")
-    result = replay(
-        trace, impl, impl=impl, step_timeout_s=args.step_timeout, trace_dir=args.trace_dir, device=args.device
-    )
-    attach_page(result, args.html_dir)  # the story printed below names the page
-    if args.json is not None:
-        write_json(summary_json([result], result.seconds) | {"kvspec": "replay", "trace": str(args.trace)}, args.json)
+    result = replay_configured(trace, impl, replace(record, impls=(impl,)))
+    attach_page(result, record.html_dir)  # the story printed below names the page
+    if record.json is not None:
+        write_json(summary_json([result], result.seconds) | {"kvspec": "replay", "trace": str(args.trace)}, record.json)
     if result.verdict is Verdict.COULD_NOT_RUN:
         print(f"kvspec replay: {result.message}", file=sys.stderr)
         return result.exit_code
