@@ -119,5 +119,6 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path, command: li
         executable="/bin/bash", env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
     )  # fmt: skip
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"kvspec {command[0]}: the output was closed before the command finished"]
+    said = f"kvspec {command[0]}: the output was closed before the command finished"
+    assert proc.stderr.strip().splitlines() == [said]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".cache"] or list(tmp_path.iterdir()) == []
