@@ -372,6 +372,12 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
     cfg = obj.get("config")
     if not isinstance(cfg, dict):
         raise ValueError("header config must be an object")
+    _check_header_config(cfg)
+    return _configured(obj, level, cfg)
+
+
+def _check_header_config(cfg: dict[str, Any]) -> None:
+    """Every field of a header's config present, of its type and within its range."""
     want = {"num_gpu_blocks", "enable_caching", "profile", "block_size", "hash_fn", "seed", "device"}
     missing = want - set(cfg)
     if missing:
@@ -397,6 +403,10 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
         raise ValueError(f"header config hash_fn={cfg['hash_fn']!r} is not one of {', '.join(sorted(HASH_FUNCTIONS))}")
     if not is_profile(cfg["profile"]):
         raise ValueError(f"header config profile={cfg['profile']!r} is not a profile ({known_profiles()})")
+
+
+def _header_groups_and_events(cfg: dict[str, Any]) -> tuple[str, bool]:
+    """The header's KV cache groups in normal form and whether events were checked (older traces have neither)."""
     groups = cfg.get("groups", "full")  # traces before KV cache groups have none: one full-attention group
     try:
         groups = format_groups(check_groups(groups, cfg["block_size"])) if isinstance(groups, str) else None
@@ -407,6 +417,12 @@ def _header(obj: Any) -> tuple[AdapterConfig, str | None]:
     events = cfg.get("events", False)  # traces before KV cache events were checked have none
     if not isinstance(events, bool):
         raise ValueError("header config events must be a boolean")
+    return groups, events
+
+
+def _configured(obj: dict[str, Any], level: Any, cfg: dict[str, Any]) -> tuple[AdapterConfig, str | None]:
+    """The adapter configuration a checked header describes, and the implementation it names (if any)."""
+    groups, events = _header_groups_and_events(cfg)
     impl = obj.get("impl")
     config = AdapterConfig(
         level=level,
