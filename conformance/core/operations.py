@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from kvspec.conformance.core import branches as br
+from kvspec.conformance.core.wording import CallText, Wording, blocks, plural
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.attention import parse_groups
@@ -109,13 +110,20 @@ def _as_float(v: Any) -> float:
 
 
 def _close(a: Any, b: Any) -> bool:
-    return bool(abs(a - b) <= 1e-9)
+    """Two numbers within rounding (anything else: equal), as a fraction computed two ways may differ.
+
+    >>> _close(0.1 + 0.2, 0.3), _close(None, 0.3)
+    (True, False)
+    """
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return bool(abs(a - b) <= 1e-9)
+    return bool(a == b)
 
 
 # --- the table ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Operation:
     """One adapter method, as the harness drives, records, compares and covers it."""
 
@@ -127,6 +135,7 @@ class Operation:
     spec: Callable[..., Step[Any, Any]]  # the spec's definition: (state, *args) -> Step, for a state of each level
     normalize: Callable[[Any], Any] | None  # a returned value in normal (JSON) form; None: nothing to compare
     branches: tuple[str, ...]  # the outcomes the spec distinguishes, as coverage names them
+    wording: Wording  # what the player and the stories say of a call and its result
     errors: tuple[str, ...] = ()  # the spec error types a caller mistake raises ("<name>: <error>" branches)
     reached: Reached = br.reached_nothing  # which branches a step that returned normally reached
     caching_only: frozenset[str] = frozenset()  # branches (outcomes or errors) only prefix caching reaches
@@ -182,155 +191,225 @@ _GROUP_STEPS = MappingProxyType({
 })  # fmt: skip
 
 
+def _allocate_slots_asks(c: CallText) -> str:
+    words = f"Allocate slots for {c.count('num_new_tokens', 'new token')} of request {c.request_id('request')}"
+    if c["num_new_computed_tokens"]:
+        hit = plural(c["num_new_computed_tokens"], "token")
+        words += f", after a hit of {hit} on {c.blocks('new_computed_blocks')}"
+    if c["num_external_computed_tokens"]:
+        words += f", {plural(c['num_external_computed_tokens'], 'token')} from an external connector"
+    return words + "."
+
+
+def _allocate_slots_answer(r: Any) -> str | None:
+    if r is None:
+        return "refused: too few free blocks (None)"
+    if isinstance(r, list):
+        return f"new {blocks(r)}" if r else "no new block needed"
+    return None
+
+
 _TABLE: tuple[Operation, ...] = (
     Operation(
-        "get_new_blocks",
-        ("pool",),
-        ("num_blocks",),
-        spec_ops.get_new_blocks,
-        as_ids,
-        _branches("get_new_blocks", "taken", "evicted a cached block"),
-        ("PoolExhausted", "InvalidRequest"),
-        br.reached_get_new_blocks,
-        frozenset({"get_new_blocks: evicted a cached block"}),
-        ("more than free", "bad count"),
+        name="get_new_blocks",
+        levels=("pool",),
+        params=("num_blocks",),
+        spec=spec_ops.get_new_blocks,
+        normalize=as_ids,
+        branches=_branches("get_new_blocks", "taken", "evicted a cached block"),
+        errors=("PoolExhausted", "InvalidRequest"),
+        reached=br.reached_get_new_blocks,
+        caching_only=frozenset({"get_new_blocks: evicted a cached block"}),
+        mistakes=("more than free", "bad count"),
+        wording=Wording(
+            lambda c: (
+                f"Take {c.count('num_blocks', 'block')} from the left end of the free queue "
+                "(a cached block taken this way is evicted from the hash table)."
+            ),
+            lambda r: (f"got {blocks(r)}" if r else "got no blocks") if isinstance(r, list) else None,
+        ),
     ),
     Operation(
-        "touch",
-        ("pool",),
-        ("block_ids",),
-        spec_ops.touch,
-        None,
-        _branches("touch", "hit a free block", "hit a held block"),
-        ("InvalidBlock", "InvalidRequest"),
-        br.reached_touch,
-        frozenset({"touch: hit a free block", "touch: hit a held block", "touch: InvalidRequest"}),
-        ("named twice", "bad id", "no hash"),
+        name="touch",
+        levels=("pool",),
+        params=("block_ids",),
+        spec=spec_ops.touch,
+        normalize=None,
+        branches=_branches("touch", "hit a free block", "hit a held block"),
+        errors=("InvalidBlock", "InvalidRequest"),
+        reached=br.reached_touch,
+        caching_only=frozenset({"touch: hit a free block", "touch: hit a held block", "touch: InvalidRequest"}),
+        mistakes=("named twice", "bad id", "no hash"),
+        wording=Wording(
+            lambda c: f"A prefix hit takes a reference on {c.blocks('block_ids')}; a free one leaves the free queue."
+        ),
     ),
     Operation(
-        "free_blocks",
-        ("pool",),
-        ("block_ids",),
-        spec_ops.free_blocks,
-        None,
-        _branches("free_blocks", "to the left end", "to the right end", "between free blocks", "still held by another"),
-        ("DoubleFree", "InvalidBlock", "InvalidRequest"),
-        br.reached_free_blocks,
-        frozenset({"free_blocks: still held by another"}),  # only a touch shares a block
-        ("double free", "bad id", "named twice"),
+        name="free_blocks",
+        levels=("pool",),
+        params=("block_ids",),
+        spec=spec_ops.free_blocks,
+        normalize=None,
+        branches=_branches(
+            "free_blocks", "to the left end", "to the right end", "between free blocks", "still held by another"
+        ),
+        errors=("DoubleFree", "InvalidBlock", "InvalidRequest"),
+        reached=br.reached_free_blocks,
+        caching_only=frozenset({"free_blocks: still held by another"}),  # only a touch shares a block
+        mistakes=("double free", "bad id", "named twice"),
+        wording=Wording(
+            lambda c: (
+                f"Release {c.blocks('block_ids')} in this order (a request's blocks come tail first); "
+                "a block whose ref_cnt reaches 0 returns to the free queue."
+            )
+        ),
     ),
     Operation(
-        "cache_full_blocks",
-        ("pool",),
-        ("block_ids", "block_hashes"),
-        spec_ops.cache_full_blocks,
-        None,
-        _branches("cache_full_blocks", "registered", "duplicate hash kept"),
-        ("AlreadyCached", "InvalidBlock", "InvalidRequest"),
-        br.reached_cache_full_blocks,
-        frozenset(_branches("cache_full_blocks", "registered", "duplicate hash kept", "AlreadyCached", "InvalidBlock")),
-        ("caching off", "bad id", "length mismatch", "named twice", "hash not bytes", "already cached", "not held"),
+        name="cache_full_blocks",
+        levels=("pool",),
+        params=("block_ids", "block_hashes"),
+        spec=spec_ops.cache_full_blocks,
+        normalize=None,
+        branches=_branches("cache_full_blocks", "registered", "duplicate hash kept"),
+        errors=("AlreadyCached", "InvalidBlock", "InvalidRequest"),
+        reached=br.reached_cache_full_blocks,
+        caching_only=frozenset(
+            _branches("cache_full_blocks", "registered", "duplicate hash kept", "AlreadyCached", "InvalidBlock")
+        ),
+        mistakes=(
+            "caching off", "bad id", "length mismatch", "named twice", "hash not bytes", "already cached", "not held"
+        ),
+        wording=Wording(
+            lambda c: f"Register full {c.blocks('block_ids')} in the hash table under {c.values('block_hashes')}."
+        ),
     ),
     Operation(
-        "get_cached_block",
-        ("pool",),
-        ("block_hash",),
-        spec_ops.get_cached_block,
-        _as_id_or_none,
-        _branches("get_cached_block", "hit", "hit a free block", "miss"),
-        ("InvalidRequest",),
-        br.reached_get_cached_block,
-        frozenset(_branches("get_cached_block", "hit", "hit a free block")),
-        ("hash not bytes",),
+        name="get_cached_block",
+        levels=("pool",),
+        params=("block_hash",),
+        spec=spec_ops.get_cached_block,
+        normalize=_as_id_or_none,
+        branches=_branches("get_cached_block", "hit", "hit a free block", "miss"),
+        errors=("InvalidRequest",),
+        reached=br.reached_get_cached_block,
+        caching_only=frozenset(_branches("get_cached_block", "hit", "hit a free block")),
+        mistakes=("hash not bytes",),
+        wording=Wording(
+            lambda c: f"Look up {c.value('block_hash')} in the hash table.",
+            lambda r: "miss: no block has this hash" if r is None else f"hit: block {r}",
+        ),
     ),
     Operation(
-        "evict_blocks",
-        ("pool", "manager"),  # the manager's: the blocks whose external load failed (KVCacheManager.evict_blocks)
-        ("block_ids",),
-        _by_level(spec_ops.evict_blocks, spec_manager.evict_blocks),
-        None,
-        _branches("evict_blocks", "dropped a held block's hash", "dropped a free block's hash", "nothing cached"),
-        ("InvalidBlock", "InvalidRequest"),
-        br.reached_evict_blocks,
-        frozenset(_branches("evict_blocks", "dropped a held block's hash", "dropped a free block's hash")),
-        ("bad id", "named twice"),
+        name="evict_blocks",
+        # the manager's: the blocks whose external load failed (KVCacheManager.evict_blocks)
+        levels=("pool", "manager"),
+        params=("block_ids",),
+        spec=_by_level(spec_ops.evict_blocks, spec_manager.evict_blocks),
+        normalize=None,
+        branches=_branches(
+            "evict_blocks", "dropped a held block's hash", "dropped a free block's hash", "nothing cached"
+        ),
+        errors=("InvalidBlock", "InvalidRequest"),
+        reached=br.reached_evict_blocks,
+        caching_only=frozenset(_branches("evict_blocks", "dropped a held block's hash", "dropped a free block's hash")),
+        mistakes=("bad id", "named twice"),
         is_optional=True,
+        wording=Wording(lambda c: f"Evict {c.blocks('block_ids')} from the prefix cache: their hashes are dropped."),
     ),
     Operation(
-        "reset_prefix_cache",
-        ("pool", "manager"),  # the manager's also records the reset in its statistics
-        (),
-        _by_level(spec_ops.reset_prefix_cache, spec_manager.reset_prefix_cache),
-        _as_bool,
-        _branches("reset_prefix_cache", "accepted", "accepted, hashes dropped", "refused, blocks held"),
-        (),
-        br.reached_reset_prefix_cache,
-        frozenset({"reset_prefix_cache: accepted, hashes dropped"}),
-        # vLLM v0's allocator has none before 0.7.0
-        is_optional=True,
+        name="reset_prefix_cache",
+        levels=("pool", "manager"),  # the manager's also records the reset in its statistics
+        params=(),
+        spec=_by_level(spec_ops.reset_prefix_cache, spec_manager.reset_prefix_cache),
+        normalize=_as_bool,
+        branches=_branches("reset_prefix_cache", "accepted", "accepted, hashes dropped", "refused, blocks held"),
+        reached=br.reached_reset_prefix_cache,
+        caching_only=frozenset({"reset_prefix_cache: accepted, hashes dropped"}),
+        is_optional=True,  # vLLM v0's allocator has none before 0.7.0
+        wording=Wording(
+            lambda c: "Drop every hash from the prefix cache (refused while any block is held).",
+            lambda r: "accepted: every hash dropped" if r is True else "refused: a block is still held",
+        ),
     ),
     Operation(
-        "is_block_writable",
-        ("pool",),
-        ("block_id",),
-        spec_ops.is_block_writable,
-        _as_bool,
-        _branches("is_block_writable", "yes", "no"),
-        ("InvalidBlock",),
-        br.reached_is_block_writable,
+        name="is_block_writable",
+        levels=("pool",),
+        params=("block_id",),
+        spec=spec_ops.is_block_writable,
+        normalize=_as_bool,
+        branches=_branches("is_block_writable", "yes", "no"),
+        errors=("InvalidBlock",),
+        reached=br.reached_is_block_writable,
         mistakes=("bad id",),
         is_optional=True,
+        wording=Wording(
+            lambda c: f"Ask whether block {c['block_id']} may be written.",
+            lambda r: "yes, writable" if r is True else "no, not writable",
+        ),
     ),
     Operation(
-        "get_num_free_blocks",
-        ("pool",),
-        (),
-        spec_ops.get_num_free_blocks,
-        as_id,
-        ("get_num_free_blocks",),
+        name="get_num_free_blocks",
+        levels=("pool",),
+        params=(),
+        spec=spec_ops.get_num_free_blocks,
+        normalize=as_id,
+        branches=("get_num_free_blocks",),
         reached=br.reached_itself("get_num_free_blocks"),
         is_optional=True,
+        wording=Wording(lambda c: "Count the free blocks.", lambda r: f"{r} free"),
     ),
     Operation(
-        "get_usage",
-        ("pool",),
-        (),
-        spec_ops.get_usage,
-        _as_float,
-        ("get_usage",),
+        name="get_usage",
+        levels=("pool",),
+        params=(),
+        spec=spec_ops.get_usage,
+        normalize=_as_float,
+        branches=("get_usage",),
         reached=br.reached_itself("get_usage"),
         is_optional=True,
         same_result=_close,
+        wording=Wording(
+            lambda c: "Ask what fraction of the pool is in use.",
+            lambda r: f"{r:.6g} in use" if isinstance(r, (int, float)) else None,
+        ),
     ),
     Operation(
-        "get_computed_blocks",
-        ("manager",),
-        ("request", "max_cache_hit_length"),
-        spec_manager.get_computed_blocks,
-        _as_hit,
-        (
+        name="get_computed_blocks",
+        levels=("manager",),
+        params=("request", "max_cache_hit_length"),
+        spec=spec_manager.get_computed_blocks,
+        normalize=_as_hit,
+        branches=(
             *_branches("get_computed_blocks", "miss", "hit", "hit a free block", "hit capped at len - 1"),
             *_GROUP_HITS,
         ),
-        ("InvalidRequest",),
-        br.reached_get_computed_blocks,
-        frozenset(
+        errors=("InvalidRequest",),
+        reached=br.reached_get_computed_blocks,
+        caching_only=frozenset(
             (*_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS)
         ),
-        ("no tokens", "no id", "misplaced images", "already running", "bad hit cap"),
+        mistakes=("no tokens", "no id", "misplaced images", "already running", "bad hit cap"),
         layout_only=_GROUP_HITS,
         defaults=(None,),  # max_cache_hit_length: no cap but the last token
+        wording=Wording(
+            lambda c: f"Look up the longest cached prefix of request {c.request_id('request')}.",
+            lambda r: (
+                (f"hit {blocks(r[0])}: {plural(r[1], 'token')}" if r[0] else "no hit")
+                if isinstance(r, list) and len(r) == 2
+                else None
+            ),
+        ),
     ),
     Operation(
-        "allocate_slots",
-        ("manager",),
-        (
+        name="allocate_slots",
+        levels=("manager",),
+        params=(
             "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
             "num_external_computed_tokens", "delay_cache_blocks",
-        ),
-        spec_manager.allocate_slots,
-        _as_ids_or_none,
-        _branches(
+        ),  # fmt: skip
+        spec=spec_manager.allocate_slots,
+        normalize=_as_ids_or_none,
+        branches=_branches(
             "allocate_slots",
             "admitted",
             "admitted with a prefix hit",
@@ -343,9 +422,9 @@ _TABLE: tuple[Operation, ...] = (
             "too few free blocks",
             "registration delayed for an external load",
         ) + tuple(_GROUP_STEPS),
-        ("InvalidRequest", "InvalidBlock"),
-        br.reached_allocate_slots,
-        frozenset(
+        errors=("InvalidRequest", "InvalidBlock"),
+        reached=br.reached_allocate_slots,
+        caching_only=frozenset(
             _branches(
                 "allocate_slots",
                 "admitted with a prefix hit",
@@ -355,7 +434,7 @@ _TABLE: tuple[Operation, ...] = (
                 "InvalidBlock",
             )
         ),
-        (
+        mistakes=(
             "no tokens",
             "no id",
             "misplaced images",
@@ -371,34 +450,44 @@ _TABLE: tuple[Operation, ...] = (
         ),
         layout_only=_GROUP_STEPS,
         defaults=(False,),  # delay_cache_blocks: the external tokens (if any) are loaded within the step
+        wording=Wording(_allocate_slots_asks, _allocate_slots_answer, quiet_tail=(0, [], 0)),
     ),
     Operation(
-        "cache_blocks",
-        ("manager",),  # the scheduler's, once an asynchronous external load is done
-        ("request", "num_computed_tokens"),
-        spec_manager.cache_blocks,
-        None,
-        _branches("cache_blocks", "loaded blocks registered", "nothing new to register"),
-        ("InvalidRequest",),
-        br.reached_cache_blocks,
-        frozenset({"cache_blocks: loaded blocks registered"}),
-        ("not running", "tokens out of range"),
+        name="cache_blocks",
+        levels=("manager",),  # the scheduler's, once an asynchronous external load is done
+        params=("request", "num_computed_tokens"),
+        spec=spec_manager.cache_blocks,
+        normalize=None,
+        branches=_branches("cache_blocks", "loaded blocks registered", "nothing new to register"),
+        errors=("InvalidRequest",),
+        reached=br.reached_cache_blocks,
+        caching_only=frozenset({"cache_blocks: loaded blocks registered"}),
+        mistakes=("not running", "tokens out of range"),
         is_optional=True,
+        wording=Wording(
+            lambda c: (
+                f"Request {c.request_id('request')}'s external load is done: its blocks full within its first "
+                f"{c.count('num_computed_tokens', 'token')} are registered in the hash table."
+            )
+        ),
     ),
     Operation(
-        "free",
-        ("manager",),
-        ("request_id",),
-        spec_manager.free,
-        None,
-        (
+        name="free",
+        levels=("manager",),
+        params=("request_id",),
+        spec=spec_manager.free,
+        normalize=None,
+        branches=(
             *_branches("free", "request finished", "request preempted", "shared blocks kept"),
             "readmitted after preemption",
         ),
-        ("InvalidRequest",),
-        br.reached_free,
-        frozenset({"free: shared blocks kept"}),
-        ("not running",),
+        errors=("InvalidRequest",),
+        reached=br.reached_free,
+        caching_only=frozenset({"free: shared blocks kept"}),
+        mistakes=("not running",),
+        wording=Wording(
+            lambda c: f"Request {c['request_id']} finishes (or is preempted): its blocks are released tail first."
+        ),
     ),
 )
 
