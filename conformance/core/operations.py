@@ -26,6 +26,18 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from kvspec.conformance.core import branches as br
+from kvspec.conformance.core.mistakes import (
+    BAD_ID,
+    CONTRACT_HASHES,
+    REQUEST,
+    REQUEST_MISTAKES,
+    Cases,
+    Change,
+    append_to,
+    manager_state,
+    pool_state,
+    set_to,
+)
 from kvspec.conformance.core.wording import CallText, Wording, blocks, plural
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
@@ -139,13 +151,20 @@ class Operation:
     errors: tuple[str, ...] = ()  # the spec error types a caller mistake raises ("<name>: <error>" branches)
     reached: Reached = br.reached_nothing  # which branches a step that returned normally reached
     caching_only: frozenset[str] = frozenset()  # branches (outcomes or errors) only prefix caching reaches
-    mistakes: tuple[str, ...] = ()  # the caller mistakes the machine makes ("<name>: <mistake>")
+    # The caller mistakes the machine makes ("<name>: <mistake>"): a valid call and the change that makes each
+    # mistake, from which the error contract is computed (kvspec.conformance.core.mistakes); None: every call is valid.
+    cases: Cases | None = None
     is_optional: bool = False  # an adapter may lack it (an old vLLM has no evict_blocks)
     same_result: Callable[[Any, Any], bool] = operator.eq  # spec and implementation results in normal form
     # Branches only some KV cache group layouts reach: branch -> whether a layout ("full,sliding:8") does.
     layout_only: Mapping[str, Callable[[str], bool]] = field(default_factory=lambda: MappingProxyType({}))
     # Values of trailing parameters a trace written before they existed leaves out (read back as these).
     defaults: tuple[Any, ...] = ()
+
+    @property
+    def mistakes(self) -> tuple[str, ...]:
+        """The names of the operation's caller mistakes (its cases'), in the contract's order."""
+        return () if self.cases is None else tuple(self.cases.mistakes)
 
     def all_branches(self) -> tuple[str, ...]:
         """Every branch of the operation: its outcomes, then one per error type."""
@@ -220,7 +239,12 @@ _TABLE: tuple[Operation, ...] = (
         errors=("PoolExhausted", "InvalidRequest"),
         reached=br.reached_get_new_blocks,
         caching_only=frozenset({"get_new_blocks: evicted a cached block"}),
-        mistakes=("more than free", "bad count"),
+        cases=Cases(
+            pool_state,
+            {"caching": True, "num_blocks": 2},
+            {"bad count": set_to(num_blocks=-1), "more than free": set_to(num_blocks=5)},
+            {frozenset({"bad count", "more than free"}): set_to(num_blocks=9.5)},
+        ),
         wording=Wording(
             lambda c: (
                 f"Take {c.count('num_blocks', 'block')} from the left end of the free queue "
@@ -239,7 +263,12 @@ _TABLE: tuple[Operation, ...] = (
         errors=("InvalidBlock", "InvalidRequest"),
         reached=br.reached_touch,
         caching_only=frozenset({"touch: hit a free block", "touch: hit a held block", "touch: InvalidRequest"}),
-        mistakes=("named twice", "bad id", "no hash"),
+        cases=Cases(
+            pool_state,
+            {"caching": True, "block_ids": (1,)},
+            {"bad id": append_to(block_ids=(BAD_ID,)), "named twice": append_to(block_ids=(1,)),
+             "no hash": append_to(block_ids=(2,))},
+        ),
         wording=Wording(
             lambda c: f"A prefix hit takes a reference on {c.blocks('block_ids')}; a free one leaves the free queue."
         ),
@@ -256,7 +285,12 @@ _TABLE: tuple[Operation, ...] = (
         errors=("DoubleFree", "InvalidBlock", "InvalidRequest"),
         reached=br.reached_free_blocks,
         caching_only=frozenset({"free_blocks: still held by another"}),  # only a touch shares a block
-        mistakes=("double free", "bad id", "named twice"),
+        cases=Cases(
+            pool_state,
+            {"caching": True, "block_ids": (2,)},
+            {"bad id": append_to(block_ids=(BAD_ID,)), "named twice": append_to(block_ids=(2,)),
+             "double free": append_to(block_ids=(5,))},
+        ),
         wording=Wording(
             lambda c: (
                 f"Release {c.blocks('block_ids')} in this order (a request's blocks come tail first); "
@@ -276,8 +310,28 @@ _TABLE: tuple[Operation, ...] = (
         caching_only=frozenset(
             _branches("cache_full_blocks", "registered", "duplicate hash kept", "AlreadyCached", "InvalidBlock")
         ),
-        mistakes=(
-            "caching off", "bad id", "length mismatch", "named twice", "hash not bytes", "already cached", "not held"
+        cases=Cases(
+            pool_state,
+            {"caching": True, "block_ids": (2,), "block_hashes": (CONTRACT_HASHES[2],)},
+            {
+                "caching off": set_to(caching=False),
+                "length mismatch": append_to(block_hashes=(CONTRACT_HASHES[3],)),
+                "bad id": append_to(block_ids=(BAD_ID,), block_hashes=(CONTRACT_HASHES[4],)),
+                "named twice": append_to(block_ids=(2,), block_hashes=(CONTRACT_HASHES[5],)),
+                "hash not bytes": append_to(block_ids=(3,), block_hashes=("contract-6",)),
+                "not held": append_to(block_ids=(5,), block_hashes=(CONTRACT_HASHES[6],)),
+                "already cached": append_to(block_ids=(1,), block_hashes=(CONTRACT_HASHES[7],)),
+            },
+            {
+                frozenset({"hash not bytes", "not held"}): append_to(block_ids=(5,), block_hashes=("contract-6",)),
+                frozenset({"hash not bytes", "already cached"}): append_to(
+                    block_ids=(1,), block_hashes=("contract-6",)
+                ),
+                # block 4 is free and has a hash
+                frozenset({"not held", "already cached"}): append_to(
+                    block_ids=(4,), block_hashes=(CONTRACT_HASHES[6],)
+                ),
+            },
         ),
         wording=Wording(
             lambda c: f"Register full {c.blocks('block_ids')} in the hash table under {c.values('block_hashes')}."
@@ -293,7 +347,11 @@ _TABLE: tuple[Operation, ...] = (
         errors=("InvalidRequest",),
         reached=br.reached_get_cached_block,
         caching_only=frozenset(_branches("get_cached_block", "hit", "hit a free block")),
-        mistakes=("hash not bytes",),
+        cases=Cases(
+            pool_state,
+            {"caching": True, "block_hash": CONTRACT_HASHES[0]},
+            {"hash not bytes": set_to(block_hash="contract-0")},
+        ),
         wording=Wording(
             lambda c: f"Look up {c.value('block_hash')} in the hash table.",
             lambda r: "miss: no block has this hash" if r is None else f"hit: block {r}",
@@ -312,7 +370,11 @@ _TABLE: tuple[Operation, ...] = (
         errors=("InvalidBlock", "InvalidRequest"),
         reached=br.reached_evict_blocks,
         caching_only=frozenset(_branches("evict_blocks", "dropped a held block's hash", "dropped a free block's hash")),
-        mistakes=("bad id", "named twice"),
+        cases=Cases(
+            pool_state,
+            {"caching": True, "block_ids": (1,)},
+            {"bad id": append_to(block_ids=(BAD_ID,)), "named twice": append_to(block_ids=(1,))},
+        ),
         is_optional=True,
         wording=Wording(lambda c: f"Evict {c.blocks('block_ids')} from the prefix cache: their hashes are dropped."),
     ),
@@ -340,7 +402,7 @@ _TABLE: tuple[Operation, ...] = (
         branches=_branches("is_block_writable", "yes", "no"),
         errors=("InvalidBlock",),
         reached=br.reached_is_block_writable,
-        mistakes=("bad id",),
+        cases=Cases(pool_state, {"caching": True, "block_id": 2}, {"bad id": set_to(block_id=BAD_ID)}),
         is_optional=True,
         wording=Wording(
             lambda c: f"Ask whether block {c['block_id']} may be written.",
@@ -388,7 +450,15 @@ _TABLE: tuple[Operation, ...] = (
         caching_only=frozenset(
             (*_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS)
         ),
-        mistakes=("no tokens", "no id", "misplaced images", "already running", "bad hit cap"),
+        cases=Cases(
+            manager_state,
+            REQUEST,
+            {
+                **REQUEST_MISTAKES,
+                "already running": set_to(running=True),
+                "bad hit cap": set_to(max_cache_hit_length=-1),
+            },
+        ),
         layout_only=_GROUP_HITS,
         defaults=(None,),  # max_cache_hit_length: no cap but the last token
         wording=Wording(
@@ -434,19 +504,31 @@ _TABLE: tuple[Operation, ...] = (
                 "InvalidBlock",
             )
         ),
-        mistakes=(
-            "no tokens",
-            "no id",
-            "misplaced images",
-            "no tokens scheduled",
-            "bad count",
-            "more tokens than the request has",
-            "hit count mismatch",
-            "hit longer than the request",
-            "hit on a running request",
-            "wrong hit block",
-            "hit without caching",
-            "delay without an external load",
+        cases=Cases(
+            manager_state,
+            # r's first step: its hit on a's two cached blocks, and its last token
+            {**REQUEST, "num_new_tokens": 1, "num_new_computed_tokens": 4, "new_computed_blocks": (1, 2),
+             "num_external_computed_tokens": 0, "delay_cache_blocks": False},
+            {
+                **REQUEST_MISTAKES,
+                "bad count": set_to(num_external_computed_tokens=-1),
+                "delay without an external load": set_to(delay_cache_blocks=True),
+                "no tokens scheduled": set_to(num_new_tokens=0),
+                "hit on a running request": set_to(running=True),
+                "hit count mismatch": set_to(num_new_computed_tokens=2),
+                "hit without caching": set_to(caching=False),
+                "hit longer than the request": Change(
+                    sets={"num_new_computed_tokens": 6}, appends={"new_computed_blocks": (3,)}
+                ),
+                "wrong hit block": set_to(new_computed_blocks=(2, 1)),
+                "more tokens than the request has": set_to(num_new_tokens=2),
+            },
+            {
+                # three hit blocks, the first of them wrong
+                frozenset({"hit longer than the request", "wrong hit block"}): set_to(
+                    num_new_computed_tokens=6, new_computed_blocks=(2, 1, 3)
+                ),
+            },
         ),
         layout_only=_GROUP_STEPS,
         defaults=(False,),  # delay_cache_blocks: the external tokens (if any) are loaded within the step
@@ -462,7 +544,13 @@ _TABLE: tuple[Operation, ...] = (
         errors=("InvalidRequest",),
         reached=br.reached_cache_blocks,
         caching_only=frozenset({"cache_blocks: loaded blocks registered"}),
-        mistakes=("not running", "tokens out of range"),
+        cases=Cases(
+            manager_state,
+            # r runs with one token computed, none of it registered
+            {**REQUEST, "running": True, "num_computed_tokens": 1},
+            # a finished
+            {"not running": set_to(request_id="a"), "tokens out of range": set_to(num_computed_tokens=2)},
+        ),
         is_optional=True,
         wording=Wording(
             lambda c: (
@@ -484,7 +572,11 @@ _TABLE: tuple[Operation, ...] = (
         errors=("InvalidRequest",),
         reached=br.reached_free,
         caching_only=frozenset({"free: shared blocks kept"}),
-        mistakes=("not running",),
+        cases=Cases(
+            manager_state,
+            {"caching": True, "running": True, "request_id": "r"},
+            {"not running": set_to(request_id="a")},  # a finished
+        ),
         wording=Wording(
             lambda c: f"Request {c['request_id']} finishes (or is preempted): its blocks are released tail first."
         ),
