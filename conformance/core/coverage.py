@@ -53,11 +53,6 @@ _EVENTS_CACHING_ONLY = frozenset({
 })  # fmt: skip
 # The adapter method each of them is read through: absent, its branches cannot be reached.
 _READ_THROUGH = {"events": "take_events", "stats": "prefix_cache_stats"}
-# Branches only a feature of an operation reaches (a parameter an adapter may not take): a feature the
-# adapter declares not applicable (LockStep names it "<feature>: not applicable, ...") rules them out.
-_FEATURE_BRANCHES = {
-    "asynchronous external load": ("allocate_slots: registration delayed for an external load",),
-}
 
 
 def expected_branches(
@@ -155,7 +150,9 @@ def reachable_branches(
     """
     skipped_ops = {m.split(": ", 1)[0] for m in not_exercised}
     absent = set(absent_ops)
-    without = {b for feature, bs in _FEATURE_BRANCHES.items() if feature in skipped_ops for b in bs}
+    # Branches only a feature of an operation reaches (a parameter an adapter may not take, the table's
+    # `features`): one the adapter does not take (LockStep names it "<feature>: not applicable, ...") rules them out.
+    without = {b for op in level_operations(level) for f in op.features if f.name in skipped_ops for b in f.branches}
 
     def ruled_out(branch: str) -> bool:
         op = branch_operation(branch, level)

@@ -638,7 +638,7 @@ class ManagerMachine(_LockStepMachine):
                         "no id",
                         *(["misplaced images"] if self._images else []),
                         *(["already running"] if self.requests else []),
-                        *(["bad hit cap"] if self._lock.takes_hit_cap else []),
+                        *(["bad hit cap"] if self._lock.takes("max_cache_hit_length") else []),
                     )
                 )
             ),
@@ -663,7 +663,7 @@ class ManagerMachine(_LockStepMachine):
 
     def _hit_cap(self, request: Request, data: st.DataObject) -> int | None:
         """The scheduler's cap on the local hit (an external connector's), where the adapter takes one."""
-        if not self._lock.takes_hit_cap:
+        if not self._lock.takes("max_cache_hit_length"):
             return None
         return data.draw(strat.hit_caps(len(request.token_ids)), label="max_cache_hit_length")
 
@@ -679,7 +679,9 @@ class ManagerMachine(_LockStepMachine):
         remaining = len(request.token_ids) - num_hit
         ext = 0 if whole else data.draw(strat.external_tokens(remaining - 1), label="num_external_computed_tokens")
         # An asynchronous load: blocks for the external tokens now, no token computed, registered when it is done.
-        delayed = ext > 0 and self._lock.takes_delayed_load and data.draw(st.booleans(), label="load in background")
+        delayed = (
+            ext > 0 and self._lock.takes("delay_cache_blocks") and data.draw(st.booleans(), label="load in background")
+        )
         left = remaining - ext
         chunk = 0 if delayed else left if whole else data.draw(_chunk(left), label="num_new_tokens")
         out = self._call("allocate_slots", request, chunk, num_hit, blocks, ext, delayed)
@@ -704,7 +706,7 @@ class ManagerMachine(_LockStepMachine):
         mistakes += ["hit on a running request"] if self.requests else []
         caching = ["wrong hit block", "hit longer than the request"]
         mistakes += caching if self.enable_caching else ["hit without caching"]
-        mistakes += ["delay without an external load"] if self._lock.takes_delayed_load else []
+        mistakes += ["delay without an external load"] if self._lock.takes("delay_cache_blocks") else []
         kind = data.draw(_sampled(_kinds(*self._mistakes("allocate_slots", *mistakes))), label="call")
         request = replace(prompt, request_id=self._new_id())
         if kind == VALID:

@@ -42,14 +42,18 @@ from kvspec.conformance.core.wording import CallText, Wording, blocks, plural
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.attention import parse_groups
-from kvspec.spec.state import Snapshot
+from kvspec.spec.manager import Request
+from kvspec.spec.state import BlockHash, Snapshot
 from kvspec.spec.step import Step
 
 __all__ = [
     "OPERATIONS",
     "BadResult",
+    "Feature",
+    "HitReached",
     "Level",
     "Operation",
+    "all_args",
     "level_operations",
     "operation_added",
     "optional_operations",
@@ -58,6 +62,8 @@ __all__ = [
 
 Level = Literal["pool", "manager"]
 Reached = Callable[[Sequence[Any], Snapshot, Snapshot, Any], list[str]]
+# (request, block size, the spec before, the hit in normal form, the request's chain, whether the coordinator cut it)
+HitReached = Callable[[Request, int, Snapshot, Any, Sequence[BlockHash], bool], list[str]]
 
 
 class BadResult(Exception):
@@ -135,6 +141,16 @@ def _close(a: Any, b: Any) -> bool:
 # --- the table ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Feature:
+    """A trailing parameter some adapters do not take (one vLLM added later, or an external connector's)."""
+
+    param: str  # the parameter's name
+    default: Any  # its value when left out: a call without it, a trace written before it existed
+    name: str  # what the summary calls it when the adapter does not take it ("connector hit cap")
+    branches: tuple[str, ...] = ()  # branches only a call that uses it reaches
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Operation:
     """One adapter method, as the harness drives, records, compares and covers it."""
@@ -158,8 +174,20 @@ class Operation:
     same_result: Callable[[Any, Any], bool] = operator.eq  # spec and implementation results in normal form
     # Branches only some KV cache group layouts reach: branch -> whether a layout ("full,sliding:8") does.
     layout_only: Mapping[str, Callable[[str], bool]] = field(default_factory=lambda: MappingProxyType({}))
-    # Values of trailing parameters a trace written before they existed leaves out (read back as these).
-    defaults: tuple[Any, ...] = ()
+    # Trailing parameters some adapters do not take (each with its default, in parameter order).
+    features: tuple[Feature, ...] = ()
+    # For an operation that returns a prefix hit: the hit's branches that need the request's chain. The lock-step
+    # core also checks the hit rules on its result and reads its blocks' KV back.
+    hit_reached: HitReached | None = None
+    # It answers from a count an implementation may keep beside its queue: a replica is asked it before and
+    # after a state-changing mistake, since such a count can go wrong alone.
+    is_count: bool = False
+
+    @property
+    def defaults(self) -> tuple[Any, ...]:
+        """The values of the trailing parameters an adapter may not take (a trace written before they existed
+        leaves them out; they are read back as these)."""
+        return tuple(f.default for f in self.features)
 
     @property
     def mistakes(self) -> tuple[str, ...]:
@@ -417,6 +445,7 @@ _TABLE: tuple[Operation, ...] = (
         normalize=as_id,
         branches=("get_num_free_blocks",),
         reached=br.reached_itself("get_num_free_blocks"),
+        is_count=True,
         is_optional=True,
         wording=Wording(lambda c: "Count the free blocks.", lambda r: f"{r} free"),
     ),
@@ -430,6 +459,7 @@ _TABLE: tuple[Operation, ...] = (
         reached=br.reached_itself("get_usage"),
         is_optional=True,
         same_result=_close,
+        is_count=True,
         wording=Wording(
             lambda c: "Ask what fraction of the pool is in use.",
             lambda r: f"{r:.6g} in use" if isinstance(r, (int, float)) else None,
@@ -460,7 +490,8 @@ _TABLE: tuple[Operation, ...] = (
             },
         ),
         layout_only=_GROUP_HITS,
-        defaults=(None,),  # max_cache_hit_length: no cap but the last token
+        features=(Feature("max_cache_hit_length", None, "connector hit cap"),),  # None: no cap but the last token
+        hit_reached=br.hit_reached_get_computed_blocks,
         wording=Wording(
             lambda c: f"Look up the longest cached prefix of request {c.request_id('request')}.",
             lambda r: (
@@ -531,7 +562,15 @@ _TABLE: tuple[Operation, ...] = (
             },
         ),
         layout_only=_GROUP_STEPS,
-        defaults=(False,),  # delay_cache_blocks: the external tokens (if any) are loaded within the step
+        # False: the external tokens (if any) are loaded within the step
+        features=(
+            Feature(
+                "delay_cache_blocks",
+                False,
+                "asynchronous external load",
+                ("allocate_slots: registration delayed for an external load",),
+            ),
+        ),
         wording=Wording(_allocate_slots_asks, _allocate_slots_answer, quiet_tail=(0, [], 0)),
     ),
     Operation(
@@ -606,6 +645,19 @@ def operation_added(operation: Operation) -> Iterator[Operation]:
         yield operation
     finally:
         del _BY_NAME[operation.name]
+
+
+def all_args(operation: Operation, args: Sequence[Any]) -> tuple[Any, ...]:
+    """Every argument of a call, the trailing ones left out at their defaults (a trace records them all).
+
+    >>> all_args(OPERATIONS["get_computed_blocks"], ("r",))
+    ('r', None)
+    """
+    missing = len(operation.params) - len(args)
+    if 0 < missing <= len(operation.defaults):  # trailing parameters with defaults may be left out
+        args = (*args, *operation.defaults[len(operation.defaults) - missing :])
+    assert len(args) == len(operation.params), f"{operation.name} takes {operation.params}; got {len(args)} arguments"
+    return tuple(args)
 
 
 def level_operations(level: str) -> tuple[Operation, ...]:
