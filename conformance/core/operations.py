@@ -25,7 +25,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+from hypothesis import strategies as st
+
 from kvspec.conformance.core import branches as br
+from kvspec.conformance.core import strategies as strat
 from kvspec.conformance.core.mistakes import (
     BAD_ID,
     CONTRACT_HASHES,
@@ -43,17 +46,19 @@ from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.attention import parse_groups
 from kvspec.spec.manager import Request
-from kvspec.spec.state import BlockHash, Snapshot
+from kvspec.spec.state import BlockHash, PoolState, Snapshot
 from kvspec.spec.step import Step
 
 __all__ = [
     "OPERATIONS",
     "BadResult",
+    "Draw",
     "Feature",
     "HitReached",
     "Level",
     "Operation",
     "all_args",
+    "draw_block_id",
     "level_operations",
     "operation_added",
     "optional_operations",
@@ -141,6 +146,44 @@ def _close(a: Any, b: Any) -> bool:
 # --- the table ----------------------------------------------------------------------------
 
 
+def _always(state: Any, enable_caching: bool) -> bool:
+    return True
+
+
+def _no_mistakes(state: Any) -> tuple[str, ...]:
+    return ()
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """How the machine draws a call of an operation whose rule is only "draw the arguments, call".
+
+    The machine of each level the operation belongs to gets a rule named
+    after it, generated from this (kvspec.conformance.core.machine); a level
+    whose machine has a hand-written rule of that name (one that carries
+    logic of its own: a scheduler's sequence of calls, a bundle) keeps it.
+    The rule runs while the adapter has the operation and `when` holds;
+    it draws the kind of call (valid about three times in four, else one of
+    `mistakes`, each checked against the adapter's declared reaction), then
+    the arguments for that kind.
+    """
+
+    when: Callable[[Any, bool], bool] = _always  # (spec state, caching on) -> whether the rule may run
+    mistakes: Callable[[Any], tuple[str, ...]] = _no_mistakes  # spec state -> the mistakes that can be made in it
+    # (spec state, kind of call drawn, Hypothesis data) -> the arguments; None: no arguments, nothing drawn.
+    args: Callable[[Any, str, st.DataObject], tuple[Any, ...]] | None = None
+
+
+def draw_block_id(state: PoolState, kind: str, data: st.DataObject) -> tuple[Any, ...]:
+    """One block id: a held block or any block for a valid call, else one that names no usable block
+    (any but the null block, which some questions accept)."""
+    n = state.num_gpu_blocks
+    held = [b for b in range(1, n) if state.ref_cnt[b] > 0]
+    valid = strat.one_of(strat.sampled(held), st.integers(0, n - 1)) if held else st.integers(0, n - 1)
+    bad = strat.sampled(tuple(b for b in strat.bad_block_id_values(n) if b != 0))
+    return (data.draw(valid if kind == strat.VALID else bad, label="block_id"),)
+
+
 @dataclass(frozen=True, slots=True)
 class Feature:
     """A trailing parameter some adapters do not take (one vLLM added later, or an external connector's)."""
@@ -182,6 +225,7 @@ class Operation:
     # It answers from a count an implementation may keep beside its queue: a replica is asked it before and
     # after a state-changing mistake, since such a count can go wrong alone.
     is_count: bool = False
+    draw: Draw | None = None  # how the machine draws it, where its rule is only "draw the arguments, call"
 
     @property
     def defaults(self) -> tuple[Any, ...]:
@@ -416,6 +460,10 @@ _TABLE: tuple[Operation, ...] = (
         reached=br.reached_reset_prefix_cache,
         caching_only=frozenset({"reset_prefix_cache: accepted, hashes dropped"}),
         is_optional=True,  # vLLM v0's allocator has none before 0.7.0
+        # A reset of an empty cache changes nothing whatever the answer; skipping it keeps resets from crowding
+        # out the rules that build state. Without caching the answer (refused while blocks are held) is all there
+        # is to check. (The request level's rule finishes every request first: hand-written.)
+        draw=Draw(when=lambda state, enable_caching: not enable_caching or bool(state.hash_to_blocks)),
         wording=Wording(
             lambda c: "Drop every hash from the prefix cache (refused while any block is held).",
             lambda r: "accepted: every hash dropped" if r is True else "refused: a block is still held",
@@ -430,6 +478,7 @@ _TABLE: tuple[Operation, ...] = (
         branches=_branches("is_block_writable", "yes", "no"),
         errors=("InvalidBlock",),
         reached=br.reached_is_block_writable,
+        draw=Draw(mistakes=lambda state: ("bad id",), args=draw_block_id),
         cases=Cases(pool_state, {"caching": True, "block_id": 2}, {"bad id": set_to(block_id=BAD_ID)}),
         is_optional=True,
         wording=Wording(
