@@ -18,7 +18,6 @@ from kvspec.conformance.core.operations import OPERATIONS, level_operations
 from kvspec.conformance.core.results import Outcome
 from kvspec.spec.attention import parse_groups
 from kvspec.spec.errors import InvalidRequest
-from kvspec.spec.ordering import is_profile, profile_rule
 from kvspec.spec.state import Snapshot
 
 __all__ = [
@@ -84,20 +83,12 @@ def _operation_branches(level: str, enable_caching: bool, profile: str, groups: 
         groups = "full"  # a run refused for its layout expects what one full-attention group reaches
     names = tuple(
         b for op in level_operations(level) for b in op.all_branches()
-        if b not in op.layout_only or groups == "drawn" or op.layout_only[b](groups)
+        if (b not in op.layout_only or groups == "drawn" or op.layout_only[b](groups))
+        and (b not in op.profile_only or op.profile_only[b](profile, enable_caching))
     )  # fmt: skip
-    if is_profile(profile) and profile_rule(profile).keyed:  # first fit and keys: a freed block may land anywhere
-        caching_only = {b for op in level_operations(level) for b in op.caching_only}
-        return names if enable_caching else tuple(n for n in names if n not in caching_only)
-    names = tuple(n for n in names if n != "free_blocks: between free blocks")  # a queue policy uses its ends
     if not enable_caching:
         caching_only = {b for op in level_operations(level) for b in op.caching_only}
         names = tuple(n for n in names if n not in caching_only)
-        # Without hashes every freed block goes to the same end.
-        end = "free_blocks: to the right end" if profile == "vllm-v1" else "free_blocks: to the left end"
-        names = tuple(n for n in names if n != end)
-    elif profile != "vllm-v1":
-        names = tuple(n for n in names if n != "free_blocks: to the left end")
     return names
 
 

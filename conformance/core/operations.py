@@ -46,6 +46,7 @@ from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
 from kvspec.spec.attention import parse_groups
 from kvspec.spec.manager import Request
+from kvspec.spec.ordering import is_profile, profile_rule
 from kvspec.spec.state import BlockHash, PoolState, Snapshot
 from kvspec.spec.step import Step
 
@@ -217,6 +218,8 @@ class Operation:
     same_result: Callable[[Any, Any], bool] = operator.eq  # spec and implementation results in normal form
     # Branches only some KV cache group layouts reach: branch -> whether a layout ("full,sliding:8") does.
     layout_only: Mapping[str, Callable[[str], bool]] = field(default_factory=lambda: MappingProxyType({}))
+    # Branches only some eviction profiles reach: branch -> whether (profile, caching on) does.
+    profile_only: Mapping[str, Callable[[str, bool], bool]] = field(default_factory=lambda: MappingProxyType({}))
     # Trailing parameters some adapters do not take (each with its default, in parameter order).
     features: tuple[Feature, ...] = ()
     # For an operation that returns a prefix hit: the hit's branches that need the request's chain. The lock-step
@@ -268,6 +271,23 @@ def _hybrid(groups: str) -> bool:
     """Whether a layout has two attention types, one of them skipping: the coordinator can cut a hit."""
     kinds = set(parse_groups(groups))
     return len(kinds) > 1 and any(g.skips for g in kinds)
+
+
+def _keyed(profile: str) -> bool:
+    """Whether a profile orders the free blocks by a key (first fit): a freed block may land anywhere."""
+    return is_profile(profile) and profile_rule(profile).keyed
+
+
+# Where a freed block joins the free queue: a keyed profile puts it where its key falls, so anywhere; a queue
+# policy at one of the ends, and which ends a configuration reaches depends on its profile and on caching
+# (without hashes every freed block goes to the same end).
+_FREE_ENDS = MappingProxyType({
+    "free_blocks: to the left end": lambda profile, enable_caching: _keyed(profile) or profile == "vllm-v1",
+    "free_blocks: to the right end": (
+        lambda profile, enable_caching: _keyed(profile) or enable_caching or profile != "vllm-v1"
+    ),
+    "free_blocks: between free blocks": lambda profile, enable_caching: _keyed(profile),
+})  # fmt: skip
 
 
 _GROUP_HITS = MappingProxyType({
@@ -357,6 +377,7 @@ _TABLE: tuple[Operation, ...] = (
         errors=("DoubleFree", "InvalidBlock", "InvalidRequest"),
         reached=br.reached_free_blocks,
         caching_only=frozenset({"free_blocks: still held by another"}),  # only a touch shares a block
+        profile_only=_FREE_ENDS,
         cases=Cases(
             pool_state,
             {"caching": True, "block_ids": (2,)},
