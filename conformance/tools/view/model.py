@@ -439,15 +439,7 @@ def _view_step(
         or _events_words(s["spec_outcome"], names.of_spec) != _events_words(impl_outcome, names.of_impl)
     ):
         differences["fields"].insert(0, "result")
-    if op is None:
-        call, words = None, None
-        caption = s["caption"] or (
-            "initial state: every block but the null block is free, in id order" if i == 0 else f"step {i}"
-        )
-    else:
-        call = _call(op, s["args"], names, bs)
-        words = _op_words(op, s["args"], names)
-        caption = s["caption"] or call
+    call, words, caption = _step_text(i, s, names, bs)
     return {
         "index": i,
         "op": op,
@@ -466,16 +458,33 @@ def _view_step(
         "spec_recomputed": bool(s.get("spec_recomputed")),
         "changed": {"spec": _changed(before[0], spec_state), "impl": _changed(before[1], impl_state)},
         "differences": differences,
-        "evicted": {
-            side: sorted(
-                {e[0] for e in (before[k] or {}).get("hash_table", [])}
-                - {e[0] for e in (states[i][k] or {}).get("hash_table", [])},
-                key=_natural,
-            )
-            for k, side in ((0, "spec"), (1, "impl"))
-        },
+        "evicted": _evicted(before, states[i]),
         "computed_tokens": dict(s.get("computed_tokens") or {}),
         "is_failure": i == bad,
+    }
+
+
+def _step_text(i: int, s: Mapping[str, Any], names: _HashNames, bs: int) -> tuple[str | None, str | None, str]:
+    """The step's call, what it asks in words (its operation's entry), and its caption."""
+    op = s["op"]
+    if op is None:
+        caption = s["caption"] or (
+            "initial state: every block but the null block is free, in id order" if i == 0 else f"step {i}"
+        )
+        return None, None, caption
+    call = _call(op, s["args"], names, bs)
+    return call, _op_words(op, s["args"], names), s["caption"] or call
+
+
+def _evicted(before: Sequence[Any], after: Sequence[Any]) -> dict[str, list[str]]:
+    """Per side, the hash names the step dropped from the hash table."""
+    return {
+        side: sorted(
+            {e[0] for e in (before[k] or {}).get("hash_table", [])}
+            - {e[0] for e in (after[k] or {}).get("hash_table", [])},
+            key=_natural,
+        )
+        for k, side in ((0, "spec"), (1, "impl"))
     }
 
 
