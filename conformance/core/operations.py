@@ -641,7 +641,8 @@ _TABLE: tuple[Operation, ...] = (
                 ("allocate_slots: registration delayed for an external load",),
             ),
         ),
-        wording=Wording(_allocate_slots_asks, _allocate_slots_answer, quiet_tail=(0, [], 0)),
+        # A running request's step: no hit, no external tokens, nothing delayed.
+        wording=Wording(_allocate_slots_asks, _allocate_slots_answer, quiet_tail=(0, [], 0, False)),
     ),
     Operation(
         name="cache_blocks",
