@@ -35,7 +35,7 @@ from kvspec.conformance.core.operations import (
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import FailureKind, Verdict
 from kvspec.conformance.core.trace import read_trace, write_trace
-from kvspec.conformance.core.wording import Wording
+from kvspec.conformance.core.wording import CallText, Wording
 from kvspec.conformance.runner.run import replay
 from kvspec.conformance.targets.builtin import ReferencePoolAdapter
 from kvspec.conformance.tools.view.model import build_view
@@ -278,3 +278,38 @@ def test_the_runner_parts_are_each_under_400_lines():
     sizes = {p.name: len(p.read_text().splitlines()) for p in _sources("conformance/runner")}
     assert {"run.py", "registry.py", "isolation.py", "campaign.py", "jobs.py", "minimize.py"} <= set(sizes)
     assert all(n < 400 for n in sizes.values()), sizes
+
+
+# Arguments of each parameter, as a trace holds them, for putting every operation in words.
+_SAMPLE_ARGS = {
+    "num_blocks": 2, "block_ids": [3, 1], "block_hashes": [{"bytes": "01"}, {"bytes": "02"}],
+    "block_hash": {"bytes": "01"}, "block_id": 3, "request": {"request": {"request_id": "r1"}},
+    "max_cache_hit_length": None, "num_new_tokens": 4, "num_new_computed_tokens": 2, "new_computed_blocks": [1],
+    "num_external_computed_tokens": 0, "delay_cache_blocks": False, "num_computed_tokens": 8, "request_id": "r1",
+}  # fmt: skip
+
+
+def test_every_operation_of_the_table_says_what_a_call_asks_in_its_own_words():
+    said = {}
+    for op in OPERATIONS.values():
+        text = CallText(op.params, [_SAMPLE_ARGS[p] for p in op.params], lambda v: f"h{v['bytes'][-1]}",
+                        lambda v: v["request"]["request_id"])  # fmt: skip
+        said[op.name] = op.wording.asks(text)
+        assert said[op.name].endswith(".") and said[op.name] != f"{op.name}.", op.name
+    assert len(set(said.values())) == len(said)  # no two operations are told alike
+    assert said["cache_blocks"] == (
+        "Request r1's external load is done: its blocks full within its first 8 tokens are registered in the hash "
+        "table."
+    )
+    assert said["cache_full_blocks"] == "Register full blocks 3, 1 in the hash table under h1, h2."
+    assert said["allocate_slots"] == (
+        "Allocate slots for 4 new tokens of request r1, after a hit of 2 tokens on block 1."
+    )
+
+
+def test_a_printed_call_leaves_out_a_quiet_tail_only_when_all_of_it_is_quiet():
+    wording = OPERATIONS["allocate_slots"].wording
+    assert wording.shown_args(["r", 1, 0, [], 0, False]) == 2
+    assert wording.shown_args(["r", 1, 0, [], 0, True]) == 6
+    assert wording.shown_args(["r", 1, 2, [1], 0, False]) == 6
+    assert OPERATIONS["touch"].wording.shown_args([[1]]) == 1
