@@ -2,14 +2,27 @@
 
 One `Operation` per adapter method: its level, its parameters in call order
 (vLLM's names), the spec function that defines it, how a returned value is
-put in normal form, whether an adapter may lack it, the spec branches it has
+put in normal form and compared, whether an adapter may lack it, the trailing
+parameters an adapter may not take (`features`), the spec branches it has
 (outcomes and the errors it raises for caller mistakes), which of those only
-prefix caching reaches, and the caller mistakes the machine makes against it.
+prefix caching, some profiles or some KV cache group layouts reach, how a
+step's branches are named (kvspec.conformance.core.branches), its caller
+mistakes (a valid call and the change that makes each one,
+kvspec.conformance.core.mistakes), how the machine draws a call where its
+rule is only that (`draw`), and what the player and the stories say of a
+call and its result (`wording`, kvspec.conformance.core.wording). An
+operation's one real special case is a property of its entry too: a
+returned prefix hit (`hit_reached`), a count asked of a replica
+(`is_count`).
+
 The trace format (parameter names and counts), the lock-step core (the spec
 call and the result comparison), coverage (the branches a configuration
-should reach), adapter capabilities (the optional operations) and the
-runner's method checks are all read from `OPERATIONS`; adding an operation
-is one entry here plus its spec function and its implementations.
+should reach), adapter capabilities (the optional operations), the
+runner's method checks, the machines' generated rules, the error contract
+(`kvspec errors`), the player and the stories are all read from
+`OPERATIONS`; nothing else switches on an operation's name. Adding an
+operation is one entry here plus its spec function and its implementations
+(tests/conformance/test_operations.py adds one that way).
 
 Design choice: a table of plain records rather than a class per operation
 with methods to override; every column is data or a small pure function, so
@@ -703,8 +716,9 @@ def operation_added(operation: Operation) -> Iterator[Operation]:
     """The table with one more operation while the block runs: how a test or a prototype adds one.
 
     Everything that reads the table (traces, the lock-step core, coverage,
-    capabilities, stories) sees it; the machines do not draw it, since they
-    have no rule for it.
+    capabilities, the error contract, the player, stories) sees it, and a
+    machine class built while it is in the table (`conformance_machine`)
+    draws it when its entry says how (`draw`).
 
     Raises:
         ValueError: an operation of that name is already in the table.
