@@ -246,7 +246,11 @@ class PoolMachine(_LockStepMachine):
     Each rule drives the adapter method it is named after, with a valid call
     or with one caller mistake of the kinds the spec rejects for it. The rules
     of operations whose entry says how to draw them (is_block_writable,
-    reset_prefix_cache) are generated from the operations table.
+    reset_prefix_cache) are generated from the operations table; the others
+    are hand-written because they carry more than one call's arguments: they
+    feed or consume the bundle of held blocks, chain calls as a scheduler does
+    (a lookup then a touch, an allocation then a registration), or send a
+    mistaken list with its good part for an implementation that ignores it.
     """
 
     table_level: ClassVar[Level] = "pool"  # the operations whose rules are generated (table_rule)
