@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvspec.spec.invariants import snapshot_groups
-from kvspec.spec.state import NULL_BLOCK_ID, Snapshot
+from kvspec.spec.manager import Request
+from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, Snapshot
 
 __all__ = [
     "freed_blocks",
+    "hit_reached_get_computed_blocks",
     "reached_allocate_slots",
     "reached_cache_full_blocks",
     "reached_evict_blocks",
@@ -137,7 +139,7 @@ def reached_nothing(args: Sequence[Any], before: Snapshot, after: Snapshot, resu
 
 def reached_get_computed_blocks(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:
     """A miss or a hit (and whether a hit block is free, and a group's null positions before its window or
-    chunk); the cap and the coordinator's cut are named by the lock-step core."""
+    chunk); the cap and the coordinator's cut need the request's chain (`hit_reached_get_computed_blocks`)."""
     hit = result[0]
     ev = ["get_computed_blocks: hit" if hit else "get_computed_blocks: miss"]
     if any(b in before.free_queue for b in hit):
@@ -148,6 +150,27 @@ def reached_get_computed_blocks(args: Sequence[Any], before: Snapshot, after: Sn
         if group.skips and NULL_BLOCK_ID in hit[g * n : (g + 1) * n]:
             ev.append(f"get_computed_blocks: {'sliding-window' if group.kind == 'sliding' else 'chunked-local'} hit")
     return ev
+
+
+def hit_reached_get_computed_blocks(
+    request: Request, block_size: int, before: Snapshot, result: Any, hashes: Sequence[BlockHash], cut: bool
+) -> list[str]:
+    """The branches of a returned prefix hit that need the request's chain: the hit capped at one token short
+    of the request (the next block was cached), and the hit the coordinator cut (`cut`: some group alone
+    would hit more)."""
+    reached = []
+    num_full = len(request.token_ids) // block_size
+    hit = result[0]
+    if (
+        num_full > 0
+        and len(hit) == (len(request.token_ids) - 1) // block_size
+        and len(hit) < num_full
+        and any(h == hashes[len(hit)] for h, _ in before.hash_to_blocks)
+    ):
+        reached.append("get_computed_blocks: hit capped at len - 1")
+    if cut:
+        reached.append("get_computed_blocks: hit cut by the coordinator")
+    return reached
 
 
 def reached_allocate_slots(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:

@@ -18,7 +18,6 @@ from kvspec.conformance.core.operations import OPERATIONS, level_operations
 from kvspec.conformance.core.results import Outcome
 from kvspec.spec.attention import parse_groups
 from kvspec.spec.errors import InvalidRequest
-from kvspec.spec.ordering import is_profile, profile_rule
 from kvspec.spec.state import Snapshot
 
 __all__ = [
@@ -53,11 +52,6 @@ _EVENTS_CACHING_ONLY = frozenset({
 })  # fmt: skip
 # The adapter method each of them is read through: absent, its branches cannot be reached.
 _READ_THROUGH = {"events": "take_events", "stats": "prefix_cache_stats"}
-# Branches only a feature of an operation reaches (a parameter an adapter may not take): a feature the
-# adapter declares not applicable (LockStep names it "<feature>: not applicable, ...") rules them out.
-_FEATURE_BRANCHES = {
-    "asynchronous external load": ("allocate_slots: registration delayed for an external load",),
-}
 
 
 def expected_branches(
@@ -89,20 +83,12 @@ def _operation_branches(level: str, enable_caching: bool, profile: str, groups: 
         groups = "full"  # a run refused for its layout expects what one full-attention group reaches
     names = tuple(
         b for op in level_operations(level) for b in op.all_branches()
-        if b not in op.layout_only or groups == "drawn" or op.layout_only[b](groups)
+        if (b not in op.layout_only or groups == "drawn" or op.layout_only[b](groups))
+        and (b not in op.profile_only or op.profile_only[b](profile, enable_caching))
     )  # fmt: skip
-    if is_profile(profile) and profile_rule(profile).keyed:  # first fit and keys: a freed block may land anywhere
-        caching_only = {b for op in level_operations(level) for b in op.caching_only}
-        return names if enable_caching else tuple(n for n in names if n not in caching_only)
-    names = tuple(n for n in names if n != "free_blocks: between free blocks")  # a queue policy uses its ends
     if not enable_caching:
         caching_only = {b for op in level_operations(level) for b in op.caching_only}
         names = tuple(n for n in names if n not in caching_only)
-        # Without hashes every freed block goes to the same end.
-        end = "free_blocks: to the right end" if profile == "vllm-v1" else "free_blocks: to the left end"
-        names = tuple(n for n in names if n != end)
-    elif profile != "vllm-v1":
-        names = tuple(n for n in names if n != "free_blocks: to the left end")
     return names
 
 
@@ -155,7 +141,9 @@ def reachable_branches(
     """
     skipped_ops = {m.split(": ", 1)[0] for m in not_exercised}
     absent = set(absent_ops)
-    without = {b for feature, bs in _FEATURE_BRANCHES.items() if feature in skipped_ops for b in bs}
+    # Branches only a feature of an operation reaches (a parameter an adapter may not take, the table's
+    # `features`): one the adapter does not take (LockStep names it "<feature>: not applicable, ...") rules them out.
+    without = {b for op in level_operations(level) for f in op.features if f.name in skipped_ops for b in f.branches}
 
     def ruled_out(branch: str) -> bool:
         op = branch_operation(branch, level)

@@ -1,7 +1,8 @@
 """The error contract: every caller mistake of every operation, the error the spec raises, and the order of the checks.
 
 For each operation of the operations table (kvspec.conformance.core.operations)
-and each caller mistake it lists, one canonical case: a valid call (a small
+and each caller mistake its entry lists, one canonical case, the entry's own
+(`Operation.cases`, kvspec.conformance.core.mistakes): a valid call (a small
 spec state built by spec calls, and its arguments) and the change to it that
 makes the mistake. Everything the contract says is read from the spec by
 running it on those cases:
@@ -24,27 +25,24 @@ computed, so the table cannot drift from the spec; the rejected alternative,
 a table of error types and orders written beside the spec, would be one more
 copy to keep true (and `kvspec errors` would print it whether or not the spec
 still did that). The test (tests/conformance/test_errors.py) checks that the
-valid call of each operation succeeds, that each case raises a type the
-operations table lists, and that the table and the cases name the same
-mistakes.
+valid call of each operation succeeds and that each case raises a type the
+operations table lists; the mistakes the machine makes and the cases are one
+list (`Operation.mistakes` is read from the cases), so they cannot disagree.
 """
 
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import combinations
-from types import MappingProxyType
 from typing import Any
 
-from kvspec.conformance.core.operations import OPERATIONS
-from kvspec.spec import manager as spec_manager
-from kvspec.spec import ops as spec_ops
+from kvspec.conformance.core.mistakes import Cases, Change, Fields
+from kvspec.conformance.core.operations import OPERATIONS, Operation
 from kvspec.spec.errors import BlockManagerError
-from kvspec.spec.hashing import MultiModalInput
 from kvspec.spec.manager import ManagerState, Request
-from kvspec.spec.state import BlockHash, BlockId, PoolState
+from kvspec.spec.state import PoolState
 
 __all__ = [
     "CASES",
@@ -61,228 +59,25 @@ __all__ = [
     "render_text",
 ]
 
-Fields = Mapping[str, Any]  # a call's settings (how its state is built) and arguments, by name
+class _TableCases(Mapping[str, Cases]):
+    """The cases of every operation of the table that has caller mistakes, by name, in table order (a live view:
+    an operation added to the table is in it)."""
+
+    def __getitem__(self, name: str) -> Cases:
+        cases = OPERATIONS[name].cases
+        if cases is None:
+            raise KeyError(name)
+        return cases
+
+    def __iter__(self) -> Iterator[str]:
+        return (op.name for op in OPERATIONS.values() if op.cases is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
-# --- the cases (inputs, written by hand) ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """How a mistake changes the valid call: fields set to a value, and list fields with elements appended."""
-
-    sets: Mapping[str, Any] = field(default_factory=dict)  # field -> its new value
-    appends: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)  # list field -> elements added at its end
-
-    def applied(self, fields: Fields) -> dict[str, Any]:
-        """The fields with this change made."""
-        out = dict(fields)
-        out.update(self.sets)
-        for name, extra in self.appends.items():
-            out[name] = tuple(out[name]) + extra
-        return out
-
-    def conflicts(self, other: Change) -> bool:
-        """Whether the two changes touch one field in a way that cannot hold both (one undoes the other)."""
-        mine, theirs = set(self.sets), set(other.sets)
-        return bool(mine & theirs or mine & set(other.appends) or theirs & set(self.appends))
-
-
-def _set(**values: Any) -> Change:
-    return Change(sets=values)
-
-
-def _append(**values: tuple[Any, ...]) -> Change:
-    return Change(appends=values)
-
-
-@dataclass(frozen=True, slots=True)
-class Cases:
-    """One operation's canonical cases: a valid call and, per mistake, the change that makes it."""
-
-    operation: str  # the operations table's name
-    valid: Fields  # settings and arguments of a call the spec accepts
-    build: Callable[[Fields], tuple[Any, tuple[Any, ...]]]  # fields -> (spec state, arguments in call order)
-    mistakes: Mapping[str, Change]  # every mistake the operations table lists for the operation
-    together: Mapping[frozenset[str], Change] = field(default_factory=dict)  # two mistakes in one argument
-
-    def fields(self, *names: str) -> dict[str, Any]:
-        """The valid call's fields with the named mistakes' changes made, in that order."""
-        out = dict(self.valid)
-        for name in names:
-            out = self.mistakes[name].applied(out)
-        return out
-
-
-_H = tuple(BlockHash(b"contract-%d" % i) for i in range(8))  # block hashes of the pool-level cases
-_PROMPT = (0, 1, 2, 3, 4)  # two full blocks of 2 tokens, and one token after them
-_BLOCK_SIZE = 2
-
-
-def _pool(caching: bool) -> PoolState:
-    """8 blocks: 1 held with a hash, 2 and 3 held without, 4 free with a hash, 5 to 7 free (caching off: no hashes)."""
-    state = spec_ops.new_pool(8, caching)
-    state = spec_ops.get_new_blocks(state, 4).state
-    if caching:
-        state = spec_ops.cache_full_blocks(state, [BlockId(1), BlockId(4)], [_H[0], _H[1]]).state
-    return spec_ops.free_blocks(state, [BlockId(4)]).state
-
-
-def _manager(caching: bool, running: bool) -> ManagerState:
-    """Block size 2, 8 blocks; request a ran `_PROMPT` and finished (its two full blocks stay cached, free);
-    with `running`, request r runs with one token scheduled."""
-    state = spec_manager.new_manager(8, _BLOCK_SIZE, caching)
-    state = spec_manager.allocate_slots(state, Request("a", _PROMPT), len(_PROMPT)).state
-    state = spec_manager.free(state, "a").state
-    if running:
-        state = spec_manager.allocate_slots(state, Request("r", _PROMPT), 1).state
-    return state
-
-
-def _request(f: Fields) -> Request:
-    return Request(f["request_id"], tuple(f["token_ids"]), mm_inputs=tuple(f["mm_inputs"]))
-
-
-def _pool_call(*params: str) -> Callable[[Fields], tuple[Any, tuple[Any, ...]]]:
-    def build(f: Fields) -> tuple[Any, tuple[Any, ...]]:
-        args = tuple(list(f[p]) if isinstance(f[p], tuple) else f[p] for p in params)
-        return _pool(f["caching"]), args
-
-    return build
-
-
-def _manager_call(*params: str) -> Callable[[Fields], tuple[Any, tuple[Any, ...]]]:
-    def build(f: Fields) -> tuple[Any, tuple[Any, ...]]:
-        args = tuple(
-            _request(f) if p == "request" else list(f[p]) if isinstance(f[p], tuple) else f[p] for p in params
-        )
-        return _manager(f["caching"], f["running"]), args
-
-    return build
-
-
-_REQUEST = {
-    "caching": True, "running": False, "request_id": "r", "token_ids": _PROMPT, "mm_inputs": (),
-    "max_cache_hit_length": None,
-}  # fmt: skip
-_BAD_ID = 8  # one past the pool's last block
-# Request-level mistakes shared by get_computed_blocks and allocate_slots.
-_REQUEST_MISTAKES = {
-    "no id": _set(request_id=""),
-    "no tokens": _set(token_ids=()),
-    "misplaced images": _set(mm_inputs=(MultiModalInput("img-a", len(_PROMPT) - 1, 2),)),  # past the last token
-}
-
-_CASES: tuple[Cases, ...] = (
-    Cases(
-        "get_new_blocks",
-        {"caching": True, "num_blocks": 2},
-        _pool_call("num_blocks"),
-        {"bad count": _set(num_blocks=-1), "more than free": _set(num_blocks=5)},
-        {frozenset({"bad count", "more than free"}): _set(num_blocks=9.5)},
-    ),
-    Cases(
-        "touch",
-        {"caching": True, "block_ids": (1,)},
-        _pool_call("block_ids"),
-        {"bad id": _append(block_ids=(_BAD_ID,)), "named twice": _append(block_ids=(1,)),
-         "no hash": _append(block_ids=(2,))},
-    ),
-    Cases(
-        "free_blocks",
-        {"caching": True, "block_ids": (2,)},
-        _pool_call("block_ids"),
-        {"bad id": _append(block_ids=(_BAD_ID,)), "named twice": _append(block_ids=(2,)),
-         "double free": _append(block_ids=(5,))},
-    ),
-    Cases(
-        "cache_full_blocks",
-        {"caching": True, "block_ids": (2,), "block_hashes": (_H[2],)},
-        _pool_call("block_ids", "block_hashes"),
-        {
-            "caching off": _set(caching=False),
-            "length mismatch": _append(block_hashes=(_H[3],)),
-            "bad id": _append(block_ids=(_BAD_ID,), block_hashes=(_H[4],)),
-            "named twice": _append(block_ids=(2,), block_hashes=(_H[5],)),
-            "hash not bytes": _append(block_ids=(3,), block_hashes=("contract-6",)),
-            "not held": _append(block_ids=(5,), block_hashes=(_H[6],)),
-            "already cached": _append(block_ids=(1,), block_hashes=(_H[7],)),
-        },
-        {
-            frozenset({"hash not bytes", "not held"}): _append(block_ids=(5,), block_hashes=("contract-6",)),
-            frozenset({"hash not bytes", "already cached"}): _append(block_ids=(1,), block_hashes=("contract-6",)),
-            # block 4 is free and has a hash
-            frozenset({"not held", "already cached"}): _append(block_ids=(4,), block_hashes=(_H[6],)),
-        },
-    ),
-    Cases(
-        "get_cached_block",
-        {"caching": True, "block_hash": _H[0]},
-        _pool_call("block_hash"),
-        {"hash not bytes": _set(block_hash="contract-0")},
-    ),
-    Cases(
-        "evict_blocks",
-        {"caching": True, "block_ids": (1,)},
-        _pool_call("block_ids"),
-        {"bad id": _append(block_ids=(_BAD_ID,)), "named twice": _append(block_ids=(1,))},
-    ),
-    Cases(
-        "is_block_writable",
-        {"caching": True, "block_id": 2},
-        _pool_call("block_id"),
-        {"bad id": _set(block_id=_BAD_ID)},
-    ),
-    Cases(
-        "get_computed_blocks",
-        _REQUEST,
-        _manager_call(*OPERATIONS["get_computed_blocks"].params),
-        {**_REQUEST_MISTAKES, "already running": _set(running=True), "bad hit cap": _set(max_cache_hit_length=-1)},
-    ),
-    Cases(
-        "allocate_slots",
-        # r's first step: its hit on a's two cached blocks, and its last token
-        {**_REQUEST, "num_new_tokens": 1, "num_new_computed_tokens": 4, "new_computed_blocks": (1, 2),
-         "num_external_computed_tokens": 0, "delay_cache_blocks": False},
-        _manager_call(*OPERATIONS["allocate_slots"].params),
-        {
-            **_REQUEST_MISTAKES,
-            "bad count": _set(num_external_computed_tokens=-1),
-            "delay without an external load": _set(delay_cache_blocks=True),
-            "no tokens scheduled": _set(num_new_tokens=0),
-            "hit on a running request": _set(running=True),
-            "hit count mismatch": _set(num_new_computed_tokens=2),
-            "hit without caching": _set(caching=False),
-            "hit longer than the request": Change(
-                sets={"num_new_computed_tokens": 6}, appends={"new_computed_blocks": (3,)}
-            ),
-            "wrong hit block": _set(new_computed_blocks=(2, 1)),
-            "more tokens than the request has": _set(num_new_tokens=2),
-        },
-        {
-            # three hit blocks, the first of them wrong
-            frozenset({"hit longer than the request", "wrong hit block"}): _set(
-                num_new_computed_tokens=6, new_computed_blocks=(2, 1, 3)
-            ),
-        },
-    ),
-    Cases(
-        "cache_blocks",
-        # r runs with one token computed, none of it registered
-        {**_REQUEST, "running": True, "num_computed_tokens": 1},
-        _manager_call(*OPERATIONS["cache_blocks"].params),
-        {"not running": _set(request_id="a"), "tokens out of range": _set(num_computed_tokens=2)},  # a finished
-    ),
-    Cases(
-        "free",
-        {"caching": True, "running": True, "request_id": "r"},
-        _manager_call("request_id"),
-        {"not running": _set(request_id="a")},  # a finished
-    ),
-)
-
-# The canonical cases of every operation with caller mistakes, in table order.
-CASES: Mapping[str, Cases] = MappingProxyType({c.operation: c for c in _CASES})
+# The canonical cases of every operation with caller mistakes, in table order (each entry's `cases`).
+CASES: Mapping[str, Cases] = _TableCases()
 
 
 # --- running the spec ---------------------------------------------------------------------------------------
@@ -290,9 +85,14 @@ CASES: Mapping[str, Cases] = MappingProxyType({c.operation: c for c in _CASES})
 
 def call(operation: str, fields: Fields) -> tuple[Any, tuple[Any, ...], BlockManagerError | None]:
     """Build the case's state, call the spec; returns (state, arguments, the error raised or None)."""
-    state, args = CASES[operation].build(fields)
+    return _call(OPERATIONS[operation], CASES[operation], fields)
+
+
+def _call(op: Operation, cases: Cases, fields: Fields) -> tuple[Any, tuple[Any, ...], BlockManagerError | None]:
+    """`call` with the cases given (a test may check cases that are not the table's)."""
+    state, args = cases.build(op.params, fields)
     try:
-        OPERATIONS[operation].spec(state, *args)
+        op.spec(state, *args)
     except BlockManagerError as error:
         return state, args, error
     return state, args, None
@@ -310,6 +110,7 @@ def _site(error: BaseException) -> tuple[str, int]:
 def describe_state(state: Any) -> str:
     """A spec state in one line: the free queue, held and hashed blocks, and running requests.
 
+    >>> from kvspec.spec import ops as spec_ops
     >>> describe_state(spec_ops.new_pool(3))
     '3 blocks; free queue [1, 2]; held -; hashed -'
     """
@@ -438,12 +239,11 @@ def _layers(nodes: Sequence[str], edges: set[tuple[str, str]]) -> dict[str, int]
     return rank
 
 
-def _pairs(cases: Cases, sites: Mapping[tuple[str, int], str]) -> _Order:
+def _pairs(name_of: str, cases: Cases, sites: Mapping[tuple[str, int], str]) -> _Order:
     """Every two of an operation's mistakes made in one call: which check reports, and so the order."""
-    name_of = cases.operation
 
     def reported(fields: Fields, a: str, b: str) -> str:
-        _, _, error = call(name_of, fields)
+        _, _, error = _call(OPERATIONS[name_of], cases, fields)
         name = sites.get(_site(error)) if error is not None else None
         if name not in (a, b):
             raise ValueError(f"{name_of}: the call with {a!r} and {b!r} was refused for neither")
@@ -470,15 +270,14 @@ def _pairs(cases: Cases, sites: Mapping[tuple[str, int], str]) -> _Order:
     return order
 
 
-def _operation_contract(cases: Cases) -> OperationContract:
-    op = OPERATIONS[cases.operation]
-    valid_state, valid_args, valid_error = call(op.name, cases.valid)
+def _operation_contract(op: Operation, cases: Cases) -> OperationContract:
+    valid_state, valid_args, valid_error = _call(op, cases, cases.valid)
     if valid_error is not None:
         raise ValueError(f"{op.name}: the valid call of its cases raised {valid_error!r}")
     singles: dict[str, tuple[Any, tuple[Any, ...], BlockManagerError]] = {}
     sites: dict[tuple[str, int], str] = {}
     for name in cases.mistakes:
-        state, args, error = call(op.name, cases.fields(name))
+        state, args, error = _call(op, cases, cases.fields(name))
         if error is None:
             raise ValueError(f"{op.name}: the case of {name!r} raised nothing")
         site = _site(error)
@@ -487,7 +286,7 @@ def _operation_contract(cases: Cases) -> OperationContract:
         sites[site] = name
         singles[name] = (state, args, error)
 
-    order = _pairs(cases, sites)
+    order = _pairs(op.name, cases, sites)
     ranks = order.ranks()
     rows = [
         Row(
@@ -513,26 +312,18 @@ def _operation_contract(cases: Cases) -> OperationContract:
 
 
 def build_contract() -> Contract:
-    """The contract, computed by running the spec on every case.
+    """The contract, computed by running the spec on every case of every operation of the table.
 
     Raises:
-        ValueError: an operation of the table lists a mistake with no case (or a case names a mistake the table
-            does not list), a valid call is refused, a case is not, two mistakes share one check, or the
+        ValueError: a valid call is refused, a case is not, two mistakes share one check, or the
             two-mistake calls give no order.
     """
     out = []
     for op in OPERATIONS.values():
-        cases = CASES.get(op.name)
-        listed = set(op.mistakes)
-        covered = set(cases.mistakes) if cases is not None else set()
-        if listed != covered:
-            raise ValueError(
-                f"{op.name}: the operations table lists mistakes {sorted(listed)}, the cases {sorted(covered)}"
-            )
-        if cases is None:
+        if op.cases is None:
             out.append(OperationContract(op.name, ", ".join(op.levels), op.params, "", "", (), ()))
         else:
-            out.append(_operation_contract(cases))
+            out.append(_operation_contract(op, op.cases))
     return Contract(tuple(out))
 
 

@@ -53,7 +53,14 @@ from kvspec.conformance.core.kv_events import (
     take_events_result,
 )
 from kvspec.conformance.core.kv_source import PrefixKVSource
-from kvspec.conformance.core.operations import OPERATIONS, BadResult, Operation, optional_operations
+from kvspec.conformance.core.operations import (
+    OPERATIONS,
+    BadResult,
+    Operation,
+    all_args,
+    level_operations,
+    optional_operations,
+)
 from kvspec.conformance.core.reactions import (
     NotExpressible,
     Reaction,
@@ -206,26 +213,57 @@ NOT_EXERCISED_WHY = (
 # --- lock-step execution ------------------------------------------------------------------
 
 
-@dataclass
-class _Pending:
-    index: int
-    op: str
-    args: tuple[Any, ...]
-    spec: Outcome
-    impl: Outcome
-    spec_before: Snapshot
-    hit_hashes: tuple[BlockHash, ...] | None = None  # the request's spec chain, for get_computed_blocks
-    hit_content: list[Any] | None = None  # what read_kv returned for the implementation's hit blocks
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Call:
+    """The call a step made: its number, the operation, every argument, and the caller mistake it makes."""
+
+    index: int  # the step's number (0: building the adapter)
+    op: str  # the operations table's name
+    args: tuple[Any, ...]  # every argument, defaults included
     mistake: str | None = None  # the caller mistake the call makes ("<op>: <mistake>")
     without: tuple[Any, ...] | None = None  # the mistaken call's good part
-    reaction: Reaction | None = None  # the declared reaction to check, on a step that made a caller mistake
-    # A replica's state before and after, and whether its free count or usage changed, when the mistake went there.
-    replica: tuple[Snapshot, Snapshot, bool] | None = None
-    hit_cut: bool = False  # the spec's agreed hit is shorter than some group's own (the coordinator cut it)
-    # The events the implementation must have published: the spec's, or, for a mistake it
-    # ignores, its good part's (a refused call publishes nothing).
-    expected_events: tuple[KVCacheEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Expected:
+    """What the implementation is checked against besides the spec's outcome: the spec before the step,
+    and the events the implementation must have published."""
+
+    before: Snapshot  # the spec's state before the step
     stats_before: PrefixCacheStats | None = None  # the spec's hit statistics before the step (request level)
+    # The spec's events, or, for a mistake the implementation ignores, its good part's; none where the
+    # adapter itself was not called (a refused call publishes nothing).
+    events: tuple[KVCacheEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Hit:
+    """A prefix hit the step returned (an operation whose entry `returns_hit`): what the hit rules need."""
+
+    hashes: tuple[BlockHash, ...]  # the request's chain on the spec's side
+    cut: bool = False  # the spec's agreed hit is shorter than some group's own (the coordinator cut it)
+    content: list[Any] | None = None  # what read_kv returned for the implementation's hit blocks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Sent:
+    """How a call reached the implementation: the declared reaction its mistake is checked against, and,
+    for a mistake sent to a replica, the replica's state before and after and whether its counts changed."""
+
+    reaction: Reaction | None = None
+    replica: tuple[Snapshot, Snapshot, bool] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Pending:
+    """One step called but not yet checked (`LockStep.check` checks it)."""
+
+    call: _Call
+    spec: Outcome  # the spec's outcome in normal form
+    impl: Outcome  # the implementation's
+    expected: _Expected
+    hit: _Hit | None = None
+    sent: _Sent = _Sent()
 
 
 # check_hit evaluates hit_within_cap, hit_same_length, hit_prefix_closed and
@@ -270,7 +308,12 @@ class LockStep:
         self.adapter, impl = self._build_adapter()
         self._inflight = None
         impl = self._read_declarations() or impl
-        self._pending: _Pending | None = _Pending(0, "init", (), Outcome(), impl or Outcome(), self.spec_snapshot)
+        self._pending: _Pending | None = _Pending(
+            call=_Call(index=0, op="init", args=()),
+            spec=Outcome(),
+            impl=impl or Outcome(),
+            expected=_Expected(before=self.spec_snapshot),
+        )
 
     def _build_adapter(self) -> tuple[Any, Outcome | None]:
         """A new adapter from the factory (with its KV source, for KV memory); and the crash, if it crashed."""
@@ -343,11 +386,18 @@ class LockStep:
         self.fields_not_reported = {f for f in EVENT_FIELDS if f"BlockStored.{f}" in self.not_applicable}
         self.impl_mirror = EventMirror()  # what a router holds from the implementation's stream
         self.spec_mirror = EventMirror()  # and from the spec's
-        # Whether the adapter's get_computed_blocks takes the scheduler's cap on the hit.
-        # Whether the adapter takes what an external connector adds to a step: the scheduler's cap on
-        # the hit, and an asynchronous load (its registration delayed until cache_blocks).
-        self.takes_hit_cap = self._takes("get_computed_blocks", "max_cache_hit_length", "connector hit cap")
-        self.takes_delayed_load = self._takes("allocate_slots", "delay_cache_blocks", "asynchronous external load")
+        # The trailing parameters (the table's features, e.g. an external connector's cap on the hit) the
+        # adapter's methods take.
+        self._params_taken = frozenset(
+            f.param
+            for op in level_operations(self.level)
+            for f in op.features
+            if self._takes(op.name, f.param, f.name)
+        )
+
+    def takes(self, param: str) -> bool:
+        """Whether the adapter takes a feature's parameter (one an operation's entry lists in `features`)."""
+        return param in self._params_taken
 
     def _takes(self, op: str, param: str, feature: str) -> bool:
         """Whether the request-level adapter's method takes a parameter; if not, the summary says so."""
@@ -397,60 +447,83 @@ class LockStep:
             SpecFailure: the spec raised something that is not a spec error.
             StepTimeout: the implementation ran past the step time limit.
         """
-        assert self._pending is None, f"call({op}) before the previous step ({self._pending.op}) was checked"
+        assert self._pending is None, f"call({op}) before the previous step ({self._pending.call.op}) was checked"
         operation = OPERATIONS[op]
-        # Every argument, defaults included: a trace records them all, and a replay reads them back.
-        missing = len(operation.params) - len(args)
-        if 0 < missing <= len(operation.defaults):  # trailing parameters with defaults may be left out
-            args = (*args, *operation.defaults[len(operation.defaults) - missing :])
-        assert len(args) == len(operation.params), f"{op} takes {operation.params}; the machine passed {len(args)}"
-        index = len(self.records) + 1
-        before = self.spec_snapshot
+        step = _Call(
+            index=len(self.records) + 1,
+            op=op,
+            args=all_args(operation, args),
+            without=None if without is None else tuple(without),
+        )
         stats_before = self.spec_state.stats if isinstance(self.spec_state, ManagerState) else None
-        self.hash_names.name_values(args)
-        try:
-            new_state, spec = _spec_step(operation, self.spec_state, args)
-        except Exception as e:
-            self.failure = SpecFailure(f"the spec failed at step {index} ({op}): {_crash_message(e)}", index)
-            self.records.append(TraceStep(index, op, tuple(args), Outcome(crashed=True, message=str(e))))
-            self.watch.failed = self
-            raise self.failure from e
-        good_state: PoolState | ManagerState | None = None
-        expected_events = spec.events
+        expected = _Expected(before=self.spec_snapshot, stats_before=stats_before)
+        self.hash_names.name_values(step.args)
+        new_state, spec = self._spec_call(operation, step)
         if mistake is not None:
-            mistake = self._spec_rejected(index, op, args, spec, mistake)
-            ignored = self._reaction(mistake)
-            if ignored is not None and ignored.kind == "ignores":
-                good_state, expected_events = self._good_part(operation, without)
-        hit_hashes, hit_cut = None, False
-        if op == "get_computed_blocks" and isinstance(self.spec_state, ManagerState) and spec.error is None:
-            hit_hashes = spec_manager.request_block_hashes(self.spec_state, args[0])
-            hit_cut = self._hit_cut(self.spec_state, args[0], hit_hashes, spec)
-        self.watch.stream_step(index, op, args)
-        self._inflight = (index, op, tuple(args), spec, mistake)
-        reaction = self._reaction(mistake)
-        replica = None
-        if mistake is not None and reaction is None:
-            impl = Outcome(not_sent="the adapter declares no reaction to this mistake")
-        elif reaction is not None and (reaction.changes_state or self.observer.survey is not None):
-            impl, replica = self._replica_call(operation, args, without)
-        else:
-            impl = self._impl_call(operation, args, mistake is None)
+            step = replace(step, mistake=self._spec_rejected(step.index, op, step.args, spec, mistake))
+        good_state, events = self._expected_after(operation, step, spec)
+        hit = self._expected_hit(operation, step.args, spec)
+        impl, sent = self._send(operation, step, spec)
         if good_state is not None and impl.not_sent is None:
             new_state = good_state  # the implementation ignores the mistake: its good part applies
         if impl.not_sent is not None or impl.replica:
-            expected_events = ()  # the adapter itself was not called
-        hit_content = None
-        if hit_hashes is not None and self.kv_source is not None:
-            impl, hit_content = self._read_hit(impl)
+            events = ()  # the adapter itself was not called
+        if hit is not None and self.kv_source is not None:
+            impl, content = self._read_hit(impl)
+            hit = replace(hit, content=content)
         self._inflight = None
         self.spec_state = new_state
         self.spec_snapshot = new_state.snapshot()
-        self._pending = _Pending(
-            index, op, tuple(args), spec, impl, before, hit_hashes, hit_content, mistake,
-            None if without is None else tuple(without), reaction, replica, hit_cut, expected_events, stats_before,
-        )  # fmt: skip
+        expected = replace(expected, events=events)
+        self._pending = _Pending(call=step, spec=spec, impl=impl, expected=expected, hit=hit, sent=sent)
         return spec
+
+    def _spec_call(self, operation: Operation, step: _Call) -> tuple[PoolState | ManagerState, Outcome]:
+        """The spec's state and outcome after the call.
+
+        Raises:
+            SpecFailure: the spec raised something that is not a spec error (recorded as the trace's last step).
+        """
+        try:
+            return _spec_step(operation, self.spec_state, step.args)
+        except Exception as e:
+            index, op = step.index, step.op
+            self.failure = SpecFailure(f"the spec failed at step {index} ({op}): {_crash_message(e)}", index)
+            self.records.append(TraceStep(index, op, step.args, Outcome(crashed=True, message=str(e))))
+            self.watch.failed = self
+            raise self.failure from e
+
+    def _expected_after(
+        self, operation: Operation, step: _Call, spec: Outcome
+    ) -> tuple[PoolState | ManagerState | None, tuple[KVCacheEvent, ...]]:
+        """The state the implementation must be in instead of the spec's (None: the spec's), and the events it
+        must publish: for a mistake its adapter declares it ignores, what the call's good part alone does."""
+        reaction = self._reaction(step.mistake)
+        if reaction is not None and reaction.kind == "ignores":
+            return self._good_part(operation, step.without)
+        return None, spec.events
+
+    def _expected_hit(self, operation: Operation, args: Sequence[Any], spec: Outcome) -> _Hit | None:
+        """For an operation that returns a prefix hit (its entry's `hit_reached`), and returned one on the spec:
+        the request's chain, and whether the coordinator cut the hit."""
+        state = self.spec_state
+        if operation.hit_reached is None or not isinstance(state, ManagerState) or spec.error is not None:
+            return None
+        hashes = spec_manager.request_block_hashes(state, args[0])
+        return _Hit(hashes=hashes, cut=self._hit_cut(state, args[0], hashes, spec))
+
+    def _send(self, operation: Operation, step: _Call, spec: Outcome) -> tuple[Outcome, _Sent]:
+        """Call the implementation (a mistake with no declared reaction: not at all; one that changes the
+        state, or any when surveying: a replica); its outcome, and how it was sent."""
+        self.watch.stream_step(step.index, step.op, step.args)
+        self._inflight = (step.index, step.op, step.args, spec, step.mistake)
+        reaction = self._reaction(step.mistake)
+        if step.mistake is not None and reaction is None:
+            return Outcome(not_sent="the adapter declares no reaction to this mistake"), _Sent()
+        if reaction is not None and (reaction.changes_state or self.observer.survey is not None):
+            impl, replica = self._replica_call(operation, step.args, step.without)
+            return impl, _Sent(reaction=reaction, replica=replica)
+        return self._impl_call(operation, step.args, step.mistake is None), _Sent(reaction=reaction)
 
     @staticmethod
     def _hit_cut(state: ManagerState, request: Request, hashes: tuple[BlockHash, ...], spec: Outcome) -> bool:
@@ -544,9 +617,9 @@ class LockStep:
     def _counters(self, replica: Any) -> tuple[Any, ...]:
         """A replica's answers to the state questions it has (a count kept beside the queue can go wrong alone)."""
         answers: list[Any] = []
-        for op in ("get_num_free_blocks", "get_usage"):
-            if op in self.capabilities:
-                outcome = self._impl_call(OPERATIONS[op], (), False, replica)
+        for operation in OPERATIONS.values():
+            if operation.is_count and operation.name in self.capabilities:
+                outcome = self._impl_call(operation, (), False, replica)
                 answers.append(outcome.result if outcome.error is None and not outcome.crashed else outcome.message)
         return tuple(answers)
 
@@ -656,18 +729,18 @@ class LockStep:
         impl_snap = self._take_snapshot(p)
         prev = self.impl_snapshot
         # A mistake sent to a replica: the story shows the state it left the replica in.
-        shown = p.replica[1] if p.replica is not None else impl_snap
-        record = TraceStep(p.index, p.op, p.args, p.spec, p.impl, spec_snap, shown, p.mistake, p.without)
+        shown = p.sent.replica[1] if p.sent.replica is not None else impl_snap
+        record = _record(p, spec_snap, shown)
         failure = self._first_problem(p, spec_snap, impl_snap, prev)
-        if p.index > 0:
+        if p.call.index > 0:
             self.records.append(record)
         if failure is not None:
-            self._raise(Failure(failure[0], p.index, p.op, failure[1], failure[2]))
+            self._raise(Failure(failure[0], p.call.index, p.call.op, failure[1], failure[2]))
         self.impl_snapshot = impl_snap
         self._count(p, spec_snap)
 
     def _take_snapshot(self, p: _Pending) -> Snapshot:
-        self._inflight = (p.index, p.op, p.args, p.spec, p.mistake)
+        self._inflight = (p.call.index, p.call.op, p.call.args, p.spec, p.call.mistake)
         self.watch.impl_started()
         try:
             snap = self.adapter.snapshot()
@@ -686,7 +759,7 @@ class LockStep:
         """The first check of the step that fails, as (kind, message, rule name), or None."""
         pairs = self.hash_names.local_pairs(spec_snap, impl_snap)
         return (
-            (self._mistake_problem(p, impl_snap, prev) if p.mistake is not None else self._result_problem(p))
+            (self._mistake_problem(p, impl_snap, prev) if p.call.mistake is not None else self._result_problem(p))
             # Before the step rules: they compare the implementation's own snapshots, which only
             # means something while a prefix keeps its hash's name from one step to the next.
             or self._renaming_problem(spec_snap, pairs)
@@ -699,30 +772,30 @@ class LockStep:
     def _crash_is_a_reaction(self, p: _Pending) -> bool:
         """Whether an exception on a mistake step is what is checked (a declared `raises`, or a survey);
         any other exception is a crash, as on a valid call."""
-        if p.mistake is None or not p.impl.raised_types:
+        if p.call.mistake is None or not p.impl.raised_types:
             return False
-        return self.observer.survey is not None or (p.reaction is not None and p.reaction.kind == "raises")
+        return self.observer.survey is not None or (p.sent.reaction is not None and p.sent.reaction.kind == "raises")
 
     def _mistake_problem(
         self, p: _Pending, impl_snap: Snapshot, prev: Snapshot | None
     ) -> tuple[FailureKind, str, str | None] | None:
         """What the implementation did with a caller mistake, against the reaction its adapter declares."""
-        mistake, obs = p.mistake, self.observer
+        mistake, obs = p.call.mistake, self.observer
         assert mistake is not None, "a mistake check on a step that made no mistake"
         if p.impl.not_sent is not None:
             obs.not_expressed[mistake] += 1
             return None
-        before, after, counted = p.replica if p.replica is not None else (prev, impl_snap, False)
+        before, after, counted = p.sent.replica if p.sent.replica is not None else (prev, impl_snap, False)
         changed = counted or (before is not None and after != before)
         if obs.survey is not None:
             seen = observed_reaction(p.spec, p.impl, changed)
             obs.survey.setdefault(mistake, Counter())[seen.describe() if seen else p.impl.describe()] += 1
             return None
-        assert p.reaction is not None, f"{mistake!r} was sent with no reaction to check"
+        assert p.sent.reaction is not None, f"{mistake!r} was sent with no reaction to check"
         obs.mistakes_sent[mistake] += 1
-        if p.reaction.kind == "spec error":
+        if p.sent.reaction.kind == "spec error":
             return self._result_problem(p)
-        problem = reaction_problem(p.reaction, p.spec, p.impl, changed)
+        problem = reaction_problem(p.sent.reaction, p.spec, p.impl, changed)
         return None if problem is None else (FailureKind.DIVERGES, f"the caller mistake {mistake!r}: {problem}", None)
 
     def _result_problem(self, p: _Pending) -> tuple[FailureKind, str, str | None] | None:
@@ -732,7 +805,7 @@ class LockStep:
             message = f"returned a malformed value ({impl.result['malformed']}); the spec returned {spec.describe()}"
             return FailureKind.DIVERGES, message, None
         # Hit rules first: a hit past the cap is named as such, not as "a different list".
-        if p.op == "get_computed_blocks" and impl.error is None and spec.error is None and p.hit_hashes is not None:
+        if p.hit is not None and impl.error is None and spec.error is None:
             problem = self._hit_problem(p)
             if problem is not None:
                 return problem
@@ -749,31 +822,31 @@ class LockStep:
             )
             first, second = (impl_side, spec_side) if spec.error is None else (spec_side, impl_side)
             return FailureKind.DIVERGES, f"{first}; {second}", None
-        same_result = OPERATIONS[p.op].same_result if p.index > 0 else operator.eq
+        same_result = OPERATIONS[p.call.op].same_result if p.call.index > 0 else operator.eq
         if spec.error is None and not same_result(spec.result, impl.result):
             return FailureKind.DIVERGES, f"returned {impl.describe()}; the spec returned {spec.describe()}", None
         return None
 
     def _hit_problem(self, p: _Pending) -> tuple[FailureKind, str, str | None] | None:
         """The hit rules and, with KV memory, the content of every hit block."""
-        assert p.hit_hashes is not None, "hit rules checked without the request's chain"
+        assert p.hit is not None, "hit rules checked without the request's chain"
         blocks, num_tokens = p.impl.result
-        request = p.args[0]
-        if not all(0 <= b < p.spec_before.num_gpu_blocks for b in blocks):
+        request = p.call.args[0]
+        if not all(0 <= b < p.expected.before.num_gpu_blocks for b in blocks):
             return FailureKind.DIVERGES, f"returned hit blocks {blocks}, not all blocks of this pool", None
         try:
             check_hit(
-                p.spec_before,
+                p.expected.before,
                 len(request.token_ids),
                 self.config.block_size,
-                p.hit_hashes,
+                p.hit.hashes,
                 [BlockId(b) for b in blocks],
                 num_tokens,
             )
         except spec_errors.InvariantViolation as e:
             return FailureKind.INVARIANT, f"{e.rule} (got hit blocks {blocks}, {num_tokens} tokens)", e.name
-        if p.hit_content is not None:
-            problem = self._content_problem(request, blocks, p.hit_content)
+        if p.hit.content is not None:
+            problem = self._content_problem(request, blocks, p.hit.content)
             if problem is not None:
                 return FailureKind.INVARIANT, problem, "hit_content_intact"
         return None
@@ -837,15 +910,15 @@ class LockStep:
         except spec_errors.InvariantViolation as e:
             shown = describe_events(impl_events, self.hash_names.impl_name)
             return FailureKind.INVARIANT, f"{e.rule} (the implementation published: {shown})", e.name
-        renamed = self.hash_names.events_as_spec(p.expected_events, impl_events)
+        renamed = self.hash_names.events_as_spec(p.expected.events, impl_events)
         level, dropped = self.level, self.fields_not_reported
-        spec_side = tuple(comparable(e, level, dropped) for e in p.expected_events)
+        spec_side = tuple(comparable(e, level, dropped) for e in p.expected.events)
         if not same_events(spec_side, tuple(comparable(e, level, dropped) for e in renamed)):
             return (
                 FailureKind.DIVERGES,
                 (
                     f"published {describe_events(impl_events, self.hash_names.impl_name)}; the spec published "
-                    f"{describe_events(p.expected_events, self.hash_names.name)}"
+                    f"{describe_events(p.expected.events, self.hash_names.name)}"
                 ),
                 None,
             )
@@ -901,21 +974,21 @@ class LockStep:
 
     def _count(self, p: _Pending, spec_snap: Snapshot) -> None:
         obs = self.observer
-        if p.index == 0:
+        if p.call.index == 0:
             return
         obs.steps += 1
         obs.invariants_checked += (
             len(INVARIANTS)
             + len(STEP_RULES)
             + (len(EVENT_RULES) if self.checks_events else 0)
-            + (_NUM_HIT_RULES_CHECKED if p.hit_hashes is not None else 0)
-            + (1 if p.hit_content is not None else 0)
+            + (_NUM_HIT_RULES_CHECKED if p.hit is not None else 0)
+            + (1 if p.hit is not None and p.hit.content is not None else 0)
         )
-        reached = step_branches(p.op, p.args, p.spec_before, spec_snap, p.spec)
-        if p.hit_hashes is not None:
-            reached += self._cap_branch(p)
-        if p.hit_cut:
-            reached.append("get_computed_blocks: hit cut by the coordinator")
+        reached = step_branches(p.call.op, p.call.args, p.expected.before, spec_snap, p.spec)
+        hit_reached = OPERATIONS[p.call.op].hit_reached if p.call.index > 0 else None
+        if p.hit is not None and hit_reached is not None:
+            reached += hit_reached(p.call.args[0], self.config.block_size, p.expected.before, p.spec.result,
+                                   p.hit.hashes, p.hit.cut)  # fmt: skip
         reached += self._tags
         self._tags = []
         if self.config.events:
@@ -926,7 +999,7 @@ class LockStep:
 
     def _event_branches(self, p: _Pending) -> list[str]:
         """What the step's events reached (the spec's), and the mirrors moved past them."""
-        events = p.expected_events
+        events = p.expected.events
         reached = sorted({f"events: {type(e).__name__}" for e in events})
         if naive_misreads(self.spec_mirror, events):
             reached.append("events: a key removed while another block still holds it")
@@ -934,31 +1007,16 @@ class LockStep:
             reached.append("events: a stored block's parent not held")
         self.spec_mirror = self.spec_mirror.apply(events)
         self.impl_mirror = self.impl_mirror.apply(p.impl.events)
-        if p.stats_before is not None:
-            reached += _stats_branches(p.stats_before, cast(ManagerState, self.spec_state).stats)
+        if p.expected.stats_before is not None:
+            reached += _stats_branches(p.expected.stats_before, cast(ManagerState, self.spec_state).stats)
         return reached
 
-    def _cap_branch(self, p: _Pending) -> list[str]:
-        request: Request = p.args[0]
-        block_size = self.config.block_size
-        num_full = len(request.token_ids) // block_size
-        hit = p.spec.result[0]
-        if (
-            num_full > 0
-            and len(hit) == (len(request.token_ids) - 1) // block_size
-            and len(hit) < num_full
-            and p.hit_hashes is not None
-            and any(h == p.hit_hashes[len(hit)] for h, _ in p.spec_before.hash_to_blocks)
-        ):
-            return ["get_computed_blocks: hit capped at len - 1"]
-        return []
-
     def _fail(self, kind: FailureKind, p: _Pending, message: str) -> Any:
-        if p.index > 0:
+        if p.call.index > 0:
             self.records.append(
-                TraceStep(p.index, p.op, p.args, p.spec, p.impl, self.spec_snapshot, None, p.mistake, p.without)
+                _record(p, self.spec_snapshot, None)
             )
-        self._raise(Failure(kind, p.index, p.op, message))
+        self._raise(Failure(kind, p.call.index, p.call.op, message))
 
     def _raise(self, failure: Failure) -> Any:
         self.failure = ConformanceFailure(failure)
@@ -996,10 +1054,11 @@ def _state_problem(
     p: _Pending, spec_snap: Snapshot, impl_snap: Snapshot, prev: Snapshot | None
 ) -> tuple[FailureKind, str, str | None] | None:
     """A rejected call that changed the state, or a broken invariant or step rule."""
-    ignored = p.reaction is not None and p.reaction.kind == "ignores"  # then the good part's state is the spec's
+    # An ignored mistake: then the good part's state is the spec's.
+    ignored = p.sent.reaction is not None and p.sent.reaction.kind == "ignores"
     if p.spec.error is not None and prev is not None and impl_snap != prev and not ignored:
-        what = f"the caller mistake {p.mistake!r}" if p.mistake else "the call"
-        reaction = f"; its adapter declares it {p.reaction.describe()}" if p.reaction is not None else ""
+        what = f"the caller mistake {p.call.mistake!r}" if p.call.mistake else "the call"
+        reaction = f"; its adapter declares it {p.sent.reaction.describe()}" if p.sent.reaction is not None else ""
         return (
             FailureKind.DIVERGES,
             (
@@ -1015,10 +1074,16 @@ def _state_problem(
         if impl_snap != spec_snap:
             check_all(impl_snap)
         if prev is not None:
-            check_step(prev, impl_snap, p.op)
+            check_step(prev, impl_snap, p.call.op)
     except spec_errors.InvariantViolation as e:
         return FailureKind.INVARIANT, e.rule, e.name
     return None
+
+
+def _record(p: _Pending, spec_snap: Snapshot, impl_snap: Snapshot | None) -> TraceStep:
+    """The trace's record of a checked step."""
+    c = p.call
+    return TraceStep(c.index, c.op, c.args, p.spec, p.impl, spec_snap, impl_snap, c.mistake, c.without)
 
 
 def _takes(method: Callable[..., Any], param: str) -> bool:

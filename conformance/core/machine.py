@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any, ClassVar, Literal, cast
 
 from hypothesis import strategies as st
@@ -49,6 +48,7 @@ from hypothesis.stateful import (
 from kvspec.conformance.core import strategies as strat
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.lockstep import Factory, LockStep, Observer, StepWatch
+from kvspec.conformance.core.operations import Level, Operation, level_operations
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import Outcome
 from kvspec.conformance.core.run_config import Configuration, RunConfig, adapter_config
@@ -63,6 +63,7 @@ __all__ = [
     "PoolMachine",
     "conformance_machine",
     "machine_for",
+    "table_rule",
 ]
 
 
@@ -85,6 +86,16 @@ class _LockStepMachine(RuleBasedStateMachine):
     def enable_caching(self) -> bool:
         """Prefix caching on or off in this campaign (the configuration's)."""
         return type(self).configuration.enable_caching
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A rule for every operation of the machine's level whose entry says how to draw it and that has no
+        hand-written rule of its name (`table_rule`); a machine class built later (`conformance_machine`) also
+        gets the operations added to the table since."""
+        super().__init_subclass__(**kwargs)
+        level = getattr(cls, "table_level", None)
+        for operation in level_operations(level) if level is not None else ():
+            if operation.draw is not None and not hasattr(cls, operation.name):
+                setattr(cls, operation.name, table_rule(operation))
 
     def _start(self, config: AdapterConfig) -> None:
         cls = type(self)
@@ -143,26 +154,43 @@ class _LockStepMachine(RuleBasedStateMachine):
         target(float(reuse), label="cached blocks evicted or hit")
 
 
-def _sampled(items: Sequence[Any]) -> st.SearchStrategy[Any]:
-    """`st.sampled_from` over a tuple: Hypothesis caches strategies built from hashable
-    arguments, and rebuilding (and re-validating) one per draw dominated a step's cost."""
-    return _sampled_tuple(tuple(items))
-
-
-@lru_cache(maxsize=1024)
-def _sampled_tuple(items: tuple[Any, ...]) -> st.SearchStrategy[Any]:
-    return st.sampled_from(items)
-
-
-@lru_cache(maxsize=1024)
-def _one_of(*strategies: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """`st.one_of`, cached for the same reason as `_sampled`."""
-    return st.one_of(*strategies)
+_sampled = strat.sampled
+_one_of = strat.one_of
 
 
 def _chunk(num_tokens: int) -> st.SearchStrategy[int]:
     """How many of `num_tokens` pending tokens a step schedules: all (shrinks to this), or a chunk."""
     return _one_of(st.just(num_tokens), st.integers(1, num_tokens))
+
+
+def table_rule(operation: Operation) -> Any:
+    """The machine's rule for an operation whose entry says how to draw it (`Draw`): named after it, run while
+    the adapter has it and the entry's guard holds; it draws the kind of call, then the arguments, and calls.
+
+    Raises:
+        ValueError: the entry has no `draw`.
+    """
+    draw, name = operation.draw, operation.name
+    if draw is None:
+        raise ValueError(f"{name}: the operations table says nothing of how to draw it")
+
+    def guard(self: _LockStepMachine) -> bool:
+        return self._has(name) and draw.when(self._lock.spec_state, self.enable_caching)
+
+    def call(self: _LockStepMachine) -> None:
+        self._call(name)
+
+    def call_drawn(self: _LockStepMachine, data: st.DataObject) -> None:
+        assert draw.args is not None, "a rule with arguments generated for an operation that has none"
+        state = self._lock.spec_state
+        kind = data.draw(_sampled(_kinds(*self._mistakes(name, *draw.mistakes(state)))), label="call")
+        self._call(name, *draw.args(state, kind, data), mistake=kind)
+
+    body: Any = call if draw.args is None else call_drawn
+    body.__name__ = body.__qualname__ = name  # Hypothesis orders and switches rules by name
+    body.__doc__ = f"{name}, drawn as the operations table says (Draw)."
+    decorated = rule()(body) if draw.args is None else rule(data=st.data())(body)
+    return precondition(guard)(decorated)
 
 
 def _is_final_run() -> bool:
@@ -198,11 +226,7 @@ def _insert(data: st.DataObject, items: list[Any], extra: Any) -> list[Any]:
     return items[:at] + [extra] + items[at:]
 
 
-# Rules draw what kind of call to make from a list that starts with "valid",
-# repeated so that about three calls in four are valid whatever the number of
-# mistake kinds; Hypothesis shrinks toward the first entry, so a shrunk trace
-# keeps a mistake only where the failure needs one.
-VALID = "valid"
+VALID = strat.VALID  # the kind of call a rule draws (strategies.kinds)
 
 
 NEW_PROMPT = "new prompt"
@@ -213,16 +237,23 @@ PROMPT_KINDS = (
 )
 
 
-def _kinds(*mistakes: str) -> tuple[str, ...]:
-    return (VALID,) * (3 * max(len(mistakes), 1)) + mistakes
+_kinds = strat.kinds
 
 
 class PoolMachine(_LockStepMachine):
     """The BlockPool level: vLLM's pool operations on a tiny pool, as a scheduler would call them.
 
     Each rule drives the adapter method it is named after, with a valid call
-    or with one caller mistake of the kinds the spec rejects for it.
+    or with one caller mistake of the kinds the spec rejects for it. The rules
+    of operations whose entry says how to draw them (is_block_writable,
+    reset_prefix_cache) are generated from the operations table; the others
+    are hand-written because they carry more than one call's arguments: they
+    feed or consume the bundle of held blocks, chain calls as a scheduler does
+    (a lookup then a touch, an allocation then a registration), or send a
+    mistaken list with its good part for an implementation that ignores it.
     """
+
+    table_level: ClassVar[Level] = "pool"  # the operations whose rules are generated (table_rule)
 
     groups = Bundle("groups")  # blocks held together (one simulated request's block table)
 
@@ -488,16 +519,6 @@ class PoolMachine(_LockStepMachine):
         with_bad = _insert(data, ids, bad)
         self._call("evict_blocks", with_bad, mistake=kind, without=(_good_part(with_bad, ids, kind),))
 
-    # A reset of an empty cache changes nothing whatever the answer; skipping it
-    # keeps resets from crowding out the rules that build state. Without caching
-    # the answer (refused while blocks are held) is all there is to check.
-    @precondition(
-        lambda self: self._has("reset_prefix_cache") and (not self.enable_caching or bool(self._state.hash_to_blocks))
-    )
-    @rule()
-    def reset_prefix_cache(self) -> None:
-        self._call("reset_prefix_cache")
-
     @precondition(lambda self: self._has("reset_prefix_cache") and bool(self.live))
     @rule(data=st.data())
     def reset_prefix_cache_when_idle(self, data: st.DataObject) -> None:
@@ -509,20 +530,15 @@ class PoolMachine(_LockStepMachine):
         self.bundle("groups").clear()  # all freed: nothing in the bundle is held any more
         self._call("reset_prefix_cache")
 
-    @precondition(lambda self: self._has("is_block_writable"))
-    @rule(data=st.data())
-    def is_block_writable(self, data: st.DataObject) -> None:
-        n = self._state.num_gpu_blocks
-        held = self._held()
-        valid = _one_of(_sampled(held), st.integers(0, n - 1)) if held else st.integers(0, n - 1)
-        kind = data.draw(_sampled(_kinds(*self._mistakes("is_block_writable", "bad id"))), label="call")
-        bad = _sampled(tuple(b for b in strat.bad_block_id_values(n) if b != 0))
-        self._call("is_block_writable", data.draw(valid if kind == VALID else bad, label="block_id"), mistake=kind)
-
     @precondition(lambda self: self._has("get_num_free_blocks") or self._has("get_usage"))
     @rule()
     def get_num_free_blocks(self) -> None:
-        """The scheduler's two questions about free space (a miscounted queue shows here first)."""
+        """The scheduler's two questions about free space (a miscounted queue shows here first).
+
+        Hand-written, not drawn from the table: the scheduler asks both in one
+        step, and as one rule neither is switched off alone by swarm testing
+        (a count kept beside the queue is caught by comparing the two).
+        """
         if self._has("get_num_free_blocks"):
             self._call("get_num_free_blocks")
         if self._has("get_usage"):
@@ -538,7 +554,13 @@ class _Running:
 
 
 class ManagerMachine(_LockStepMachine):
-    """The KVCacheManager level: requests sharing prefixes, chunked prefill, decode, preemption."""
+    """The KVCacheManager level: requests sharing prefixes, chunked prefill, decode, preemption.
+
+    Every rule is hand-written: each carries a scheduler's logic (a request's
+    admission, its steps, its preemption) beyond drawing one call's arguments.
+    """
+
+    table_level: ClassVar[Level] = "manager"  # the operations whose rules are generated (table_rule)
 
     running = Bundle("running")  # ids of running requests
     preempted = Bundle("preempted")  # ids of preempted requests waiting to be re-admitted
@@ -642,7 +664,7 @@ class ManagerMachine(_LockStepMachine):
                         "no id",
                         *(["misplaced images"] if self._images else []),
                         *(["already running"] if self.requests else []),
-                        *(["bad hit cap"] if self._lock.takes_hit_cap else []),
+                        *(["bad hit cap"] if self._lock.takes("max_cache_hit_length") else []),
                     )
                 )
             ),
@@ -667,7 +689,7 @@ class ManagerMachine(_LockStepMachine):
 
     def _hit_cap(self, request: Request, data: st.DataObject) -> int | None:
         """The scheduler's cap on the local hit (an external connector's), where the adapter takes one."""
-        if not self._lock.takes_hit_cap:
+        if not self._lock.takes("max_cache_hit_length"):
             return None
         return data.draw(strat.hit_caps(len(request.token_ids)), label="max_cache_hit_length")
 
@@ -683,7 +705,9 @@ class ManagerMachine(_LockStepMachine):
         remaining = len(request.token_ids) - num_hit
         ext = 0 if whole else data.draw(strat.external_tokens(remaining - 1), label="num_external_computed_tokens")
         # An asynchronous load: blocks for the external tokens now, no token computed, registered when it is done.
-        delayed = ext > 0 and self._lock.takes_delayed_load and data.draw(st.booleans(), label="load in background")
+        delayed = (
+            ext > 0 and self._lock.takes("delay_cache_blocks") and data.draw(st.booleans(), label="load in background")
+        )
         left = remaining - ext
         chunk = 0 if delayed else left if whole else data.draw(_chunk(left), label="num_new_tokens")
         out = self._call("allocate_slots", request, chunk, num_hit, blocks, ext, delayed)
@@ -708,7 +732,7 @@ class ManagerMachine(_LockStepMachine):
         mistakes += ["hit on a running request"] if self.requests else []
         caching = ["wrong hit block", "hit longer than the request"]
         mistakes += caching if self.enable_caching else ["hit without caching"]
-        mistakes += ["delay without an external load"] if self._lock.takes_delayed_load else []
+        mistakes += ["delay without an external load"] if self._lock.takes("delay_cache_blocks") else []
         kind = data.draw(_sampled(_kinds(*self._mistakes("allocate_slots", *mistakes))), label="call")
         request = replace(prompt, request_id=self._new_id())
         if kind == VALID:

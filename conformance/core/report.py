@@ -73,9 +73,8 @@ def render_call(op: str, args: Sequence[Any], names: HashNames | None = None, bl
     operation = OPERATIONS.get(op)
     params = operation.params if operation is not None else tuple(f"arg{i}" for i in range(len(args)))
     shown = [f"{p}={_value(a, names, block_size)}" for p, a in zip(params, args)]
-    # The trailing defaults of allocate_slots say nothing on a running request's step.
-    if op == "allocate_slots" and list(args[2:]) == [0, [], 0]:
-        shown = shown[:2]
+    if operation is not None:  # trailing arguments at their usual values say nothing (the entry's quiet tail)
+        shown = shown[: operation.wording.shown_args(args)]
     return f"{op}({', '.join(shown)})"
 
 

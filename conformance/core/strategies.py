@@ -19,8 +19,10 @@ strategy object each time cost more than the step itself.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import lru_cache
+from typing import Any
 
 from hypothesis import strategies as st
 
@@ -33,6 +35,7 @@ __all__ = [
     "HASH_UNIVERSE",
     "LORA_NAMES",
     "CACHE_SALTS",
+    "VALID",
     "VOCABULARY_SIZE",
     "bad_block_id_values",
     "bad_block_ids",
@@ -46,13 +49,16 @@ __all__ = [
     "external_tokens",
     "group_layouts",
     "hash_values",
+    "kinds",
     "long_tokens",
     "lora_names",
     "manager_pool_sizes",
     "mm_inputs",
+    "one_of",
     "other_keys",
     "pool_sizes",
     "prompts",
+    "sampled",
     "system_prompts",
     "token_ids",
 ]
@@ -315,3 +321,38 @@ def other_keys(prompt: Request, block_size: int) -> st.SearchStrategy[Request]:
         st.sampled_from(loras).map(lambda lora: replace(prompt, lora_name=lora)),
         images.map(lambda mm: replace(prompt, mm_inputs=mm)),
     )
+
+
+# --- what the machine draws with ----------------------------------------------------------------
+
+# Rules draw what kind of call to make from a list that starts with "valid",
+# repeated so that about three calls in four are valid whatever the number of
+# mistake kinds; Hypothesis shrinks toward the first entry, so a shrunk trace
+# keeps a mistake only where the failure needs one.
+VALID = "valid"
+
+
+def kinds(*mistakes: str) -> tuple[str, ...]:
+    """What kind of call a rule draws: "valid" three times per mistake, then the mistakes.
+
+    >>> kinds("bad id")
+    ('valid', 'valid', 'valid', 'bad id')
+    """
+    return (VALID,) * (3 * max(len(mistakes), 1)) + mistakes
+
+
+def sampled(items: Sequence[Any]) -> st.SearchStrategy[Any]:
+    """`st.sampled_from` over a tuple: Hypothesis caches strategies built from hashable
+    arguments, and rebuilding (and re-validating) one per draw dominated a step's cost."""
+    return _sampled_tuple(tuple(items))
+
+
+@lru_cache(maxsize=1024)
+def _sampled_tuple(items: tuple[Any, ...]) -> st.SearchStrategy[Any]:
+    return st.sampled_from(items)
+
+
+@lru_cache(maxsize=1024)
+def one_of(*strategies: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """`st.one_of`, cached for the same reason as `sampled`."""
+    return st.one_of(*strategies)

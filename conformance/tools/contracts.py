@@ -66,30 +66,54 @@ ANALYSIS_ERROR = "analysis_error"  # CrossHair could not analyse the function at
 # --- the state corpora ----------------------------------------------------------------------------
 
 
+def _some(rng: random.Random, blocks: list[BlockId]) -> list[BlockId]:
+    return rng.sample(blocks, rng.randint(0, len(blocks)))
+
+
+def _held(st: PoolState) -> list[BlockId]:
+    return [BlockId(b) for b in range(1, st.num_gpu_blocks) if st.ref_cnt[b] > 0]
+
+
+def _hashed(st: PoolState) -> list[BlockId]:
+    return [BlockId(b) for b in range(1, st.num_gpu_blocks) if st.block_hash[b] is not None]
+
+
+def _take(rng: random.Random, st: PoolState) -> PoolState:
+    return spec_ops.get_new_blocks(st, rng.randint(0, len(st.free_queue))).state
+
+
+def _free(rng: random.Random, st: PoolState) -> PoolState:
+    return spec_ops.free_blocks(st, _some(rng, _held(st))).state
+
+
+def _cache(rng: random.Random, st: PoolState) -> PoolState:
+    blocks = _some(rng, [b for b in _held(st) if st.block_hash[b] is None])
+    return spec_ops.cache_full_blocks(st, blocks, [BlockHash(b"h%d" % rng.randint(1, 3)) for _ in blocks]).state
+
+
+def _touch(rng: random.Random, st: PoolState) -> PoolState:
+    return spec_ops.touch(st, _some(rng, _hashed(st))).state
+
+
+def _evict(rng: random.Random, st: PoolState) -> PoolState:
+    return spec_ops.evict_blocks(st, _some(rng, _hashed(st))[:1]).state
+
+
+def _reset(rng: random.Random, st: PoolState) -> PoolState:
+    return spec_ops.reset_prefix_cache(st).state
+
+
+# The calls a workload makes, weighted by repetition (taking and freeing blocks twice as often as the rest).
+_POOL_CALLS: tuple[Callable[[random.Random, PoolState], PoolState], ...] = (
+    _take, _take, _free, _free, _cache, _touch, _evict, _reset
+)
+
+
 def _random_pool_call(rng: random.Random, st: PoolState) -> PoolState:
     """A call a real workload could make: its arguments drawn from the blocks in the right state."""
-    held = [BlockId(b) for b in range(1, st.num_gpu_blocks) if st.ref_cnt[b] > 0]
-    hashed = [BlockId(b) for b in range(1, st.num_gpu_blocks) if st.block_hash[b] is not None]
-
-    def some(blocks: list[BlockId]) -> list[BlockId]:
-        return rng.sample(blocks, rng.randint(0, len(blocks)))
-
-    op = rng.choice(
-        ("get_new_blocks", "get_new_blocks", "free_blocks", "free_blocks", "cache", "touch", "evict", "reset")
-    )
+    call = rng.choice(_POOL_CALLS)
     try:
-        if op == "get_new_blocks":
-            return spec_ops.get_new_blocks(st, rng.randint(0, len(st.free_queue))).state
-        if op == "free_blocks":
-            return spec_ops.free_blocks(st, some(held)).state
-        if op == "cache":
-            blocks = some([b for b in held if st.block_hash[b] is None])
-            return spec_ops.cache_full_blocks(st, blocks, [BlockHash(b"h%d" % rng.randint(1, 3)) for _ in blocks]).state
-        if op == "touch":
-            return spec_ops.touch(st, some(hashed)).state
-        if op == "evict":
-            return spec_ops.evict_blocks(st, some(hashed)[:1]).state
-        return spec_ops.reset_prefix_cache(st).state
+        return call(rng, st)
     except BlockManagerError:
         return st  # prefix caching off: nothing is cached
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -48,7 +49,7 @@ def test_each_row_is_what_the_spec_raises_and_the_state_is_unchanged(operation: 
     assert row.error in OPERATIONS[operation].errors
     assert str(caught.value) == row.message
     assert state.snapshot() == before  # nothing changed in place
-    assert state == ec.CASES[operation].build(fields)[0]
+    assert state == ec.CASES[operation].build(OPERATIONS[operation].params, fields)[0]
 
 
 def test_every_mistake_of_the_operations_table_has_a_row_and_every_row_names_one() -> None:
@@ -75,9 +76,9 @@ def test_the_order_is_the_spec_s_known_order() -> None:
 
 def test_two_mistakes_that_are_one_check_are_refused() -> None:
     cases = ec.CASES["touch"]
-    doubled = ec.Cases(cases.operation, cases.valid, cases.build, {**cases.mistakes, "again": cases.mistakes["bad id"]})
+    doubled = replace(cases, mistakes={**cases.mistakes, "again": cases.mistakes["bad id"]})
     with pytest.raises(ValueError, match=r"^touch: 'bad id' and 'again' are one check"):
-        ec._operation_contract(doubled)
+        ec._operation_contract(OPERATIONS["touch"], doubled)
 
 
 def test_kvspec_errors_prints_each_operation(tmp_path: Path) -> None:

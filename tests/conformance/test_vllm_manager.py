@@ -59,7 +59,7 @@ def scenario(profile, caching, salt, events=False):
             "not_applicable": sorted(adapter.not_applicable), "exact": lock.uses_kvspec_hash_chain,
             "provides": sorted(m for m in ("take_events", "prefix_cache_stats", "evict_blocks", "reset_prefix_cache")
                                if callable(getattr(adapter, m, None))),
-            "hit_cap": lock.takes_hit_cap}
+            "hit_cap": lock.takes("max_cache_hit_length")}
     if salt is not None and "cache_salt" in adapter.not_applicable:
         out["verdict"] = "not applicable"
         return out

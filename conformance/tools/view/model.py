@@ -23,6 +23,7 @@ from typing import Any
 
 from kvspec.conformance.core.operations import OPERATIONS
 from kvspec.conformance.core.results import FailureKind, Verdict
+from kvspec.conformance.core.wording import CallText, plural
 from kvspec.spec.invariants import EVENT_RULES, HIT_RULES, INVARIANTS, STEP_RULES
 
 __all__ = ["PAGE_FORMAT", "RULES", "build_view"]
@@ -202,12 +203,16 @@ def _outcome_key(o: Mapping[str, Any] | None) -> Any:
 
 
 def _same_outcome(op: str | None, spec: Mapping[str, Any] | None, impl: Mapping[str, Any] | None) -> bool:
+    """Whether the lock-step core would call the two outcomes the same (results as the operation compares them)."""
     a, b = _outcome_key(spec), _outcome_key(impl)
-    if op == "get_usage" and a and b and a[0] == b[0] == "result":
-        x, y = a[1], b[1]
-        if isinstance(x, (int, float)) and isinstance(y, (int, float)):
-            return abs(x - y) <= 1e-9
+    operation = OPERATIONS.get(op) if op is not None else None
+    if operation is not None and a and b and a[0] == b[0] == "result" and not _malformed(a[1], b[1]):
+        return operation.same_result(a[1], b[1])
     return bool(a == b)
+
+
+def _malformed(*results: Any) -> bool:
+    return any(isinstance(r, dict) and "malformed" in r for r in results)
 
 
 def _differences(spec: Mapping[str, Any] | None, impl: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -230,19 +235,9 @@ def _differences(spec: Mapping[str, Any] | None, impl: Mapping[str, Any] | None)
     return {"blocks": sorted(set(ref) | set(hashed)), "fields": fields, "free_queue_positions": positions}
 
 
-# --- words --------------------------------------------------------------------------------
-
-
-def _ids(values: Sequence[Any]) -> str:
-    return ", ".join(str(v) for v in values) if values else "none"
-
-
-def _blocks(values: Sequence[Any]) -> str:
-    return f"block {values[0]}" if len(values) == 1 else f"blocks {_ids(values)}"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+# --- words ----------------------------------------------------------------------------------
+# What each operation asks and what its result means are the operations table's (its entry's wording);
+# here, only how the page shows a trace-form value: a hash by its short name, a request by its tokens.
 
 
 def _request_words(r: Mapping[str, Any], block_size: int) -> str:
@@ -260,7 +255,7 @@ def _request_words(r: Mapping[str, Any], block_size: int) -> str:
     if r.get("mm_inputs"):
         extra.append("mm=" + ",".join(f"{m[0]}@{m[1]}+{m[2]}" for m in r["mm_inputs"]))
     rid = r["request_id"] or "''"
-    return f"{rid}({_plural(len(tokens), 'token')}: {text}{'; ' + ' '.join(extra) if extra else ''})"
+    return f"{rid}({plural(len(tokens), 'token')}: {text}{'; ' + ' '.join(extra) if extra else ''})"
 
 
 def _value(v: Any, names: _HashNames, block_size: int) -> str:
@@ -277,9 +272,8 @@ def _call(op: str, args: Sequence[Any], names: _HashNames, block_size: int) -> s
     operation = OPERATIONS.get(op)
     params = operation.params if operation is not None else tuple(f"arg{i}" for i in range(len(args)))
     shown = [f"{p}={_value(a, names, block_size)}" for p, a in zip(params, args)]
-    # The trailing defaults of allocate_slots say nothing on a running request's step.
-    if op == "allocate_slots" and list(args[2:]) == [0, [], 0]:
-        shown = shown[:2]
+    if operation is not None:  # trailing arguments at their usual values say nothing (the entry's quiet tail)
+        shown = shown[: operation.wording.shown_args(args)]
     return f"{op}({', '.join(shown)})"
 
 
@@ -290,48 +284,12 @@ def _rid(v: Any) -> str:
 
 
 def _op_words(op: str, args: Sequence[Any], names: _HashNames) -> str:
-    """What the operation asks, in a sentence."""
-    a = list(args)
-    if op == "get_new_blocks":
-        return (
-            f"Take {_plural(a[0], 'block') if isinstance(a[0], int) else a[0]} from the left end of the free queue "
-            "(a cached block taken this way is evicted from the hash table)."
-        )
-    if op == "touch":
-        return f"A prefix hit takes a reference on {_blocks(a[0])}; a free one leaves the free queue."
-    if op == "free_blocks":
-        return (
-            f"Release {_blocks(a[0])} in this order (a request's blocks come tail first); "
-            "a block whose ref_cnt reaches 0 returns to the free queue."
-        )
-    if op == "cache_full_blocks":
-        hashes = [_value(h, names, 1) for h in a[1]]
-        return f"Register full {_blocks(a[0])} in the hash table under {_ids(hashes)}."
-    if op == "get_cached_block":
-        return f"Look up {_value(a[0], names, 1)} in the hash table."
-    if op == "evict_blocks":
-        return f"Evict {_blocks(a[0])} from the prefix cache: their hashes are dropped."
-    if op == "reset_prefix_cache":
-        return "Drop every hash from the prefix cache (refused while any block is held)."
-    if op == "is_block_writable":
-        return f"Ask whether block {a[0]} may be written."
-    if op == "get_num_free_blocks":
-        return "Count the free blocks."
-    if op == "get_usage":
-        return "Ask what fraction of the pool is in use."
-    if op == "get_computed_blocks":
-        return f"Look up the longest cached prefix of request {_rid(a[0])}."
-    if op == "allocate_slots":
-        num_new = _plural(a[1], "new token") if isinstance(a[1], int) else a[1]
-        words = f"Allocate slots for {num_new} of request {_rid(a[0])}"
-        if a[2]:
-            words += f", after a hit of {_plural(a[2], 'token')} on {_blocks(a[3])}"
-        if a[4]:
-            words += f", {_plural(a[4], 'token')} from an external connector"
-        return words + "."
-    if op == "free":
-        return f"Request {a[0]} finishes (or is preempted): its blocks are released tail first."
-    return f"{op}."
+    """What the operation asks, in a sentence (its entry's words; an operation the table lacks: its name)."""
+    operation = OPERATIONS.get(op)
+    if operation is None:
+        return f"{op}."
+    text = CallText(operation.params, args, lambda v: _value(v, names, 1), _rid)
+    return operation.wording.asks(text)
 
 
 def _result_words(op: str | None, o: Mapping[str, Any] | None) -> str:
@@ -347,24 +305,10 @@ def _result_words(op: str | None, o: Mapping[str, Any] | None) -> str:
     r = o.get("result")
     if isinstance(r, dict) and "malformed" in r:
         return f"returned a malformed value ({r['malformed']})"
-    if op == "get_new_blocks" and isinstance(r, list):
-        return f"got {_blocks(r)}" if r else "got no blocks"
-    if op == "get_cached_block":
-        return "miss: no block has this hash" if r is None else f"hit: block {r}"
-    if op == "reset_prefix_cache":
-        return "accepted: every hash dropped" if r is True else "refused: a block is still held"
-    if op == "is_block_writable":
-        return "yes, writable" if r is True else "no, not writable"
-    if op == "get_num_free_blocks":
-        return f"{r} free"
-    if op == "get_usage" and isinstance(r, (int, float)):
-        return f"{r:.6g} in use"
-    if op == "get_computed_blocks" and isinstance(r, list) and len(r) == 2:
-        return f"hit {_blocks(r[0])}: {_plural(r[1], 'token')}" if r[0] else "no hit"
-    if op == "allocate_slots" and r is None:
-        return "refused: too few free blocks (None)"
-    if op == "allocate_slots" and isinstance(r, list):
-        return f"new {_blocks(r)}" if r else "no new block needed"
+    operation = OPERATIONS.get(op) if op is not None else None
+    words = operation.wording.answer(r) if operation is not None else None
+    if words is not None:
+        return words
     return "done" if r is None else repr(r)
 
 
@@ -495,15 +439,7 @@ def _view_step(
         or _events_words(s["spec_outcome"], names.of_spec) != _events_words(impl_outcome, names.of_impl)
     ):
         differences["fields"].insert(0, "result")
-    if op is None:
-        call, words = None, None
-        caption = s["caption"] or (
-            "initial state: every block but the null block is free, in id order" if i == 0 else f"step {i}"
-        )
-    else:
-        call = _call(op, s["args"], names, bs)
-        words = _op_words(op, s["args"], names)
-        caption = s["caption"] or call
+    call, words, caption = _step_text(i, s, names, bs)
     return {
         "index": i,
         "op": op,
@@ -522,16 +458,33 @@ def _view_step(
         "spec_recomputed": bool(s.get("spec_recomputed")),
         "changed": {"spec": _changed(before[0], spec_state), "impl": _changed(before[1], impl_state)},
         "differences": differences,
-        "evicted": {
-            side: sorted(
-                {e[0] for e in (before[k] or {}).get("hash_table", [])}
-                - {e[0] for e in (states[i][k] or {}).get("hash_table", [])},
-                key=_natural,
-            )
-            for k, side in ((0, "spec"), (1, "impl"))
-        },
+        "evicted": _evicted(before, states[i]),
         "computed_tokens": dict(s.get("computed_tokens") or {}),
         "is_failure": i == bad,
+    }
+
+
+def _step_text(i: int, s: Mapping[str, Any], names: _HashNames, bs: int) -> tuple[str | None, str | None, str]:
+    """The step's call, what it asks in words (its operation's entry), and its caption."""
+    op = s["op"]
+    if op is None:
+        caption = s["caption"] or (
+            "initial state: every block but the null block is free, in id order" if i == 0 else f"step {i}"
+        )
+        return None, None, caption
+    call = _call(op, s["args"], names, bs)
+    return call, _op_words(op, s["args"], names), s["caption"] or call
+
+
+def _evicted(before: Sequence[Any], after: Sequence[Any]) -> dict[str, list[str]]:
+    """Per side, the hash names the step dropped from the hash table."""
+    return {
+        side: sorted(
+            {e[0] for e in (before[k] or {}).get("hash_table", [])}
+            - {e[0] for e in (after[k] or {}).get("hash_table", [])},
+            key=_natural,
+        )
+        for k, side in ((0, "spec"), (1, "impl"))
     }
 
 

@@ -25,7 +25,8 @@ from typing import Any
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.hash_names import HashNames
 from kvspec.conformance.core.lockstep import run_spec, spec_initial_state
-from kvspec.conformance.core.trace import Trace, encode_value, snapshot_to_json
+from kvspec.conformance.core.results import Outcome
+from kvspec.conformance.core.trace import Trace, TraceStep, encode_value, snapshot_to_json
 from kvspec.conformance.tools.walkthrough import WalkthroughStep, load_golden
 from kvspec.spec.state import Snapshot
 
@@ -64,26 +65,7 @@ def trace_to_page_data(trace: Trace) -> dict[str, Any]:
         {"index": 0, "op": None, "args": [], "spec_outcome": None, "impl_outcome": None, "spec": initial,
          "impl": impl_initial, "spec_recomputed": False, "caption": None, "base": None}
     ]
-    for i, s in enumerate(trace.steps):
-        spec_outcome, spec_snapshot = s.spec, s.spec_snapshot
-        if spec_outcome is None:
-            spec_outcome = replayed[i][0]
-        if spec_snapshot is None:
-            spec_snapshot = replayed[i][1]
-        steps.append(
-            {
-                "index": s.index,
-                "op": s.op,
-                "args": encode_value(list(s.args)),
-                "spec_outcome": spec_outcome.to_json(),
-                "impl_outcome": None if s.impl is None else s.impl.to_json(),
-                "spec": snapshot_to_json(spec_snapshot),
-                "impl": None if s.impl_snapshot is None else snapshot_to_json(s.impl_snapshot),
-                "spec_recomputed": s.spec_snapshot is None,
-                "caption": None,
-                "base": None,
-            }
-        )
+    steps += [_trace_step(s, replayed[i] if replayed else None) for i, s in enumerate(trace.steps)]
     return {
         "kvspec_page_source": SOURCE_FORMAT,
         "kind": "trace",
@@ -101,6 +83,29 @@ def trace_to_page_data(trace: Trace) -> dict[str, Any]:
         "hash_names": spec_names,
         "impl_hash_names": impl_names,
         "steps": steps,
+    }
+
+
+def _trace_step(s: TraceStep, replayed: tuple[Outcome, Snapshot] | None) -> dict[str, Any]:
+    """One trace step in the source document; the spec's side from `replayed` where the trace lacks it."""
+    spec_outcome, spec_snapshot = s.spec, s.spec_snapshot
+    if spec_outcome is None:
+        assert replayed is not None, "a step without the spec's outcome and no replay"
+        spec_outcome = replayed[0]
+    if spec_snapshot is None:
+        assert replayed is not None, "a step without the spec's state and no replay"
+        spec_snapshot = replayed[1]
+    return {
+        "index": s.index,
+        "op": s.op,
+        "args": encode_value(list(s.args)),
+        "spec_outcome": spec_outcome.to_json(),
+        "impl_outcome": None if s.impl is None else s.impl.to_json(),
+        "spec": snapshot_to_json(spec_snapshot),
+        "impl": None if s.impl_snapshot is None else snapshot_to_json(s.impl_snapshot),
+        "spec_recomputed": s.spec_snapshot is None,
+        "caption": None,
+        "base": None,
     }
 
 
@@ -128,24 +133,7 @@ def walkthrough_to_page_data(
     out: list[dict[str, Any]] = []
     for step in steps:
         names.update({bytes(h).hex(): n for h, n in step.hash_names.items()})
-        snapshot = snapshot_to_json(step.snapshot)
-        # The walkthrough drives a pool; the request block tables are its own bookkeeping.
-        snapshot["block_tables"] = [[rid, list(blocks)] for rid, blocks in sorted(step.block_tables.items())]
-        out.append(
-            {
-                "index": step.step,
-                "op": None,
-                "args": [],
-                "spec_outcome": None,
-                "impl_outcome": None,
-                "spec": snapshot,
-                "impl": None,
-                "spec_recomputed": False,
-                "caption": step.action,
-                "base": after.get(step.step),
-                "computed_tokens": dict(step.num_computed_tokens),
-            }
-        )
+        out.append(_walkthrough_step(step, after.get(step.step)))
     cfg = golden["config"]
     return {
         "kvspec_page_source": SOURCE_FORMAT,
@@ -163,4 +151,24 @@ def walkthrough_to_page_data(
         "hash_names": names,
         "requests": {name: list(tokens) for name, tokens in golden["requests"].items()},
         "steps": out,
+    }
+
+
+def _walkthrough_step(step: WalkthroughStep, base: int | None) -> dict[str, Any]:
+    """One walkthrough step in the source document, drawn against step `base` (None: the one before)."""
+    snapshot = snapshot_to_json(step.snapshot)
+    # The walkthrough drives a pool; the request block tables are its own bookkeeping.
+    snapshot["block_tables"] = [[rid, list(blocks)] for rid, blocks in sorted(step.block_tables.items())]
+    return {
+        "index": step.step,
+        "op": None,
+        "args": [],
+        "spec_outcome": None,
+        "impl_outcome": None,
+        "spec": snapshot,
+        "impl": None,
+        "spec_recomputed": False,
+        "caption": step.action,
+        "base": base,
+        "computed_tokens": dict(step.num_computed_tokens),
     }
