@@ -200,3 +200,15 @@ def test_an_import_inside_a_function_is_an_optional_dependency_and_says_so() -> 
         and (not imp.commented or not any(imp.target == o or imp.target.startswith(o + ".") for o in OPTIONAL))
     ]
     assert hidden == []
+
+
+def test_no_function_of_the_product_is_60_lines_or_more() -> None:
+    # Counted from its def to its last line, docstring included: a reader holds the whole of it in their head.
+    long = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length >= 60:
+                    long.append(f"{module}.{node.name}: {length} lines")
+    assert long == []
