@@ -264,12 +264,13 @@ def lemma_claims_from_source() -> list[tuple[str, tuple[str, ...]]]:
     claims: list[tuple[str, tuple[str, ...]]] = []
     try:
         for call in _lemma_calls(source):
-            invariants = next((kw.value for kw in call.keywords if kw.arg == "invariants"), None)
-            if invariants is None:
+            given = {kw.arg: kw.value for kw in call.keywords} | dict(zip(("number", "name"), call.args))
+            if "invariants" not in given:
                 continue
-            number, name = source.value(call.args[0], "__init__"), source.value(call.args[1], "__init__")
+            invariants = given["invariants"]
+            number, name = source.value(given["number"], "__init__"), source.value(given["name"], "__init__")
             claims.append((f"{number} {name}", tuple(source.value(invariants, "__init__"))))
-    except (OSError, SyntaxError, ValueError, IndexError):
+    except (OSError, SyntaxError, ValueError, IndexError, KeyError):
         return []
     return claims
 
