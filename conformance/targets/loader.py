@@ -32,6 +32,7 @@ release's files, and imports built at run time would escape it.
 from __future__ import annotations
 import __future__
 
+import abc
 import ast
 import builtins
 import importlib
@@ -160,13 +161,13 @@ class PrivateFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, builtins_table: dict[str, Any]) -> None:
         self.builtins = builtins_table  # the __builtins__ of every module run from source
 
+    @abc.abstractmethod
     def real_name(self, fullname: str) -> str | None:
         """The module's real dotted name, or None for a name that is not this finder's."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def locate(self, real: str) -> tuple[Path | None, bool, Path | None]:
         """(the file to run or None, whether it is a package, the package's folder for its submodules)."""
-        raise NotImplementedError
 
     def new_module(self, real: str, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         """The module object (None: the import system's default)."""
