@@ -17,7 +17,7 @@ process has used it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -110,14 +110,25 @@ class ReuseWithoutEviction(TensorManagerAdapter):
                 self._recycled_pages.append(page)
 
 
-def _on_cpu(adapter: type[TensorManagerAdapter]) -> Callable[[AdapterConfig], TensorManagerAdapter]:
-    """A factory for `adapter` that puts it on the CPU when the config names no device."""
+def _on_cpu(config: AdapterConfig) -> AdapterConfig:
+    """The config with the CPU as its device unless it names one."""
+    return replace(config, device=config.device or "cpu")
 
-    def build(config: AdapterConfig) -> TensorManagerAdapter:
-        return adapter(replace(config, device=config.device or "cpu"))
 
-    build.__name__ = adapter.__name__
-    return build
+# Factories at module level, so a trace names each as `module:function` and `kvspec replay --impl` loads it.
+def write_wrong_slot(config: AdapterConfig) -> TensorManagerAdapter:
+    """gpu_impl with `WriteWrongSlot`'s store, on the CPU unless a device is asked for."""
+    return WriteWrongSlot(_on_cpu(config))
+
+
+def write_shared_block(config: AdapterConfig) -> TensorManagerAdapter:
+    """gpu_impl with `WriteSharedBlock`'s store, on the CPU unless a device is asked for."""
+    return WriteSharedBlock(_on_cpu(config))
+
+
+def reuse_without_eviction(config: AdapterConfig) -> TensorManagerAdapter:
+    """gpu_impl with `ReuseWithoutEviction`'s pages, on the CPU unless a device is asked for."""
+    return ReuseWithoutEviction(_on_cpu(config))
 
 
 MUTANTS: list[Mutant] = [
@@ -125,7 +136,7 @@ MUTANTS: list[Mutant] = [
         name="gpu_write_wrong_slot",
         description="gpu_impl stores each token's KV one slot further along its block",
         level="manager",
-        factory=_on_cpu(WriteWrongSlot),
+        factory=write_wrong_slot,
         kind="a write into the wrong slot",
     ),
     Mutant(
@@ -133,7 +144,7 @@ MUTANTS: list[Mutant] = [
         description="gpu_impl indexes the block table with cdiv(p, block_size) - 1, writing a block's first token "
         "into the previous (possibly shared, cached) block",
         level="manager",
-        factory=_on_cpu(WriteSharedBlock),
+        factory=write_shared_block,
         kind="a write into a shared block",
     ),
     Mutant(
@@ -142,7 +153,7 @@ MUTANTS: list[Mutant] = [
             "gpu_impl recycles a freed block's page while the block is still cached, so a hit reads overwritten KV"
         ),
         level="manager",
-        factory=_on_cpu(ReuseWithoutEviction),
+        factory=reuse_without_eviction,
         kind="a block reused without eviction",
     ),
 ]

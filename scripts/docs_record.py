@@ -91,8 +91,8 @@ def record_traces(report_path: Path | None = None) -> int:
             path = Path(m["trace_path"])
             impl = json.loads(path.read_text(encoding="utf-8").splitlines()[0]).get("impl") or ""
             if " " in impl or ":" not in impl:
-                # NOTE: a mutant whose factory `kvspec mutants --list` cannot name as module:function (the
-                # gpu_impl mutants' factories are closures) writes a trace no `kvspec replay --impl` loads.
+                # A mutant whose factory is not a module-level function writes a trace no `kvspec replay
+                # --impl` loads; every mutant kvspec ships is named, so this guards an added one.
                 print(f"{m['name']}: not kept, its trace names {impl!r}, which kvspec replay cannot load")
                 continue
             broken = hooks.rule_broken_by(path)
