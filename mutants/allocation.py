@@ -148,6 +148,20 @@ class ManagerOverNullCountingPool(ReferenceManagerAdapter):
             manager.pool = self.block_pool  # every group allocates from it
 
 
+class FreeLosesLastBlock(ReferencePoolAdapter):
+    """`free_blocks` queues the blocks reaching ref_cnt 0 with an off-by-one slice (`freed[:-1]`).
+
+    The last block of such a batch is neither free nor held: every request
+    that ends leaks a block, and the pool starves.
+    """
+
+    def free_blocks(self, ordered_block_ids: Sequence[BlockId]) -> None:
+        super().free_blocks(ordered_block_ids)
+        freed = [self.blocks[b] for b in ordered_block_ids if self.blocks[b].ref_cnt == 0]
+        if freed:
+            self.free_block_queue.remove(freed[-1])  # MUTANT: the batch's last block never reaches the queue
+
+
 MUTANTS: list[Mutant] = [
     Mutant(
         name="touch_leaves_block_queued",
@@ -199,5 +213,12 @@ MUTANTS: list[Mutant] = [
         level="manager",
         factory=ManagerOverNullCountingPool,
         kind="a miscounted num_free",
+    ),
+    Mutant(
+        name="free_loses_last_block",
+        description="free_blocks leaves the last block of a batch out of the free queue: neither free nor held",
+        level="pool",
+        factory=FreeLosesLastBlock,
+        kind="a block leaked",
     ),
 ]

@@ -131,6 +131,37 @@ class ResetCountsNullTwice(ReferencePoolAdapter):
         return True
 
 
+class FreeEvictsCachedBlocks(ReferencePoolAdapter):
+    """`free_blocks` evicts the blocks it frees: the eviction that belongs in `get_new_blocks` runs on free.
+
+    Every finished request's prefix is forgotten the moment it is freed, so
+    nothing is ever hit after its request ends; the hash entries vanish on a
+    step that evicts nothing (only-eviction-removes).
+    """
+
+    def free_blocks(self, ordered_block_ids: Sequence[BlockId]) -> None:
+        super().free_blocks(ordered_block_ids)
+        for b in ordered_block_ids:
+            block = self.blocks[b]
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                self._evict(block)  # MUTANT: `_maybe_evict_cached_block` called on free, not on reuse
+
+
+class CachesWithCachingOff(ReferencePoolAdapter):
+    """`cache_full_blocks` has no caching-off refusal: with prefix caching off it still registers blocks.
+
+    A pool built without a prefix cache then holds hashes that nothing
+    evicts in the caching-off paths, and serves hits it was told not to.
+    """
+
+    def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
+        caching, self.enable_caching = self.enable_caching, True  # MUTANT: the `not enable_caching` refusal skipped
+        try:
+            super().cache_full_blocks(block_ids, block_hashes)
+        finally:
+            self.enable_caching = caching
+
+
 MUTANTS: list[Mutant] = [
     Mutant(
         name="eviction_keeps_hash_entry",
@@ -180,5 +211,20 @@ MUTANTS: list[Mutant] = [
         level="pool",
         factory=ResetCountsNullTwice,
         kind="reset accepted while blocks are held",
+    ),
+    Mutant(
+        name="free_evicts_cached_blocks",
+        description="free_blocks evicts the cached blocks it frees, so no prefix outlives its request",
+        level="pool",
+        factory=FreeEvictsCachedBlocks,
+        kind="a hash dropped without eviction",
+    ),
+    Mutant(
+        name="caches_with_caching_off",
+        description="cache_full_blocks registers blocks with prefix caching off instead of refusing",
+        level="pool",
+        factory=CachesWithCachingOff,
+        kind="a hash where caching is off",
+        enable_caching=False,
     ),
 ]

@@ -24,7 +24,7 @@ from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, make_reference, make_spec
 from kvspec.mutants import Mutant, all_mutants
 from kvspec.mutants._base import ListQueuePool
-from kvspec.spec.errors import AlreadyCached, BlockManagerError, DoubleFree, InvalidBlock, PoolExhausted
+from kvspec.spec.errors import AlreadyCached, BlockManagerError, DoubleFree, InvalidBlock, InvalidRequest, PoolExhausted
 from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvspec.spec.hashing import MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import failing
@@ -624,6 +624,28 @@ def external_counted_as_local(factory: Factory) -> None:
     s.counted(PrefixCacheStats(CacheCounters(1, 9, 0), CacheCounters(1, 9, 4)))
 
 
+def free_evicts_cached_blocks(factory: Factory) -> None:
+    s = Steps(factory)
+    s.do("get_new_blocks", 2, expect=_ids(1, 2))
+    s.do("cache_full_blocks", _ids(1, 2), [H1, H2])
+    s.do("free_blocks", _ids(2, 1))
+    s.state(hash_groups=[[1], [2]])  # freed, still cached: evicted only when taken again
+    s.do("get_cached_block", H1, expect=1)
+
+
+def caches_with_caching_off(factory: Factory) -> None:
+    s = Steps(factory, enable_caching=False)
+    s.do("get_new_blocks", 1, expect=_ids(1))
+    s.refused(InvalidRequest, "cache_full_blocks", _ids(1), [H1])
+
+
+def free_loses_last_block(factory: Factory) -> None:
+    s = Steps(factory)
+    s.do("get_new_blocks", 2, expect=_ids(1, 2))
+    s.do("free_blocks", _ids(2, 1))
+    s.state(free_queue=[2, 1, 3, 4, 5])
+
+
 # Mutant name -> its scenario, and where (a regex on the Deviation's first line) the mutant must
 # depart: the step its bug first shows, so a mutant that fails for another reason fails the test.
 SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
@@ -704,6 +726,12 @@ SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
     "stored_with_wrong_parent": (stored_with_wrong_parent, r"step 2 allocate_slots.* published \[BlockStored"),
     "preempted_counted_as_new": (preempted_counted_as_new, r"statistics after step 4: .*requests=2"),
     "external_counted_as_local": (external_counted_as_local, r"statistics after step 1: .*hits=4"),
+    "free_evicts_cached_blocks": (free_evicts_cached_blocks, r"state after step 3: blocks by hash \[\], "),
+    "caches_with_caching_off": (
+        caches_with_caching_off,
+        r"step 2 cache_full_blocks.* was accepted; expected InvalidRequest",
+    ),
+    "free_loses_last_block": (free_loses_last_block, r"after step 2 free_blocks.*inv_free_queue_has_zero_ref"),
 }
 
 # Mutant modules of other packages' implementations (gpu_*) bring their own scenarios.
