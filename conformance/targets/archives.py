@@ -42,7 +42,7 @@ def is_release_number(version: str) -> bool:
     return _VERSION_RE.match(version) is not None
 
 
-def cached_folder(base: Path, name: str, fill: Callable[[Path, Path], str]) -> Path:
+def cached_folder(base: Path, name: str, fill: Callable[[Path, Path], str], stamp: str = "") -> Path:
     """The folder ``base/name``, filled by ``fill`` on first use.
 
     Args:
@@ -50,6 +50,9 @@ def cached_folder(base: Path, name: str, fill: Callable[[Path, Path], str]) -> P
         name: The entry, e.g. ``"0.33.0"`` or ``"kvcached-0.1.6"``.
         fill: ``fill(work, target)`` puts the wanted files in ``target`` (``work`` is a private
             scratch folder beside it, removed afterwards) and returns the marker's text.
+        stamp: What was asked of ``fill`` (e.g. which files it keeps), recorded in the marker: a
+            folder filled under another stamp is filled again, so a kvspec that keeps more files
+            of a release than an older one did never reads that older, shorter extraction.
 
     Returns:
         ``base/name``, complete.
@@ -58,14 +61,17 @@ def cached_folder(base: Path, name: str, fill: Callable[[Path, Path], str]) -> P
         Whatever ``fill`` raises; nothing is left in the cache then.
     """
     root = base / name
+    stamp_line = f"stamp: {stamp}\n" if stamp else ""
     if (root / MARKER).exists():
-        return root
+        if stamp_line in (root / MARKER).read_text():
+            return root
+        shutil.rmtree(root, ignore_errors=True)  # filled under another stamp
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=base))
     try:
         target = work / "extracted"
         target.mkdir()
-        (target / MARKER).write_text(fill(work, target))
+        (target / MARKER).write_text(fill(work, target) + stamp_line)
         try:
             target.rename(root)
         except OSError:

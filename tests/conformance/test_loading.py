@@ -12,7 +12,7 @@ import itertools
 import sys
 import types
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -172,3 +172,21 @@ def test_extract_zip_keeps_the_wanted_members_at_their_paths(tmp_path: Path) -> 
     assert names == {"pkg/core/", "pkg/core/pool.py", "pkg/heavy.py"} and kept == 1
     assert (tmp_path / "out" / "pkg" / "core" / "pool.py").read_text() == "POOL = 1\n"
     assert not (tmp_path / "out" / "pkg" / "heavy.py").exists()
+
+
+def test_a_cache_folder_filled_under_another_stamp_is_filled_again(tmp_path: Path) -> None:
+    # A kvspec that keeps more of a release's files than an older kvspec did (light mode's file
+    # list is the stamp) must not read the older, shorter extraction.
+    def fill_with(files: tuple[str, ...]) -> Callable[[Path, Path], str]:
+        def fill(work: Path, target: Path) -> str:
+            for name in files:
+                (target / name).write_text("")
+            return "wheel\n"
+
+        return fill
+
+    old = cached_folder(tmp_path, "1.0.0", fill_with(("a.py",)), stamp="files 1")
+    assert cached_folder(tmp_path, "1.0.0", fill_with(("never.py",)), stamp="files 1") == old
+    new = cached_folder(tmp_path, "1.0.0", fill_with(("a.py", "b.py")), stamp="files 2")
+    assert new == old and sorted(p.name for p in new.iterdir()) == [MARKER, "a.py", "b.py"]
+    assert (new / MARKER).read_text() == "wheel\nstamp: files 2\n"

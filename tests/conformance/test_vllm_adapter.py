@@ -8,6 +8,7 @@ against the newest release.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
@@ -46,6 +47,10 @@ def test_detected_api_generation_matches_the_release_facts(version: str) -> None
                                    ("is_block_writable", facts.has_is_block_writable)) if has}  # fmt: skip
     # get_num_free_blocks, get_usage and reset_prefix_cache exist in every v1 release
     assert capabilities(adapter) - {"get_num_free_blocks", "get_usage", "reset_prefix_cache"} == expected
+    pool = adapter.pool
+    assert ("evict_first" in inspect.signature(pool.free_blocks).parameters) == facts.free_has_evict_first_kwarg
+    assert hasattr(pool.cached_block_hash_to_block, "_dup_ids") == facts.hash_map_holds_block_ids
+    assert (getattr(pool.blocks[-1], "pool", None) is not None) == facts.blocks_know_their_pool
 
 
 @pytest.mark.parametrize("version", RELEASES)

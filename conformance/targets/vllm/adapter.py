@@ -253,6 +253,11 @@ def _walk_free_queue(queue: Any, limit: int) -> list[Any]:
 def _hash_table_entries(table: Any) -> Iterable[tuple[Any, list[Any]]]:
     """(key, blocks in registration order) for every entry of the pool's hash table."""
     cache = getattr(table, "_cache", table)  # BlockHashToBlockMap (0.11+) or a defaultdict(dict)
+    duplicates = getattr(table, "_dup_ids", None)
+    if duplicates is not None:  # 0.34+: a key maps to a block id; the ids of a key held by several, apart
+        for key, block_id in cache.items():
+            yield key, [table._blocks[b] for b in duplicates.get(key, (block_id,))]
+        return
     for key, value in cache.items():
         yield key, list(value.values()) if isinstance(value, dict) else [value]
 

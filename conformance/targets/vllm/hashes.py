@@ -181,6 +181,7 @@ class _HashRequest:
         positions = [_Position(mm.offset, mm.length) for mm in case.mm_inputs]
         self.request_id = case.name
         self.all_token_ids = list(case.token_ids)
+        self._all_token_ids = self.all_token_ids  # 0.34.0's hasher reads the buffer behind all_token_ids
         self.prompt_token_ids = list(case.token_ids)
         self.num_tokens = len(case.token_ids)
         self.block_hashes: list[Any] = []

@@ -14,11 +14,12 @@ What is real and what is not:
 
 - whole modules, executed as shipped: ``v1/core/block_pool.py``,
   ``v1/core/kv_cache_utils.py``, ``distributed/kv_events.py``, ``envs.py``,
-  ``utils/hashing.py`` and ``utils/math_utils.py`` (where the release has them),
-  and ``v1/core/kv_cache_metrics.py``;
+  ``utils/hashing.py``, ``utils/math_utils.py`` and ``utils/gc_utils.py`` (where
+  the release has them), and ``v1/core/kv_cache_metrics.py``;
 - selected definitions from heavy modules (``Layout.partial_defs``): the hash helpers
-  (``sha256``, ``sha256_cbor``, ...) and ``cdiv`` from ``vllm/utils``, and
-  ``get_mm_features_in_window`` from ``vllm/multimodal/utils.py``. The
+  (``sha256``, ``sha256_cbor``, ...) and ``cdiv`` from ``vllm/utils``,
+  ``get_mm_features_in_window`` from ``vllm/multimodal/utils.py`` and
+  ``token_slice`` from ``vllm/v1/token_buffer.py``. The
   definitions (and the top-level names they use, transitively) are taken from
   the wheel's source and executed as written; the rest of such a module is a
   placeholder;
@@ -55,6 +56,7 @@ matter.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.machinery
 import inspect
@@ -128,6 +130,7 @@ V1 = Layout(
         "vllm/envs.py",
         "vllm/utils/hashing.py",
         "vllm/utils/math_utils.py",
+        "vllm/utils/gc_utils.py",  # 0.34.0: gc_untrack, which must hand back the container it is given
     ),
     partial_defs={
         "vllm.utils": (
@@ -140,6 +143,7 @@ V1 = Layout(
             "cdiv",
         ),
         "vllm.multimodal.utils": ("get_mm_features_in_window",),
+        "vllm.v1.token_buffer": ("token_slice",),  # 0.34.0: the hasher slices the request's tokens with it
     },
     required="vllm/v1/core/block_pool.py",
     suffix="",
@@ -244,7 +248,8 @@ def fetch_release(
             found.rename(target / found.name)
         return found.name + "\n"
 
-    return cached_folder(cache or cache_dir(), version + layout.suffix, fill)
+    files = hashlib.sha256("\n".join(release_files(layout)).encode()).hexdigest()[:16]
+    return cached_folder(cache or cache_dir(), version + layout.suffix, fill, stamp=f"files {files}")
 
 
 def _download_wheel(version: str, dest: Path) -> Path:

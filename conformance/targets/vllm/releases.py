@@ -1,4 +1,4 @@
-"""What an adapter must know about each vLLM release's BlockPool, 0.8.0 to 0.33.0.
+"""What an adapter must know about each vLLM release's BlockPool, 0.8.0 to 0.34.0.
 
 Every fact here was measured by loading the release's real ``block_pool.py``
 and ``kv_cache_utils.py`` in light mode and driving them (pool of 8 blocks,
@@ -46,7 +46,7 @@ RELEASES: tuple[str, ...] = (
     "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0",
     "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0",
     "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0",
-    "0.33.0",
+    "0.33.0", "0.34.0",
 )  # fmt: skip
 
 TouchShape = Literal["list", "tuple_of_lists", "flat"]
@@ -121,6 +121,23 @@ class ReleaseFacts:
             of the queue) and hashed ones to the right end.
         free_has_prepend_kwarg: ``free_blocks(blocks, prepend=False)``
             (0.23.0 only: ``prepend=True`` puts every freed block in front).
+        free_has_evict_first_kwarg: ``free_blocks(blocks, evict_first=False)``
+            (0.34.0 on): ``evict_first=True`` puts freed cached blocks in
+            front too, with those without a hash, "for blocks whose contents
+            another tier already holds". No caller inside vLLM passes it.
+        hash_map_holds_block_ids: ``BlockHashToBlockMap._cache`` maps a key to
+            one block id, the ids of a key cached by several blocks kept
+            apart in ``_dup_ids`` (0.34.0 on); before, to blocks.
+        blocks_know_their_pool: ``KVCacheBlock.pool`` names the pool that
+            made the block (a weak reference from 0.34.0), and ``free_blocks``
+            hands a block of another pool to that pool with the same
+            arguments (0.30.0 on; in 0.34.0 the scheduler's deferred frees mix blocks
+            of a host tier's private pool with the device pool's).
+        request_hit_limit: The request level caps a prefix hit by
+            ``request.prefix_cache_hit_limit`` (0 skips the lookup) through
+            ``request.get_max_cache_hit_length()``, and the manager has
+            ``get_num_cached_tokens(request)``, a lookup that takes nothing
+            (0.34.0 on); ``get_num_common_prefix_blocks`` is gone.
         free_end_without_caching: Where freed blocks go with
             ``enable_caching=False``.
         null_on_free: What ``free_blocks([null_block])`` does: decrements the
@@ -162,6 +179,10 @@ class ReleaseFacts:
     has_is_block_writable: bool
     free_order: FreeOrder
     free_has_prepend_kwarg: bool
+    free_has_evict_first_kwarg: bool
+    hash_map_holds_block_ids: bool
+    blocks_know_their_pool: bool
+    request_hit_limit: bool
     free_end_without_caching: End
     null_on_free: NullOnFree
     touch_skips_null: bool
@@ -290,6 +311,10 @@ def facts_for(version: str) -> ReleaseFacts:
         has_is_block_writable=_flag(version, "0.29.0"),
         free_order=free_order,
         free_has_prepend_kwarg=_flag(version, "0.23.0", "0.23.0"),
+        free_has_evict_first_kwarg=_flag(version, "0.34.0"),
+        hash_map_holds_block_ids=_flag(version, "0.34.0"),
+        blocks_know_their_pool=_flag(version, "0.30.0"),
+        request_hit_limit=_flag(version, "0.34.0"),
         free_end_without_caching=since(version, _FREE_END_NO_CACHING),
         null_on_free=since(version, _NULL_ON_FREE),
         touch_skips_null=_flag(version, "0.33.0"),
