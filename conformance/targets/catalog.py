@@ -49,7 +49,8 @@ GPU = Target(
 VLLM = Target(
     name="vllm",
     summary="the installed vLLM, or with KVSPEC_VLLM_VERSION=X that release in light mode; vllm@X: release X's pool",
-    factory=f"{_VLLM_FACTORIES}:make_adapter",
+    # No factory of its own: "vllm" too is resolved, so KVSPEC_VLLM_VERSION's release is fetched
+    # (and refused in one line if it cannot be) before anything runs.
     resolve=f"{_VLLM_FACTORIES}:factory_for",
     forms=("vllm", "vllm@X.Y.Z"),
     loads_vllm=True,

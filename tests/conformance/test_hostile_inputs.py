@@ -122,3 +122,21 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path, command: li
     said = f"kvspec {command[0]}: the output was closed before the command finished"
     assert proc.stderr.strip().splitlines() == [said]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".cache"] or list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["check", "--impl", "vllm@abc"], "not a release number"),
+        (["check", "--impl", "vllm@0.34.0; rm -rf /"], "not a release number"),
+        (["hashes", "--version", "abc"], "not a release number"),
+        (["oracle", "--vllm", "abc"], "check --impl vllm@abc"),
+    ],
+)
+def test_a_vllm_release_that_is_not_one(argv: list[str], says: str, answers_in_one_line: Callable) -> None:
+    answers_in_one_line(argv, says)
+
+
+def test_a_release_named_by_the_environment_that_is_not_one(monkeypatch, answers_in_one_line: Callable) -> None:
+    monkeypatch.setenv("KVSPEC_VLLM_VERSION", "abc")
+    answers_in_one_line(["check", "--impl", "vllm", "--level", "pool"], "implementation 'vllm': cannot fetch")

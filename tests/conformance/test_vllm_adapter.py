@@ -189,3 +189,19 @@ def test_the_spec_hashes_as_the_release_where_its_chain_is_kvspecs() -> None:
     assert factory_for("vllm@0.30.0").spec_hashing() == ("sha256_cbor", "kvspec")  # type: ignore[attr-defined]
     # every pool adapter compares hash values exactly: at the pool level they are the harness's own
     assert _pool("0.8.0").uses_kvspec_hash_chain and _pool("0.33.0").uses_kvspec_hash_chain
+
+
+def test_a_release_the_table_does_not_declare_is_loaded_and_checked(tmp_path, monkeypatch, capsys) -> None:
+    # The newest release's files under a number no table has: what a release newer than kvspec is.
+    import shutil
+
+    from kvspec.conformance.targets.vllm.lightmode import fetch_release
+    from kvspec.conformance.tools.cli import main
+
+    shutil.copytree(fetch_release(RELEASES[-1]), tmp_path / "cache" / "99.0.0")
+    monkeypatch.setenv("KVSPEC_VLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert factory_for("vllm@99.0.0").min_num_gpu_blocks == 2  # its null block is not known before it loads
+    code = main(["check", "--impl", "vllm@99.0.0", "--level", "pool", "--max-examples", "30"])
+    out = capsys.readouterr().out
+    assert code == 0 and "result: 2 conforms" in out, out

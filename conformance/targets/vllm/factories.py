@@ -25,7 +25,8 @@ from kvspec.conformance.targets.vllm.adapter import (
     spec_hashing_for,
 )
 from kvspec.conformance.targets.vllm.manager import make_manager_adapter
-from kvspec.conformance.targets.vllm.releases import facts_for
+from kvspec.conformance.targets.vllm.lightmode import LightModeError, fetch_release
+from kvspec.conformance.targets.vllm.releases import RELEASES, facts_for
 from kvspec.conformance.targets.vllm.v0 import V0_RELEASES, make_v0_light_adapter
 
 __all__ = ["factory_for", "make_adapter", "make_installed_adapter", "make_light_adapter", "make_release_adapter"]
@@ -60,8 +61,10 @@ def make_light_adapter(version: str) -> AdapterFactory:
     # The hash function and seed the spec hashes with: the release's own where its chain is kvspec's.
     factory.spec_hashing = lambda: spec_hashing_for(version)  # type: ignore[attr-defined]
     # Releases without a null block cannot build the spec's one-block pool (it
-    # would have no block at all): the harness starts them at two blocks.
-    factory.min_num_gpu_blocks = 1 if facts_for(version).has_null_block else 2  # type: ignore[attr-defined]
+    # would have no block at all): the harness starts them at two blocks, and so a
+    # release the table does not declare, whose null block is not known before it loads.
+    declared = version in RELEASES and facts_for(version).has_null_block
+    factory.min_num_gpu_blocks = 1 if declared else 2  # type: ignore[attr-defined]
     return factory
 
 
@@ -81,7 +84,7 @@ def make_adapter(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerA
     """
     version = os.environ.get(VERSION_ENV)
     if version:
-        return make_light_adapter(version)(config)
+        return make_light_adapter(loadable_release(version))(config)
     try:
         release = installed_release()
     except ImportError as e:
@@ -103,7 +106,8 @@ def factory_for(impl: str) -> AdapterFactory:
         ValueError: ``impl`` is neither form.
     """
     if impl == "vllm":
-        return make_adapter
+        version = os.environ.get(VERSION_ENV)
+        return make_light_adapter(loadable_release(version)) if version else make_adapter
     name, sep, version = impl.partition("@")
     if name not in ("vllm", "vllm-v0") or not sep or not version:
         raise ValueError(
@@ -115,4 +119,24 @@ def factory_for(impl: str) -> AdapterFactory:
             known = f"{V0_RELEASES[0]}..{V0_RELEASES[-1]}"
             raise ValueError(f"vllm=={version} ships no v0 allocator; v0 releases are {known}")
         return make_v0_light_adapter(version)
-    return make_light_adapter(version)
+    return make_light_adapter(loadable_release(version))
+
+
+def loadable_release(version: str) -> str:
+    """``version``, once light mode has its files: a release of the table, or one it does not declare
+    (a newer release), fetched now so that what is missing is said before anything runs.
+
+    An undeclared release is checked with its API read from its code and no
+    declared fact (nothing it does is excused as a known behaviour).
+
+    Raises:
+        ValueError: it is not a release number, or the package registry does not have it (the message says which).
+    """
+    if version in RELEASES:
+        return version
+    try:
+        fetch_release(version)
+    except LightModeError as e:
+        covered = f"kvspec's release table covers {RELEASES[0]}..{RELEASES[-1]}"
+        raise ValueError(f"{e} ({covered}; vllm@<release> loads any release the registry has)") from None
+    return version

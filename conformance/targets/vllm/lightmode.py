@@ -257,9 +257,8 @@ def _download_wheel(version: str, dest: Path) -> Path:
     proc = pip_download(f"vllm=={version}", dest)
     wheels = sorted(dest.glob("vllm-*.whl"))
     if proc.returncode != 0 or not wheels:
-        raise LightModeError(
-            f"cannot download vllm=={version}: pip exited rc={proc.returncode}; {proc.stderr.strip()[-500:]}"
-        )
+        last = (proc.stderr.strip().splitlines() or ["no message"])[-1][-300:]  # pip's verdict, one line
+        raise LightModeError(f"cannot download vllm=={version} from the package registry: {last}")
     return wheels[0]
 
 

@@ -111,7 +111,11 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
     if unknown:
         v0_only = [v for v in V0_RELEASES if v not in RELEASES]
         known = f"{V0_RELEASES[0]} to {RELEASES[-1]} ({v0_only[0]} to {v0_only[-1]}: vLLM v0's allocator)"
-        print(f"kvspec oracle: unknown vLLM release {', '.join(unknown)}; the oracle covers {known}", file=sys.stderr)
+        print(
+            f"kvspec oracle: unknown vLLM release {', '.join(unknown)}; the oracle covers {known}; "
+            f"a release outside its table is checked with kvspec check --impl vllm@{unknown[0]}",
+            file=sys.stderr,
+        )
         return EXIT_COULD_NOT_RUN
     levels = ["pool", "manager"] if args.level == "both" else [args.level]
     cachings = ["on", "off"] if args.caching == "both" else [args.caching]
