@@ -78,7 +78,6 @@ class Target:
     forms: tuple[str, ...] = ()  # the names it takes, as help shows them ("vllm", "vllm@X.Y.Z"); () : its plain name
     prefix: str = ""  # a name starting with this is the target's, whole (resolved by `resolve`)
     default_order: int | None = None  # checked by `kvspec check` without --impl, smallest first; None: only when named
-    loads_vllm: bool = False  # building it runs vLLM's code (whose log the harness silences)
     unavailable: str = ""  # set by the registry for an entry point that does not load: why, in one line
 
     def accepts(self, name: str) -> bool:

@@ -53,42 +53,36 @@ VLLM = Target(
     # (and refused in one line if it cannot be) before anything runs.
     resolve=f"{_VLLM_FACTORIES}:factory_for",
     forms=("vllm", "vllm@X.Y.Z"),
-    loads_vllm=True,
 )
 VLLM_V0 = Target(
     name="vllm-v0",
     summary="vLLM v0's prefix-caching allocator and evictor of release X (before 0.8.0), in light mode",
     resolve=f"{_VLLM_FACTORIES}:factory_for",
     forms=("vllm-v0@X.Y.Z",),
-    loads_vllm=True,
 )
 # Plugins of vLLM's block manager, loaded from their own distributions (kvspec.conformance.targets.plugins).
 VLLM_MLX = Target(
     name="vllm-mlx",
     summary="vllm-mlx's PagedCacheManager and BlockAwarePrefixCache",
     resolve=_PLUGIN_FACTORIES,
-    loads_vllm=True,
 )
 KVCACHED = Target(
     name="kvcached",
     summary="kvcached's ElasticBlockPool on vLLM X",
     resolve=_PLUGIN_FACTORIES,
     forms=("kvcached", "kvcached@X"),
-    loads_vllm=True,
 )
 TPU_INFERENCE = Target(
     name="tpu-inference",
     summary="tpu-inference's ContinuousFreeQueue in vLLM X's pool",
     resolve=_PLUGIN_FACTORIES,
     forms=("tpu-inference", "tpu-inference@X"),
-    loads_vllm=True,
 )
 VLLM_ASCEND = Target(
     name="vllm-ascend",
     summary="vllm-ascend's patched pool methods on vLLM X",
     resolve=_PLUGIN_FACTORIES,
     forms=("vllm-ascend", "vllm-ascend@X"),
-    loads_vllm=True,
 )
 OVERLAY = Target(
     name="overlay",
@@ -96,5 +90,4 @@ OVERLAY = Target(
     resolve=_PLUGIN_FACTORIES,
     prefix="overlay:",
     forms=("overlay:vllm@X+module:function",),
-    loads_vllm=True,
 )

@@ -1,6 +1,8 @@
 """`kvspec check` and `kvspec replay` as a CI job runs them: the summary, the exit codes, JUnit XML."""
 
 import dataclasses
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 
 from kvspec.conformance.core.trace import read_trace
@@ -210,3 +212,25 @@ def test_check_profile_auto_exits_1_when_no_profile_conforms(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 1, out
     assert "conforms to no profile" in out
+
+
+def test_vllm_logs_are_silenced_whatever_the_implementation_is_called(tmp_path) -> None:
+    # A user's module that runs vLLM's code (here: logs as vLLM's pool does on every refused reset),
+    # run as a user runs kvspec: in a process of its own, whose logging nothing has touched.
+    (tmp_path / "chatty_pool.py").write_text(
+        "import logging\n"
+        "from kvspec.conformance.targets.builtin import make_reference\n"
+        "def factory(config):\n"
+        "    adapter = make_reference(config)\n"
+        "    reset = adapter.reset_prefix_cache\n"
+        "    def logged_reset():\n"
+        "        logging.getLogger('vllm.v1.core.block_pool').warning('Failed to reset prefix cache')\n"
+        "        return reset()\n"
+        "    adapter.reset_prefix_cache = logged_reset\n"
+        "    return adapter\n"
+    )
+    argv = ["check", "--impl", f"{tmp_path / 'chatty_pool.py'}:factory", "--level", "pool", "--caching", "on",
+            "--max-examples", "20"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "kvspec", *argv], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Failed to reset prefix cache" not in done.stdout + done.stderr

@@ -24,8 +24,8 @@ from kvspec.conformance.targets.vllm.adapter import (
     make_pool_adapter,
     spec_hashing_for,
 )
-from kvspec.conformance.targets.vllm.manager import make_manager_adapter
 from kvspec.conformance.targets.vllm.lightmode import LightModeError, fetch_release
+from kvspec.conformance.targets.vllm.manager import make_manager_adapter
 from kvspec.conformance.targets.vllm.releases import RELEASES, facts_for
 from kvspec.conformance.targets.vllm.v0 import V0_RELEASES, make_v0_light_adapter
 
