@@ -327,6 +327,8 @@ def gen_release_facts() -> str:
             "`num_gpu_blocks`" if f.usage_counts_null else "`num_gpu_blocks - 1`",
             "yes" if f.has_evict_blocks else "no",
             "yes" if f.has_is_block_writable else "no",
+            "yes" if f.free_has_evict_first_kwarg else "no",
+            "to its own pool" if f.blocks_know_their_pool else "-",
             f"`{f.hash_algos[0]}`",
             "; ".join(words[d] for d in f.hash_chain_differs) or "kvspec's",
         )
@@ -340,7 +342,8 @@ def gen_release_facts() -> str:
             runs.append([version, version, facts])
     header = [
         "releases", "null block", "freed, caching on", "freed, caching off", "`free_blocks([null])`",
-        "`touch([null])`", "`get_usage` divides by", "`evict_blocks`", "`is_block_writable`", "default hash",
+        "`touch([null])`", "`get_usage` divides by", "`evict_blocks`", "`is_block_writable`",
+        "`free_blocks(evict_first=)`", "a block of another pool freed", "default hash",
         "block-hash chain against kvspec's",
     ]  # fmt: skip
     rows = [[first if first == last else f"{first} - {last}", *facts] for first, last, facts in runs]
@@ -351,6 +354,12 @@ def gen_release_facts() -> str:
         f"\n\n{len(every)} releases, {every[0].version} to {every[-1].version}. Over-allocation raises "
         f"{' or '.join(f'`{e}`' for e in overallocate)}; a double free raises {' or '.join(double_free)}."
     )
+
+
+def gen_releases_covered() -> str:
+    """The releases the table declares, as words inside a sentence ("0.8.0 to 0.34.0 (51 releases)")."""
+    releases = _releases_module().RELEASES
+    return f"{releases[0]} to {releases[-1]} ({len(releases)} releases)"
 
 
 def gen_release_events() -> str:
@@ -434,6 +443,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "mutant-table": gen_mutant_table,
     "invariant-traces": gen_invariant_traces,
     "release-facts": gen_release_facts,
+    "releases-covered": gen_releases_covered,
     "release-events": gen_release_events,
     "plugin-matrix": gen_plugin_matrix,
     "example-lines": gen_example_lines,

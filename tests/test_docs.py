@@ -270,6 +270,14 @@ def test_the_readme_starts_with_the_two_commands_and_its_links_resolve() -> None
             assert anchor in slugs, f"README.md links to {target[0]}#{anchor}, which has no such heading"
 
 
+def test_the_readme_names_the_releases_the_table_covers() -> None:
+    # The pages generate the range (releases-covered); the README, read where no generator runs, is held to it.
+    from kvspec.conformance.targets.vllm.releases import RELEASES
+
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert f"BlockPool from {RELEASES[0]} to {RELEASES[-1]}" in text
+
+
 # --- what the pages say about the commands ------------------------------------------------------
 
 

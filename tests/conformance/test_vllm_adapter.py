@@ -205,3 +205,29 @@ def test_a_release_the_table_does_not_declare_is_loaded_and_checked(tmp_path, mo
     code = main(["check", "--impl", "vllm@99.0.0", "--level", "pool", "--max-examples", "30"])
     out = capsys.readouterr().out
     assert code == 0 and "result: 2 conforms" in out, out
+
+
+@pytest.mark.parametrize("version", [v for v in RELEASES if facts_for(v).blocks_know_their_pool][-2:])
+def test_one_free_of_blocks_of_two_pools_is_each_pool_freeing_its_own(version: str) -> None:
+    # vLLM's free_blocks hands a block another pool made to that pool (0.34.0's scheduler frees a host
+    # tier's blocks and the device pool's in one deferred call). Each pool then frees exactly its own
+    # blocks, in the order given, as if they had been freed alone: so kvspec's model of one pool, whose
+    # free is checked in every campaign, is the model of each pool such a call reaches.
+    from kvspec.conformance.targets.builtin import make_reference
+
+    config = AdapterConfig(level="pool", num_gpu_blocks=8, enable_caching=True)
+    device, host = _pool(version), _pool(version)
+    alone = [make_reference(config), make_reference(config)]  # the same steps, each pool freed alone
+    for pool in (device, host, *alone):
+        assert pool.get_new_blocks(5) == [1, 2, 3, 4, 5]
+        pool.cache_full_blocks([BlockId(1), BlockId(2)], [H1, H2])
+    mine, theirs = [BlockId(5), BlockId(4), BlockId(1)], [BlockId(3), BlockId(2)]
+    mixed = [device._block(mine[0], "free_blocks"), host._block(theirs[0], "free_blocks"),
+             device._block(mine[1], "free_blocks"), host._block(theirs[1], "free_blocks"),
+             device._block(mine[2], "free_blocks")]  # fmt: skip
+    device.pool.free_blocks(mixed)
+    alone[0].free_blocks(mine)
+    alone[1].free_blocks(theirs)
+    assert device.snapshot() == alone[0].snapshot()
+    assert host.snapshot() == alone[1].snapshot()
+    assert list(device.snapshot().free_queue) == [5, 4, 6, 7, 1]  # hashless 5, 4 in front, hashed 1 last

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from kvspec.conformance.targets.vllm import venvs
-from kvspec.conformance.targets.vllm.releases import facts_for
+from kvspec.conformance.targets.vllm.releases import facts_for, version_key
 from kvspec.conformance.targets.vllm.venvs import WORKER_ENV, ensure_venv
 
 pytestmark = pytest.mark.vllm
@@ -203,6 +203,16 @@ EXPECTED: dict[str, dict[str, Any]] = {
         "events": _CONFORMS,
         "events_provides": ["evict_blocks", "prefix_cache_stats", "reset_prefix_cache", "take_events"],
     },
+    "0.34.0": {
+        "image_end_keyed": False,
+        "generation": ["kv_cache_config", "KVCacheBlocks", "request"],
+        "not_applicable": [],
+        "on": _CONFORMS,
+        "off": _CONFORMS,
+        "salt": _CONFORMS,
+        "events": _CONFORMS,
+        "events_provides": ["evict_blocks", "prefix_cache_stats", "reset_prefix_cache", "take_events"],
+    },
 }
 
 
@@ -228,11 +238,11 @@ def test_seed_requests_at_the_request_level(version: str) -> None:
         if want["verdict"] == "diverges":
             assert (got["step"], got["op"]) == (want["step"], want["op"]), (scenario, got)
             assert want["message"] in got["message"], (scenario, got)
-    # With events and statistics: what the adapter provides is what the release's manager has (0.33 alone
+    # With events and statistics: what the adapter provides is what the release's manager has (from 0.33 it
     # takes the scheduler's hit cap), and what vLLM counts and publishes is checked against the spec.
     events = out["events"]
     assert events["provides"] == expected["events_provides"], events
-    assert events["hit_cap"] == (version == "0.33.0"), events
+    assert events["hit_cap"] == (version_key(version) >= version_key("0.33.0")), events
     assert "connector statistics" in events["not_applicable"], events
     assert events["verdict"] == expected["events"]["verdict"], events
     if expected["events"]["verdict"] == "diverges":
@@ -630,6 +640,7 @@ GROUPS_EXPECTED: dict[str, dict[str, dict[str, Any]]] = {
     },
     "0.24.0": {f"{g}/{c}": _NULL_FREED for g in _LAYOUTS for c in ("on", "off")},
     "0.33.0": _CONFORMS_EVERY_LAYOUT,
+    "0.34.0": _CONFORMS_EVERY_LAYOUT,
 }
 
 
@@ -649,7 +660,7 @@ def test_kv_cache_groups_at_the_request_level(version: str) -> None:
         elif want["verdict"] != "conforms":
             assert (got["step"], got["op"]) == (want["step"], want["op"]), (key, got)
             assert want["message"] in got["message"], (key, got)
-    if version != "0.33.0":
+    if version_key(version) < version_key("0.33.0"):
         return
     # Every group's table under its own name, the groups named in the snapshot.
     three = out["full,sliding:6,chunked:8/on"]
