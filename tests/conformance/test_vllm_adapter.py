@@ -231,3 +231,38 @@ def test_one_free_of_blocks_of_two_pools_is_each_pool_freeing_its_own(version: s
     assert device.snapshot() == alone[0].snapshot()
     assert host.snapshot() == alone[1].snapshot()
     assert list(device.snapshot().free_queue) == [5, 4, 6, 7, 1]  # hashless 5, 4 in front, hashed 1 last
+
+
+def test_a_source_tree_checks_exactly_like_the_release_it_was_made_from(tmp_path) -> None:
+    # A pull request's checkout is a folder holding vllm/: here the newest release's files, copied.
+    import shutil
+
+    from kvspec.conformance.runner.run import run_check
+    from kvspec.conformance.targets.vllm.lightmode import fetch_release
+
+    version = RELEASES[-1]
+    tree = tmp_path / "checkout"
+    shutil.copytree(fetch_release(version) / "vllm", tree / "vllm")
+    from_tree = factory_for(f"vllm@{tree}")
+    config = AdapterConfig(level="pool", num_gpu_blocks=8, enable_caching=True)
+    built, released = from_tree(config), _pool(version)
+    assert built.release.label == f"vllm=={version}.dev0+tree (tree {tree})"
+    for fact in ("has_null_block", "touch_shape", "hash_key_kind"):
+        assert getattr(built, fact) == getattr(released, fact), fact
+    assert built.mistake_reactions == released.mistake_reactions
+    for caching in (True, False):
+        runs = [run_check(factory, level="pool", enable_caching=caching, max_examples=30, seed=7)
+                for factory in (from_tree, make_light_adapter(version))]  # fmt: skip
+        assert [r.verdict for r in runs] == ["conforms", "conforms"], [r.failure for r in runs]
+        # The same examples, the same branches. (The spec hashes the tree's blocks with kvspec's defaults, its
+        # chain not declared, where it hashes the release's as the release does: hashes are names here.)
+        assert (runs[0].steps_run, runs[0].coverage) == (runs[1].steps_run, runs[1].coverage)
+
+
+def test_a_folder_that_is_not_a_source_tree_is_refused_in_one_line(tmp_path, capsys) -> None:
+    from kvspec.conformance.tools.cli import main
+
+    assert main(["check", "--impl", f"vllm@{tmp_path}", "--level", "pool"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"kvspec check: implementation 'vllm@{tmp_path}': {tmp_path} is not a vLLM source tree: "
+                   "it has no vllm/v1/core/block_pool.py"]  # fmt: skip

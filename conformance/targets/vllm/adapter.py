@@ -68,6 +68,7 @@ import os
 import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from kvspec.conformance.core.adapter import AdapterConfig
@@ -104,7 +105,8 @@ class VllmRelease:
 
     Attributes:
         version: The release, e.g. ``"0.33.0"``.
-        source: ``"installed"`` (``import vllm``) or ``"light"`` (from the wheel).
+        source: ``"installed"`` (``import vllm``), ``"light"`` (from the wheel) or
+            ``"tree"`` (a source tree, in light mode).
         block_pool: Its ``vllm.v1.core.block_pool`` module.
         kv_cache_utils: Its ``vllm.v1.core.kv_cache_utils`` module.
         hash_functions: Its named block-hash functions (``sha256``, ...; ``builtin``
@@ -113,16 +115,17 @@ class VllmRelease:
     """
 
     version: str
-    source: Literal["installed", "light"]
+    source: Literal["installed", "light", "tree"]
     block_pool: types.ModuleType
     kv_cache_utils: types.ModuleType
     hash_functions: dict[str, Callable[[Any], Any]]
     module: Callable[[str], types.ModuleType]
+    where: str = ""  # a source tree's folder
 
     @property
     def label(self) -> str:
         """``vllm==0.33.0 (installed)``: how reports name this vLLM."""
-        return f"vllm=={self.version} ({self.source})"
+        return f"vllm=={self.version} ({self.source}{' ' + self.where if self.where else ''})"
 
 
 def installed_release() -> VllmRelease:
@@ -167,6 +170,19 @@ def light_release(version: str, *, fresh: bool = False) -> VllmRelease:
     """
     light = lightmode.load_release(version, fresh=fresh)
     return VllmRelease(version, "light", light.block_pool, light.kv_cache_utils, light.hash_functions(), light.module)
+
+
+def tree_release(tree: Path) -> VllmRelease:
+    """A vLLM source tree's pool modules (a pull request's checkout), loaded in light mode where it is.
+
+    Raises:
+        kvspec.conformance.targets.vllm.lightmode.LightModeError: the folder is not a vLLM source tree.
+    """
+    light = lightmode.load_tree(tree)
+    return VllmRelease(
+        light.version, "tree", light.block_pool, light.kv_cache_utils, light.hash_functions(), light.module,
+        where=str(light.root),
+    )
 
 
 # ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ registry finds this module through the ``kvspec.targets`` entry points
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from kvspec.conformance.core.adapter import AdapterConfig, AdapterFactory, BlockManagerAdapter, KVCacheManagerAdapter
 from kvspec.conformance.targets.vllm.adapter import (
@@ -23,6 +24,7 @@ from kvspec.conformance.targets.vllm.adapter import (
     light_release,
     make_pool_adapter,
     spec_hashing_for,
+    tree_release,
 )
 from kvspec.conformance.targets.vllm.lightmode import LightModeError, fetch_release
 from kvspec.conformance.targets.vllm.manager import make_manager_adapter
@@ -114,12 +116,39 @@ def factory_for(impl: str) -> AdapterFactory:
             f"impl={impl!r} is not 'vllm', 'vllm@<release>' (e.g. vllm@0.24.0) "
             "or 'vllm-v0@<release>' (e.g. vllm-v0@0.6.6)"
         )
+    if name == "vllm" and _names_a_folder(version):
+        return make_tree_adapter(version)
     if name == "vllm-v0":
         if version not in V0_RELEASES:
             known = f"{V0_RELEASES[0]}..{V0_RELEASES[-1]}"
             raise ValueError(f"vllm=={version} ships no v0 allocator; v0 releases are {known}")
         return make_v0_light_adapter(version)
     return make_light_adapter(loadable_release(version))
+
+
+def _names_a_folder(where: str) -> bool:
+    """Whether ``vllm@<where>`` names a source tree: a release number never holds a path separator."""
+    return "/" in where or os.sep in where or where.startswith(("~", ".")) or Path(where).is_dir()
+
+
+def make_tree_adapter(tree: str) -> AdapterFactory:
+    """A factory for a vLLM source tree (the folder that holds ``vllm/``), loaded in light mode where it is.
+
+    Raises:
+        ValueError: the folder is not a vLLM source tree (checked now, before anything runs).
+    """
+    try:
+        version = tree_release(Path(tree)).version
+    except LightModeError as e:
+        raise ValueError(str(e)) from None
+
+    def factory(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
+        return make_release_adapter(tree_release(Path(tree)), config)
+
+    factory.__qualname__ = factory.__name__ = f"vllm@{tree}"
+    factory.spec_hashing = lambda: spec_hashing_for(version)  # type: ignore[attr-defined]
+    factory.min_num_gpu_blocks = 2  # type: ignore[attr-defined]  # its null block is not known before it loads
+    return factory
 
 
 def loadable_release(version: str) -> str:

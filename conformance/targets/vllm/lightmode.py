@@ -80,6 +80,7 @@ from kvspec.conformance.targets.loader import (
     is_placeholder,
     redirecting_builtins,
 )
+from kvspec.conformance.targets.vllm.releases import RELEASES
 
 __all__ = [
     "LAYOUTS",
@@ -402,10 +403,45 @@ def load_release(
     Raises:
         LightModeError: fetching failed, or ``package_name`` is taken.
     """
-    global _num_fresh
     root = fetch_release(version, cache=cache, layout=layout)
+    base = package_name or "_kvspec_vllm_" + re.sub(r"[^0-9a-zA-Z]", "_", version + layout.suffix)
+    return _load(version, root, base, fresh, layout)
+
+
+def load_tree(tree: Path, *, fresh: bool = False) -> LightRelease:
+    """Load a vLLM source tree's pool modules in light mode: a pull request's checkout, a fork's, nothing built.
+
+    The tree is read where it is (the folder that holds ``vllm/``); exactly the
+    modules a release's light mode runs are real, the rest placeholders, as
+    for a wheel. Its version is its ``vllm/_version.py``'s where a build wrote
+    one, else the newest release of the table with ``.dev0+tree`` (a branch
+    is newer than the last release it started from): which release's declared
+    reactions it is checked against.
+
+    Raises:
+        LightModeError: the folder holds no ``vllm/v1/core/block_pool.py``.
+    """
+    root = tree.expanduser().resolve()
+    if not (root / V1.required).is_file():
+        raise LightModeError(f"{tree} is not a vLLM source tree: it has no {V1.required}")
+    version = tree_version(root)
+    digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    return _load(version, root, f"_kvspec_vllm_tree_{digest}", fresh, V1)
+
+
+def tree_version(root: Path) -> str:
+    """The version a source tree declares (``vllm/_version.py``, written by a build), else the newest release's
+    ``.dev0+tree``."""
+    written = root / "vllm" / "_version.py"
+    found = re.search(r"""^(?:__version__|version)\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""",
+                      written.read_text(encoding="utf-8") if written.is_file() else "", re.M)  # fmt: skip
+    return found[1] if found else f"{RELEASES[-1]}.dev0+tree"
+
+
+def _load(version: str, root: Path, base: str, fresh: bool, layout: Layout) -> LightRelease:
+    """Load the layout's modules of the vLLM under ``root`` as the private package ``base`` (once, unless fresh)."""
+    global _num_fresh
     with _lock:
-        base = package_name or "_kvspec_vllm_" + re.sub(r"[^0-9a-zA-Z]", "_", version + layout.suffix)
         key = (version, base)
         if not fresh and key in _loaded:
             return _loaded[key]

@@ -20,6 +20,7 @@ hash values exactly at the request level only where it is.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
@@ -197,10 +198,23 @@ class ReleaseFacts:
 def version_key(version: str) -> tuple[int, ...]:
     """Order release strings numerically (``.postN`` sorts after its base).
 
+    A development build or a local version (``0.34.1.dev3+g1234abc``, what a
+    vLLM pull request's CI installs) orders as its release segment: it is
+    checked under the facts of the newest release at or before it.
+
     >>> version_key("0.8.5.post1") > version_key("0.8.5")
     True
+    >>> version_key("0.34.1.dev3+g1234abc")
+    (0, 34, 1)
+
+    Raises:
+        ValueError: it does not start with a release number.
     """
-    return tuple(int(part) for part in version.replace(".post", ".").split("."))
+    found = re.match(r"(\d+(?:\.\d+)*)(?:\.post(\d+))?", version)
+    if found is None:
+        raise ValueError(f"version={version!r} does not start with a release number")
+    post = (int(found[2]),) if found[2] else ()
+    return tuple(int(part) for part in found[1].split(".")) + post
 
 
 _T = TypeVar("_T")
