@@ -127,6 +127,15 @@ def test_a_hook_runs_after_every_pool_constructor_and_a_pool_class_replaces_the_
 # --- the plugin checked by name -------------------------------------------------------------
 
 
+def test_the_overlay_s_function_may_be_named_by_its_file(tmp_path: Path) -> None:
+    # As --impl names a factory elsewhere: path/to/file.py:function, the file's folder first on the path.
+    by_file = f"overlay:vllm@{MINI}+{FIXTURE / 'plugin.py'}:apply"
+    tail = run_check(by_file, level="pool", profile="vllm-v1-tail", max_examples=30, isolate=False, trace_dir=tmp_path)
+    assert tail.verdict is Verdict.CONFORMS, tail.failure.story if tail.failure else tail.message
+    with pytest.raises(FactoryError, match=r"cannot find .*nowhere\.py:apply \(implementation .*: no such file"):
+        load_factory(f"overlay:vllm@{MINI}+{tmp_path / 'nowhere.py'}:apply")
+
+
 def test_the_documented_module_function_conforms_to_the_profile_the_patch_gives(tmp_path: Path) -> None:
     tail = run_check(OVERLAY, level="pool", profile="vllm-v1-tail", max_examples=30, isolate=False, trace_dir=tmp_path)
     assert tail.verdict is Verdict.CONFORMS, tail.failure.story if tail.failure else tail.message
@@ -276,3 +285,26 @@ def test_the_matrix_prints_each_divergence_with_its_meaning_and_trace() -> None:
     assert "trace: /t/a.trace.jsonl" in text and "order: which free block" in text
 
 
+
+
+def test_a_user_s_apply_stands_in_for_a_plugin_module_that_needs_a_device(tmp_path: Path) -> None:
+    # As the guide says: the folder that holds the package, and a stand-in registered before the import.
+    package = tmp_path / "src" / "mypl"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "native.py").write_text("import torch\nLEFT = torch.tensor(1)\n")
+    (package / "patch.py").write_text("from mypl.native import LEFT\nSEEN = LEFT\n")
+
+    def stand_in(overlay: Overlay) -> types.ModuleType:
+        module = types.ModuleType("mypl.native")
+        module.LEFT = 1  # type: ignore[attr-defined]
+        return module
+
+    overlay = _overlay()
+    overlay.add_package("mypl", tmp_path / "src")
+    with pytest.raises(OverlayError, match=r"ImportError: torch is a device runtime, left out of the overlay"):
+        overlay.import_plugin("mypl.patch")
+    overlay = _overlay()
+    overlay.add_package("mypl", tmp_path / "src")
+    overlay.placeholders["mypl.native"] = stand_in
+    assert overlay.import_plugin("mypl.patch").SEEN == 1

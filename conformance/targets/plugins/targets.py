@@ -18,12 +18,12 @@ its own pool, is checked under the profile its code follows.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.runner.registry import FactoryError, load_factory
 from kvspec.conformance.targets.plugins import kvcached, probes, tpu_inference, vllm_ascend, vllm_mlx
 from kvspec.conformance.targets.plugins.adapters import OverlayCache, make_factory
 from kvspec.conformance.targets.plugins.dist import PluginDist
@@ -202,12 +202,10 @@ def overlay_factory(name: str) -> Factory:
     module_name, colon, attr = target.partition(":")
     if release != "vllm" or not version or not plus or not colon or not module_name or not attr:
         raise ValueError("expected overlay:vllm@<release>+<module>:<function>")
-    try:
-        apply: Any = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot find {target} ({type(e).__name__}: {e})") from None
-    if not callable(apply):
-        raise ValueError(f"{target} is not callable")
+    try:  # module:function or path/to/file.py:function, as --impl names an implementation's factory
+        apply: Any = load_factory(target)
+    except FactoryError as e:
+        raise ValueError(f"cannot find {target} ({e})") from None
 
     def build() -> Overlay:
         overlay = load_overlay(version, {}, label=f"{target} on vllm=={version}")
