@@ -140,3 +140,15 @@ def test_a_vllm_release_that_is_not_one(argv: list[str], says: str, answers_in_o
 def test_a_release_named_by_the_environment_that_is_not_one(monkeypatch, answers_in_one_line: Callable) -> None:
     monkeypatch.setenv("KVSPEC_VLLM_VERSION", "abc")
     answers_in_one_line(["check", "--impl", "vllm", "--level", "pool"], "implementation 'vllm': cannot fetch")
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["diff", "reference", "vllm@0.34.0"], "'reference' is not a vLLM"),
+        (["diff", "vllm@abc", "vllm@0.34.0"], "not a release number"),
+        (["diff", "vllm@0.33.0", "vllm@0.34.0", "--max-examples", "10001"], "--max-examples: at most 10000"),
+    ],
+)
+def test_a_diff_of_what_is_not_two_vllms(argv: list[str], says: str, answers_in_one_line: Callable) -> None:
+    answers_in_one_line(argv, says)
