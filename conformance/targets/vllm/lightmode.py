@@ -433,7 +433,7 @@ def tree_version(root: Path) -> str:
     """The version a source tree declares (``vllm/_version.py``, written by a build), else the newest release's
     ``.dev0+tree``."""
     written = root / "vllm" / "_version.py"
-    found = re.search(r"""^(?:__version__|version)\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""",
+    found = re.search(r"""^(?:__version__|version)\s*=\s*(?:\w+\s*=\s*)?['"]([^'"]+)['"]""",
                       written.read_text(encoding="utf-8") if written.is_file() else "", re.M)  # fmt: skip
     return found[1] if found else f"{RELEASES[-1]}.dev0+tree"
 

@@ -10,15 +10,19 @@ reactions, each probe's verdict), and each behaviour change with a witness: a
 trace that conforms on one side and not on the other, replayable on each with
 kvspec replay.
 
-Exit codes: 0 no change found, 1 a change found (so a CI that pins "no
-change" fails on one), 2 no answer (a name that loads no vLLM, a bad flag).
+Exit codes: 0 no change found (or only changes --accept lists), 1 a change
+found (so a CI that pins "no change" fails on one), 2 no answer (a name that
+loads no vLLM, a bad flag). --accept FILE lists the changes a pull request
+means to make (kind and what, as --json writes them).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.runner.registry import FactoryError
@@ -47,7 +51,24 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trace-dir", type=output_dir, default=DEFAULT_TRACE_DIR, metavar="DIR",
                    help=f"where the witnesses are written (default ./{DEFAULT_TRACE_DIR})")  # fmt: skip
     p.add_argument("--json", type=json_output, metavar="PATH", help="also write the changes as JSON (- for stdout)")
+    p.add_argument("--accept", type=Path, metavar="FILE",
+                   help="changes that are expected (a --json file, or a list of {kind, what}): "
+                   "only others exit 1")  # fmt: skip
     p.set_defaults(run=run)
+
+
+def _accepted(path: Path) -> set[tuple[str, str]]:
+    """The (kind, what) of each change a --accept file lists (the --json form, or its list of changes).
+
+    Raises:
+        ValueError: the file cannot be read as such a list (the message says why).
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        listed = data["changes"] if isinstance(data, dict) else data
+        return {(str(c["kind"]), str(c["what"])) for c in listed}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--accept: cannot read {path} as a list of changes ({type(e).__name__}: {e})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
     if args.max_examples > MAX_EXAMPLES:
         print(f"kvspec diff: --max-examples: at most {MAX_EXAMPLES}; got {args.max_examples}", file=sys.stderr)
         return 2
+    try:
+        accepted = _accepted(args.accept) if args.accept else set()
+    except ValueError as e:
+        print(f"kvspec diff: {e}", file=sys.stderr)
+        return 2
     logging.disable(logging.WARNING)  # vLLM logs every refused reset; the changes say it all
     try:
         changes = diff_vllm(args.a, args.b, max_examples=args.max_examples, trace_dir=args.trace_dir,
@@ -71,4 +97,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(changes_json(args.a, args.b, changes), args.json)
     if args.json != "-":
         print(format_changes(args.a, args.b, changes))
-    return 1 if changes else 0
+    unexpected = [c for c in changes if (c.kind, c.what) not in accepted]
+    if accepted and args.json != "-":
+        print(f"\n{len(changes) - len(unexpected)} change(s) accepted by {args.accept}, {len(unexpected)} not")
+    return 1 if unexpected else 0
