@@ -128,9 +128,9 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path, command: li
     ("argv", "says"),
     [
         (["check", "--impl", "vllm@abc"], "not a release number"),
-        (["check", "--impl", "vllm@0.34.0; rm -rf /"], "not a release number"),
+        (["check", "--impl", "vllm@0.34.0; rm -rf /"], "is not a vLLM source tree"),
         (["hashes", "--version", "abc"], "not a release number"),
-        (["oracle", "--vllm", "abc"], "check --impl vllm@abc"),
+        (["oracle", "--vllm", "abc"], "abc is not a vLLM release number"),
     ],
 )
 def test_a_vllm_release_that_is_not_one(argv: list[str], says: str, answers_in_one_line: Callable) -> None:

@@ -26,7 +26,7 @@ from kvspec.conformance.targets.vllm.adapter import (
     spec_hashing_for,
     tree_release,
 )
-from kvspec.conformance.targets.vllm.lightmode import LightModeError, fetch_release
+from kvspec.conformance.targets.vllm.lightmode import NEWEST, LightModeError, fetch_release, newest_release
 from kvspec.conformance.targets.vllm.manager import make_manager_adapter
 from kvspec.conformance.targets.vllm.releases import RELEASES, facts_for
 from kvspec.conformance.targets.vllm.v0 import V0_RELEASES, make_v0_light_adapter
@@ -155,8 +155,9 @@ def loadable_release(version: str) -> str:
     """``version``, once light mode has its files: a release of the table, or one it does not declare
     (a newer release), fetched now so that what is missing is said before anything runs.
 
-    An undeclared release is checked with its API read from its code and no
-    declared fact (nothing it does is excused as a known behaviour).
+    ``newest`` is the package registry's newest release, asked now. An
+    undeclared release is checked with its API read from its code, under the
+    newest declared release's reactions (what it changed diverges).
 
     Raises:
         ValueError: it is not a release number, or the package registry does not have it (the message says which).
@@ -164,6 +165,8 @@ def loadable_release(version: str) -> str:
     if version in RELEASES:
         return version
     try:
+        if version == NEWEST:
+            version = newest_release()
         fetch_release(version)
     except LightModeError as e:
         covered = f"kvspec's release table covers {RELEASES[0]}..{RELEASES[-1]}"

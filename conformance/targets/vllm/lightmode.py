@@ -63,6 +63,7 @@ import inspect
 import logging
 import os
 import re
+import subprocess
 import sys
 import threading
 import types
@@ -251,6 +252,24 @@ def fetch_release(
 
     files = hashlib.sha256("\n".join(release_files(layout)).encode()).hexdigest()[:16]
     return cached_folder(cache or cache_dir(), version + layout.suffix, fill, stamp=f"files {files}")
+
+
+NEWEST = "newest"  # stands for the package registry's newest vLLM release, wherever a release is named
+
+
+def newest_release() -> str:
+    """The newest vLLM release on the package registry, asked of pip now (kvspec's table need not know it).
+
+    Raises:
+        LightModeError: pip could not say (no registry reachable); the message has pip's last line.
+    """
+    cmd = [sys.executable, "-m", "pip", "index", "versions", "vllm", "--disable-pip-version-check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
+    found = re.match(r"vllm \(([^)]+)\)", proc.stdout.strip())
+    if proc.returncode != 0 or found is None or not is_release_number(found[1]):
+        last = (proc.stderr.strip().splitlines() or ["no answer"])[-1][-300:]
+        raise LightModeError(f"cannot ask the package registry for its newest vLLM release: {last}")
+    return found[1]
 
 
 def _download_wheel(version: str, dest: Path) -> Path:
