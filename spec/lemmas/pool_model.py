@@ -691,7 +691,7 @@ _SHOW_AT_MOST = 16  # blocks or positions printed before a counterexample is cut
 
 def model_bool(model: z3.ModelRef, value: z3.BoolRef) -> bool:
     """A boolean's value in a counterexample (an unconstrained one reads False)."""
-    return z3.is_true(model.eval(value, model_completion=True))
+    return bool(z3.is_true(model.eval(value, model_completion=True)))
 
 
 def model_int(model: z3.ModelRef, term: object) -> int:
