@@ -453,7 +453,7 @@ class LockStep:
             index=len(self.records) + 1,
             op=op,
             args=all_args(operation, args),
-            without=None if without is None else tuple(without),
+            without=None if without is None else all_args(operation, without),  # as a trace reads it back
         )
         stats_before = self.spec_state.stats if isinstance(self.spec_state, ManagerState) else None
         expected = _Expected(before=self.spec_snapshot, stats_before=stats_before)
