@@ -589,7 +589,7 @@ class TensorBlockPool:
             self._wrote_device(_REF, ids)
             self._state.sync()
 
-    def free_blocks(self, ordered_block_ids: BlockIds) -> None:
+    def free_blocks(self, ordered_block_ids: BlockIds, evict_first: bool = False) -> None:
         """Drop one reference per block, in eviction-priority order (a request's blocks tail first).
 
         Blocks whose ref_cnt reaches 0 join the queue as one batch per end:
@@ -597,26 +597,30 @@ class TensorBlockPool:
         order (nobody can hit them, so they are reused first), the hashed ones
         to the right end (LRU); under `vllm-v1-tail` all go right. Under a
         keyed policy every block named is stamped, in the given order, and the
-        newly free ones take the places their keys give them. A block found
-        corrupt while held is quarantined instead.
+        newly free ones take the places their keys give them. With
+        `evict_first` (vLLM 0.34.0 on) every block freed goes before every
+        other cached block: all of them in the left batch, or, keyed, into the
+        key's first tier. A block found corrupt while held is quarantined instead.
 
         Raises:
             InvalidBlock: an id is out of range or the null block.
-            InvalidRequest: an id is named twice.
+            InvalidRequest: an id is named twice, or evict_first is not a bool.
             DoubleFree: a block has ref_cnt 0.
 
         Cost: O(len(ordered_block_ids)): Python over the host face for a short batch, a
         constant number of kernels for a long one.
         """
+        if evict_first is not True and evict_first is not False:
+            raise InvalidRequest(f"free_blocks: evict_first={evict_first!r} is not a bool")
         ids = ordered_block_ids
         if isinstance(ids, torch.Tensor) or len(ids) > self.host_path_max:
             short = self._short(ids, "free_blocks")
             if short is None:
-                return self._free_long(self._index(ids, "free_blocks"))
+                return self._free_long(self._index(ids, "free_blocks"), evict_first)
             ids = cast("list[BlockId]", short)
-        return self._free_short(ids)
+        return self._free_short(ids, evict_first)
 
-    def _free_short(self, ids: Sequence[BlockId]) -> None:
+    def _free_short(self, ids: Sequence[BlockId], evict_first: bool) -> None:
         """`free_blocks` of a short batch, over the host face: drop every reference, then free the blocks that reach 0.
 
         Raises:
@@ -635,13 +639,13 @@ class TensorBlockPool:
         for b in ids:
             if type(b) is not int or not 0 < b < n or (r := ref[b]) == 0:
                 self._undrop(ids, dropped)
-                return self.free_blocks(cast("list[BlockId]", self._refuse_free(ids)))
+                return self.free_blocks(cast("list[BlockId]", self._refuse_free(ids)), evict_first)
             ref[b] = r - 1
             dropped += 1
             if r == 1:
                 if corrupt[b]:
                     retired.append(b)
-                elif to_left and not flags[b]:
+                elif evict_first or (to_left and not flags[b]):
                     left.append(b)
                 else:
                     right.append(b)
@@ -651,7 +655,7 @@ class TensorBlockPool:
         if retired:
             self._retire(retired)
         if self._stamped is not None:  # every block named is stamped; the newly free take their keys' places
-            self._stamped.freed_list(cast("list[int]", ids), left + right)
+            self._stamped.freed_list(cast("list[int]", ids), left + right, evict_first)
         else:
             queue = self._queue()
             if left:
@@ -691,7 +695,7 @@ class TensorBlockPool:
         if self._track:
             self._wrote_host(_CORRUPT, retired)
 
-    def _free_long(self, ids: torch.Tensor) -> None:
+    def _free_long(self, ids: torch.Tensor, evict_first: bool) -> None:
         ref_cnt = self.ref_cnt.index_select(0, ids)
         min_ref, max_ref = torch.stack(torch.aminmax(ref_cnt)).tolist()
         if min_ref == 0:
@@ -705,17 +709,20 @@ class TensorBlockPool:
             if self._num_corrupt_held:
                 newly_free = self._retire_long(newly_free)
             if self._stamped is None:
-                self._queue_long(newly_free)
+                self._queue_long(newly_free, evict_first)
         else:
             newly_free = self._no_blocks
         if self._stamped is not None:
-            self._stamped.freed(ids, newly_free)
+            self._stamped.freed(ids, newly_free, evict_first)
         if self._track:
             self._state.sync()
 
-    def _queue_long(self, newly_free: torch.Tensor) -> None:
+    def _queue_long(self, newly_free: torch.Tensor, evict_first: bool) -> None:
         """Send blocks whose ref_cnt reached 0 to their ends of the queue (device face)."""
         queue = self._queue()
+        if evict_first:  # every one to the left end, as one batch in the given order
+            queue.prepend_n(newly_free)
+            return
         if not self._unhashed_to_left:
             queue.append_n(newly_free)
             return

@@ -12,7 +12,8 @@ gpu_impl.block_pool): every take's answer is needed on the host (it becomes a
 request's block table), and a free block's key never changes while it is
 free (only held blocks are stamped; a hit takes the block out), so two binary
 heaps keep the order at O(log n) a block: the ids of the free blocks without
-a hash, and `(eviction_key, id)` of the free hashed ones. Removals (a hit, a
+a hash, and `(eviction_key, id)` of the free hashed ones (the key opens
+with the tier a free with `evict_first` gives). Removals (a hit, a
 quarantine, a block losing its hash) are lazy: an entry is live while its
 block is free and its key is the one recorded in `_live`; stale entries are
 skipped when they reach the top, and the cached heap is rebuilt when they
@@ -36,10 +37,11 @@ from __future__ import annotations
 import array
 import heapq
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
-from kvspec.spec.ordering import ProfileRule, eviction_key
+from kvspec.spec.ordering import PY, ProfileRule, eviction_key
 
 __all__ = ["StampedFreeBlocks"]
 
@@ -75,6 +77,7 @@ class StampedFreeBlocks:
         self.last_access = array.array("q", [0]) * n
         self.num_accesses = array.array("q", [0]) * n
         self.registered_at = array.array("q", [0]) * n
+        self.is_evict_first = bytearray(n)  # 1 for a block whose last free asked to evict it first
         self._free = bytearray(n)  # 1 for a free block
         for b in range(1, n):
             self._free[b] = 1
@@ -85,7 +88,8 @@ class StampedFreeBlocks:
         self.key_capacity = 0  # no key index in the pool's state
 
     def _key(self, b: int) -> Key:
-        return eviction_key(self._rule, b, self.last_access[b], self.num_accesses[b], self.registered_at[b])
+        stamps = self.last_access[b], self.num_accesses[b], self.registered_at[b], bool(self.is_evict_first[b])
+        return cast(Key, eviction_key(self._rule, b, *stamps, PY))
 
     def _add(self, b: int) -> None:
         """A block that just became free (or lost its hash while free) takes its place."""
@@ -152,9 +156,12 @@ class StampedFreeBlocks:
         self._stamp(self.last_access, block_ids)
         self.remove_list(was_free)
 
-    def freed_list(self, block_ids: Sequence[int], newly_free: Sequence[int]) -> None:
-        """A free naming `block_ids` (every one stamped, in order); `newly_free` join the free blocks."""
+    def freed_list(self, block_ids: Sequence[int], newly_free: Sequence[int], evict_first: bool) -> None:
+        """A free naming `block_ids` (every one stamped, in order, and tiered); `newly_free` join the free blocks."""
         self._stamp(self.last_access, block_ids)
+        tier = self.is_evict_first
+        for b in block_ids:
+            tier[b] = evict_first
         for b in newly_free:
             self._free[b] = 1
             self._add(b)
@@ -188,9 +195,9 @@ class StampedFreeBlocks:
         """`hit_list` for a batch in a tensor."""
         self.hit_list(block_ids.tolist(), was_free.tolist())
 
-    def freed(self, block_ids: torch.Tensor, newly_free: torch.Tensor) -> None:
+    def freed(self, block_ids: torch.Tensor, newly_free: torch.Tensor, evict_first: bool) -> None:
         """`freed_list` for a batch in a tensor."""
-        self.freed_list(block_ids.tolist(), newly_free.tolist())
+        self.freed_list(block_ids.tolist(), newly_free.tolist(), evict_first)
 
     def registered(self, block_ids: torch.Tensor) -> None:
         """`registered_list` for a batch in a tensor."""

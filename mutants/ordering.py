@@ -78,6 +78,18 @@ class UnhashedFreedToRight(ReferencePoolAdapter):
         self._unhashed_to_left = False  # MUTANT: the `vllm-v1-tail` rule under the `vllm-v1` name
 
 
+class FreeIgnoresEvictFirst(ReferencePoolAdapter):
+    """`free_blocks` takes vLLM 0.34.0's `evict_first` but drops it: cached blocks always go to the right end.
+
+    Blocks whose content another tier already holds were to be the first
+    cached blocks evicted; instead they are kept longest, pushing out cached
+    blocks that exist nowhere else.
+    """
+
+    def free_blocks(self, ordered_block_ids: Sequence[BlockId], evict_first: bool = False) -> None:
+        super().free_blocks(ordered_block_ids)  # MUTANT: evict_first not passed on
+
+
 class _PrependOneByOneQueue(FreeKVCacheBlockQueue):
     """`prepend_n` written as a loop of single prepends, which reverses the batch."""
 
@@ -145,6 +157,13 @@ MUTANTS: list[Mutant] = [
         kind="wrong free end",
         # Without caching no block has a hash: every freed block must go left.
         enable_caching=False,
+    ),
+    Mutant(
+        name="free_ignores_evict_first",
+        description="free_blocks takes evict_first but ignores it: blocks freed with it go to the right end",
+        level="pool",
+        factory=FreeIgnoresEvictFirst,
+        kind="wrong free end",
     ),
     Mutant(
         name="left_batch_reversed",

@@ -69,7 +69,9 @@ class HitNotCounted(_KeyedMutant):
 
 
 class _FreeKeepsTimestamp(KeyedFreeBlocks):
-    def freed(self, named: Sequence[int], newly_free: Sequence[KVCacheBlock]) -> None:
+    def freed(self, named: Sequence[int], newly_free: Sequence[KVCacheBlock], evict_first: bool) -> None:
+        for b in named:  # their tier, as the reference gives it
+            self.is_evict_first[b] = evict_first
         for block in newly_free:  # MUTANT: the blocks named are not stamped first
             self._add(block)
 

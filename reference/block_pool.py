@@ -225,50 +225,56 @@ class BlockPool:
                 )
         self.touch([BlockId(int(b)) for b in block_ids])  # checked: plain ints pass the first loop
 
-    def free_blocks(self, ordered_block_ids: Sequence[BlockId]) -> None:
+    def free_blocks(self, ordered_block_ids: Sequence[BlockId], evict_first: bool = False) -> None:
         """Drop one reference per block, in eviction-priority order (a request's blocks tail first).
 
         Blocks reaching ref_cnt 0 join the queue: under `vllm-v1`, those without
         a hash at the left end in the given order (nobody can hit them, reuse
         them first), the hashed ones at the right end (LRU); under a keyed
         policy, where their keys put them, every block named stamped in order.
+        With `evict_first` (vLLM 0.34.0 on) every block freed goes before every
+        other cached block: to the left end with the hashless ones, or into the
+        first tier of a keyed policy's key.
 
         Raises:
             InvalidBlock: an id is out of range or the null block.
-            InvalidRequest: an id is named twice.
+            InvalidRequest: an id is named twice, or evict_first is not a bool.
             DoubleFree: a block has ref_cnt 0.
 
         Cost: O(len(ordered_block_ids)); O(log n) more per block under a keyed policy.
         """
+        if evict_first is not True and evict_first is not False:
+            raise InvalidRequest(f"free_blocks: evict_first={evict_first!r} is not a bool")
         # Every finished request lands here, so the common case is one pass that
         # checks an id and drops its reference at once; the queue is left alone
         # until every id has passed. Anything the pass does not accept goes to
         # `_free_slowly`, which hands back the references it dropped first.
-        n, all_blocks, unhashed_to_left = self.num_gpu_blocks, self.blocks, self._unhashed_to_left
+        n, all_blocks = self.num_gpu_blocks, self.blocks
+        unhashed_to_left = self._unhashed_to_left
         left: list[KVCacheBlock] = []  # newly free, reused first
         right: list[KVCacheBlock] = []  # newly free, kept longest (LRU)
         dropped = 0
         for b in ordered_block_ids:
             if type(b) is not int or not 0 < b < n or (block := all_blocks[b]).ref_cnt == 0:
-                return self._free_slowly(ordered_block_ids, dropped)
+                return self._free_slowly(ordered_block_ids, dropped, evict_first)
             block.ref_cnt -= 1
             dropped += 1
             if block.ref_cnt == 0:
-                if unhashed_to_left and block.block_hash is None:
+                if evict_first or (unhashed_to_left and block.block_hash is None):
                     left.append(block)
                 else:
                     right.append(block)
         if dropped > 1 and len(set(ordered_block_ids)) != dropped:
-            return self._free_slowly(ordered_block_ids, dropped)
+            return self._free_slowly(ordered_block_ids, dropped, evict_first)
         if self._keyed is not None:
-            self._keyed.freed(ordered_block_ids, left + right)
+            self._keyed.freed(ordered_block_ids, left + right, evict_first)
             return None
         queue = cast(FreeKVCacheBlockQueue, self.free_block_queue)  # a queue policy's
         queue.prepend_n(left)
         queue.append_n(right)
         return None
 
-    def _free_slowly(self, ordered_block_ids: Sequence[BlockId], dropped: int) -> None:
+    def _free_slowly(self, ordered_block_ids: Sequence[BlockId], dropped: int, evict_first: bool) -> None:
         """`free_blocks` for a call its pass did not accept: usually a mistake, else an int subclass as an id.
 
         Hands back the references the pass dropped (one per id, for the first
@@ -282,7 +288,8 @@ class BlockPool:
                 raise DoubleFree(
                     f"free_blocks: block_id={block.block_id} has ref_cnt=0, no request holds it (double free?)"
                 )
-        self.free_blocks([BlockId(int(b)) for b in ordered_block_ids])  # checked: plain ints pass the first pass
+        plain = [BlockId(int(b)) for b in ordered_block_ids]  # checked: plain ints pass the first pass
+        self.free_blocks(plain, evict_first)
 
     def cache_full_blocks(
         self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash], stored: BlockStored | None = None

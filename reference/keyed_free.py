@@ -2,7 +2,8 @@
 
 The spec derives a keyed policy's free queue by sorting (kvspec.spec.ordering):
 the free blocks without a hash by id, then the hashed ones by
-`eviction_key`. This keeps the same order in two binary heaps:
+`eviction_key` (whose first term is the tier a free with `evict_first`
+gives). This keeps the same order in two binary heaps:
 
 - `_first_fit`: the ids of the free blocks without a hash. A block leaves it
   only from the top (an allocation takes the lowest id); nothing else can
@@ -32,9 +33,10 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 from fractions import Fraction
+from typing import cast
 
 from kvspec.reference.free_queue import KVCacheBlock
-from kvspec.spec.ordering import ProfileRule, eviction_key
+from kvspec.spec.ordering import PY, ProfileRule, eviction_key
 
 __all__ = ["Key", "KeyedFreeBlocks"]
 
@@ -53,6 +55,7 @@ class KeyedFreeBlocks:
         self.last_access = [0] * n
         self.num_accesses = [0] * n
         self.registered_at = [0] * n
+        self.is_evict_first = [False] * n  # the tier each block's last free gave it
         self._first_fit = [block.block_id for block in blocks]  # sorted, so already a heap
         self._cached: list[tuple[Key, int]] = []
         self._live: dict[int, Key] = {}  # block id -> the key of its entry in _cached, for free hashed blocks
@@ -83,11 +86,12 @@ class KeyedFreeBlocks:
             registered[block.block_id] = clock + i
         self.clock = clock + len(blocks)
 
-    def freed(self, named: Sequence[int], newly_free: Sequence[KVCacheBlock]) -> None:
-        """A free_blocks call: every block id it named is stamped in order, and those now at ref_cnt 0 join."""
-        clock, last = self.clock, self.last_access
+    def freed(self, named: Sequence[int], newly_free: Sequence[KVCacheBlock], evict_first: bool) -> None:
+        """A free_blocks call: every block id it named is stamped in order (and tiered), those now at ref_cnt 0 join."""
+        clock, last, tier = self.clock, self.last_access, self.is_evict_first
         for i, b in enumerate(named):
             last[b] = clock + i
+            tier[b] = evict_first
         self.clock = clock + len(named)
         for block in newly_free:
             self._add(block)
@@ -137,7 +141,8 @@ class KeyedFreeBlocks:
 
     def _key(self, b: int) -> Key:
         """Block b's key under the policy, from its stamps (the spec's `eviction_key`)."""
-        return eviction_key(self._rule, b, self.last_access[b], self.num_accesses[b], self.registered_at[b])
+        stamps = self.last_access[b], self.num_accesses[b], self.registered_at[b], self.is_evict_first[b]
+        return cast(Key, eviction_key(self._rule, b, *stamps, PY))
 
     def _add(self, block: KVCacheBlock) -> None:
         b = block.block_id

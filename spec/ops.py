@@ -84,18 +84,29 @@ def _rule(state: PoolState) -> ProfileRule:
 def _in_policy_order(state: PoolState) -> bool:
     """Under a keyed policy, the free queue is in its order; a queue policy's order is the queue itself."""
     rule = _rule(state)
-    return not rule.keyed or in_keyed_order(
-        rule, state.free_queue, state.block_hash, state.last_access, state.num_accesses, state.registered_at
-    )
+    return not rule.keyed or in_keyed_order(rule, state.free_queue, *_stamps(state))
 
 
-def _freed_as_the_policy_says(state: PoolState, block_ids: Sequence[BlockId], new: PoolState) -> bool:
-    """A queue policy placed the newly free blocks at its ends; a keyed one stamped every block named."""
+def _stamps(
+    state: PoolState,
+) -> tuple[tuple[BlockHash | None, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[bool, ...]]:
+    """What a keyed policy's order reads of each block: its hash, then its stamps (spec.ordering.keyed_rank)."""
+    return state.block_hash, state.last_access, state.num_accesses, state.registered_at, state.is_evict_first
+
+
+def _freed_as_the_policy_says(
+    state: PoolState, block_ids: Sequence[BlockId], new: PoolState, evict_first: bool = False
+) -> bool:
+    """A queue policy placed the newly free blocks at its ends; a keyed one stamped every block named.
+
+    Either way `evict_first` decides as well: left with the hashless blocks
+    under a queue policy, the first tier of the key under a keyed one.
+    """
     rule = _rule(state)
     if rule.keyed:
-        return all(new.last_access[b] >= state.clock for b in block_ids)
+        return all(new.last_access[b] >= state.clock and new.is_evict_first[b] == evict_first for b in block_ids)
     newly_free = [b for b in block_ids if state.ref_cnt[b] == 1]
-    return freed_in_place(state.free_queue, newly_free, state.block_hash, rule, new.free_queue)
+    return freed_in_place(state.free_queue, newly_free, state.block_hash, rule, new.free_queue, evict_first)
 
 
 def _same_free_blocks(state: PoolState, new: PoolState) -> bool:
@@ -116,14 +127,20 @@ def _stamp(stamps: tuple[int, ...], block_ids: Sequence[BlockId], clock: int) ->
     return tuple(new)
 
 
+def _marked(flags: tuple[bool, ...], block_ids: Sequence[BlockId], value: bool) -> tuple[bool, ...]:
+    """`flags` with every block of `block_ids` set to `value`."""
+    new = list(flags)
+    for b in block_ids:
+        new[b] = value
+    return tuple(new)
+
+
 def _reordered(state: PoolState) -> PoolState:
     """Under a keyed policy, the state with its free queue in the policy's order; otherwise the state."""
     rule = _rule(state)
     if not rule.keyed:
         return state
-    order = keyed_free_order(
-        rule, state.free_queue, state.block_hash, state.last_access, state.num_accesses, state.registered_at
-    )
+    order = keyed_free_order(rule, state.free_queue, *_stamps(state))
     return replace(state, free_queue=order)
 
 
@@ -310,9 +327,11 @@ def touch(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, Non
     lambda state, block_ids, result: all(result.state.ref_cnt[b] == state.ref_cnt[b] - 1 for b in block_ids)
 )
 @icontract.ensure(lambda state, result: result.state.hash_to_blocks == state.hash_to_blocks)
-@icontract.ensure(lambda state, block_ids, result: _freed_as_the_policy_says(state, block_ids, result.state))
+@icontract.ensure(
+    lambda state, block_ids, evict_first, result: _freed_as_the_policy_says(state, block_ids, result.state, evict_first)
+)
 @icontract.ensure(lambda state, result: _events_explain(state, result))
-def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolState, None]:
+def free_blocks(state: PoolState, block_ids: Sequence[BlockId], evict_first: bool = False) -> Step[PoolState, None]:
     """Drop one reference to each block, in the given (eviction-priority) order.
 
     A block whose ref_cnt reaches 0 joins the free queue at the end the profile
@@ -321,20 +340,31 @@ def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolStat
     given order. It keeps its hash: a free block can still be hit until it is
     reallocated.
 
+    `evict_first` (vLLM 0.34.0's `BlockPool.free_blocks`, for blocks whose
+    content another tier already holds) makes every block freed here go
+    before every other cached block: under a queue policy it goes left, in
+    the same batch as the blocks without a hash (vLLM's `prepend_n`); under a
+    keyed policy it is stamped into the key's first tier
+    (spec.ordering.eviction_key). No caller inside vLLM passes it, so the
+    request level never does either.
+
     Args:
         state: the pool.
         block_ids: a request's blocks, tail first (the caller reverses its block table).
+        evict_first: evict the blocks freed here before every other cached block.
 
     Returns:
         The new state; the result is None.
 
     Raises:
         InvalidBlock: an id is out of range or the null block.
-        InvalidRequest: an id is named twice.
+        InvalidRequest: an id is named twice, or evict_first is not a bool.
         DoubleFree: a block has ref_cnt 0.
 
     raises: InvalidBlock, InvalidRequest, DoubleFree  # the errors above, as CrossHair reads them
     """
+    if not isinstance(evict_first, bool):
+        raise InvalidRequest(f"free_blocks: evict_first={evict_first!r} is not a bool")
     _check_block_ids(state, block_ids, "free_blocks")
     for b in block_ids:
         if state.ref_cnt[b] == 0:
@@ -353,9 +383,10 @@ def free_blocks(state: PoolState, block_ids: Sequence[BlockId]) -> Step[PoolStat
             free_queue=state.free_queue + tuple(newly_free),
             clock=state.clock + len(block_ids),
             last_access=_stamp(state.last_access, block_ids, state.clock),
+            is_evict_first=_marked(state.is_evict_first, block_ids, evict_first),
         )
         return Step(_reordered(stamped), None)
-    free_queue = place_freed(state.free_queue, newly_free, state.block_hash, rule)
+    free_queue = place_freed(state.free_queue, newly_free, state.block_hash, rule, evict_first)
     return Step(replace(state, ref_cnt=tuple(ref_cnt), free_queue=free_queue), None)
 
 

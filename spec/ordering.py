@@ -8,7 +8,10 @@ position in the queue is its key. A block whose ref_cnt drops to 0 goes to the
 *left* end when it has no hash (nobody can hit it, so reuse it first) and to
 the *right* end when it has one (keep it as long as possible: LRU).
 `vllm-v1` is seed 000's rule; `vllm-v1-tail` sends every freed block to the
-right end, as earlier vLLM v1 releases did.
+right end, as earlier vLLM v1 releases did. A free called with `evict_first`
+(vLLM 0.34.0 on: the blocks' content lives in another tier too) sends every
+block it frees to the left end under either, hashed or not: it is evicted
+before every other cached block.
 
 Keyed policies (seed 002; `lru-timestamp` orders cached blocks as vLLM v0's
 `LRUEvictor` does): every block carries metadata stamped by a logical clock,
@@ -33,7 +36,11 @@ request's deeper block gets the older stamp and goes first, what v0's
 | `lru-lfu:W` | `last_access + W * accesses`, ties by last access |
 
 In `lru-lfu:W` an access is worth W ticks of recency: W = 0 is
-`lru-timestamp`, and as W grows the order tends to `lfu`'s.
+`lru-timestamp`, and as W grows the order tends to `lfu`'s. Every key opens
+with a tier, `is_evict_first`, stamped by each free on the blocks it names:
+a block last freed with `evict_first` sorts before every hashed block freed
+without it (and after the first-fit blocks, which hold no cached content),
+its own key ordering it among its peers.
 
 The predicates take a logic backend so that one body runs concretely (`PY`) and
 symbolically (`Z3`, built in `spec.lemmas`): inside them there is no Python
@@ -238,50 +245,75 @@ def is_profile(name: object) -> bool:
     return True
 
 
-def eviction_key(rule: ProfileRule, block_id: N, last_access: N, num_accesses: N, registered_at: N) -> tuple[N, ...]:
+def eviction_key(
+    rule: ProfileRule,
+    block_id: N,
+    last_access: N,
+    num_accesses: N,
+    registered_at: N,
+    is_evict_first: T,
+    logic: Backend[T],
+) -> tuple[object, ...]:
     """A free, hashed block's key under a keyed policy: the smallest is evicted first.
 
-    Stamps are unique, so a key never ties; the block id ends it only so that
-    the order is total by construction. `lru-lfu:W`'s score `last_access + W *
-    accesses` is kept scaled by W's denominator q, `q * last_access + p *
-    accesses` for W = p / q: an integer, in the same order, which z3 compares
-    exactly. Written without branching on values, so z3 terms
-    evaluate it too.
+    It opens with the block's tier: 0 when the free that released it asked to
+    evict it first (`free_blocks(..., evict_first=True)`: its content lives in
+    another tier too), else 1, so such a block goes before every other cached
+    block, as vLLM v1 sends it to the left end; within a tier the policy's own
+    key orders. Stamps are unique, so a key never ties; the block id ends it
+    only so that the order is total by construction. `lru-lfu:W`'s score
+    `last_access + W * accesses` is kept scaled by W's denominator q, `q *
+    last_access + p * accesses` for W = p / q: an integer, in the same order,
+    which z3 compares exactly. Written with the backend's `ite`, never a
+    branch on values, so z3 terms evaluate it too.
 
     >>> rule = profile_rule("lfu")
-    >>> eviction_key(rule, 3, 10, 2, 5) < eviction_key(rule, 4, 7, 3, 1)  # fewer accesses goes first
+    >>> eviction_key(rule, 3, 10, 2, 5, False, PY) < eviction_key(rule, 4, 7, 3, 1, False, PY)  # fewer accesses first
     True
-    >>> eviction_key(profile_rule("lru-lfu:0.5"), 3, 10, 2, 5)  # 10 + 0.5 x 2, scaled by 2
-    (22, 10, 3)
+    >>> eviction_key(rule, 3, 10, 2, 5, False, PY) > eviction_key(rule, 4, 7, 3, 1, True, PY)  # evict_first first
+    True
+    >>> eviction_key(profile_rule("lru-lfu:0.5"), 3, 10, 2, 5, False, PY)  # 10 + 0.5 x 2, scaled by 2
+    (1, 22, 10, 3)
     """
+    tier = logic.ite(is_evict_first, 0, 1)
     if rule.key == "last-access":
-        return (last_access, block_id)
+        return (tier, last_access, block_id)
     if rule.key == "registered":
-        return (registered_at, block_id)
+        return (tier, registered_at, block_id)
     if rule.key == "accesses":
-        return (num_accesses, last_access, block_id)
+        return (tier, num_accesses, last_access, block_id)
     if rule.key == "recency-frequency":
         p, q = rule.weight.numerator, rule.weight.denominator
         score = cast("N", q * last_access + p * num_accesses)  # type: ignore[operator]
-        return (score, last_access, block_id)
+        return (tier, score, last_access, block_id)
     raise ValueError(f"profile {rule.name!r} orders by queue position, not by a key")
 
 
-def keyed_rank(
-    rule: ProfileRule, block_id: N, hashed: T, last_access: N, num_accesses: N, registered_at: N, logic: Backend[T]
-) -> tuple[object, ...]:
-    """Where a free block stands in a keyed policy's order: four terms, compared with `logic.lex_lt`.
+_KEY_LENGTH = 4  # the longest eviction_key; keyed_rank pads the others to it
 
-    A block without a hash ranks `(0, id, 0, 0)` (first fit), one with a hash
-    `(1, *key)`, its `eviction_key` padded to three terms with its id.
+
+def keyed_rank(
+    rule: ProfileRule,
+    block_id: N,
+    hashed: T,
+    last_access: N,
+    num_accesses: N,
+    registered_at: N,
+    is_evict_first: T,
+    logic: Backend[T],
+) -> tuple[object, ...]:
+    """Where a free block stands in a keyed policy's order: five terms, compared with `logic.lex_lt`.
+
+    A block without a hash ranks `(0, id, 0, 0, 0)` (first fit), one with a
+    hash `(1, *key)`, its `eviction_key` padded to four terms with its id.
 
     >>> lfu = profile_rule("lfu")
-    >>> keyed_rank(lfu, 4, False, 9, 1, 2, PY), keyed_rank(lfu, 4, True, 9, 1, 2, PY)
-    ((0, 4, 0, 0), (1, 1, 9, 4))
+    >>> keyed_rank(lfu, 4, False, 9, 1, 2, False, PY), keyed_rank(lfu, 4, True, 9, 1, 2, False, PY)
+    ((0, 4, 0, 0, 0), (1, 1, 1, 9, 4))
     """
-    key = eviction_key(rule, block_id, last_access, num_accesses, registered_at)
-    padded = (*key, *(block_id,) * (3 - len(key)))
-    unhashed = (block_id, 0, 0)
+    key = eviction_key(rule, block_id, last_access, num_accesses, registered_at, is_evict_first, logic)
+    padded = (*key, *(block_id,) * (_KEY_LENGTH - len(key)))
+    unhashed = (block_id, *(0,) * (_KEY_LENGTH - 1))
     return (logic.ite(hashed, 1, 0), *(logic.ite(hashed, k, u) for k, u in zip(padded, unhashed)))
 
 
@@ -292,16 +324,18 @@ def keyed_free_order(
     last_access: Sequence[int],
     num_accesses: Sequence[int],
     registered_at: Sequence[int],
+    is_evict_first: Sequence[bool],
 ) -> tuple[BlockId, ...]:
     """The free queue of a keyed policy: blocks without a hash by id (first fit), then hashed ones by key.
 
-    >>> rule = profile_rule("lru-timestamp")
-    >>> keyed_free_order(rule, [5, 2, 4, 1], [None, b"a", b"b", None, None, None], [0, 9, 3, 0, 0, 0], [0] * 6, [0] * 6)
+    >>> rule, h, no = profile_rule("lru-timestamp"), [None, b"a", b"b", None, None, None], [False] * 6
+    >>> keyed_free_order(rule, [5, 2, 4, 1], h, [0, 9, 3, 0, 0, 0], [0] * 6, [0] * 6, no)
     (4, 5, 2, 1)
+    >>> keyed_free_order(rule, [5, 2, 4, 1], h, [0, 9, 3, 0, 0, 0], [0] * 6, [0] * 6, [False, True, *no[2:]])
+    (4, 5, 1, 2)
     """
-    return tuple(
-        sorted(free_blocks, key=lambda b: _keyed_rank(rule, b, block_hash, last_access, num_accesses, registered_at))
-    )
+    stamps = (block_hash, last_access, num_accesses, registered_at, is_evict_first)
+    return tuple(sorted(free_blocks, key=lambda b: _keyed_rank(rule, b, *stamps)))
 
 
 def _keyed_rank(
@@ -311,9 +345,11 @@ def _keyed_rank(
     last_access: Sequence[int],
     num_accesses: Sequence[int],
     registered_at: Sequence[int],
+    is_evict_first: Sequence[bool],
 ) -> tuple[object, ...]:
     """`keyed_rank` of block b, read from the state's sequences."""
-    return keyed_rank(rule, b, block_hash[b] is not None, last_access[b], num_accesses[b], registered_at[b], PY)
+    hashed = block_hash[b] is not None
+    return keyed_rank(rule, b, hashed, last_access[b], num_accesses[b], registered_at[b], is_evict_first[b], PY)
 
 
 def in_keyed_order(
@@ -323,27 +359,33 @@ def in_keyed_order(
     last_access: Sequence[int],
     num_accesses: Sequence[int],
     registered_at: Sequence[int],
+    is_evict_first: Sequence[bool],
 ) -> bool:
     """Whether `free_queue` is in a keyed policy's order: unhashed by ascending id, then hashed by ascending key.
 
     >>> rule, h = profile_rule("block-age"), [None, b"a", b"b", None]
-    >>> stamps = ([0] * 4, [0] * 4, [0, 8, 5, 0])  # last access, accesses, registration
+    >>> stamps = ([0] * 4, [0] * 4, [0, 8, 5, 0], [False] * 4)  # last access, accesses, registration, evict first
     >>> in_keyed_order(rule, (3, 2, 1), h, *stamps), in_keyed_order(rule, (3, 1, 2), h, *stamps)
     (True, False)
     """
-    ranks = [_keyed_rank(rule, b, block_hash, last_access, num_accesses, registered_at) for b in free_queue]
+    stamps = (block_hash, last_access, num_accesses, registered_at, is_evict_first)
+    ranks = [_keyed_rank(rule, b, *stamps) for b in free_queue]
     return all(PY.lex_lt(a, b) for a, b in zip(ranks, ranks[1:]))
 
 
-def freed_goes_left(unhashed_to_left: T, has_hash: T, logic: Backend[T]) -> T:
+def freed_goes_left(unhashed_to_left: T, has_hash: T, evict_first: T, logic: Backend[T]) -> T:
     """Whether a block whose ref_cnt just dropped to 0 goes to the left end.
 
-    >>> freed_goes_left(True, False, PY), freed_goes_left(True, True, PY)
+    A free called with `evict_first` (vLLM 0.34.0 on: its content lives in
+    another tier too) sends every block it frees left, hashed or not, so that
+    it is evicted before every other cached block.
+
+    >>> freed_goes_left(True, False, False, PY), freed_goes_left(True, True, False, PY)
     (True, False)
-    >>> freed_goes_left(False, False, PY)
-    False
+    >>> freed_goes_left(False, False, False, PY), freed_goes_left(True, True, True, PY)
+    (False, True)
     """
-    return logic.and_(unhashed_to_left, logic.not_(has_hash))
+    return logic.or_(evict_first, logic.and_(unhashed_to_left, logic.not_(has_hash)))
 
 
 def left_batch_key(lo: int, batch_len: int, index: int) -> int:
@@ -429,9 +471,12 @@ def _distinct_known_blocks(
 
 
 def _sent_left(
-    newly_free: Sequence[BlockId], block_hash: Sequence[BlockHash | None], rule: ProfileRule
-) -> list[BlockId]:
-    return [b for b in newly_free if freed_goes_left(rule.unhashed_to_left, block_hash[b] is not None, PY)]
+    newly_free: Sequence[BlockId], block_hash: Sequence[BlockHash | None], rule: ProfileRule, evict_first: bool
+) -> tuple[BlockId, ...]:
+    """The newly free blocks that go to the left end, in the order they were freed."""
+    return tuple(
+        b for b in newly_free if freed_goes_left(rule.unhashed_to_left, block_hash[b] is not None, evict_first, PY)
+    )
 
 
 def _in_order_of(items: Sequence[BlockId], within: Sequence[BlockId]) -> bool:
@@ -454,8 +499,9 @@ def freed_in_place(
     block_hash: Sequence[BlockHash | None],
     rule: ProfileRule,
     result: Sequence[BlockId],
+    evict_first: bool = False,
 ) -> bool:
-    """Whether `result` is `free_queue` with `newly_free` placed as `rule` says.
+    """Whether `result` is `free_queue` with `newly_free` placed as `rule` (and `evict_first`) say.
 
     Nothing lost or repeated; the blocks already free keep their order; those
     sent left keep their given order before all of them, the others keep
@@ -464,8 +510,10 @@ def freed_in_place(
     >>> h, rule = [None, b"x", None], PROFILES["vllm-v1"]
     >>> freed_in_place((2,), [1], h, rule, (2, 1)), freed_in_place((1,), [2], h, rule, (1, 2))
     (True, False)
+    >>> freed_in_place((2,), [1], h, rule, (1, 2), evict_first=True)
+    True
     """
-    left = _sent_left(newly_free, block_hash, rule)
+    left = _sent_left(newly_free, block_hash, rule, evict_first)
     sent_left = set(left)
     right = [b for b in newly_free if b not in sent_left]
     return (
@@ -482,8 +530,8 @@ def freed_in_place(
     lambda free_queue, newly_free, block_hash: _distinct_known_blocks(free_queue, newly_free, block_hash)
 )
 @icontract.ensure(
-    lambda free_queue, newly_free, block_hash, rule, result: freed_in_place(
-        free_queue, newly_free, block_hash, rule, result
+    lambda free_queue, newly_free, block_hash, rule, evict_first, result: freed_in_place(
+        free_queue, newly_free, block_hash, rule, result, evict_first
     )
 )
 def place_freed(
@@ -491,18 +539,22 @@ def place_freed(
     newly_free: Sequence[BlockId],
     block_hash: Sequence[BlockHash | None],
     rule: ProfileRule,
+    evict_first: bool = False,
 ) -> tuple[BlockId, ...]:
     """The free queue after `newly_free` (in the order they were freed) join it.
 
-    Blocks sent left keep their given order and sit before every block already
-    free; blocks sent right keep their order and sit after every block.
+    Blocks sent left (`freed_goes_left`) keep their given order and sit before
+    every block already free, as one batch: vLLM's `prepend_n`, which links
+    the batch in its given order ahead of the old head. Blocks sent right keep
+    their order and sit after every block (`append_n`). With `evict_first`
+    every newly free block goes left, in the same single batch.
 
     >>> h = [None, b"x", None, None]
     >>> place_freed((BlockId(9),), [BlockId(3), BlockId(1), BlockId(2)], h, PROFILES["vllm-v1"])
     (3, 2, 9, 1)
+    >>> place_freed((BlockId(9),), [BlockId(3), BlockId(1), BlockId(2)], h, PROFILES["vllm-v1"], evict_first=True)
+    (3, 1, 2, 9)
     """
-    left = tuple(
-        b for b in newly_free if freed_goes_left(rule.unhashed_to_left, block_hash[b] is not None, PY)
-    )
+    left = _sent_left(newly_free, block_hash, rule, evict_first)
     right = tuple(b for b in newly_free if b not in left)
     return left + free_queue + right

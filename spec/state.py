@@ -147,6 +147,7 @@ class PoolState:
     last_access: tuple[int, ...] = ()  # last_access[b]: b's last allocation, hit or free
     num_accesses: tuple[int, ...] = ()  # num_accesses[b]: its allocation and hits since it was last allocated
     registered_at: tuple[int, ...] = ()  # registered_at[b]: when its content was registered
+    is_evict_first: tuple[bool, ...] = ()  # is_evict_first[b]: b's last free asked to evict it first
 
     @staticmethod
     def initial(config: PoolConfig) -> PoolState:
@@ -161,6 +162,7 @@ class PoolState:
             last_access=(0,) * n,
             num_accesses=(0,) * n,
             registered_at=(0,) * n,
+            is_evict_first=(False,) * n,
         )
 
     @property

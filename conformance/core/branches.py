@@ -23,6 +23,7 @@ from kvspec.spec.manager import Request
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, Snapshot
 
 __all__ = [
+    "EVICT_FIRST_OUTCOME",
     "freed_blocks",
     "hit_reached_get_computed_blocks",
     "reached_allocate_slots",
@@ -55,6 +56,11 @@ def reached_touch(args: Sequence[Any], before: Snapshot, after: Snapshot, result
     return ["touch: hit a free block" if b in free else "touch: hit a held block" for b in args[0]]
 
 
+# A free with evict_first (vLLM 0.34.0 on) that released a block holding a hash: it goes before every other
+# cached block, which only such a call does to a cached block.
+EVICT_FIRST_OUTCOME = "cached block freed to be evicted first"
+
+
 def reached_free_blocks(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:
     """Where each newly free block joined the queue, and whether a freed block is still held.
 
@@ -75,6 +81,9 @@ def reached_free_blocks(args: Sequence[Any], before: Snapshot, after: Snapshot, 
                 ev.append("free_blocks: between free blocks")
     if any(after.ref_cnt[b] > 0 for b in args[0]):
         ev.append("free_blocks: still held by another")
+    evict_first = len(args) > 1 and args[1] is True
+    if evict_first and any(after.ref_cnt[b] == 0 and before.block_hash[b] is not None for b in args[0]):
+        ev.append(f"free_blocks: {EVICT_FIRST_OUTCOME}")
     return ev
 
 

@@ -400,8 +400,8 @@ class LockStep:
         return param in self._params_taken
 
     def _takes(self, op: str, param: str, feature: str) -> bool:
-        """Whether the request-level adapter's method takes a parameter; if not, the summary says so."""
-        if self.level != "manager" or self.adapter is None:
+        """Whether the adapter's method (of either level) takes a parameter; if not, the summary says so."""
+        if self.adapter is None:
             return False
         method = getattr(self.adapter, op, None)
         if callable(method) and _takes(method, param):
@@ -453,7 +453,7 @@ class LockStep:
             index=len(self.records) + 1,
             op=op,
             args=all_args(operation, args),
-            without=None if without is None else tuple(without),
+            without=None if without is None else all_args(operation, without),  # as a trace reads it back
         )
         stats_before = self.spec_state.stats if isinstance(self.spec_state, ManagerState) else None
         expected = _Expected(before=self.spec_snapshot, stats_before=stats_before)

@@ -155,6 +155,7 @@ class _LockStepMachine(RuleBasedStateMachine):
 
 
 _sampled = strat.sampled
+_EVICT_FIRST = (False, True)  # a free's evict_first, where it may be sent one; shrinks to False
 _one_of = strat.one_of
 
 
@@ -322,12 +323,20 @@ class PoolMachine(_LockStepMachine):
                 self._call("cache_full_blocks", blocks[:num_full], hashes)
         return self._hold(tuple(blocks))
 
-    @rule(group=consumes(groups), order=_sampled(("tail first", "as allocated")))
-    def free_blocks(self, group: tuple[int, ...], order: str) -> None:
+    @rule(group=consumes(groups), order=_sampled(("tail first", "as allocated")), data=st.data())
+    def free_blocks(self, group: tuple[int, ...], order: str, data: st.DataObject) -> None:
         # vLLM frees a request's blocks tail first; any order is legal for the pool.
         self.live.remove(group)
         group = self._still_held(group)
-        self._call("free_blocks", list(reversed(group)) if order == "tail first" else list(group))
+        evict_first = self._releases_cached(group) and data.draw(_sampled(_EVICT_FIRST), label="evict_first")
+        self._call("free_blocks", list(reversed(group)) if order == "tail first" else list(group), evict_first)
+
+    def _releases_cached(self, group: tuple[int, ...]) -> bool:
+        """Whether a free of `group` may be sent evict_first: the adapter's free_blocks takes it (vLLM 0.34.0
+        on), and the free releases a cached block, the blocks it is meant for (their content is in another tier)."""
+        s = self._state
+        releases = any(s.ref_cnt[b] == 1 and s.block_hash[b] is not None for b in group)
+        return releases and self._lock.takes("evict_first")
 
     def _still_held(self, group: tuple[int, ...]) -> tuple[int, ...]:
         """The blocks of `group` the spec still counts as held: an adapter that ignores a bad

@@ -381,27 +381,33 @@ _TABLE: tuple[Operation, ...] = (
     Operation(
         name="free_blocks",
         levels=("pool",),
-        params=("block_ids",),
+        params=("block_ids", "evict_first"),
         spec=spec_ops.free_blocks,
         normalize=None,
         branches=_branches(
-            "free_blocks", "to the left end", "to the right end", "between free blocks", "still held by another"
+            "free_blocks", "to the left end", "to the right end", "between free blocks", "still held by another",
+            br.EVICT_FIRST_OUTCOME,
         ),
         errors=("DoubleFree", "InvalidBlock", "InvalidRequest"),
         reached=br.reached_free_blocks,
-        caching_only=frozenset({"free_blocks: still held by another"}),  # only a touch shares a block
+        # only a touch shares a block; only a registration gives one a hash
+        caching_only=frozenset({"free_blocks: still held by another", f"free_blocks: {br.EVICT_FIRST_OUTCOME}"}),
         profile_only=_FREE_ENDS,
+        # vLLM 0.34.0 on: blocks whose content another tier holds go before every other cached block
+        features=(Feature("evict_first", False, "evict first", (f"free_blocks: {br.EVICT_FIRST_OUTCOME}",)),),
         cases=Cases(
             pool_state,
-            {"caching": True, "block_ids": (2,)},
+            {"caching": True, "block_ids": (2,), "evict_first": False},
             {"bad id": append_to(block_ids=(BAD_ID,)), "named twice": append_to(block_ids=(2,)),
              "double free": append_to(block_ids=(5,))},
         ),
         wording=Wording(
             lambda c: (
                 f"Release {c.blocks('block_ids')} in this order (a request's blocks come tail first); "
-                "a block whose ref_cnt reaches 0 returns to the free queue."
-            )
+                "a block whose ref_cnt reaches 0 returns to the free queue"
+                + (", to be evicted before every other cached block." if c["evict_first"] else ".")
+            ),
+            quiet_tail=(False,),
         ),
     ),
     Operation(

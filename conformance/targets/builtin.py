@@ -71,8 +71,8 @@ class SpecPoolAdapter(_SpecState):
     def cache_full_blocks(self, block_ids: Sequence[BlockId], block_hashes: Sequence[BlockHash]) -> None:
         self._apply(spec_ops.cache_full_blocks, block_ids, block_hashes)
 
-    def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
-        self._apply(spec_ops.free_blocks, block_ids)
+    def free_blocks(self, block_ids: Sequence[BlockId], evict_first: bool = False) -> None:
+        self._apply(spec_ops.free_blocks, block_ids, evict_first)
 
     def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
         self._apply(spec_ops.evict_blocks, block_ids)

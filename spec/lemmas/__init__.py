@@ -42,6 +42,13 @@ report says "bounded (n <= N)", never "proved".
    q never decreases as c grows, so a freed block is never read again; a hit
    of n <= (L - 1) // B blocks whose last cdiv(W - 1, B) are real holds
    every token its first computed token reads.
+10. lemma_evict_first_free_evicted_before_cached (every profile): a block
+   freed with evict_first (vLLM 0.34.0 on) is evicted before every cached
+   block freed without it.
+
+Lemmas 1, 3 and 7 hold whatever a free's evict_first (their frees take it as
+an unknown); lemmas 2 and 4 speak of a free without it, which sends a cached
+block behind the free ones, and lemma 8 of two blocks freed alike.
 
 Lemmas 2 and 3 speak of the queue's ends and positions, which a keyed
 policy (seed 002) does not have: they apply to the queue profiles only, and
@@ -57,6 +64,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvspec.spec.lemmas import (
+    evict_first,
     fewer_accesses_first,
     hashed_free_lru,
     hit_cap,
@@ -250,6 +258,19 @@ LEMMAS: tuple[Lemma, ...] = (
         twin_obligations=lambda rule: sliding_window.twin_obligations(),
         cites=(hit_cap.NAME,),
         twin_profile_sensitive=False,
+    ),
+    Lemma(
+        number=10,
+        name=evict_first.NAME,
+        claim="a block freed with evict_first (vLLM 0.34.0 on) is evicted before every cached block freed "
+        "without it",
+        holds_for=_every_profile,
+        holds_for_text="every profile",
+        profile_sensitive=True,
+        obligations=evict_first.obligations,
+        twin="the same for a free that ignores evict_first",
+        twin_obligations=evict_first.twin_obligations,
+        cites=(hashed_free_lru.NAME,),
     ),
 )
 

@@ -9,7 +9,9 @@ Every other keyed policy breaks it: `lru-timestamp` and `block-age` never read
 the count, and `lru-lfu:W` lets enough recency outweigh any count. The false
 twin says "at most as many accesses", which equal counts refute: `lfu` then
 orders by last access. Queue policies keep no counts, so the lemma is about
-keyed policies only.
+keyed policies only. It compares blocks of one tier: a block freed with
+`evict_first` goes before every cached block freed without it, whatever the
+counts (lemma 10).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def _fewer_first(rule: ProfileRule, strictly: bool) -> Obligation:
                 a != b,
                 s.has_hash[a],
                 s.has_hash[b],
+                st.is_evict_first[a] == st.is_evict_first[b],  # one tier (lemma 10 orders the tiers)
                 fewer,
             ],
             claim=stamps.before(rule, s, st, a, b),

@@ -151,7 +151,7 @@ def _off_by_one_right_key(hi: Index, index: Index) -> Index:
 
 
 def _key_terms(rule: ProfileRule, st: stamps.Stamps, b: Index) -> tuple[object, ...]:
-    return eviction_key(rule, b, st.last_access[b], st.num_accesses[b], st.registered_at[b])
+    return eviction_key(rule, b, st.last_access[b], st.num_accesses[b], st.registered_at[b], st.is_evict_first[b], Z3)
 
 
 def _selection_is_the_keyed_order(rule: ProfileRule, first_fit_descending: bool = False) -> Obligation:

@@ -65,6 +65,7 @@ __all__ = [
     "hash_labeller",
     "in_batch",
     "in_queue",
+    "model_bool",
     "model_int",
     "new_pool",
     "num_held",
@@ -421,25 +422,29 @@ class _Release:
     s: PoolVars  # the state before the call
     batch: Batch  # the blocks freed, in order
     unhashed_to_left: bool  # the profile's rule for blocks freed without a hash
+    evict_first: z3.BoolRef  # the call's evict_first: every block it frees goes left
     left: Filtered  # the newly free blocks that go left, in batch order
     right: Filtered  # the newly free blocks that go right, in batch order
 
     @staticmethod
-    def split(u: Universe, s: PoolVars, batch: Batch, unhashed_to_left: bool) -> _Release:
+    def split(u: Universe, s: PoolVars, batch: Batch, unhashed_to_left: bool, evict_first: z3.BoolRef) -> _Release:
         """The two sides of a free of `batch` from `s`, left first (the filters' names are drawn in that order)."""
 
         def joins(i: Index, end_is_left: bool) -> z3.BoolRef:
             b = batch.ids[i]
-            goes_left = _goes_left(s, unhashed_to_left, b)
+            goes_left = _goes_left(s, unhashed_to_left, evict_first, b)
             return z3.And(_newly_free(s, batch, b), goes_left if end_is_left else z3.Not(goes_left))
 
         left = filter_list(u, batch.ids, batch.length, lambda i: joins(i, True), "free.left")
         right = filter_list(u, batch.ids, batch.length, lambda i: joins(i, False), "free.right")
-        return _Release(s=s, batch=batch, unhashed_to_left=unhashed_to_left, left=left, right=right)
+        return _Release(
+            s=s, batch=batch, unhashed_to_left=unhashed_to_left, evict_first=evict_first, left=left, right=right
+        )
 
     def joins(self, b: Index) -> tuple[z3.BoolRef, z3.BoolRef]:
         """Whether block b is newly free and joins the left end; whether it is newly free and joins the right."""
-        newly_free, goes_left = _newly_free(self.s, self.batch, b), _goes_left(self.s, self.unhashed_to_left, b)
+        newly_free = _newly_free(self.s, self.batch, b)
+        goes_left = _goes_left(self.s, self.unhashed_to_left, self.evict_first, b)
         return z3.And(newly_free, goes_left), z3.And(newly_free, z3.Not(goes_left))
 
     def queue(self, i: z3.ArithRef) -> z3.ExprRef:
@@ -483,9 +488,9 @@ def _newly_free(s: PoolVars, batch: Batch, b: Index) -> z3.BoolRef:
     return z3.And(in_batch(batch, b), s.ref_cnt[b] == 1)
 
 
-def _goes_left(s: PoolVars, unhashed_to_left: bool, b: Index) -> z3.BoolRef:
+def _goes_left(s: PoolVars, unhashed_to_left: bool, evict_first: z3.BoolRef, b: Index) -> z3.BoolRef:
     """Block b, freed, joins the left end of the queue (spec.ordering.freed_goes_left)."""
-    return freed_goes_left(z3.BoolVal(unhashed_to_left), s.has_hash[b], Z3)
+    return freed_goes_left(z3.BoolVal(unhashed_to_left), s.has_hash[b], evict_first, Z3)
 
 
 def free_blocks(
@@ -494,21 +499,25 @@ def free_blocks(
     batch: Batch,
     unhashed_to_left: bool,
     *,
+    evict_first: z3.BoolRef | bool = False,
     check_ref_cnt: bool = True,
     left_key: LeftKey = left_batch_key,
     right_key: RightKey = right_batch_key,
 ) -> Step:
     """spec.ops.free_blocks: drop a reference from each block; those reaching 0 join the queue.
 
-    Blocks that go left (spec.ordering.freed_goes_left) keep their batch order
-    before every free block; the others keep theirs after every free block.
+    Blocks that go left (spec.ordering.freed_goes_left: without a hash under
+    `vllm-v1`, every one with `evict_first`) keep their batch order before
+    every free block; the others keep theirs after every free block.
+    `evict_first` may be a z3 boolean, so that one proof covers both calls.
     `check_ref_cnt=False`, `left_key` and `right_key` exist for the false twins
     only: a free that skips the double-free check, batches keyed the wrong way.
     """
     guard = _valid_block_ids(u, s, batch)
     if check_ref_cnt:
         guard = z3.And(guard, u.forall(0, batch.length, lambda t: s.ref_cnt[batch.ids[t]] > 0))
-    freed = _Release.split(u, s, batch, unhashed_to_left)
+    first = z3.BoolVal(evict_first) if isinstance(evict_first, bool) else evict_first
+    freed = _Release.split(u, s, batch, unhashed_to_left, first)
     left, right = freed.left, freed.right
     post = replace(
         s,
@@ -680,6 +689,11 @@ def encode_hashes(hashes: Sequence[BlockHash], names: HashNames) -> z3.ArrayRef:
 _SHOW_AT_MOST = 16  # blocks or positions printed before a counterexample is cut short
 
 
+def model_bool(model: z3.ModelRef, value: z3.BoolRef) -> bool:
+    """A boolean's value in a counterexample (an unconstrained one reads False)."""
+    return bool(z3.is_true(model.eval(value, model_completion=True)))
+
+
 def model_int(model: z3.ModelRef, term: object) -> int:
     """The value of an integer term under a model."""
     value = model.eval(term, model_completion=True)
@@ -772,8 +786,15 @@ def any_call(u: Universe, s: PoolVars, op: str, unhashed_to_left: bool, name: st
     batch = fresh_batch(u, f"{name}.block_ids")
     if op == "touch":
         step = touch(u, s, batch)
-    elif op == "free_blocks":
-        step = free_blocks(u, s, batch, unhashed_to_left)
+    elif op == "free_blocks":  # with evict_first or without: one proof covers both
+        evict_first = z3.Bool(f"{name}.evict_first")
+        step = free_blocks(u, s, batch, unhashed_to_left, evict_first=evict_first)
+
+        def describe_free(m: z3.ModelRef, h: Callable[[int], str]) -> str:
+            first = model_bool(m, evict_first)
+            return f"free_blocks(block_ids={render_batch(m, batch)}{', evict_first=True' if first else ''})"
+
+        return Call(op, step, describe_free)
     elif op == "evict_blocks":
         step = evict_blocks(u, s, batch)
     elif op == "cache_full_blocks":

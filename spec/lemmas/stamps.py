@@ -43,12 +43,14 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Stamps:
-    """A keyed policy's stamps (spec.state.PoolState's clock, last_access, num_accesses, registered_at)."""
+    """A keyed policy's stamps (spec.state.PoolState's clock, last_access, num_accesses, registered_at,
+    is_evict_first)."""
 
     clock: z3.ArithRef  # the next stamp
     last_access: z3.ArrayRef  # block -> its last allocation, hit or free
     num_accesses: z3.ArrayRef  # block -> its allocation and hits since it was allocated
     registered_at: z3.ArrayRef  # block -> when its content was registered
+    is_evict_first: z3.ArrayRef  # block -> whether its last free asked to evict it first (a Bool)
 
 
 def fresh_stamps(name: str) -> Stamps:
@@ -58,6 +60,7 @@ def fresh_stamps(name: str) -> Stamps:
         z3.Array(f"{name}.last", z3.IntSort(), z3.IntSort()),
         z3.Array(f"{name}.acc", z3.IntSort(), z3.IntSort()),
         z3.Array(f"{name}.reg", z3.IntSort(), z3.IntSort()),
+        z3.Array(f"{name}.first", z3.IntSort(), z3.BoolSort()),
     )
 
 
@@ -95,11 +98,13 @@ def _stamped(stamps: z3.ArrayRef, batch: pm.Batch, clock: z3.ArithRef, name: str
     return z3.Lambda([b], z3.If(pm.in_batch(batch, b), clock + batch.pos[b], stamps[b]))
 
 
-def after_free(st: Stamps, batch: pm.Batch) -> Stamps:
-    """spec.ops.free_blocks under a keyed policy: every block named is stamped, in order."""
+def after_free(st: Stamps, batch: pm.Batch, evict_first: z3.BoolRef | bool = False) -> Stamps:
+    """spec.ops.free_blocks under a keyed policy: every block named is stamped, in order, and tiered."""
+    b = z3.Int("free.first.b")
+    tier = z3.Lambda([b], z3.If(pm.in_batch(batch, b), evict_first, st.is_evict_first[b]))
     return Stamps(
         st.clock + batch.length, _stamped(st.last_access, batch, st.clock, "free.last"), st.num_accesses,
-        st.registered_at,
+        st.registered_at, tier,
     )  # fmt: skip
 
 
@@ -108,7 +113,11 @@ def after_touch(st: Stamps, batch: pm.Batch) -> Stamps:
     b = z3.Int("touch.acc.b")
     accesses = z3.Lambda([b], st.num_accesses[b] + z3.If(pm.in_batch(batch, b), 1, 0))
     return Stamps(
-        st.clock + batch.length, _stamped(st.last_access, batch, st.clock, "touch.last"), accesses, st.registered_at
+        st.clock + batch.length,
+        _stamped(st.last_access, batch, st.clock, "touch.last"),
+        accesses,
+        st.registered_at,
+        st.is_evict_first,
     )
 
 
@@ -116,7 +125,8 @@ def before(rule: ProfileRule, s: pm.PoolVars, st: Stamps, a: Index, b: Index) ->
     """Free block a goes before free block b in the keyed order (spec.ordering.keyed_rank, on z3 terms)."""
 
     def rank(x: Index) -> tuple[object, ...]:
-        return keyed_rank(rule, x, s.has_hash[x], st.last_access[x], st.num_accesses[x], st.registered_at[x], Z3)
+        stamp = st.last_access[x], st.num_accesses[x], st.registered_at[x], st.is_evict_first[x]
+        return keyed_rank(rule, x, s.has_hash[x], *stamp, Z3)
 
     return Z3.lex_lt(rank(a), rank(b))
 
@@ -126,6 +136,7 @@ def render_stamps(model: z3.ModelRef, st: Stamps, blocks: dict[str, Index], labe
     parts = [
         f"{name} (block {pm.model_int(model, b)}): last access {pm.model_int(model, st.last_access[b])}, "
         f"{pm.model_int(model, st.num_accesses[b])} accesses, registered {pm.model_int(model, st.registered_at[b])}"
+        f"{', freed to be evicted first' if z3.is_true(model.eval(st.is_evict_first[b], True)) else ''}"
         for name, b in blocks.items()
     ]
     return f"  stamps {label}: clock {pm.model_int(model, st.clock)}; " + "; ".join(parts)

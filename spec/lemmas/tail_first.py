@@ -8,7 +8,10 @@ a hash go right in that order, so the deepest one sits furthest left among
 them. The obligation is the placement by `free_blocks` of a reversed block
 table; eviction in that order follows from lemma 2's stability and in-order
 obligations. Blocks another request still holds are not freed and not
-constrained. The false twin frees the block table head-first.
+constrained. The false twin frees the block table head-first. The free's
+`evict_first` is left unknown: with it the hashed blocks go left instead,
+still in the order freed (vLLM's `prepend_n` keeps a batch's order), or, under
+a keyed policy, into one tier together.
 
 Under a keyed policy (seed 002) the free stamps every block it names in the
 order named, so the deeper block's last access is the older one. That is the
@@ -40,7 +43,8 @@ def _deeper_first(rule: ProfileRule, tail_first: bool) -> Obligation:
     def build(u: Universe) -> Formula:
         s = pm.fresh_state(u, "before")
         freed = pm.fresh_batch(u, "freed")
-        step = pm.free_blocks(u, s, freed, rule.unhashed_to_left)
+        evict_first = z3.Bool("evict_first")  # either: the freed blocks share an end, kept in batch order
+        step = pm.free_blocks(u, s, freed, rule.unhashed_to_left, evict_first=evict_first)
         after = step.post
         m = freed.length
         # The request's block table: the batch reversed (spec.manager.free), or the batch
@@ -79,7 +83,8 @@ def _deeper_first(rule: ProfileRule, tail_first: bool) -> Obligation:
                 [
                     pm.render_state(mdl, s, "before", label),
                     f"  the request's block table {table(mdl)}, freed {order}: "
-                    f"free_blocks(block_ids={pm.render_batch(mdl, freed)}) [profile {rule.name}]",
+                    f"free_blocks(block_ids={pm.render_batch(mdl, freed)}, "
+                    f"evict_first={pm.model_bool(mdl, evict_first)}) [profile {rule.name}]",
                     pm.render_state(mdl, after, "after", label),
                     f"  block {pm.model_int(mdl, deeper)} (table index {pm.model_int(mdl, deeper_index)}) is "
                     f"behind its ancestor {pm.model_int(mdl, ancestor)} (index {pm.model_int(mdl, ancestor_index)})",
@@ -95,8 +100,9 @@ def _deeper_first_keyed(rule: ProfileRule, tail_first: bool) -> Obligation:
     def build(u: Universe) -> Formula:
         s, st = pm.fresh_state(u, "before"), stamps.fresh_stamps("before")
         freed = pm.fresh_batch(u, "freed")
+        evict_first = z3.Bool("evict_first")  # either: both blocks land in one tier, ordered by their stamps
         step = pm.free_blocks(u, s, freed, rule.unhashed_to_left)
-        after, st_after = step.post, stamps.after_free(st, freed)
+        after, st_after = step.post, stamps.after_free(st, freed, evict_first)
         p, q = z3.Ints("first_freed second_freed")
         first, second = freed.ids[p], freed.ids[q]
         deeper, ancestor = (first, second) if tail_first else (second, first)
@@ -119,8 +125,8 @@ def _deeper_first_keyed(rule: ProfileRule, tail_first: bool) -> Obligation:
                 [
                     pm.render_state(mdl, s, "before", pm.hash_labeller()),
                     stamps.render_stamps(mdl, st, {"deeper": deeper, "ancestor": ancestor}, "before"),
-                    f"  the request's blocks freed {order}: free_blocks(block_ids={pm.render_batch(mdl, freed)}) "
-                    f"[profile {rule.name}]",
+                    f"  the request's blocks freed {order}: free_blocks(block_ids={pm.render_batch(mdl, freed)}, "
+                    f"evict_first={pm.model_bool(mdl, evict_first)}) [profile {rule.name}]",
                     stamps.render_stamps(mdl, st_after, {"deeper": deeper, "ancestor": ancestor}, "after"),
                     f"  the deeper block {pm.model_int(mdl, deeper)} is evicted after its ancestor "
                     f"{pm.model_int(mdl, ancestor)}",
@@ -145,6 +151,7 @@ def _free_keeps_free_stamps(rule: ProfileRule) -> Obligation:
                 after.last_access[b] == st.last_access[b],
                 after.num_accesses[b] == st.num_accesses[b],
                 after.registered_at[b] == st.registered_at[b],
+                after.is_evict_first[b] == st.is_evict_first[b],
             ),
             render=lambda mdl: pm.render_state(mdl, s, "before", pm.hash_labeller()),
         )

@@ -9,7 +9,8 @@ stability and in-order obligations (no operation reorders free blocks, and
 
 It holds exactly for the profiles whose rule sends unhashed blocks left.
 Under `vllm-v1-tail` (every freed block to the right end) it is false, and
-that profile is this lemma's false twin.
+that profile is this lemma's false twin. The free's `evict_first` is left
+unknown: with it every freed block goes left, so the claim holds either way.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def obligations(rule: ProfileRule) -> list[Obligation]:
     def build(u: Universe) -> Formula:
         s = pm.fresh_state(u, "before")
         batch = pm.fresh_batch(u, "freed")
-        step = pm.free_blocks(u, s, batch, rule.unhashed_to_left)
+        evict_first = z3.Bool("evict_first")  # either: a hashless block goes left with or without it
+        step = pm.free_blocks(u, s, batch, rule.unhashed_to_left, evict_first=evict_first)
         after = step.post
         b, y = z3.Ints("b y")
         label = pm.hash_labeller()
@@ -56,7 +58,8 @@ def obligations(rule: ProfileRule) -> list[Obligation]:
             render=lambda m: "\n".join(
                 [
                     pm.render_state(m, s, "before", label),
-                    f"  free_blocks(block_ids={pm.render_batch(m, batch)}) [profile {rule.name}]",
+                    f"  free_blocks(block_ids={pm.render_batch(m, batch)}, evict_first={pm.model_bool(m, evict_first)})"
+                    f" [profile {rule.name}]",
                     pm.render_state(m, after, "after", label),
                     f"  block {pm.model_int(m, b)} was freed without a hash, but block "
                     f"{pm.model_int(m, y)}, free before the call, is in front of it",

@@ -6,6 +6,10 @@ taken away: it refuses a salted request, as a vLLM release before 0.9.0 must
 request and lists the feature as not applicable; undeclared, the same
 implementation is caught at the first salted request, so the declaration is
 what makes the difference.
+
+The same holds for a trailing parameter at the pool level: a pool whose
+free_blocks predates vLLM 0.34.0's evict_first is never sent it and is told
+so, and one that takes it is sent it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.branches import EVICT_FIRST_OUTCOME
 from kvspec.conformance.runner.run import run_check
-from kvspec.conformance.targets.builtin import ReferenceManagerAdapter
+from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockId
@@ -111,3 +116,26 @@ def test_declared_missing_multimodal_inputs_send_no_image_and_no_misplaced_image
     assert "multimodal inputs: not applicable, this manager serves text only" in r.not_exercised
     assert not any("misplaced images" in m for m in r.mistakes_checked), r.mistakes_checked
     assert r.coverage.get("allocate_slots: admitted with a prefix hit"), r.coverage
+
+
+class PoolBeforeEvictFirst(ReferencePoolAdapter):
+    """The reference pool with the free_blocks of a vLLM before 0.34.0: no evict_first parameter."""
+
+    def free_blocks(self, ordered_block_ids: Sequence[BlockId]) -> None:
+        super().free_blocks(ordered_block_ids)
+
+
+def test_a_pool_whose_free_blocks_takes_no_evict_first_is_told_so_and_still_covered(tmp_path: Path) -> None:
+    r = run_check(PoolBeforeEvictFirst, level="pool", max_examples=N, trace_dir=tmp_path, impl="old-pool")
+    assert r.verdict == "conforms", r.failure.story if r.failure else r.message
+    assert "evict first: not applicable, the adapter's free_blocks takes no evict_first" in r.not_exercised
+    assert f"free_blocks: {EVICT_FIRST_OUTCOME}" not in r.unreached  # only a call with it reaches it
+    assert not r.coverage.get(f"free_blocks: {EVICT_FIRST_OUTCOME}")
+
+
+def test_a_pool_whose_free_blocks_takes_evict_first_is_sent_it(tmp_path: Path) -> None:
+    # Sent it, and compared: the reference conforms only if every such free reaches it.
+    r = run_check(ReferencePoolAdapter, level="pool", max_examples=100, trace_dir=tmp_path, impl="new-pool")
+    assert r.verdict == "conforms", r.failure.story if r.failure else r.message
+    assert not any(n.startswith("evict first") for n in r.not_exercised), r.not_exercised
+    assert r.coverage.get(f"free_blocks: {EVICT_FIRST_OUTCOME}"), r.coverage

@@ -222,6 +222,7 @@ def test_every_spec_operation_returns_one_shape():
     state = spec_ops.new_pool(4)
     for op in level_operations("pool"):
         args = {"num_blocks": 1, "block_ids": [], "block_hashes": [], "block_hash": H1, "block_id": 1}
+        args["evict_first"] = False
         step = op.spec(state, *(args[p] for p in op.params))
         assert isinstance(step, Step), op.name
         # Nothing cached, nothing registered: only a reset publishes (vLLM's AllBlocksCleared, even when empty).
@@ -286,6 +287,7 @@ _SAMPLE_ARGS = {
     "block_hash": {"bytes": "01"}, "block_id": 3, "request": {"request": {"request_id": "r1"}},
     "max_cache_hit_length": None, "num_new_tokens": 4, "num_new_computed_tokens": 2, "new_computed_blocks": [1],
     "num_external_computed_tokens": 0, "delay_cache_blocks": False, "num_computed_tokens": 8, "request_id": "r1",
+    "evict_first": True,
 }  # fmt: skip
 
 
@@ -302,6 +304,7 @@ def test_every_operation_of_the_table_says_what_a_call_asks_in_its_own_words():
         "table."
     )
     assert said["cache_full_blocks"] == "Register full blocks 3, 1 in the hash table under h1, h2."
+    assert said["free_blocks"].endswith("returns to the free queue, to be evicted before every other cached block.")
     assert said["allocate_slots"] == (
         "Allocate slots for 4 new tokens of request r1, after a hit of 2 tokens on block 1."
     )
@@ -313,3 +316,5 @@ def test_a_printed_call_leaves_out_a_quiet_tail_only_when_all_of_it_is_quiet():
     assert wording.shown_args(["r", 1, 0, [], 0, True]) == 6
     assert wording.shown_args(["r", 1, 2, [1], 0, False]) == 6
     assert OPERATIONS["touch"].wording.shown_args([[1]]) == 1
+    assert OPERATIONS["free_blocks"].wording.shown_args([[1], False]) == 1  # a free without evict_first
+    assert OPERATIONS["free_blocks"].wording.shown_args([[1], True]) == 2

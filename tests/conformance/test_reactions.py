@@ -226,7 +226,8 @@ def test_a_trace_keeps_each_mistake_and_its_good_part_and_replays_them():
         lock.call(op, *args, **kw)
         lock.check()
     trace = parse_trace(dumps_trace(lock.trace("under-test")).splitlines())
-    assert trace.steps[-1].mistake == "free_blocks: double free" and trace.steps[-1].without == ([2],)
+    # every argument, the trailing evict_first at its default, as the call's own
+    assert trace.steps[-1].mistake == "free_blocks: double free" and trace.steps[-1].without == ([2], False)
     again = replay_example(trace, factory, "under-test", None, None, None)
     assert again.verdict == "conforms" and again.steps == 3
 

@@ -173,7 +173,7 @@ def test_bad_arguments_could_not_run(tmp_path):
 
 
 def test_unreached_branches_get_more_rounds_on_the_next_seeds(tmp_path):
-    # Five examples cannot reach the pool's 36 branches: every extra round runs, each a seed further.
+    # Five examples cannot reach the pool's 37 branches: every extra round runs, each a seed further.
     one = run_check(make_reference, level="pool", max_examples=5, trace_dir=tmp_path)
     more = run_check(make_reference, level="pool", max_examples=5, cover_rounds=2, trace_dir=tmp_path)
     assert one.extra_rounds == 0 and one.unreached

@@ -106,7 +106,14 @@ class PoolLockstep(RuleBasedStateMachine):
     @rule(data=st.data())
     def free_blocks(self, data: st.DataObject) -> None:
         blocks = data.draw(st.lists(st.sampled_from(self._held()), unique=True, min_size=1))
-        same_call(self.ref, self.gpu, "free_blocks", blocks)
+        # evict_first (vLLM 0.34.0 on): every freed block before every other cached block
+        same_call(self.ref, self.gpu, "free_blocks", blocks, data.draw(st.booleans(), label="evict_first"))
+
+    @precondition(lambda self: self._held())
+    @rule(data=st.data(), evict_first=st.sampled_from([0, 1, None, "yes"]))
+    def bad_evict_first(self, data: st.DataObject, evict_first: object) -> None:
+        blocks = data.draw(st.lists(st.sampled_from(self._held()), unique=True, min_size=1))
+        same_call(self.ref, self.gpu, "free_blocks", blocks, evict_first)  # InvalidRequest on both, nothing freed
 
     @precondition(lambda self: self._held())
     @rule(data=st.data())

@@ -194,6 +194,16 @@ def unhashed_freed_to_right(factory: Factory) -> None:
     s.do("get_new_blocks", 1, expect=_ids(2))
 
 
+def free_ignores_evict_first(factory: Factory) -> None:
+    s = Steps(factory)
+    s.do("get_new_blocks", 3, expect=_ids(1, 2, 3))
+    s.do("cache_full_blocks", _ids(1, 2), [H1, H2])  # block 3 is the partial tail
+    s.do("free_blocks", _ids(3, 2, 1), True)  # evict_first: another tier holds the content
+    # Every freed block goes left in the order given, the cached ones with the tail: they go first.
+    s.state(free_queue=[3, 2, 1, 4, 5])
+    s.do("get_new_blocks", 2, expect=_ids(3, 2))  # block 2's hash is evicted before any other
+
+
 def left_batch_reversed(factory: Factory) -> None:
     s = Steps(factory, enable_caching=False)
     s.do("get_new_blocks", 3, expect=_ids(1, 2, 3))
@@ -652,6 +662,7 @@ SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
     "allocate_from_right": (allocate_from_right, r"step 1 get_new_blocks\(2,\) returned \[5, 4\]"),
     "hashed_freed_to_left": (hashed_freed_to_left, r"state after step 3: free_queue=\[2, 1, 4, 5, 3\]"),
     "unhashed_freed_to_right": (unhashed_freed_to_right, r"state after step 2: free_queue=\[3, 4, 5, 2, 1\]"),
+    "free_ignores_evict_first": (free_ignores_evict_first, r"state after step 3: free_queue=\[3, 4, 5, 2, 1\]"),
     "left_batch_reversed": (left_batch_reversed, r"state after step 2: free_queue=\[1, 2, 3, 4, 5\]"),
     "free_head_first": (free_head_first, r"state after step 3: free_queue=\[3, 4, 5, 1, 2\]"),
     "eviction_keeps_hash_entry": (eviction_keeps_hash_entry, r"after step 5 get_new_blocks.*inv_hash_table_consistent"),

@@ -117,6 +117,8 @@ POOL_CASES = [
          r"free_blocks: block_id=7 is not a block of this pool \(ids 0\.\.6\)", a_holds_1_2_3),
     Case("free_blocks block True", lambda p: p.free_blocks([True]), InvalidBlock,
          r"free_blocks: block_id=True is not a block of this pool \(ids 0\.\.6\)", a_holds_1_2_3),
+    Case("free_blocks with evict_first=1", lambda p: p.free_blocks(ids(3), 1), InvalidRequest,
+         r"free_blocks: evict_first=1 is not a bool", a_holds_1_2_3),
     # touching the null block, an unknown block, an unhashed block
     Case("touch the null block", lambda p: p.touch(ids(0)), InvalidBlock,
          r"touch: block_id=0 is the null block, whose ref_cnt is never maintained", a_holds_1_2_3),

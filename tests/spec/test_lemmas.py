@@ -91,12 +91,15 @@ def test_twin_counterexamples_show_the_broken_claim(report):
     assert "window=" in (window_twin.verdict.counterexample or "")
     double_free = _results(report, 7, "twin")
     assert all("no ref_cnt check" in (r.verdict.counterexample or "") for r in double_free)
+    ignored = _results(report, 10, "twin")  # one per profile: the free that ignores evict_first
+    assert {r.profile for r in ignored} == set(report.profiles)
+    assert all("ignores evict_first" in (r.verdict.counterexample or "") for r in ignored)
 
 
 def test_registry_lists_design_lemmas_one_module_each():
     import kvspec.spec.lemmas as package
 
-    assert [lem.number for lem in LEMMAS] == list(range(1, 10))
+    assert [lem.number for lem in LEMMAS] == list(range(1, 11))
     assert len({lem.name for lem in LEMMAS}) == len(LEMMAS)
     for lem in LEMMAS:
         assert lem.name.startswith("lemma_")

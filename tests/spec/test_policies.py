@@ -78,6 +78,35 @@ def test_each_policy_orders_the_free_blocks_as_documented(profile, expected):
     assert _run(profile, _REQUESTS) == expected
 
 
+# Request one's three blocks cached and freed; then request two's two, freed with evict_first (vLLM 0.34.0 on).
+_EVICT_FIRST = [
+    *_REQUESTS[:3],
+    ("get_new_blocks", (2,)),
+    ("cache_full_blocks", (_ids(4, 5), H[3:5])),
+    ("free_blocks", (_ids(5, 4), True)),
+]
+
+
+@pytest.mark.parametrize(
+    ("profile", "expected"),
+    [
+        # vLLM v1: to the left end, in the order given, ahead of the blocks free before
+        ("vllm-v1", (5, 4, 6, 7, 3, 2, 1)),
+        ("vllm-v1-tail", (5, 4, 6, 7, 3, 2, 1)),
+        # keyed: after first fit (6, 7), before every cached block freed without it, by the policy's own key
+        ("lru-timestamp", (6, 7, 5, 4, 3, 2, 1)),
+        ("block-age", (6, 7, 4, 5, 1, 2, 3)),
+        ("lfu", (6, 7, 5, 4, 3, 2, 1)),
+    ],
+)
+def test_blocks_freed_with_evict_first_go_before_every_other_cached_block(profile, expected):
+    assert _run(profile, _EVICT_FIRST) == expected
+    reference = BlockPool(8, True, profile)
+    for op, args in _EVICT_FIRST:
+        getattr(reference, op)(*args)
+    assert tuple(b.block_id for b in reference.free_block_queue) == expected
+
+
 def test_lfu_keeps_a_frequently_hit_block_that_lru_evicts():
     calls = [
         ("get_new_blocks", (2,)),

@@ -17,6 +17,7 @@ Samples come from a seeded generator, so a failure reproduces.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -93,10 +94,9 @@ def test_z3_lex_lt_agrees_with_python_tuple_order():
 def test_ordering_predicates_agree_on_z3_and_py():
     rng = random.Random(2)
     for _ in range(2000):
-        to_left, has_hash = rng.random() < 0.5, rng.random() < 0.5
-        assert _value(freed_goes_left(z3.BoolVal(to_left), z3.BoolVal(has_hash), Z3)) == freed_goes_left(
-            to_left, has_hash, PY
-        )
+        to_left, has_hash, first = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
+        encoded = freed_goes_left(z3.BoolVal(to_left), z3.BoolVal(has_hash), z3.BoolVal(first), Z3)
+        assert _value(encoded) == freed_goes_left(to_left, has_hash, first, PY)
         lo, hi, k = rng.randint(-50, 50), rng.randint(-50, 50), rng.randint(0, 6)
         i = rng.randint(0, 6)
         assert _value(left_batch_key(z3.IntVal(lo), z3.IntVal(k), z3.IntVal(i))) == left_batch_key(lo, k, i)
@@ -164,6 +164,8 @@ def _random_call(rng: random.Random, st: PoolState) -> tuple[str, tuple[object, 
     if op == "cache_full_blocks":
         block_ids = ids()
         return op, (block_ids, [BlockHash(bytes([rng.randint(0, 3)])) for _ in block_ids])
+    if op == "free_blocks":  # now and then with evict_first (vLLM 0.34.0 on)
+        return op, (ids(), rng.random() < 0.3)
     return op, (ids(),)
 
 
@@ -314,7 +316,7 @@ def _encode_call(u: Universe, pre: pm.PoolVars, names: pm.HashNames, op: str, ar
     if op == "touch":
         return pm.touch(u, pre, batch)
     if op == "free_blocks":
-        return pm.free_blocks(u, pre, batch, rule.unhashed_to_left)
+        return pm.free_blocks(u, pre, batch, rule.unhashed_to_left, evict_first=bool(args[1]))
     if op == "evict_blocks":
         return pm.evict_blocks(u, pre, batch)
     return pm.cache_full_blocks(u, pre, batch, pm.encode_hashes(args[1], names))
@@ -414,7 +416,9 @@ class _KeyedPool:
         elif op == "free_blocks":
             newly = [b for b in args[0] if after.ref_cnt[b] == 0]
             rule = profile_rule(before.config.profile)
-            left = [b for b in newly if freed_goes_left(rule.unhashed_to_left, before.block_hash[b] is not None, PY)]
+            evict_first = bool(args[1])
+            hashed = [before.block_hash[b] is not None for b in newly]
+            left = [b for b, h in zip(newly, hashed) if freed_goes_left(rule.unhashed_to_left, h, evict_first, PY)]
             right = [b for b in newly if b not in left]
             for i, b in enumerate(left):
                 self.key[b] = left_batch_key(self.lo, len(left), i)
@@ -484,12 +488,16 @@ def test_place_freed_agrees_with_the_free_blocks_encoding_on_every_small_batch()
                 hashed = [b for i, b in enumerate(held) if hashed_mask >> i & 1]
                 if hashed:
                     st = ops.cache_full_blocks(st, hashed, [BlockHash(bytes([b])) for b in hashed]).state
-                for order in (held, held[::-1]):
-                    expected = place_freed(st.free_queue, order, st.block_hash, rule)
+                for order, evict_first in itertools.product((held, held[::-1]), (False, True)):
+                    expected = place_freed(st.free_queue, order, st.block_hash, rule, evict_first)
                     names = pm.HashNames()
                     u = Universe(bound=6)
                     step = pm.free_blocks(
-                        u, pm.encode_snapshot(st, names), pm.encode_batch(order), rule.unhashed_to_left
+                        u,
+                        pm.encode_snapshot(st, names),
+                        pm.encode_batch(order),
+                        rule.unhashed_to_left,
+                        evict_first=evict_first,
                     )
                     s = z3.Solver()
                     s.add(*u.assumptions, step.axioms)
@@ -499,7 +507,7 @@ def test_place_freed_agrees_with_the_free_blocks_encoding_on_every_small_batch()
                             *(step.post.free_queue[i] != b for i, b in enumerate(expected)),
                         )
                     )
-                    assert s.check() == z3.unsat, (profile, order, hashed)
+                    assert s.check() == z3.unsat, (profile, order, hashed, evict_first)
 
 
 # --- the keyed order on z3 terms (spec.lemmas.stamps) ---------------------------------------------
@@ -512,8 +520,15 @@ def _encoded_stamps(state: PoolState) -> stamps.Stamps:
             a = z3.Store(a, b, v)
         return a
 
+    first = z3.K(z3.IntSort(), z3.BoolVal(False))
+    for b, v in enumerate(state.is_evict_first):
+        first = z3.Store(first, b, z3.BoolVal(v))
     return stamps.Stamps(
-        z3.IntVal(state.clock), array(state.last_access), array(state.num_accesses), array(state.registered_at)
+        z3.IntVal(state.clock),
+        array(state.last_access),
+        array(state.num_accesses),
+        array(state.registered_at),
+        first,
     )
 
 
