@@ -91,7 +91,9 @@ class PreemptedCountedAsNew(ReferenceManagerAdapter):
 
     def _record_admission(self, request: Request, num_local_hits: int, num_external: int) -> None:
         preempted = False  # MUTANT: request.num_preemptions is not read
-        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits, num_external, preempted)
+        self.stats = self.stats.admitted(
+            len(request.token_ids), num_local_hits, num_external, preempted, self._lookup_enabled(request)
+        )
 
 
 class ExternalCountedAsLocal(ReferenceManagerAdapter):
@@ -100,7 +102,9 @@ class ExternalCountedAsLocal(ReferenceManagerAdapter):
     def _record_admission(self, request: Request, num_local_hits: int, num_external: int) -> None:
         preempted = request.num_preemptions > 0
         # MUTANT: the connector's tokens added to the local hits, and the connector credited nothing
-        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits + num_external, 0, preempted)
+        self.stats = self.stats.admitted(
+            len(request.token_ids), num_local_hits + num_external, 0, preempted, self._lookup_enabled(request)
+        )
 
 
 MUTANTS: list[Mutant] = [
