@@ -107,6 +107,20 @@ class ExternalCountedAsLocal(ReferenceManagerAdapter):
         )
 
 
+class SkippedLookupCounted(ReferenceManagerAdapter):
+    """A request whose lookup did not run (caching off, a hit limit of 0) is counted in the local statistics.
+
+    Its tokens count as queries the cache missed, so the hit rate of a
+    deployment that serves many such requests (prompt scoring) drops for a
+    cache that was never asked.
+    """
+
+    def _record_admission(self, request: Request, num_local_hits: int, num_external: int) -> None:
+        preempted = request.num_preemptions > 0
+        # MUTANT: counted locally whether or not its lookup ran
+        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits, num_external, preempted, True)
+
+
 MUTANTS: list[Mutant] = [
     Mutant(
         name="eviction_without_block_removed",
@@ -154,6 +168,15 @@ MUTANTS: list[Mutant] = [
         level="manager",
         factory=ExternalCountedAsLocal,
         kind="an external hit counted as local",
+        events=True,
+    ),
+    Mutant(
+        name="skipped_lookup_counted",
+        description="an admitted request whose prefix-cache lookup did not run is counted in the local hit statistics",
+        level="manager",
+        factory=SkippedLookupCounted,
+        kind="a skipped lookup counted as a query",
+        enable_caching=False,
         events=True,
     ),
 ]
