@@ -690,11 +690,13 @@ class ManagerMachine(_LockStepMachine):
             *(["bad hit cap"] if self._lock.takes("max_cache_hit_length") else []),
         )
         kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
-        cap: object = self._hit_cap(prompt, data)
         if kind == "already running":
             request = self.requests[data.draw(_sampled(sorted(self.requests)), label="running request")].request
         else:
             request = self._mistaken(kind, replace(prompt, request_id=self._new_id()), data)
+        # NOTE: drawn for the request sent, so that no cap is past its last token: vLLM 0.33 uses an explicit
+        # cap as given (0.34 bounds it by len - 1), and its chunked-local search then reads past the hashes.
+        cap: object = self._hit_cap(request, data)
         if kind == "bad hit cap":
             cap = data.draw(strat.bad_hit_caps(), label="max_cache_hit_length")
         self._call("get_computed_blocks", request, cap, mistake=kind)
