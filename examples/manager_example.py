@@ -34,6 +34,8 @@ class ExampleManager:
 
     validates_bad_input = False  # trusts its caller, as vLLM's manager does
     uses_kvspec_hash_chain = True  # hashes with kvspec's chain: hash values are compared exactly
+    # What it does not have, with why: the harness sends no such request and the summary lists it.
+    not_applicable = {"prefix cache hit limit": "its requests carry no hit limit (vLLM 0.34's); it reads every hit"}
 
     def __init__(self, config: AdapterConfig) -> None:
         self.pool = ExamplePool(config.num_gpu_blocks, config.enable_caching)

@@ -11,7 +11,8 @@ group's blocks from its own store, and a null position reads as [].
 With `config.events` both are built with KV cache events on
 (`enable_kv_cache_events`), and the harness drains them through the
 implementations' own `take_events`; the manager's `prefix_cache_stats`,
-`evict_blocks`, `reset_prefix_cache`, capped `get_computed_blocks`, and the
+`evict_blocks`, `reset_prefix_cache`, capped `get_computed_blocks`,
+`get_num_cached_tokens`, requests' hit limits, and the
 asynchronous external load (`allocate_slots`' `delay_cache_blocks`,
 `cache_blocks`) are its own methods too. It publishes every `BlockStored`
 field and keeps every counter, so nothing is declared not applicable.

@@ -51,7 +51,8 @@ that block's key leaves the hash table, so its `BlockRemoved` goes out then
 (gpu_impl.block_pool's docstring). The hit statistics are always kept, as
 running totals in plain ints (a request admitted costs a few additions;
 `prefix_cache_stats` builds the spec's value when asked): a request is
-counted at its admission, its first step that gets blocks, local hits and
+counted at its admission, its first step that gets blocks (locally only if
+its lookup ran: caching on, a hit limit other than 0), local hits and
 the external connector's tokens apart, a preempted request's re-admission
 apart from first admissions; a successful reset is counted.
 
@@ -135,6 +136,12 @@ def _check_request(request: Request, op: str) -> None:
             f"{op}: request_id={request.request_id!r} has num_preemptions={request.num_preemptions!r}; "
             "it counts the times the scheduler preempted it, a non-negative integer"
         )
+    limit = request.prefix_cache_hit_limit
+    if limit is not None and not _is_count(limit):
+        raise InvalidRequest(
+            f"{op}: request_id={request.request_id!r} has prefix_cache_hit_limit={limit!r}; "
+            "it is None or the tokens the prefix cache may serve, a non-negative integer"
+        )
     end = 0  # where the previous multimodal input ends
     for mm in request.mm_inputs:
         if not (
@@ -194,13 +201,15 @@ class _HitCounters:
         self.connector = [0] * 6  # the external connector, asked for what the local hit left; grown likewise
         self.num_resets = 0  # successful reset_prefix_cache calls
 
-    def admit(self, num_tokens: int, num_local_hits: int, num_external: int, preempted: bool) -> None:
-        """Count one admitted request: its tokens asked of the local cache, then the rest asked of the connector."""
+    def admit(self, num_tokens: int, num_local_hits: int, num_external: int, preempted: bool, looked_up: bool) -> None:
+        """Count one admitted request: its tokens asked of the local cache (only if its lookup ran: a request
+        that skipped it asked the local cache nothing), then the rest asked of the connector."""
         row = 3 if preempted else 0  # a re-admission after preemption recomputes its own blocks: counted apart
         local, connector = self.local, self.connector
-        local[row] += 1
-        local[row + 1] += num_tokens
-        local[row + 2] += num_local_hits
+        if looked_up:
+            local[row] += 1
+            local[row + 1] += num_tokens
+            local[row + 2] += num_local_hits
         connector[row] += 1
         connector[row + 1] += num_tokens - num_local_hits
         connector[row + 2] += num_external
@@ -398,7 +407,8 @@ class TensorKVCacheManager:
         """The longest cached, intact prefix of a new request every group can serve: at most len - 1 tokens.
 
         The scheduler may cap the hit further (`max_cache_hit_length`: what an
-        external connector lets the local cache serve, 0 included). Each hit
+        external connector lets the local cache serve, 0 included), and so may
+        the request (`prefix_cache_hit_limit`; 0: no lookup at all). Each hit
         block's content is checked against the checksum it was sealed with in
         its group's store; a block that fails is quarantined (its key's
         `BlockRemoved` published, with events on) and the lookup goes on
@@ -425,13 +435,41 @@ class TensorKVCacheManager:
             )
         if request.request_id in self.num_computed_tokens:
             raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
-        if not self.enable_caching:
+        if not self._reads_cache(request):
             return [], 0
         # NOTE: at most len - 1 tokens: the last prompt token must be computed to
         # produce the logits that sample the first output token.
         max_length = len(request.token_ids) - 1
-        if max_cache_hit_length is not None and max_cache_hit_length < max_length:
-            max_length = max_cache_hit_length
+        for bound in (request.prefix_cache_hit_limit, max_cache_hit_length):  # the request's, the scheduler's
+            if bound is not None and bound < max_length:
+                max_length = bound
+        return self._intact_hit(request, max_length)
+
+    def _reads_cache(self, request: Request) -> bool:
+        """Whether the request's lookup runs (caching on, a hit limit other than 0); only then is it counted
+        in the local hit statistics. Cost: O(1)."""
+        return self.enable_caching and request.prefix_cache_hit_limit != 0
+
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """How many of a request's tokens are cached: the intact hit within len - 1 tokens, nothing taken.
+
+        vLLM 0.34's probe: bounded by len - 1 alone (a hit limit of 0 aside:
+        no lookup, 0), for a running request too. A corrupt block met on the
+        way is quarantined, as by any lookup: it is not cached content.
+
+        Raises:
+            InvalidRequest: the request has no tokens, misplaced mm_inputs, a bad num_preemptions or hit limit,
+                or (with several groups) its id contains the table-name mark.
+
+        Cost: as `get_computed_blocks`.
+        """
+        self._check_request(request, "get_num_cached_tokens")
+        if not self._reads_cache(request):
+            return 0
+        return self._intact_hit(request, len(request.token_ids) - 1)[1]
+
+    def _intact_hit(self, request: Request, max_length: int) -> tuple[list[BlockId], int]:
+        """The intact hit every group agrees on within max_length tokens, corrupt blocks quarantined."""
         if self._single_full:
             return self._full_hit(self._block_hashes(request)[: max_length // self.block_size])
         hashes = self._block_hashes(request)
@@ -1034,7 +1072,9 @@ class TensorKVCacheManager:
         if not step.running:
             num_local = step.write_start  # a first step's local hit (nothing was computed before it)
             num_external = step.num_computed - num_local
-            self._counters.admit(len(request.token_ids), num_local, num_external, request.num_preemptions > 0)
+            self._counters.admit(
+                len(request.token_ids), num_local, num_external, request.num_preemptions > 0, self._reads_cache(request)
+            )
 
     def _kv_values(self, request: Request, start: int, end: int) -> torch.Tensor:
         """The source's values for positions [start, end), checked, as an int64 device tensor.

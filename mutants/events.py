@@ -91,7 +91,9 @@ class PreemptedCountedAsNew(ReferenceManagerAdapter):
 
     def _record_admission(self, request: Request, num_local_hits: int, num_external: int) -> None:
         preempted = False  # MUTANT: request.num_preemptions is not read
-        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits, num_external, preempted)
+        self.stats = self.stats.admitted(
+            len(request.token_ids), num_local_hits, num_external, preempted, self._lookup_enabled(request)
+        )
 
 
 class ExternalCountedAsLocal(ReferenceManagerAdapter):
@@ -100,7 +102,23 @@ class ExternalCountedAsLocal(ReferenceManagerAdapter):
     def _record_admission(self, request: Request, num_local_hits: int, num_external: int) -> None:
         preempted = request.num_preemptions > 0
         # MUTANT: the connector's tokens added to the local hits, and the connector credited nothing
-        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits + num_external, 0, preempted)
+        self.stats = self.stats.admitted(
+            len(request.token_ids), num_local_hits + num_external, 0, preempted, self._lookup_enabled(request)
+        )
+
+
+class SkippedLookupCounted(ReferenceManagerAdapter):
+    """A request whose lookup did not run (caching off, a hit limit of 0) is counted in the local statistics.
+
+    Its tokens count as queries the cache missed, so the hit rate of a
+    deployment that serves many such requests (prompt scoring) drops for a
+    cache that was never asked.
+    """
+
+    def _record_admission(self, request: Request, num_local_hits: int, num_external: int) -> None:
+        preempted = request.num_preemptions > 0
+        # MUTANT: counted locally whether or not its lookup ran
+        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits, num_external, preempted, True)
 
 
 MUTANTS: list[Mutant] = [
@@ -150,6 +168,15 @@ MUTANTS: list[Mutant] = [
         level="manager",
         factory=ExternalCountedAsLocal,
         kind="an external hit counted as local",
+        events=True,
+    ),
+    Mutant(
+        name="skipped_lookup_counted",
+        description="an admitted request whose prefix-cache lookup did not run is counted in the local hit statistics",
+        level="manager",
+        factory=SkippedLookupCounted,
+        kind="a skipped lookup counted as a query",
+        enable_caching=False,
         events=True,
     ),
 ]

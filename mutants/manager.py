@@ -1,4 +1,5 @@
-"""Mutants of the request level: the hit cap, registration, failed allocations and preemption.
+"""Mutants of the request level: the hit cap, the request's hit limit, registration, failed allocations and
+preemption.
 
 The pool underneath is the reference's and is used correctly in every other
 respect; each manager below makes one mistake in the bookkeeping vLLM's
@@ -8,6 +9,7 @@ KVCacheManager does around it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter
 from kvspec.conformance.tools.mutants import Mutant
@@ -38,6 +40,21 @@ class HitCapOffByOne(ReferenceManagerAdapter):
                 break
             hits.append(b)
         return hits, len(hits) * self.block_size
+
+
+class IgnoresHitLimit(ReferenceManagerAdapter):
+    """`get_computed_blocks` ignores the request's `prefix_cache_hit_limit`: it looks up as if there were none.
+
+    A request that must not read the cache (limit 0, prompt scoring from its
+    first row) is served cached KV anyway, and one scored from row N gets a
+    hit past N, whose prompt logprobs are then never computed.
+    """
+
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[list[BlockId], int]:
+        unlimited = replace(request, prefix_cache_hit_limit=None)  # MUTANT: the request's limit is dropped
+        return super().get_computed_blocks(unlimited, max_cache_hit_length)
 
 
 class PartialBlockHashed(ReferenceManagerAdapter):
@@ -175,6 +192,13 @@ MUTANTS: list[Mutant] = [
         level="manager",
         factory=HitBlocksReregistered,
         kind="a cached block re-registered",
+    ),
+    Mutant(
+        name="ignores_hit_limit",
+        description="get_computed_blocks ignores the request's prefix_cache_hit_limit (0 included)",
+        level="manager",
+        factory=IgnoresHitLimit,
+        kind="a request's hit limit ignored",
     ),
     Mutant(
         name="preemption_drops_shared_block",

@@ -50,6 +50,11 @@ def _check_request(request: Request, op: str) -> None:
             f"{op}: request_id={request.request_id!r} has num_preemptions={request.num_preemptions!r}; "
             "it counts the times the scheduler preempted it, a non-negative integer"
         )
+    if request.prefix_cache_hit_limit is not None and not _is_count(request.prefix_cache_hit_limit):
+        raise InvalidRequest(
+            f"{op}: request_id={request.request_id!r} has prefix_cache_hit_limit={request.prefix_cache_hit_limit!r}; "
+            "it is None or the tokens the prefix cache may serve, a non-negative integer"
+        )
     end = 0  # where the previous multimodal input ends
     for mm in request.mm_inputs:
         if not (
@@ -300,11 +305,12 @@ class KVCacheManager:
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
     ) -> tuple[list[BlockId], int]:
-        """The longest cached prefix every group can serve, at most len - 1 tokens (and the scheduler's cap).
+        """The longest cached prefix every group can serve, at most len - 1 tokens (and the scheduler's cap, and
+        the request's hit limit; none for a request whose lookup does not run: `_lookup_enabled`).
 
         Raises:
-            InvalidRequest: the request has no tokens, misplaced mm_inputs, or is already running;
-                the cap is not None or a non-negative integer.
+            InvalidRequest: the request has no tokens, misplaced mm_inputs, a bad hit limit, or is already
+                running; the cap is not None or a non-negative integer.
 
         Cost: O(tokens) for the hashes, O(1) per position looked up.
         """
@@ -316,12 +322,37 @@ class KVCacheManager:
             )
         if request.request_id in self.num_computed_tokens:
             raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
-        if not self.enable_caching:
+        if not self._lookup_enabled(request):
             return [], 0
-        hashes = self._block_hashes(request)
         max_length = len(request.token_ids) - 1
-        if max_cache_hit_length is not None:
-            max_length = min(max_length, max_cache_hit_length)
+        for bound in (request.prefix_cache_hit_limit, max_cache_hit_length):
+            if bound is not None:
+                max_length = min(max_length, bound)
+        return self._hit(request, max_length)
+
+    def _lookup_enabled(self, request: Request) -> bool:
+        """Whether a request's lookup runs: caching is on and its hit limit is not 0. Cost: O(1)."""
+        return self.enable_caching and request.prefix_cache_hit_limit != 0
+
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """How many of a request's tokens are cached, touching nothing: the hit within len - 1 tokens.
+
+        As vLLM 0.34's: bounded by len - 1 only (not by the request's hit
+        limit, unless that is 0: no lookup, 0 tokens), running or not.
+
+        Raises:
+            InvalidRequest: the request has no tokens, misplaced mm_inputs or a bad hit limit.
+
+        Cost: O(tokens) for the hashes, O(1) per position looked up.
+        """
+        self._check_request(request, "get_num_cached_tokens")
+        if not self._lookup_enabled(request):
+            return 0
+        return self._hit(request, len(request.token_ids) - 1)[1]
+
+    def _hit(self, request: Request, max_length: int) -> tuple[list[BlockId], int]:
+        """The hit every group agrees on within max_length tokens, group by group. Cost: O(1) per position."""
+        hashes = self._block_hashes(request)
         if len(self.managers) == 1:
             hit = _find_hit(self.managers, hashes, max_length)
             return hit[0], len(hit[0]) * self.block_size
@@ -382,7 +413,8 @@ class KVCacheManager:
         is retried by the scheduler, and must not be counted twice.
         """
         preempted = request.num_preemptions > 0
-        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits, num_external, preempted)
+        looked_up = self._lookup_enabled(request)  # a request whose lookup did not run is not counted locally
+        self.stats = self.stats.admitted(len(request.token_ids), num_local_hits, num_external, preempted, looked_up)
 
     def _free_skipped_blocks(self, step: _AllocationStep) -> None:
         """Phase 2: a running request frees, in every group, the blocks it no longer reads. Cost: O(blocks freed)."""

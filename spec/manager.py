@@ -75,6 +75,8 @@ __all__ = [
     "evict_blocks",
     "free",
     "get_computed_blocks",
+    "get_num_cached_tokens",
+    "lookup_enabled",
     "new_manager",
     "request_block_hashes",
     "reset_prefix_cache",
@@ -114,6 +116,10 @@ class Request:
     mm_inputs: tuple[MultiModalInput, ...] = ()  # multimodal inputs: part of the blocks they overlap
     # Times the scheduler preempted it: a re-admission's hits are counted apart (spec.stats).
     num_preemptions: int = 0
+    # Leading tokens the prefix cache may serve it (vLLM 0.34's): 0 for a request that must not read the
+    # cache (its lookup does not run, so its hit statistics are not counted), the first scored prompt row
+    # for prompt scoring, None: no bound but the last token.
+    prefix_cache_hit_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +207,11 @@ def _check_request(request: Request, op: str) -> None:
         raise InvalidRequest(
             f"{op}: request_id={request.request_id!r} has num_preemptions={request.num_preemptions!r}; "
             "it counts the times the scheduler preempted it, a non-negative integer"
+        )
+    if request.prefix_cache_hit_limit is not None and not _is_count(request.prefix_cache_hit_limit):
+        raise InvalidRequest(
+            f"{op}: request_id={request.request_id!r} has prefix_cache_hit_limit={request.prefix_cache_hit_limit!r}; "
+            "it is None or the tokens the prefix cache may serve, a non-negative integer"
         )
     end = 0  # where the previous multimodal input ends
     for mm in request.mm_inputs:
@@ -310,7 +321,9 @@ def get_computed_blocks(
 
     Reads only; the hit blocks are touched by `allocate_slots`. The scheduler
     may cap the hit (`max_cache_hit_length`: what an external connector lets
-    the local cache serve, 0 included); the cap never reaches the last token.
+    the local cache serve, 0 included), and so may the request (its
+    `prefix_cache_hit_limit`); neither reaches the last token. A request whose
+    limit is 0 is not looked up at all (`lookup_enabled`), as with caching off.
 
     Returns:
         The state, unchanged, and as the result the hit blocks, group by group
@@ -332,15 +345,58 @@ def get_computed_blocks(
         )
     if state.request(request.request_id) is not None:
         raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
-    if not state.pool.config.enable_caching:
+    if not lookup_enabled(state, request):
         return Step(state, ((), 0))
     # NOTE: at most len - 1 tokens: the last prompt token must be computed to get
-    # the logits that sample the first output token.
-    limit = len(request.token_ids) - 1
-    if max_cache_hit_length is not None:
-        limit = min(limit, max_cache_hit_length)
+    # the logits that sample the first output token (vLLM's get_max_cache_hit_length).
+    bounds = (len(request.token_ids) - 1, request.prefix_cache_hit_limit, max_cache_hit_length)
+    limit = min(b for b in bounds if b is not None)
     per_group, num_tokens = longest_cache_hit(state, request_block_hashes(state, request), limit)
     return Step(state, (tuple(b for blocks in per_group for b in blocks), num_tokens))
+
+
+def lookup_enabled(state: ManagerState, request: Request) -> bool:
+    """Whether the request's prefix-cache lookup runs (vLLM's `prefix_cache_lookup_enabled`): caching is on and
+    the request may read the cache (a hit limit of 0 says it may not). Only a request looked up is counted in the
+    local hit statistics."""
+    return state.pool.config.enable_caching and request.prefix_cache_hit_limit != 0
+
+
+def _cached_ok(state: ManagerState, request: Request, result: Step[ManagerState, int]) -> bool:
+    num_tokens = result.result
+    if not 0 <= num_tokens < len(request.token_ids) or num_tokens % state.config.block_size:
+        return False
+    return num_tokens == 0 or lookup_enabled(state, request)
+
+
+@icontract.require(lambda state: _holds(state))
+@icontract.ensure(lambda state, request, result: _cached_ok(state, request, result))
+@icontract.ensure(lambda state, result: result.state is state and not result.events)
+def get_num_cached_tokens(state: ManagerState, request: Request) -> Step[ManagerState, int]:
+    """How many of a request's tokens the prefix cache holds, without touching anything (vLLM 0.34's).
+
+    A probe, for a request that may never be scheduled (a router's or a
+    scheduler's estimate): it takes no reference, takes no block and publishes
+    no event, so calling it changes nothing, for a running request too. The
+    hit is `get_computed_blocks`'s search with only the last token held back:
+    NOTE vLLM bounds it by len - 1 alone, not by the request's hit limit
+    (a limit of 0 aside, which skips the lookup) nor by a connector's cap, so
+    a request limited to N tokens may be told more are cached than it can use.
+
+    Returns:
+        The state, unchanged, and the tokens its longest cached prefix covers
+        (0 with caching off or a hit limit of 0).
+
+    Raises:
+        InvalidRequest: the request has no id or no tokens, misplaced mm_inputs, a bad num_preemptions
+            or a bad hit limit.
+
+    raises: InvalidRequest  # the errors above, as CrossHair reads them
+    """
+    _check_request_id(state, request, "get_num_cached_tokens")
+    if not lookup_enabled(state, request):
+        return Step(state, 0)
+    return Step(state, longest_cache_hit(state, request_block_hashes(state, request), len(request.token_ids) - 1)[1])
 
 
 def longest_cache_hit(
@@ -863,7 +919,7 @@ def _serve_allocation(
     if not step.delay_cache_blocks:  # an asynchronous load's blocks are registered once it is done
         pool, num_cached, stored = _register_full_blocks(pool, step, tables, num_cached, cfg)
     new_entry = RequestBlocks(tables, num_cached, step.num_tokens)
-    stats = _admitted(state.stats, step)
+    stats = _admitted(state, step)
     new_state = _with_request(replace(state, pool=pool, stats=stats), step.request.request_id, new_entry)
     return new_state, _new_blocks(step, tables, cfg), removed_external + removed + stored
 
@@ -881,18 +937,21 @@ def _new_blocks(
     )
 
 
-def _admitted(stats: PrefixCacheStats, step: _AllocationStep) -> PrefixCacheStats:
+def _admitted(state: ManagerState, step: _AllocationStep) -> PrefixCacheStats:
     """The statistics after a served step: a first step is the request's admission, counted now.
 
     Counted when served, not at the lookup: a step refused for want of
-    blocks is retried, and not counted again.
+    blocks is retried, and not counted again. The local counters count only
+    a request whose lookup ran (`lookup_enabled`), as vLLM's scheduler does.
     """
+    stats = state.stats
     if step.running:
         return stats
     request = step.request
     num_external = step.num_computed - step.num_local_computed
     preempted = request.num_preemptions > 0
-    return stats.admitted(len(request.token_ids), step.num_local_computed, num_external, preempted)
+    looked_up = lookup_enabled(state, request)
+    return stats.admitted(len(request.token_ids), step.num_local_computed, num_external, preempted, looked_up)
 
 
 @icontract.require(lambda state: _holds(state))

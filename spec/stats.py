@@ -2,11 +2,16 @@
 
 Every operator reads the prefix-cache hit rate: hits / queries, in tokens.
 The counters are outputs of the request level (`spec.manager`), checked
-after every step like the state. What they count, as vLLM 0.33 does:
+after every step like the state. What they count, as vLLM 0.33 and 0.34 do:
 
 - a request is counted when it is admitted (its first `allocate_slots`
   returns blocks), not when it is looked up: a lookup whose allocation is
   refused, and which the scheduler retries next step, is counted once;
+- only a request whose lookup ran is counted in the local counters: with
+  caching off, or for a request that may not read the cache (a hit limit of
+  0, `spec.manager.lookup_enabled`), there was no query of this cache, and
+  vLLM's `record_prefix_cache_stats` returns ("Don't count a request that
+  skipped the cache lookup"), so a hit rate stays undefined rather than 0;
 - queries are the request's tokens at admission, local hits the tokens its
   prefix hit covers (`num_new_computed_tokens`);
 - a request admitted again after a preemption (`Request.num_preemptions > 0`)
@@ -16,7 +21,8 @@ after every step like the state. What they count, as vLLM 0.33 does:
   000, section 5: local hits first, then the connector's, or the prefix
   cache's gain is credited to the external cache): `connector` counts, per
   admitted request, the tokens the connector was asked for (those after
-  the local hit) and the tokens it supplied;
+  the local hit) and the tokens it supplied, whether or not the local
+  lookup ran (vLLM's scheduler records them apart from the manager's);
 - a successful `reset_prefix_cache` is recorded (`num_resets`).
 
 Design choice: the counters only grow, from the manager's construction on.
@@ -36,7 +42,7 @@ __all__ = ["CacheCounters", "PrefixCacheStats"]
 class CacheCounters:
     """Requests, queried tokens and hit tokens of one cache (vLLM's `PrefixCacheStats` fields)."""
 
-    requests: int = 0  # requests admitted for the first time
+    requests: int = 0  # requests admitted for the first time (locally: those whose lookup ran)
     queries: int = 0  # their tokens asked of this cache
     hits: int = 0  # of those, the tokens it supplied
     preempted_requests: int = 0  # requests admitted again after a preemption
@@ -72,15 +78,21 @@ class PrefixCacheStats:
     connector: CacheCounters = CacheCounters()  # the external KV connector, asked after the local hit
     num_resets: int = 0  # successful reset_prefix_cache calls
 
-    def admitted(self, num_tokens: int, num_local_hits: int, num_external: int, preempted: bool) -> PrefixCacheStats:
-        """The counters after a request's admission: its local hit, then what the connector supplied after it.
+    def admitted(
+        self, num_tokens: int, num_local_hits: int, num_external: int, preempted: bool, looked_up: bool
+    ) -> PrefixCacheStats:
+        """The counters after a request's admission: its local hit (if its lookup ran), then what the connector
+        supplied after it.
 
-        >>> s = PrefixCacheStats().admitted(10, 4, 3, False)
+        >>> s = PrefixCacheStats().admitted(10, 4, 3, False, True)
         >>> (s.local.queries, s.local.hits, s.connector.queries, s.connector.hits)
         (10, 4, 6, 3)
+        >>> s = PrefixCacheStats().admitted(10, 0, 3, False, False)
+        >>> (s.local.requests, s.connector.requests, s.connector.queries)
+        (0, 1, 10)
         """
         return replace(
             self,
-            local=self.local.record(num_tokens, num_local_hits, preempted),
+            local=self.local.record(num_tokens, num_local_hits, preempted) if looked_up else self.local,
             connector=self.connector.record(num_tokens - num_local_hits, num_external, preempted),
         )

@@ -40,8 +40,10 @@ the default):
   checks that the implementation does not have, each with why (e.g.
   "cache_salt": its requests carry no salt). The machine does not exercise
   it (for "cache_salt": it sends no salted request; for "multimodal inputs":
-  no request with images, and no misplaced images as a mistake) and the
-  summary lists it.
+  no request with images, and no misplaced images as a mistake; for
+  "prefix cache hit limit", `operations.HIT_LIMIT`: no request with a
+  `prefix_cache_hit_limit`, vLLM 0.34's, and no bad one as a mistake) and
+  the summary lists it.
 - `levels: tuple[str, ...]` (on the factory or the adapter; default: what
   the built adapter has): the levels the implementation provides. A level it
   does not provide is reported "n/a", never "could not run"; a factory may

@@ -34,6 +34,7 @@ __all__ = [
     "reached_get_cached_block",
     "reached_get_computed_blocks",
     "reached_get_new_blocks",
+    "reached_get_num_cached_tokens",
     "reached_is_block_writable",
     "reached_itself",
     "reached_nothing",
@@ -151,6 +152,8 @@ def reached_get_computed_blocks(args: Sequence[Any], before: Snapshot, after: Sn
     chunk); the cap and the coordinator's cut need the request's chain (`hit_reached_get_computed_blocks`)."""
     hit = result[0]
     ev = ["get_computed_blocks: hit" if hit else "get_computed_blocks: miss"]
+    if before.enable_caching and args[0].prefix_cache_hit_limit == 0:
+        ev.append("get_computed_blocks: lookup skipped by the request")
     if any(b in before.free_queue for b in hit):
         ev.append("get_computed_blocks: hit a free block")
     groups = snapshot_groups(before)
@@ -179,7 +182,20 @@ def hit_reached_get_computed_blocks(
         reached.append("get_computed_blocks: hit capped at len - 1")
     if cut:
         reached.append("get_computed_blocks: hit cut by the coordinator")
+    limit = request.prefix_cache_hit_limit
+    n = len(hit) // max(len(snapshot_groups(before)), 1)  # hit positions per group
+    if limit and limit < len(request.token_ids) - 1 and n == limit // block_size and n < len(hashes) and any(
+        h == hashes[n] for h, _ in before.hash_to_blocks
+    ):
+        reached.append("get_computed_blocks: hit capped by the request's limit")  # the next block was cached
     return reached
+
+
+def reached_get_num_cached_tokens(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:
+    """Whether the probe found tokens cached, none, or did not look (a hit limit of 0, caching on)."""
+    if before.enable_caching and args[0].prefix_cache_hit_limit == 0:
+        return ["get_num_cached_tokens: lookup skipped by the request"]
+    return ["get_num_cached_tokens: cached tokens" if result else "get_num_cached_tokens: none cached"]
 
 
 def reached_allocate_slots(args: Sequence[Any], before: Snapshot, after: Snapshot, result: Any) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvspec.conformance.core.operations import OPERATIONS, level_operations
+from kvspec.conformance.core.operations import OPERATIONS, REQUEST_FEATURES, level_operations
 from kvspec.conformance.core.results import Outcome
 from kvspec.spec.attention import parse_groups
 from kvspec.spec.errors import InvalidRequest
@@ -141,9 +141,12 @@ def reachable_branches(
     """
     skipped_ops = {m.split(": ", 1)[0] for m in not_exercised}
     absent = set(absent_ops)
-    # Branches only a feature of an operation reaches (a parameter an adapter may not take, the table's
-    # `features`): one the adapter does not take (LockStep names it "<feature>: not applicable, ...") rules them out.
-    without = {b for op in level_operations(level) for f in op.features if f.name in skipped_ops for b in f.branches}
+    # Branches only a feature reaches (a parameter an adapter may not take, the table's `features`, or a field of
+    # the request, `REQUEST_FEATURES`): one the adapter does not take ("<feature>: not applicable, ...") rules
+    # them out.
+    features = [f for op in level_operations(level) for f in op.features]
+    features += REQUEST_FEATURES if level == "manager" else ()
+    without = {b for f in features if f.name in skipped_ops for b in f.branches}
 
     def ruled_out(branch: str) -> bool:
         op = branch_operation(branch, level)

@@ -1110,7 +1110,11 @@ def _stats_branches(before: PrefixCacheStats, after: PrefixCacheStats) -> list[s
     """What a request-level step recorded in the spec's hit statistics, as coverage names it."""
     grew = [
         (after.local.hits > before.local.hits, "stats: local hit counted"),
-        (after.local.preempted_requests > before.local.preempted_requests, "stats: preempted request counted apart"),
+        (  # in the local counters, or (a request whose lookup did not run) only in the connector's
+            after.local.preempted_requests > before.local.preempted_requests
+            or after.connector.preempted_requests > before.connector.preempted_requests,
+            "stats: preempted request counted apart",
+        ),
         (after.connector.hits > before.connector.hits, "stats: external tokens counted apart"),
         (after.num_resets > before.num_resets, "stats: reset recorded"),
     ]

@@ -48,7 +48,7 @@ from hypothesis.stateful import (
 from kvspec.conformance.core import strategies as strat
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.lockstep import Factory, LockStep, Observer, StepWatch
-from kvspec.conformance.core.operations import Level, Operation, level_operations
+from kvspec.conformance.core.operations import HIT_LIMIT, Level, Operation, level_operations
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import Outcome
 from kvspec.conformance.core.run_config import Configuration, RunConfig, adapter_config
@@ -612,11 +612,37 @@ class ManagerMachine(_LockStepMachine):
 
     def _sendable(self, request: Request) -> Request:
         """`request` without what the adapter declares it does not have (`not_applicable`): its cache_salt,
-        its multimodal inputs."""
+        its multimodal inputs, its hit limit."""
         if request.cache_salt is not None and "cache_salt" in self._lock.not_applicable:
             request = replace(request, cache_salt=None)
         if request.mm_inputs and not self._images:
             request = replace(request, mm_inputs=())
+        if request.prefix_cache_hit_limit is not None and not self._hit_limits:
+            request = replace(request, prefix_cache_hit_limit=None)
+        return request
+
+    @property
+    def _hit_limits(self) -> bool:
+        """Whether requests may carry a prefix-cache hit limit (and so a bad one, as a mistake)."""
+        return HIT_LIMIT.name not in self._lock.not_applicable
+
+    def _request_mistakes(self, op: str) -> tuple[str, ...]:
+        """The mistakes in a new request itself (`REQUEST_MISTAKES`) this adapter is checked on for `op`."""
+        images = ["misplaced images"] if self._images else []
+        limits = ["bad hit limit"] if self._hit_limits else []
+        return self._mistakes(op, "no tokens", "no id", *images, *limits)
+
+    def _mistaken(self, kind: str, request: Request, data: st.DataObject) -> Request:
+        """A new request with the mistake `kind` made in it (`REQUEST_MISTAKES`), or as it is for another kind."""
+        if kind == "no id":
+            return replace(request, request_id="")
+        if kind == "no tokens":
+            return replace(request, token_ids=(), mm_inputs=())
+        if kind == "misplaced images":
+            images = data.draw(strat.bad_mm_inputs(len(request.token_ids)), label="misplaced images")
+            return replace(request, mm_inputs=images)
+        if kind == "bad hit limit":
+            return replace(request, prefix_cache_hit_limit=data.draw(strat.bad_hit_limits(), label="hit limit"))
         return request
 
     @property
@@ -634,6 +660,9 @@ class ManagerMachine(_LockStepMachine):
         kind = data.draw(_sampled(PROMPT_KINDS), label="prompt") if self.prompts else NEW_PROMPT
         if kind == NEW_PROMPT:
             prompt = self._sendable(data.draw(strat.prompts(self.block_size, self.shared), label="new prompt"))
+            if self._hit_limits:  # the request's own bound on its hit (prompt scoring, or none: 0)
+                limit = data.draw(strat.hit_limits(len(prompt.token_ids)), label="prefix_cache_hit_limit")
+                prompt = replace(prompt, prefix_cache_hit_limit=limit)
         else:
             # The most recent prompt first: it shrinks toward the prompt just made.
             back = data.draw(st.integers(0, len(self.prompts) - 1), label="earlier prompt, counted back")
@@ -664,37 +693,33 @@ class ManagerMachine(_LockStepMachine):
     @rule(data=st.data())
     def get_computed_blocks(self, data: st.DataObject) -> None:
         prompt = self._prompt(data)
-        kind = data.draw(
-            _sampled(
-                _kinds(
-                    *self._mistakes(
-                        "get_computed_blocks",
-                        "no tokens",
-                        "no id",
-                        *(["misplaced images"] if self._images else []),
-                        *(["already running"] if self.requests else []),
-                        *(["bad hit cap"] if self._lock.takes("max_cache_hit_length") else []),
-                    )
-                )
-            ),
-            label="call",
+        mistakes = self._request_mistakes("get_computed_blocks") + self._mistakes(
+            "get_computed_blocks",
+            *(["already running"] if self.requests else []),
+            *(["bad hit cap"] if self._lock.takes("max_cache_hit_length") else []),
         )
-        cap: object = self._hit_cap(prompt, data)
+        kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         if kind == "already running":
             request = self.requests[data.draw(_sampled(sorted(self.requests)), label="running request")].request
-        elif kind == "no id":
-            request = replace(prompt, request_id="")
-        elif kind == "no tokens":
-            request = replace(prompt, request_id=self._new_id(), token_ids=(), mm_inputs=())
-        elif kind == "misplaced images":
-            images = data.draw(strat.bad_mm_inputs(len(prompt.token_ids)), label="misplaced images")
-            request = replace(prompt, request_id=self._new_id(), mm_inputs=images)
-        elif kind == "bad hit cap":
-            request = replace(prompt, request_id=self._new_id())
-            cap = data.draw(strat.bad_hit_caps(), label="max_cache_hit_length")
         else:
-            request = replace(prompt, request_id=self._new_id())
+            request = self._mistaken(kind, replace(prompt, request_id=self._new_id()), data)
+        # NOTE: drawn for the request sent, so that no cap is past its last token: vLLM 0.33 uses an explicit
+        # cap as given (0.34 bounds it by len - 1), and its chunked-local search then reads past the hashes.
+        cap: object = self._hit_cap(request, data)
+        if kind == "bad hit cap":
+            cap = data.draw(strat.bad_hit_caps(), label="max_cache_hit_length")
         self._call("get_computed_blocks", request, cap, mistake=kind)
+
+    @precondition(lambda self: self._has("get_num_cached_tokens"))
+    @rule(data=st.data())
+    def get_num_cached_tokens(self, data: st.DataObject) -> None:
+        """Probe how much of a request is cached: a new prompt, or a running request (the probe takes nothing)."""
+        kind = data.draw(_sampled(_kinds(*self._request_mistakes("get_num_cached_tokens"))), label="call")
+        if kind == VALID and self.requests and data.draw(st.booleans(), label="a running request"):
+            request = self.requests[data.draw(_sampled(sorted(self.requests)), label="running request")].request
+        else:
+            request = self._mistaken(kind, replace(self._prompt(data), request_id=self._new_id()), data)
+        self._call("get_num_cached_tokens", request, mistake=kind)
 
     def _hit_cap(self, request: Request, data: st.DataObject) -> int | None:
         """The scheduler's cap on the local hit (an external connector's), where the adapter takes one."""
@@ -712,7 +737,12 @@ class ManagerMachine(_LockStepMachine):
             return multiple()
         blocks, num_hit = hit.result
         remaining = len(request.token_ids) - num_hit
-        ext = 0 if whole else data.draw(strat.external_tokens(remaining - 1), label="num_external_computed_tokens")
+        # NOTE: a request with a hit limit reads nothing from an external connector (vLLM 0.34's scheduler:
+        # `skip_reading_external_kv`, the connector's hits are not bounded by the limit), so none is drawn.
+        limited = request.prefix_cache_hit_limit is not None
+        ext = 0 if whole or limited else data.draw(
+            strat.external_tokens(remaining - 1), label="num_external_computed_tokens"
+        )
         # An asynchronous load: blocks for the external tokens now, no token computed, registered when it is done.
         delayed = (
             ext > 0 and self._lock.takes("delay_cache_blocks") and data.draw(st.booleans(), label="load in background")
@@ -736,7 +766,8 @@ class ManagerMachine(_LockStepMachine):
     def allocate_slots_admit(self, data: st.DataObject) -> Any:
         prompt = self._prompt(data)
         images = ["misplaced images"] if self._images else []
-        mistakes = ["no id", "no tokens", *images, "no tokens scheduled", "bad count"]
+        limits = ["bad hit limit"] if self._hit_limits else []
+        mistakes = ["no id", "no tokens", *images, *limits, "no tokens scheduled", "bad count"]
         mistakes += ["more tokens than the request has", "hit count mismatch"]
         mistakes += ["hit on a running request"] if self.requests else []
         caching = ["wrong hit block", "hit longer than the request"]
@@ -783,13 +814,8 @@ class ManagerMachine(_LockStepMachine):
         def call(*args: Any) -> None:
             self._call("allocate_slots", *args, mistake=kind)
 
-        if kind == "no id":
-            call(replace(fresh, request_id=""), 1, 0, [], 0)
-        elif kind == "no tokens":
-            call(replace(fresh, token_ids=(), mm_inputs=()), 1, 0, [], 0)
-        elif kind == "misplaced images":
-            images = data.draw(strat.bad_mm_inputs(len(fresh.token_ids)), label="misplaced images")
-            call(replace(fresh, mm_inputs=images), 1, 0, [], 0)
+        if kind in ("no id", "no tokens", "misplaced images", "bad hit limit"):
+            call(self._mistaken(kind, fresh, data), 1, 0, [], 0)
         elif kind == "hit longer than the request":
             # One hit block more than the request has full blocks (any ids: the length is checked first).
             num_hits = len(fresh.token_ids) // bs + 1

@@ -134,17 +134,21 @@ def manager_state(fields: Fields) -> ManagerState:
 
 
 def _request(f: Fields) -> Request:
-    return Request(f["request_id"], tuple(f["token_ids"]), mm_inputs=tuple(f["mm_inputs"]))
+    return Request(
+        f["request_id"], tuple(f["token_ids"]), mm_inputs=tuple(f["mm_inputs"]),
+        prefix_cache_hit_limit=f["prefix_cache_hit_limit"],
+    )  # fmt: skip
 
 
 # The fields of a request-level call: a new request r with `PROMPT` (a's prompt: its blocks are cached).
 REQUEST: Fields = {
     "caching": True, "running": False, "request_id": "r", "token_ids": PROMPT, "mm_inputs": (),
-    "max_cache_hit_length": None,
+    "max_cache_hit_length": None, "prefix_cache_hit_limit": None,
 }  # fmt: skip
-# Request-level mistakes shared by get_computed_blocks and allocate_slots.
+# Request-level mistakes shared by get_computed_blocks, get_num_cached_tokens and allocate_slots.
 REQUEST_MISTAKES: Mapping[str, Change] = {
     "no id": set_to(request_id=""),
     "no tokens": set_to(token_ids=()),
+    "bad hit limit": set_to(prefix_cache_hit_limit=-1),
     "misplaced images": set_to(mm_inputs=(MultiModalInput("img-a", len(PROMPT) - 1, 2),)),  # past the last token
 }

@@ -64,7 +64,9 @@ from kvspec.spec.state import BlockHash, PoolState, Snapshot
 from kvspec.spec.step import Step
 
 __all__ = [
+    "HIT_LIMIT",
     "OPERATIONS",
+    "REQUEST_FEATURES",
     "BadResult",
     "Draw",
     "Feature",
@@ -200,7 +202,8 @@ def draw_block_id(state: PoolState, kind: str, data: st.DataObject) -> tuple[Any
 
 @dataclass(frozen=True, slots=True)
 class Feature:
-    """A trailing parameter some adapters do not take (one vLLM added later, or an external connector's)."""
+    """A trailing parameter some adapters do not take (one vLLM added later, or an external connector's), or a
+    field of the request some cannot set (`REQUEST_FEATURES`)."""
 
     param: str  # the parameter's name
     default: Any  # its value when left out: a call without it, a trace written before it existed
@@ -301,6 +304,24 @@ _FREE_ENDS = MappingProxyType({
     ),
     "free_blocks: between free blocks": lambda profile, enable_caching: _keyed(profile),
 })  # fmt: skip
+
+
+# A request's own bound on its prefix hit (vLLM 0.34's Request.prefix_cache_hit_limit; 0: the request skips the
+# cache). A field of the request, not a parameter: an implementation whose requests cannot carry it declares it
+# `not_applicable[HIT_LIMIT.name]` (kvspec.conformance.core.adapter); the machine then draws no limit, and these
+# branches are not expected of it.
+HIT_LIMIT = Feature(
+    "prefix_cache_hit_limit",
+    None,  # None: no bound but the last token
+    "prefix cache hit limit",
+    (
+        "get_computed_blocks: lookup skipped by the request",
+        "get_computed_blocks: hit capped by the request's limit",
+        "get_num_cached_tokens: lookup skipped by the request",
+    ),
+)
+# The request's fields some adapters cannot set, as `Feature`s (an operation's `features` are its parameters').
+REQUEST_FEATURES: tuple[Feature, ...] = (HIT_LIMIT,)
 
 
 _GROUP_HITS = MappingProxyType({
@@ -563,12 +584,14 @@ _TABLE: tuple[Operation, ...] = (
         branches=(
             *_branches("get_computed_blocks", "miss", "hit", "hit a free block", "hit capped at len - 1"),
             *_GROUP_HITS,
+            *_branches("get_computed_blocks", "lookup skipped by the request", "hit capped by the request's limit"),
         ),
         errors=("InvalidRequest",),
         reached=br.reached_get_computed_blocks,
-        caching_only=frozenset(
-            (*_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS)
-        ),
+        caching_only=frozenset((
+            *_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS,
+            *_branches("get_computed_blocks", "lookup skipped by the request", "hit capped by the request's limit"),
+        )),  # fmt: skip
         cases=Cases(
             manager_state,
             REQUEST,
@@ -588,6 +611,25 @@ _TABLE: tuple[Operation, ...] = (
                 if isinstance(r, list) and len(r) == 2
                 else None
             ),
+        ),
+    ),
+    Operation(
+        name="get_num_cached_tokens",
+        levels=("manager",),
+        params=("request",),
+        spec=spec_manager.get_num_cached_tokens,
+        normalize=as_id,
+        branches=_branches("get_num_cached_tokens", "none cached", "cached tokens", "lookup skipped by the request"),
+        errors=("InvalidRequest",),
+        reached=br.reached_get_num_cached_tokens,
+        caching_only=frozenset(
+            _branches("get_num_cached_tokens", "cached tokens", "lookup skipped by the request")
+        ),
+        cases=Cases(manager_state, REQUEST, REQUEST_MISTAKES),
+        is_optional=True,  # vLLM 0.34.0 added it
+        wording=Wording(
+            lambda c: f"Ask how many tokens of request {c.request_id('request')} are cached (nothing is taken).",
+            lambda r: f"{plural(r, 'token')} cached" if isinstance(r, int) else None,
         ),
     ),
     Operation(
@@ -754,8 +796,8 @@ def all_args(operation: Operation, args: Sequence[Any]) -> tuple[Any, ...]:
 def level_operations(level: str) -> tuple[Operation, ...]:
     """The operations of one level, in table order.
 
-    >>> [op.name for op in level_operations("manager")]
-    ['evict_blocks', 'reset_prefix_cache', 'get_computed_blocks', 'allocate_slots', 'cache_blocks', 'free']
+    >>> [op.name for op in level_operations("manager")][2:]
+    ['get_computed_blocks', 'get_num_cached_tokens', 'allocate_slots', 'cache_blocks', 'free']
     """
     return tuple(op for op in _BY_NAME.values() if level in op.levels)
 
@@ -766,7 +808,7 @@ def optional_operations(level: str = "pool") -> tuple[str, ...]:
     >>> optional_operations()
     ('evict_blocks', 'reset_prefix_cache', 'is_block_writable', 'get_num_free_blocks', 'get_usage')
     >>> optional_operations("manager")
-    ('evict_blocks', 'reset_prefix_cache', 'cache_blocks')
+    ('evict_blocks', 'reset_prefix_cache', 'get_num_cached_tokens', 'cache_blocks')
     """
     return tuple(op.name for op in level_operations(level) if op.is_optional)
 

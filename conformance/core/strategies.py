@@ -41,6 +41,7 @@ __all__ = [
     "bad_block_ids",
     "bad_counts",
     "bad_hashes",
+    "bad_hit_limits",
     "bad_mm_inputs",
     "block_sizes",
     "block_sizes_for",
@@ -49,6 +50,7 @@ __all__ = [
     "external_tokens",
     "group_layouts",
     "hash_values",
+    "hit_limits",
     "kinds",
     "long_tokens",
     "lora_names",
@@ -267,6 +269,19 @@ def external_tokens(max_tokens: int) -> st.SearchStrategy[int]:
 def hit_caps(num_tokens: int) -> st.SearchStrategy[int | None]:
     """The scheduler's cap on a request's local hit (an external connector's): mostly none, else 0..len - 1."""
     return st.one_of(st.none(), st.none(), st.integers(0, max(num_tokens - 1, 0)))
+
+
+@lru_cache(maxsize=512)
+def hit_limits(num_tokens: int) -> st.SearchStrategy[int | None]:
+    """A request's own bound on its prefix hit (vLLM 0.34's `prefix_cache_hit_limit`): mostly none, sometimes 0
+    (the request skips the cache: no lookup, no local statistics), else a prompt row within its tokens."""
+    return st.one_of(st.none(), st.none(), st.none(), st.just(0), st.integers(1, max(num_tokens, 1)))
+
+
+@lru_cache(maxsize=1)
+def bad_hit_limits() -> st.SearchStrategy[int]:
+    """Hit limits no request may carry: negative (a trace keeps a request's limit as an integer)."""
+    return st.sampled_from((-1, -7))
 
 
 @lru_cache(maxsize=1)

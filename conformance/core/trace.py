@@ -132,6 +132,9 @@ def encode_value(value: Any) -> Any:
                 "cache_salt": value.cache_salt,
                 "mm_inputs": [[m.identifier, m.offset, m.length] for m in value.mm_inputs],
                 **({"num_preemptions": value.num_preemptions} if value.num_preemptions else {}),
+                # only for a request with a hit limit: a trace written before it existed reads as None
+                **({"prefix_cache_hit_limit": value.prefix_cache_hit_limit}
+                   if value.prefix_cache_hit_limit is not None else {}),  # fmt: skip
             }
         }
     if isinstance(value, (list, tuple)):
@@ -161,10 +164,15 @@ def decode_value(value: Any) -> Any:
 
 def _decode_request(r: dict[str, Any]) -> Request:
     keys = {"request_id", "token_ids", "lora_name", "cache_salt", "mm_inputs"}
-    if set(r) - {"num_preemptions"} != keys:  # num_preemptions: only for a request admitted again
-        raise ValueError(f"a request has the keys {sorted(keys)} (and num_preemptions); got {sorted(r)}")
+    optional = {"num_preemptions", "prefix_cache_hit_limit"}  # only for a request admitted again, or limited
+    if set(r) - optional != keys:
+        raise ValueError(
+            f"a request has the keys {sorted(keys)} (and num_preemptions, prefix_cache_hit_limit); got {sorted(r)}"
+        )
     if not _is_int(r.get("num_preemptions", 0)):
         raise ValueError("request num_preemptions must be an integer")
+    if r.get("prefix_cache_hit_limit") is not None and not _is_int(r["prefix_cache_hit_limit"]):
+        raise ValueError("request prefix_cache_hit_limit must be an integer or null")
     if not isinstance(r["token_ids"], list) or not all(_is_int(t) for t in r["token_ids"]):
         raise ValueError("request token_ids must be a list of integers")
     mm = r["mm_inputs"]
@@ -182,6 +190,7 @@ def _decode_request(r: dict[str, Any]) -> Request:
         cache_salt=r["cache_salt"],
         mm_inputs=tuple(MultiModalInput(m[0], m[1], m[2]) for m in mm),
         num_preemptions=r.get("num_preemptions", 0),
+        prefix_cache_hit_limit=r.get("prefix_cache_hit_limit"),
     )
 
 

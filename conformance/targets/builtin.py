@@ -109,6 +109,9 @@ class SpecManagerAdapter(_SpecState):
         blocks, num_tokens = self._apply(spec_manager.get_computed_blocks, request, max_cache_hit_length)
         return list(blocks), num_tokens
 
+    def get_num_cached_tokens(self, request: Request) -> int:
+        return int(self._apply(spec_manager.get_num_cached_tokens, request))
+
     def allocate_slots(
         self,
         request: Request,

@@ -135,6 +135,8 @@ _PRE_ALLOCATION = "allocate_slots: pre-allocation"
 _SCHEDULER_CAP = "get_computed_blocks: len-1 cap in the manager"
 # Every release before 0.31: its chain is not kvspec's (releases.py, measured), hash values compared as names.
 _NAMES = "exact hash values"
+# Before 0.34 a Request carries no prefix_cache_hit_limit: no request with a hit limit is sent.
+_HIT_LIMIT = "prefix cache hit limit"
 
 # Per release: whether a block filled in decode after an image is keyed by it
 # (the oracle's probe; fixed in 0.19), the API generation the adapter detected
@@ -146,7 +148,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.8.0": {
         "image_end_keyed": True,
         "generation": ["sizes", "list", "manager"],
-        "not_applicable": [_PRE_ALLOCATION, "cache_salt", _NAMES, _SCHEDULER_CAP],
+        "not_applicable": [_PRE_ALLOCATION, "cache_salt", _NAMES, _SCHEDULER_CAP, _HIT_LIMIT],
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
@@ -156,7 +158,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.8.4": {
         "image_end_keyed": True,
         "generation": ["kv_cache_config", "list", "manager"],
-        "not_applicable": [_PRE_ALLOCATION, "cache_salt", _NAMES],
+        "not_applicable": [_PRE_ALLOCATION, "cache_salt", _NAMES, _HIT_LIMIT],
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
@@ -166,7 +168,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.8.5.post1": {
         "image_end_keyed": True,
         "generation": ["kv_cache_config", "list", "manager"],
-        "not_applicable": ["cache_salt", _NAMES],
+        "not_applicable": ["cache_salt", _NAMES, _HIT_LIMIT],
         "on": _CONFORMS,
         "off": _HEAD_FIRST_WITHOUT_CACHING,
         "salt": _NOT_APPLICABLE,
@@ -176,7 +178,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.9.2": {
         "image_end_keyed": True,
         "generation": ["kv_cache_config", "KVCacheBlocks", "manager"],
-        "not_applicable": [_NAMES],
+        "not_applicable": [_NAMES, _HIT_LIMIT],
         "on": _CONFORMS,
         "off": _CONFORMS,
         "salt": _CONFORMS,
@@ -186,7 +188,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.10.2": {
         "image_end_keyed": True,
         "generation": ["kv_cache_config", "KVCacheBlocks", "request"],
-        "not_applicable": [_NAMES],
+        "not_applicable": [_NAMES, _HIT_LIMIT],
         "on": _CONFORMS,
         "off": _CONFORMS,
         "salt": _CONFORMS,
@@ -196,7 +198,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "0.33.0": {
         "image_end_keyed": False,
         "generation": ["kv_cache_config", "KVCacheBlocks", "request"],
-        "not_applicable": [],
+        "not_applicable": [_HIT_LIMIT],
         "on": _CONFORMS,
         "off": _CONFORMS,
         "salt": _CONFORMS,
@@ -809,12 +811,11 @@ def test_events_and_hit_statistics_at_the_request_level_on_vllm_0_33() -> None:
         "preempted_queries=10, preempted_hits=8), connector=CacheCounters(requests=0, queries=0, hits=0, "
         "preempted_requests=0, preempted_queries=0, preempted_hits=0), num_resets=1)"
     )
-    # Finding: with caching off vLLM 0.33 counts no request (prefix_cache_lookup_enabled is False, so the
-    # scheduler's record_prefix_cache_stats returns); the spec counts the admission, with no hit.
+    # With caching off no lookup runs, and neither vLLM 0.33 (prefix_cache_lookup_enabled is False, so the
+    # scheduler's record_prefix_cache_stats returns) nor the spec counts the request locally.
     off = out["caching_off"]
-    assert (off["verdict"], off["step"], off["op"]) == ("diverges", 2, "allocate_slots"), off
-    assert "local.requests: spec 1 vs implementation 0; local.queries: spec 10 vs implementation 0" in off["message"]
-    assert off["replayed"] == ["diverges", 2], off
+    assert off["verdict"] == "conforms", off
+    assert "local=CacheCounters(requests=0, queries=0, hits=0," in off["stats"], off
     # Finding: a request in kv_cache_report_mode "full" (read with getattr; nothing in vLLM 0.33 sets it)
     # makes B's lookup publish its hit blocks as stored again: a reference-counting router then holds each
     # of them twice, with one block each in the table (event_mirror_exact breaks).
@@ -824,6 +825,72 @@ def test_events_and_hit_statistics_at_the_request_level_on_vllm_0_33() -> None:
     ), full
     assert "stored h1 h2 (parent -" in full["message"], full
     assert full["replayed"] == ["diverges", 3], full
+
+
+# vLLM 0.34's request hit limit and get_num_cached_tokens, in lock-step with the spec (events and hit
+# statistics checked), caching on and off. Block size 4, 10 blocks: A (10 tokens) runs; a probe of its tokens
+# with no limit, a limit of 4 and a limit of 0; L (A's tokens, limit 5) is admitted on a one-block hit; Z (limit
+# 0: it skips the cache) is admitted with no lookup, and is not counted in the local statistics.
+_HIT_LIMIT_SCRIPT = r"""
+import json, logging
+logging.disable(logging.WARNING)
+from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+from kvspec.conformance.targets.vllm.factories import make_installed_adapter
+from kvspec.spec.manager import Request
+
+TOKENS = tuple(range(10))
+
+
+def run(caching):
+    config = AdapterConfig(level="manager", num_gpu_blocks=10, block_size=4, enable_caching=caching, events=True)
+    lock = LockStep(make_installed_adapter, config)
+    out = {"results": [], "not_applicable": sorted(lock.adapter.not_applicable)}
+
+    def step(op, *args):
+        result = lock.call(op, *args).result
+        lock.check()
+        out["results"].append(result)
+        return result
+
+    def admit(request):
+        blocks, n = step("get_computed_blocks", request)
+        step("allocate_slots", request, len(request.token_ids) - n, n, blocks, 0)
+
+    try:
+        lock.check()
+        admit(Request("A", TOKENS))
+        for limit in (None, 4, 0):
+            step("get_num_cached_tokens", Request("P", TOKENS, prefix_cache_hit_limit=limit))
+        admit(Request("L", TOKENS, prefix_cache_hit_limit=5))
+        admit(Request("Z", TOKENS, prefix_cache_hit_limit=0))
+        out["verdict"] = "conforms"
+        out["stats"] = repr(lock.adapter.prefix_cache_stats().local)
+    except ConformanceFailure as f:
+        out.update(verdict=f.failure.kind.value, step=f.failure.step, message=f.failure.message)
+    return out
+
+
+print(json.dumps({"on": run(True), "off": run(False)}))
+"""
+
+
+def test_the_request_hit_limit_and_get_num_cached_tokens_on_vllm_0_34() -> None:
+    python = ensure_venv("0.34.0", lambda msg: print(msg, file=sys.stderr))
+    proc = subprocess.run([str(python), "-c", _HIT_LIMIT_SCRIPT], capture_output=True, text=True, timeout=600,
+                          check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    on, off = out["on"], out["off"]
+    assert on["verdict"] == "conforms" and off["verdict"] == "conforms", out
+    assert _HIT_LIMIT not in on["not_applicable"], on
+    # A misses; the probe reads 8 cached tokens, with a limit of 4 too (vLLM bounds it by len - 1 alone), none
+    # with a limit of 0; L's limit of 5 lets one block hit; Z skips the lookup.
+    assert on["results"][0] == [[], 0] and on["results"][2:5] == [8, 8, 0], on
+    assert on["results"][5] == [[1], 4] and on["results"][7] == [[], 0], on
+    # Counted locally: A (no hit) and L (4 hit tokens); not Z, whose lookup did not run.
+    assert on["stats"].startswith("CacheCounters(requests=2, queries=20, hits=4,"), on
+    assert off["results"][2:5] == [0, 0, 0] and off["stats"].startswith("CacheCounters(requests=0,"), off
 
 
 # The findings' traces kept in tests/data/vllm_events (docs/reference/findings-vllm.md names each with its
@@ -861,9 +928,9 @@ FINDING_TRACES: dict[str, list[tuple[str, str, list[Any]]]] = {
                                                                "'LoRARequest' object has no attribute 'id'"]),
     ],  # fmt: skip
     "0.33.0": [
-        # Without caching vLLM 0.33 counts no request; the spec counts the admission, with no hit.
-        ("stats_without_caching-0.33.0.trace.jsonl", "vllm", ["diverges", 2, "allocate_slots", None,
-                                                               "local.requests: spec 1 vs implementation 0"]),
+        # Without caching vLLM 0.33 counts no request in its local statistics. Kept from when the spec counted
+        # the admission (a finding then): the spec counts only a request whose lookup ran, and it conforms.
+        ("stats_without_caching-0.33.0.trace.jsonl", "vllm", ["conforms"]),
         # kv_cache_report_mode "full": a lookup's hit blocks are published as stored again.
         ("full_report_mode-0.33.0.trace.jsonl", _FULL_REPORT, ["diverges", 3, "get_computed_blocks",
                                                                "event_mirror_exact", "published: stored h1 h2"]),
@@ -879,7 +946,11 @@ def test_the_events_findings_traces_replay_to_their_verdict(version: str) -> Non
                           check=False, env={**os.environ, **WORKER_ENV})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for name, _, (verdict, step, op, rule, words) in FINDING_TRACES[version]:
+    for name, _, expected in FINDING_TRACES[version]:
         got = out[name]
+        if expected == ["conforms"]:
+            assert got == expected, (name, got)
+            continue
+        verdict, step, op, rule, words = expected
         assert got[:4] == [verdict, step, op, rule], (name, got)
         assert words in got[4], (name, got)

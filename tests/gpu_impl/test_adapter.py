@@ -55,5 +55,5 @@ def test_events_are_built_on_when_the_config_asks():
         assert off.reset_prefix_cache() and off.take_events() == [], level
     manager = make_adapter(AdapterConfig("manager", 8, block_size=2, device="cpu"))
     # the request level's optional operations, every one
-    assert capabilities(manager) == {"evict_blocks", "reset_prefix_cache", "cache_blocks"}
+    assert capabilities(manager) == {"evict_blocks", "reset_prefix_cache", "cache_blocks", "get_num_cached_tokens"}
     assert manager.prefix_cache_stats() == PrefixCacheStats()

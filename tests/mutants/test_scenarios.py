@@ -403,6 +403,14 @@ def hit_cap_off_by_one(factory: Factory) -> None:
     s.do("allocate_slots", b, 4, 4, _ids(1), expect=_ids(3))
 
 
+def ignores_hit_limit(factory: Factory) -> None:
+    s = Steps(factory, "manager")
+    s.do("allocate_slots", Request("a", _tokens(0, 9)), 9, expect=_ids(1, 2, 3))
+    # b's limit of 6 tokens (prompt scoring from row 6) lets one block of the two cached be hit; 0 lets none.
+    s.do("get_computed_blocks", Request("b", _tokens(0, 9), prefix_cache_hit_limit=6), expect=(_ids(1), 4))
+    s.do("get_computed_blocks", Request("c", _tokens(0, 9), prefix_cache_hit_limit=0), expect=([], 0))
+
+
 def partial_block_hashed(factory: Factory) -> None:
     s = Steps(factory, "manager")
     a = Request("a", _tokens(0, 10))
@@ -634,6 +642,13 @@ def external_counted_as_local(factory: Factory) -> None:
     s.counted(PrefixCacheStats(CacheCounters(1, 9, 0), CacheCounters(1, 9, 4)))
 
 
+def skipped_lookup_counted(factory: Factory) -> None:
+    s = Steps(factory, "manager", enable_caching=False, events=True)
+    s.do("allocate_slots", Request("a", _tokens(0, 9)), 9, expect=_ids(1, 2, 3))
+    # No lookup ran without caching: the local cache was asked nothing; the connector counts the admission.
+    s.counted(PrefixCacheStats(CacheCounters(), CacheCounters(1, 9, 0)))
+
+
 def free_evicts_cached_blocks(factory: Factory) -> None:
     s = Steps(factory)
     s.do("get_new_blocks", 2, expect=_ids(1, 2))
@@ -737,6 +752,10 @@ SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
     "stored_with_wrong_parent": (stored_with_wrong_parent, r"step 2 allocate_slots.* published \[BlockStored"),
     "preempted_counted_as_new": (preempted_counted_as_new, r"statistics after step 4: .*requests=2"),
     "external_counted_as_local": (external_counted_as_local, r"statistics after step 1: .*hits=4"),
+    "skipped_lookup_counted": (
+        skipped_lookup_counted, r"statistics after step 1: PrefixCacheStats\(local=CacheCounters\(requests=1, "
+    ),
+    "ignores_hit_limit": (ignores_hit_limit, r"step 2 get_computed_blocks.* returned \(\[1, 2\], 8\)"),
     "free_evicts_cached_blocks": (free_evicts_cached_blocks, r"state after step 3: blocks by hash \[\], "),
     "caches_with_caching_off": (
         caches_with_caching_off,

@@ -77,7 +77,14 @@ counters live in vLLM's ``Scheduler``, not its manager: declared
 adapter has what the manager has: ``reset_prefix_cache`` (every release),
 ``evict_blocks`` (0.24 and 0.33 of those measured) and the scheduler's hit
 cap ``max_cache_hit_length`` in ``get_computed_blocks`` (0.33): an adapter
-without it has no such parameter, so the harness draws no cap.
+without it has no such parameter, so the harness draws no cap; and 0.34's
+``get_num_cached_tokens``. From 0.34 a ``Request`` carries its own bound on
+its hit (``prefix_cache_hit_limit``, read from its sampling parameters):
+the adapter gives the harness's limit through vLLM's own route (0:
+``skip_reading_prefix_cache=True``; N: prompt scoring from row N,
+``prompt_logprob_start=N``), and the manager's ``record_prefix_cache_stats``
+leaves a request whose lookup did not run out of the statistics, as the spec
+does. Before 0.34 it is declared ``not_applicable["prefix cache hit limit"]``.
 
 Hash values are vLLM's own (``sha256``/``sha256_cbor`` from 0.10.1, else the
 manager's ``caching_hash_algo``, else builtin ``hash()``), the function the
@@ -135,6 +142,7 @@ from dataclasses import replace
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig, KVCacheManagerAdapter, LevelNotProvided
+from kvspec.conformance.core.operations import HIT_LIMIT
 from kvspec.conformance.core.reactions import NotExpressible, Reaction
 from kvspec.conformance.targets.vllm.adapter import VllmRelease, has_null_block, installed_release, pool_snapshot
 from kvspec.conformance.targets.vllm.events import EventTranslator, StatsSum, event_facts, fields_not_published
@@ -240,7 +248,10 @@ class VllmManagerAdapter:
         self.manager: Any = self._layout_manager(manager_cls, config.num_gpu_blocks - self._offset)
         self._pool: Any = self.manager.block_pool
         self._block_hasher: Any = self._request_block_hasher() if self.hashes == "request" else None
-        self._sampling_params = mod("vllm.sampling_params").SamplingParams(max_tokens=1)
+        self._sampling_params_cls = mod("vllm.sampling_params").SamplingParams
+        self._sampling_params = self._sampling_params_cls(max_tokens=1)
+        # Whether a Request carries a hit limit (0.34.0 on, releases.py's request_hit_limit), read from the code.
+        self._takes_hit_limit = hasattr(self._request_cls, "get_prefix_cache_hit_limit")
         self._lora_cls = mod("vllm.lora.request").LoRARequest
         self._lora_ids: dict[str, int] = {}  # vLLM wants an int id per adapter; stable per name
         self._allocate_params = inspect.signature(self.manager.allocate_slots).parameters
@@ -333,6 +344,11 @@ class VllmManagerAdapter:
                 "registers every full block, as the spec does); its engine resolves 0 by default, under which "
                 "a sliding-window group registers only the blocks a hit at the prompt's replay boundary or at a "
                 "shared-prefix junction reads; that branch is not run"
+            )
+        if not self._takes_hit_limit:
+            not_applicable[HIT_LIMIT.name] = (
+                f"{release.label}'s Request has no prefix_cache_hit_limit (added in 0.34.0): no request with a "
+                "hit limit is sent"
             )
         if self._scheduler_caps_hit:
             not_applicable["get_computed_blocks: len-1 cap in the manager"] = (
@@ -513,7 +529,7 @@ class VllmManagerAdapter:
                 "request_id": request.request_id,
                 "prompt": None,  # the prompt text (0.8.0 to 0.8.4); blocks are keyed by token ids
                 "prompt_token_ids": list(request.token_ids),
-                "sampling_params": self._sampling_params,
+                "sampling_params": self._sampling_params_for(request),
                 "pooling_params": None,
                 "eos_token_id": None,
                 "arrival_time": 0.0,
@@ -532,6 +548,34 @@ class VllmManagerAdapter:
         if len(tokens) > len(known):
             running.append_output_token_ids(tokens[len(known) :])
         return running
+
+    def _sampling_params_for(self, request: Request) -> Any:
+        """The SamplingParams that give the vLLM Request the harness request's hit limit, by vLLM's own route.
+
+        0: ``skip_reading_prefix_cache=True`` (a request that must not read
+        the cache). N: prompt scoring from row N (``prompt_logprobs=0``,
+        ``prompt_logprob_start=N``) with ``skip_reading_prefix_cache=False``,
+        which vLLM's ``get_prefix_cache_hit_limit`` reads as N. None: no
+        bound. A release without the limit cannot carry one: with caching
+        off the limit bounds nothing (no lookup runs), so the request is the
+        same without it; with caching on it cannot be sent.
+
+        Raises:
+            NotExpressible: a hit limit, caching on, on a release whose Request has none.
+        """
+        limit = request.prefix_cache_hit_limit
+        if limit is None or not (self._takes_hit_limit or self.config.enable_caching):
+            return self._sampling_params
+        if not self._takes_hit_limit:
+            raise NotExpressible(
+                f"{self.release.label}: its Request has no prefix_cache_hit_limit (added in 0.34.0); "
+                f"request_id={request.request_id!r} with prefix_cache_hit_limit={limit!r} cannot be sent"
+            )
+        if limit == 0:
+            return self._sampling_params_cls(max_tokens=1, skip_reading_prefix_cache=True)
+        return self._sampling_params_cls(
+            max_tokens=1, prompt_logprobs=0, prompt_logprob_start=limit, skip_reading_prefix_cache=False
+        )
 
     # -- translation ---------------------------------------------------------
 
@@ -798,6 +842,14 @@ class _EvictBlocks(VllmManagerAdapter):
         self.manager.evict_blocks({b - self._offset for b in block_ids})
 
 
+class _NumCachedTokens(VllmManagerAdapter):
+    """``get_num_cached_tokens(request)`` (0.34.0 on): a probe of the cache that takes nothing."""
+
+    def get_num_cached_tokens(self, request: Request) -> int:
+        """vLLM's ``get_num_cached_tokens`` for the request's vLLM Request (the running one, if it runs)."""
+        return int(self.manager.get_num_cached_tokens(self._vllm_request(request)))
+
+
 class _HitCap(VllmManagerAdapter):
     """``get_computed_blocks(request, max_cache_hit_length)``: the scheduler's cap (0.33 of the releases measured)."""
 
@@ -901,6 +953,8 @@ def make_manager_adapter(release: VllmRelease, config: AdapterConfig, *, stats: 
         mixins.append(_EvictBlocks)
     if "max_cache_hit_length" in inspect.signature(cls.get_computed_blocks).parameters:
         mixins.append(_HitCap)
+    if callable(getattr(cls, "get_num_cached_tokens", None)):
+        mixins.append(_NumCachedTokens)
     one_group = len(parse_groups(config.groups)) == 1
     no_group_events = False
     if config.events and "enable_kv_cache_events" in params:

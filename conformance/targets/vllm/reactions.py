@@ -165,6 +165,15 @@ _MANAGER_REACTIONS: dict[str, list[tuple[str, _Entry]]] = {
     "allocate_slots: delay without an external load": [("0.8.0", None)],
     "cache_blocks: not running": [("0.8.0", None)],
     "cache_blocks: tokens out of range": [("0.8.0", None)],
+    # Not measured: a negative hit limit (a request's prefix_cache_hit_limit, 0.34 on; vLLM derives it from
+    # its sampling parameters, which refuse a negative start) and the mistakes of 0.34's get_num_cached_tokens
+    # are not declared, so none of them is sent.
+    "get_computed_blocks: bad hit limit": [("0.8.0", None)],
+    "allocate_slots: bad hit limit": [("0.8.0", None)],
+    "get_num_cached_tokens: no id": [("0.8.0", None)],
+    "get_num_cached_tokens: no tokens": [("0.8.0", None)],
+    "get_num_cached_tokens: bad hit limit": [("0.8.0", None)],
+    "get_num_cached_tokens: misplaced images": [("0.8.0", None)],
 }
 # 0.8.x with caching off frees a request's blocks head first, a divergence every
 # campaign reaches before its mistakes (test_vllm_manager.py): nothing measured, nothing declared.
