@@ -3,8 +3,9 @@
 `run_check` runs the state machine of one level against one implementation
 and returns a `CheckResult`: the verdict, how much was run, what the run
 reached, and for a failure the shrunk trace (saved as a file) and its story.
-`replay` re-runs a saved trace; `make_conformance_test` wraps `run_check` as
-a unittest class. The work itself runs in parts, each in its module:
+`replay` re-runs a saved trace (`make_conformance_test`, in
+kvspec.conformance.runner.testcase, wraps `run_check` as a unittest class).
+The work itself runs in parts, each in its module:
 
 - kvspec.conformance.runner.registry: from an implementation's name to its factory;
 - kvspec.conformance.runner.isolation: the forked child that survives any crash or hang;
@@ -24,23 +25,26 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-import unittest
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hypothesis import settings
-
 from kvspec.conformance.core.coverage import expected_branches, reachable_branches
 from kvspec.conformance.core.report import render_story
-from kvspec.conformance.core.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
+from kvspec.conformance.core.results import (
+    CampaignReport,
+    CheckResult,
+    Failure,
+    Verdict,
+    inconclusive_why,
+    unreached_why,
+)
 from kvspec.conformance.core.run_config import AUTO, DEFAULT_TRACE_DIR, ConfigError, Configuration, RunConfig
 from kvspec.conformance.core.trace import Trace, dumps_trace, read_trace
 from kvspec.conformance.runner.campaign import run_campaign
 from kvspec.conformance.runner.isolation import Death, Progress, run_isolated, run_isolated_jobs
 from kvspec.conformance.runner.jobs import decides, job_plans, merged
 from kvspec.conformance.runner.minimize import shrink_by_replay, trace_from_death
-from kvspec.conformance.runner.registry import Factory, FactoryError, factory_name, load_factory
+from kvspec.conformance.runner.registry import Factory, FactoryError, load_factory
 from kvspec.conformance.runner.replaying import replay_example
 
 __all__ = [
@@ -51,7 +55,6 @@ __all__ = [
     "Verdict",
     "check_configuration",
     "load_factory",
-    "make_conformance_test",
     "replay",
     "replay_configured",
     "run_check",
@@ -91,8 +94,13 @@ def _check_result(report: CampaignReport, c: Configuration, failure: Failure | N
     expected = reachable_branches(c.level, branches, coverage, report.not_exercised, report.absent_ops)
     verdict, message = report.verdict, report.message
     asked = None if c.is_replay else run.max_examples
-    # No verdict without work: a run that checked (almost) nothing says so instead of "conforms".
-    why = inconclusive_why(report.examples, report.steps, asked) if verdict is Verdict.CONFORMS else None
+    # No verdict without work: a run that checked (almost) nothing, or left a branch the implementation
+    # can reach unreached, says so instead of "conforms". A replay reaches what its one trace reaches.
+    why = None
+    if verdict is Verdict.CONFORMS:
+        why = inconclusive_why(report.examples, report.steps, asked) or (
+            None if c.is_replay else unreached_why(expected, coverage)
+        )
     if why is not None:
         verdict, message = Verdict.INCONCLUSIVE, why + (f" ({message})" if message else "")
     return CheckResult(
@@ -207,7 +215,7 @@ def run_check(
     minimize_s: float = 30.0,
     device: str | None = None,
     shrink: bool = True,
-    cover_rounds: int = 0,
+    cover_rounds: int = 3,
     progress: Progress | None = None,
     groups: str = "full",
     events: bool = False,
@@ -263,9 +271,11 @@ def check_configuration(
         except FactoryError as e:
             return _could_not_run(str(e), configuration)
     chosen: Factory = factory
-    works = [lambda fd, hb, p=p: run_campaign(chosen, p, fd, hb) for p in job_plans(configuration)]
+    plans = job_plans(configuration)
+    works = [lambda fd, hb, p=p: run_campaign(chosen, p, fd, hb) for p in plans]
     outcomes = run_isolated_jobs(works, run.step_timeout_s, run.isolate, progress, stops_later_jobs=decides)
-    return _result(merged(outcomes, time.monotonic() - started), chosen, configuration, started)
+    report = merged(outcomes, time.monotonic() - started, [p.max_examples for p in plans])
+    return _result(report, chosen, configuration, started)
 
 
 def replay(
@@ -329,64 +339,3 @@ def replay_configured(trace: Trace | str | Path, factory: Factory | str, run: Ru
     impl, timeout = configuration.impl, run.step_timeout_s
     raw = run_isolated(lambda fd, hb: replay_example(t, chosen, impl, timeout, fd, hb), timeout, run.isolate)
     return _result(raw, chosen, configuration, started)
-
-
-def make_conformance_test(
-    factory: Factory,
-    level: str = "both",
-    enable_caching: bool | None = None,
-    profile: str = "vllm-v1",
-    max_examples: int | None = None,
-    seed: int = 0,
-    step_timeout_s: float | None = 10.0,
-    trace_dir: str | Path | None = None,
-    events: bool = False,
-) -> type[unittest.TestCase]:
-    """A `unittest.TestCase` class that checks `factory`'s adapters against the spec.
-
-    One test per level and caching mode (`test_pool_caching_on`, ...). Each runs
-    `run_check` in a child process; a failure fails the test with the short
-    story, and the trace is saved (in `trace_dir`, default ./kvspec-traces).
-    A level the adapter does not provide is a skipped test; a run that checked
-    too little to conclude fails with the reason. The story's replay line names
-    the factory (`registry.factory_name`: "file.py:function" for a top-level
-    module's function), so pasted in the folder the tests ran in, it replays.
-
-    Args:
-        factory: builds an adapter from an `AdapterConfig`.
-        level: "pool", "manager" or "both".
-        enable_caching: True or False for one mode; None for both.
-        profile: the ordering profile the implementation claims.
-        max_examples: per test; None takes the active Hypothesis profile's.
-        seed: the campaign's seed.
-        step_timeout_s: the most one implementation call may take.
-        trace_dir: where failure traces are saved.
-        events: check the KV cache events and hit statistics too (`kvspec check --events`).
-
-    Raises:
-        ValueError: level is not "pool", "manager" or "both".
-    """
-    if level not in ("pool", "manager", "both"):
-        raise ValueError(f"level must be 'pool', 'manager' or 'both'; got level={level!r}")
-    levels = ("pool", "manager") if level == "both" else (level,)
-    modes = (True, False) if enable_caching is None else (enable_caching,)
-    impl = factory_name(factory)
-
-    def make_test(lv: str, caching: bool) -> Callable[[unittest.TestCase], None]:
-        def test(self: unittest.TestCase) -> None:
-            n = max_examples if max_examples is not None else settings().max_examples
-            result = run_check(factory, level=lv, enable_caching=caching, profile=profile, max_examples=n,
-                               seed=seed, step_timeout_s=step_timeout_s, trace_dir=trace_dir, impl=impl,
-                               events=events)  # fmt: skip
-            if result.verdict is Verdict.NOT_APPLICABLE:
-                self.skipTest(f"{lv} level not provided: {result.message}")
-            if result.verdict is not Verdict.CONFORMS:
-                self.fail(result.failure.story if result.failure is not None else f"{result.verdict}: {result.message}")
-
-        test.__name__ = f"test_{lv}_caching_{'on' if caching else 'off'}"
-        test.__doc__ = f"The {lv} level conforms to the spec (profile {profile}, caching {'on' if caching else 'off'})."
-        return test
-
-    attrs: dict[str, Any] = {make_test(lv, c).__name__: make_test(lv, c) for lv in levels for c in modes}
-    name = getattr(factory, "__name__", type(factory).__name__)
-    return type(f"Conformance_{name}", (unittest.TestCase,), attrs)

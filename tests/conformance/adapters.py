@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
+from kvspec.mutants._base import ListFreeKVCacheBlockQueue, ListQueuePool
+from kvspec.reference.free_queue import KVCacheBlock
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
@@ -154,6 +156,23 @@ class HangInC(ReferencePoolAdapter):
         return super().reset_prefix_cache()
 
 
+class _RightEndQueue(ListFreeKVCacheBlockQueue):
+    """A free queue whose blocks are handed out from the wrong end: the right (most recently freed) first."""
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        taken = self._blocks[len(self._blocks) - n :][::-1]
+        del self._blocks[len(self._blocks) - n :]
+        return taken
+
+
+class TakesFromTheRightEnd(ListQueuePool):
+    """The reference pool, but get_new_blocks takes blocks from the right end of the free queue."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__(config)
+        self.free_block_queue = _RightEndQueue(self.free_block_queue)  # type: ignore[assignment]
+
+
 class NoFreeBlocks:
     """A pool adapter that forgot free_blocks."""
 
@@ -213,6 +232,7 @@ make_crash_on_long_free = pool_only(CrashOnLongFree)
 make_segfault_on_touch = pool_only(SegfaultOnTouch)
 make_hang_on_reset = pool_only(HangOnReset)
 make_hang_in_c = pool_only(HangInC)
+make_takes_from_the_right_end = pool_only(TakesFromTheRightEnd)
 make_hit_past_cap = manager_only(HitPastCap)
 make_other_hash_function = manager_only(OtherHashFunction)
 

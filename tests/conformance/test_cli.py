@@ -23,7 +23,7 @@ def test_check_on_the_reference_prints_one_screen_and_exits_0(tmp_path, capsys):
             "--caching",
             "on",
             "--max-examples",
-            "20",
+            "100",
             "--junit",
             str(junit),
             "--trace-dir",
@@ -33,7 +33,7 @@ def test_check_on_the_reference_prints_one_screen_and_exits_0(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     lines = out.splitlines()
-    assert lines[0] == "kvspec check: profile vllm-v1, seed 0, 20 examples x up to 50 steps per configuration"
+    assert lines[0] == "kvspec check: profile vllm-v1, seed 0, 100 examples x up to 50 steps per configuration"
     assert lines[1].split() == [
         "implementation",
         "level",

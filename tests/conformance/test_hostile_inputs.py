@@ -39,16 +39,23 @@ def _state(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def answers_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """Run kvspec in a folder of its own; assert exit 2, one line on stderr that says ``says``, nothing changed."""
+    """Run kvspec in a folder of its own; assert exit 2, one line on stderr that says ``says``, nothing changed.
+
+    With ``exits=1`` (the implementation is wrong): exit 1, nothing on stderr, and ``says`` in the story's
+    line that names what failed ("what failed: ...").
+    """
     monkeypatch.chdir(tmp_path)
 
-    def check(argv: list[str], says: str) -> None:
+    def check(argv: list[str], says: str, exits: int = 2) -> None:
         before = _state(tmp_path)
         code = main(argv)
         out, err = capsys.readouterr()
-        lines = err.strip().splitlines()
-        assert code == 2, (argv, out, err)
-        assert len(lines) == 1 and says in lines[0], err
+        assert code == exits, (argv, out, err)
+        if exits == 2:
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and says in lines[0], err
+        else:
+            assert not err.strip() and [line for line in out.splitlines() if says in line], out
         assert "Traceback" not in out + err
         assert _state(tmp_path) == before, "a file was created or changed"
 
@@ -122,3 +129,17 @@ def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path, command: li
     said = f"kvspec {command[0]}: the output was closed before the command finished"
     assert proc.stderr.strip().splitlines() == [said]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".cache"] or list(tmp_path.iterdir()) == []
+
+
+ADAPTERS = "tests.conformance.adapters"
+
+
+@pytest.mark.parametrize("caching", ["off", "on"])
+def test_a_wrong_pool_is_never_conforms_under_ten_jobs_of_one_example(tmp_path_factory, answers_in_one_line,
+                                                                     caching) -> None:  # fmt: skip
+    # It said "conforms": ten jobs of one example each ran ten trivial examples (a seed's first example is its
+    # simplest). The floor of examples holds per job, so this is one job of ten examples, and it diverges.
+    traces = tmp_path_factory.mktemp("traces")
+    answers_in_one_line(["check", "--impl", f"{ADAPTERS}:make_takes_from_the_right_end", "--level", "pool",
+                         "--caching", caching, "--jobs", "10", "--max-examples", "10", "--trace-dir", str(traces)],
+                        "what failed: ", exits=1)  # fmt: skip

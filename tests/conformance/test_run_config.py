@@ -128,6 +128,6 @@ def test_a_refused_flag_is_one_line_exit_2_and_nothing_created(args, line, tmp_p
 
 def test_a_device_this_machine_has_is_taken(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code = main(["check", "--impl", "reference", "--level", "pool", "--caching", "on", "--max-examples", "5",
-                 "--cover-rounds", "0", "--device", "cpu"])  # fmt: skip
+    code = main(["check", "--impl", "reference", "--level", "pool", "--caching", "on", "--max-examples", "100",
+                 "--device", "cpu"])  # fmt: skip
     assert code == 0, capsys.readouterr()

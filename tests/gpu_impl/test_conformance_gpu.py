@@ -15,7 +15,8 @@ import pytest
 
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.coverage import EVENT_BRANCHES, MANAGER_EVENT_BRANCHES
-from kvspec.conformance.runner.run import make_conformance_test, run_check
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.runner.testcase import make_conformance_test
 from kvspec.gpu_impl.adapter import make_adapter
 
 
