@@ -122,7 +122,7 @@ class RunConfig:
     shrink: bool = True  # shrink a failure Hypothesis found; False: report it as found
     minimize_s: float = 30.0  # time to cut down a trace a dead or hung process left (0: not cut)
     isolate: bool = True  # run each campaign in a child process (crash- and hang-proof)
-    trace_dir: Path = DEFAULT_TRACE_DIR  # where failure traces go (created when one is written)
+    trace_dir: Path | None = DEFAULT_TRACE_DIR  # where failure traces go (created when one is written); None: not saved
     html_dir: Path | None = None  # also write a step-through page of each failure trace here
     junit: Path | None = None  # also write a JUnit XML report here
     json: Path | Literal["-"] | None = None  # also write the summary as JSON here ("-": stdout)
@@ -303,9 +303,7 @@ _NOT_WITH_AUTO = ("steps", "step_timeout_s", "device", "groups", "events", "cove
 
 def _output_problems(config: RunConfig) -> Iterator[ConfigError]:
     """The outputs: paths (checked for writing by whoever parses them) and the example database."""
-    if not isinstance(config.trace_dir, Path):
-        yield _typed("trace_dir", config.trace_dir, "a Path")
-    for name in ("html_dir", "junit"):
+    for name in ("trace_dir", "html_dir", "junit"):
         if getattr(config, name) is not None and not isinstance(getattr(config, name), Path):
             yield _typed(name, getattr(config, name), "a Path or None")
     if config.json is not None and config.json != "-" and not isinstance(config.json, Path):

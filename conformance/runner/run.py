@@ -39,13 +39,13 @@ from kvspec.conformance.core.results import (
     unreached_why,
 )
 from kvspec.conformance.core.run_config import AUTO, DEFAULT_TRACE_DIR, ConfigError, Configuration, RunConfig
-from kvspec.conformance.core.trace import Trace, dumps_trace, read_trace
+from kvspec.conformance.core.trace import Trace, dumps_trace
 from kvspec.conformance.runner.campaign import run_campaign
 from kvspec.conformance.runner.isolation import Death, Progress, run_isolated, run_isolated_jobs
 from kvspec.conformance.runner.jobs import decides, job_plans, merged
 from kvspec.conformance.runner.minimize import shrink_by_replay, trace_from_death
 from kvspec.conformance.runner.registry import Factory, FactoryError, load_factory
-from kvspec.conformance.runner.replaying import replay_example
+from kvspec.conformance.runner.replaying import load_sendable, replay_example
 
 __all__ = [
     "DEFAULT_TRACE_DIR",
@@ -73,11 +73,12 @@ def _save(text: str, trace_dir: Path, stem: str) -> str:
 
 
 def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
-    """The trace's failure with its trace saved and its story told."""
+    """The trace's failure with its story told, and its trace saved where the run saves traces (if it does)."""
     assert trace.failure is not None and trace.verdict is not None, "only a failing trace is reported"
     verdict = trace.verdict
     stem = f"{verdict}-{c.level}" if verdict in (Verdict.CRASHED, Verdict.HUNG) else f"failure-{c.level}"
-    path = _save(dumps_trace(trace), c.run.trace_dir, stem)
+    trace_dir = c.run.trace_dir
+    path = _save(dumps_trace(trace), trace_dir, stem) if trace_dir is not None else None
     story = render_story(trace, path, c.impl)
     if not is_shrunk:
         story += "\n(not shrunk: the process died or hung, and no shorter trace reproduced it in time)"
@@ -155,7 +156,7 @@ def _result(raw: CampaignReport | Death, factory: Factory, c: Configuration, sta
     failure = _reported(trace, c, is_shrunk) if trace is not None else None
     seconds = time.monotonic() - started if died or (trace is not None and must_shrink) else report.seconds
     result = _check_result(report, c, failure, seconds)
-    if report.deepest is not None:
+    if report.deepest is not None and run.trace_dir is not None:
         caching = "on" if c.enable_caching else "off"
         text = dumps_trace(dataclasses.replace(report.deepest, verdict=Verdict.CONFORMS))
         result.deepest_trace_path = _save(text, run.trace_dir, f"deepest-{c.level}-caching-{caching}")
@@ -290,7 +291,8 @@ def replay(
 ) -> CheckResult:
     """Re-run a recorded trace on an implementation, checking every step as the machine does.
 
-    `device`, when given, replaces the device the trace was recorded on.
+    `device`, when given, replaces the device the trace was recorded on. The replay's own trace (its
+    failure, as it went this time) is saved only in `trace_dir`, when given: the caller has the trace.
 
     Raises:
         MalformedTrace: the trace file cannot be read.
@@ -299,7 +301,7 @@ def replay(
     name = impl or (factory if isinstance(factory, str) else None)
     run = replay_record(
         impls=(name,) if name else (), step_timeout_s=step_timeout_s, isolate=isolate, device=device,
-        trace_dir=Path(trace_dir) if trace_dir is not None else DEFAULT_TRACE_DIR,
+        trace_dir=Path(trace_dir) if trace_dir is not None else None,
     )  # fmt: skip
     return replay_configured(trace, factory, run)
 
@@ -318,10 +320,11 @@ def replay_configured(trace: Trace | str | Path, factory: Factory | str, run: Ru
     are the trace's, and its device unless the record names one.
 
     Raises:
-        MalformedTrace: the trace file cannot be read.
+        MalformedTrace: the trace file cannot be read, or one of its steps is not one a campaign could
+            have sent (`replaying.load_sendable`; a `Trace` built in Python is the caller's to vouch for).
     """
     started = time.monotonic()
-    t = trace if isinstance(trace, Trace) else read_trace(trace)
+    t = trace if isinstance(trace, Trace) else load_sendable(trace)
     if run.device is not None:
         t = dataclasses.replace(t, config=dataclasses.replace(t.config, device=run.device))
     c = t.config

@@ -143,3 +143,46 @@ def test_a_wrong_pool_is_never_conforms_under_ten_jobs_of_one_example(tmp_path_f
     answers_in_one_line(["check", "--impl", f"{ADAPTERS}:make_takes_from_the_right_end", "--level", "pool",
                          "--caching", caching, "--jobs", "10", "--max-examples", "10", "--trace-dir", str(traces)],
                         "what failed: ", exits=1)  # fmt: skip
+
+
+def _step(index: int, op: str, args: list, **more: object) -> str:
+    return json.dumps({"step": index, "op": op, "args": args, **more})
+
+
+@pytest.mark.parametrize(
+    ("steps", "says"),
+    [
+        ([_step(1, "get_new_blocks", ["abc"])], "step 1 get_new_blocks(num_blocks='abc') is a caller mistake"),
+        ([_step(1, "get_new_blocks", [1]), _step(2, "free_blocks", [[10**30]])], "wider than 64 bits"),
+        ([_step(1, "get_new_blocks", [1]), _step(2, "touch", [[-1]])], "that the trace does not record as one"),
+        ([_step(1, "get_new_blocks", [1]), _step(2, "free_blocks", [[1]]), _step(3, "free_blocks", [[1]])],
+         "step 3 free_blocks(block_ids=[1]) is a caller mistake (DoubleFree"),
+        ([_step(1, "get_new_blocks", [1], mistake="get_new_blocks: bad count")],
+         "records the mistake 'get_new_blocks: bad count', but the spec accepts the call"),
+    ],
+)  # fmt: skip
+def test_replay_refuses_a_step_no_campaign_could_have_sent(tmp_path, answers_in_one_line, steps, says) -> None:
+    # Checked when the trace is loaded, before the implementation is built or sent anything.
+    path = _trace(tmp_path, *steps)
+    answers_in_one_line(["replay", str(path)], says)
+
+
+def test_replay_sends_a_mistake_the_trace_records(tmp_path: Path, monkeypatch, capsys) -> None:
+    # The same double free, recorded as the caller mistake it is: sent, and the reference rejects it as the spec does.
+    monkeypatch.chdir(tmp_path)
+    free = _step(3, "free_blocks", [[1]], mistake="free_blocks: double free")
+    path = _trace(tmp_path, _step(1, "get_new_blocks", [1]), _step(2, "free_blocks", [[1]]), free)
+    assert main(["replay", str(path)]) == 0
+    assert "verdict: conforms" in capsys.readouterr().out
+
+
+def test_a_replay_writes_no_trace_unless_asked(tmp_path: Path, monkeypatch, capsys) -> None:
+    # A replay that diverges (exit 1) leaves the folder it ran in as it was: the trace replayed is the record.
+    monkeypatch.chdir(tmp_path)
+    old_traces = Path(__file__).resolve().parents[1] / "data" / "traces_before_the_split"
+    recorded = old_traces / "double_free_ignored.trace.jsonl"
+    assert main(["replay", str(recorded)]) == 1
+    assert "verdict: diverges" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    assert main(["replay", str(recorded), "--trace-dir", "kept"]) == 1
+    assert [p.parent.name for p in tmp_path.rglob("*.trace.jsonl")] == ["kept"]
