@@ -104,11 +104,15 @@ def replay_example(
     step_timeout_s: float | None,
     stream_fd: int | None,
     heartbeat: Any,
+    build_timeout_s: float | None = None,
 ) -> CampaignReport:
-    """Run `trace`'s steps on a fresh adapter; the verdict, and the example as it went this time."""
+    """Run `trace`'s steps on a fresh adapter; the verdict, and the example as it went this time.
+
+    `build_timeout_s`: the most building the adapter may take (None: the step limit).
+    """
     start = time.monotonic()
     observer = Observer()
-    watch = StepWatch(step_timeout_s, stream_fd, heartbeat, impl)
+    watch = StepWatch(step_timeout_s, stream_fd, heartbeat, impl, build_timeout_s)
     undo = watch.install_alarm()
     lock: LockStep | None = None
     failure: Failure | None = None

@@ -38,9 +38,17 @@ from kvspec.conformance.core.results import (
     inconclusive_why,
     unreached_why,
 )
-from kvspec.conformance.core.run_config import AUTO, DEFAULT_TRACE_DIR, ConfigError, Configuration, RunConfig
+from kvspec.conformance.core.run_config import (
+    AUTO,
+    DEFAULT_BUILD_TIMEOUT_S,
+    DEFAULT_TRACE_DIR,
+    ConfigError,
+    Configuration,
+    RunConfig,
+    adapter_config,
+)
 from kvspec.conformance.core.trace import Trace, dumps_trace
-from kvspec.conformance.runner.campaign import run_campaign
+from kvspec.conformance.runner.campaign import PROBE_NUM_GPU_BLOCKS, run_campaign
 from kvspec.conformance.runner.isolation import Death, Progress, run_isolated, run_isolated_jobs
 from kvspec.conformance.runner.jobs import decides, job_plans, merged
 from kvspec.conformance.runner.minimize import shrink_by_replay, trace_from_death
@@ -140,7 +148,8 @@ def _result(raw: CampaignReport | Death, factory: Factory, c: Configuration, sta
     died, run = isinstance(raw, Death), c.run
     if isinstance(raw, Death):
         verdict = Verdict.HUNG if raw.hung else Verdict.CRASHED
-        rebuilt = trace_from_death(raw, c.impl, run.step_timeout_s)
+        built_with = adapter_config(c, PROBE_NUM_GPU_BLOCKS) if not c.is_replay else None  # what the probe built
+        rebuilt = trace_from_death(raw, c.impl, run.step_timeout_s, built_with, run.build_timeout_s)
         if rebuilt is None:
             report = CampaignReport(verdict, "the process died before its first step was written")
             return _check_result(report, c, None, time.monotonic() - started)
@@ -210,6 +219,7 @@ def run_check(
     trace_dir: str | Path | None = None,
     impl: str | None = None,
     steps_per_example: int = 50,
+    build_timeout_s: float | None = DEFAULT_BUILD_TIMEOUT_S,
     keep_deepest: bool = False,
     isolate: bool = True,
     database: Any = None,
@@ -244,7 +254,8 @@ def run_check(
         run = RunConfig(
             impls=(name,) if name else (), levels=(level,), caching=(enable_caching,), profile=profile,  # type: ignore[arg-type]
             groups=groups, events=events, device=device, max_examples=max_examples, steps=steps_per_example,
-            cover_rounds=cover_rounds, time_budget_s=time_budget_s, step_timeout_s=step_timeout_s, seed=seed,
+            cover_rounds=cover_rounds, time_budget_s=time_budget_s, step_timeout_s=step_timeout_s,
+            build_timeout_s=build_timeout_s, seed=seed,
             jobs=jobs, shrink=shrink, minimize_s=minimize_s, isolate=isolate, keep_deepest=keep_deepest,
             trace_dir=Path(trace_dir) if trace_dir is not None else DEFAULT_TRACE_DIR, database=database,
         )  # fmt: skip
@@ -288,6 +299,7 @@ def replay(
     trace_dir: str | Path | None = None,
     isolate: bool = True,
     device: str | None = None,
+    build_timeout_s: float | None = DEFAULT_BUILD_TIMEOUT_S,
 ) -> CheckResult:
     """Re-run a recorded trace on an implementation, checking every step as the machine does.
 
@@ -301,7 +313,7 @@ def replay(
     name = impl or (factory if isinstance(factory, str) else None)
     run = replay_record(
         impls=(name,) if name else (), step_timeout_s=step_timeout_s, isolate=isolate, device=device,
-        trace_dir=Path(trace_dir) if trace_dir is not None else None,
+        build_timeout_s=build_timeout_s, trace_dir=Path(trace_dir) if trace_dir is not None else None,
     )  # fmt: skip
     return replay_configured(trace, factory, run)
 
@@ -339,6 +351,6 @@ def replay_configured(trace: Trace | str | Path, factory: Factory | str, run: Ru
         except FactoryError as e:
             return _could_not_run(str(e), configuration)
     chosen: Factory = factory
-    impl, timeout = configuration.impl, run.step_timeout_s
-    raw = run_isolated(lambda fd, hb: replay_example(t, chosen, impl, timeout, fd, hb), timeout, run.isolate)
+    impl, timeout, build = configuration.impl, run.step_timeout_s, run.build_timeout_s
+    raw = run_isolated(lambda fd, hb: replay_example(t, chosen, impl, timeout, fd, hb, build), timeout, run.isolate)
     return _result(raw, chosen, configuration, started)

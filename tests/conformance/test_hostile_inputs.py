@@ -186,3 +186,51 @@ def test_a_replay_writes_no_trace_unless_asked(tmp_path: Path, monkeypatch, caps
     assert list(tmp_path.iterdir()) == []
     assert main(["replay", str(recorded), "--trace-dir", "kept"]) == 1
     assert [p.parent.name for p in tmp_path.rglob("*.trace.jsonl")] == ["kept"]
+
+
+@pytest.mark.parametrize(
+    ("factory", "says"),
+    [
+        ("make_exits_on_touch", "what failed: SystemExit(0): the implementation tried to end the process (sys.exit)"),
+        ("make_os_exit_on_touch", "what failed: the process died (exit code 3) during this step"),
+        ("make_kills_itself_on_touch", "what failed: the process died (signal 9 (SIGKILL)) during this step"),
+        ("make_never_returns", "what failed: building the adapter (importing and constructing the implementation) "
+         "did not finish within the build time limit of 1 s (--build-timeout)"),
+    ],
+)  # fmt: skip
+def test_an_implementation_that_ends_or_hangs_is_its_fault_with_a_story(tmp_path_factory, answers_in_one_line,
+                                                                       factory, says) -> None:  # fmt: skip
+    # Exit 1 (the implementation is wrong), never "kvspec failed"; the trace goes where --trace-dir says.
+    traces = tmp_path_factory.mktemp("traces")
+    answers_in_one_line(["check", "--impl", f"{ADAPTERS}:{factory}", "--level", "pool", "--caching", "on",
+                         "--max-examples", "30", "--build-timeout", "1", "--trace-dir", str(traces)],
+                        says, exits=1)  # fmt: skip
+    assert len(list(traces.iterdir())) == 1
+
+
+def test_a_slow_import_is_not_a_step_timeout(tmp_path_factory, capsys, monkeypatch) -> None:
+    # The first build takes 1.5 s, past the step limit of 1 s and within the build limit (default 300 s).
+    monkeypatch.chdir(tmp_path_factory.mktemp("run"))
+    code = main(["check", "--impl", f"{ADAPTERS}:make_slow_import", "--level", "pool", "--caching", "off",
+                 "--max-examples", "100", "--step-timeout", "1"])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--build-timeout", "--step-timeout"])
+def test_a_time_limit_of_zero_is_refused(answers_in_one_line: Callable, flag: str) -> None:
+    answers_in_one_line(["check", flag, "0"], f"{flag}: must be above 0")
+    answers_in_one_line(["replay", "no.trace.jsonl", flag, "0"], f"{flag}: must be above 0")
+
+
+def test_a_fault_of_kvspec_itself_is_one_line_with_its_log() -> None:
+    # What the child hands back when kvspec's own code raises: one line, the log's path, the traceback in the log.
+    from kvspec.conformance.runner.isolation import kvspec_failed
+
+    try:
+        raise TypeError("an internal mistake\nsecond line")
+    except TypeError as e:
+        line = kvspec_failed(e)
+    assert "\n" not in line and line.startswith("kvspec itself failed (a bug in kvspec, not in the implementation)")
+    log = Path(line.rsplit("full log: ", 1)[1])
+    assert "Traceback" in log.read_text() and "an internal mistake" in log.read_text()
+    log.unlink()

@@ -48,6 +48,7 @@ from kvspec.conformance.runner.registry import FactoryError, default_targets, fi
 from kvspec.conformance.runner.run import check_configuration
 from kvspec.conformance.tools.commands._arguments import (
     DEFAULT_TRACE_DIR,
+    add_timeouts,
     check_device,
     integer,
     json_output,
@@ -138,13 +139,7 @@ def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="wall-clock budget for the whole run, shared among configurations (at most a week)",
     )
-    p.add_argument(
-        "--step-timeout",
-        type=number,
-        default=10.0,
-        metavar="SECONDS",
-        help="the most one implementation call may take (default 10, at most a week)",
-    )
+    add_timeouts(p)
     p.add_argument("--junit", type=output_file, metavar="PATH", help="also write a JUnit XML report")
     p.add_argument(
         "--json", type=json_output, metavar="PATH", help="also write the whole summary as JSON (- for stdout)"
@@ -292,6 +287,7 @@ def _record(args: argparse.Namespace, impls: Sequence[str]) -> RunConfig:
         cover_rounds=args.cover_rounds,
         time_budget_s=args.time_budget,
         step_timeout_s=args.step_timeout,
+        build_timeout_s=args.build_timeout,
         seed=args.seed,
         jobs=args.jobs,
         trace_dir=args.trace_dir,

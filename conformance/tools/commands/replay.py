@@ -26,9 +26,9 @@ from kvspec.conformance.runner.registry import target_names
 from kvspec.conformance.runner.replaying import load_sendable
 from kvspec.conformance.runner.run import replay_configured, replay_record
 from kvspec.conformance.tools.commands._arguments import (
+    add_timeouts,
     check_device,
     json_output,
-    number,
     output_dir,
     refuse,
 )
@@ -54,13 +54,7 @@ def register(subparsers: Any) -> None:
         "or path/file.py:function); "
         "default: the one named in the trace",
     )
-    p.add_argument(
-        "--step-timeout",
-        type=number,
-        default=10.0,
-        metavar="SECONDS",
-        help="the most one implementation call may take (default 10)",
-    )
+    add_timeouts(p)
     p.add_argument(
         "--trace-dir",
         type=output_dir,
@@ -86,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     """Replay the trace; print the recorded and the new verdict and the story; exit per the new verdict."""
     try:
         record = replay_record(
-            step_timeout_s=args.step_timeout, trace_dir=args.trace_dir or args.html_dir, json=args.json,
+            step_timeout_s=args.step_timeout, build_timeout_s=args.build_timeout,
+            trace_dir=args.trace_dir or args.html_dir, json=args.json,
             html_dir=args.html_dir,
             device=args.device,
         )  # fmt: skip
