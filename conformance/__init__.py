@@ -29,7 +29,7 @@ The public surface, for an implementation's own tests and adapters:
 
 from kvspec.conformance.core.adapter import AdapterConfig, BlockManagerAdapter, KVCacheManagerAdapter
 from kvspec.conformance.runner.registry import Target
-from kvspec.conformance.runner.run import make_conformance_test
+from kvspec.conformance.runner.testcase import make_conformance_test
 from kvspec.spec.state import Snapshot
 
 __all__ = [

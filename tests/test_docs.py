@@ -295,7 +295,9 @@ def test_the_json_output_page_names_exactly_the_fields_check_writes(tmp_path: Pa
     report = tmp_path / "report.json"
     argv = [_kvspec(), "check", "--impl", "spec", "--level", "pool", "--caching", "on", "--max-examples", "3",
             "--cover-rounds", "0", "--trace-dir", str(tmp_path), "--json", str(report)]  # fmt: skip
-    subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+    # Three examples leave branches unreached: inconclusive (exit 2), and the report is written all the same.
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
     written = json.loads(report.read_text(encoding="utf-8"))
     page = (DOCS / "reference" / "json-output.md").read_text(encoding="utf-8")
     section = page.split("## `kvspec check --json`", 1)[1].split("\n## ", 1)[0]

@@ -154,6 +154,8 @@ def _type_names(e: BaseException) -> tuple[str, ...]:
 def _crash_message(e: BaseException) -> str:
     frames = traceback.extract_tb(e.__traceback__)
     where = f" (at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    if isinstance(e, SystemExit):  # sys.exit(0) says nothing by its message alone
+        return f"SystemExit({e.code!r}): the implementation tried to end the process (sys.exit){where}"
     return f"{type(e).__name__}: {e}{where}"
 
 
@@ -318,7 +320,8 @@ class LockStep:
     def _build_adapter(self) -> tuple[Any, Outcome | None]:
         """A new adapter from the factory (with its KV source, for KV memory); and the crash, if it crashed."""
         built: list[Any] = [None]
-        impl = self._impl_run(lambda: built.__setitem__(0, self._factory(self.config)), "building the adapter failed: ")
+        build = lambda: built.__setitem__(0, self._factory(self.config))  # noqa: E731
+        impl = self._impl_run(build, "building the adapter failed: ", building=True)
         adapter = built[0]
         if impl is None and self.config.level == "manager" and isinstance(adapter, KVContentAdapter):
             if self.kv_source is None:
@@ -327,13 +330,14 @@ class LockStep:
             impl = self._impl_run(lambda: adapter.set_kv_source(source), "set_kv_source() failed: ")
         return adapter, impl
 
-    def _impl_run(self, fn: Callable[[], object], what: str) -> Outcome | None:
-        """Run one implementation call under the watch; None, or the crash it ended in."""
-        self.watch.impl_started()
+    def _impl_run(self, fn: Callable[[], object], what: str, building: bool = False) -> Outcome | None:
+        """Run one implementation call under the watch (`building`: under the build time limit); None, or the
+        crash it ended in."""
+        self.watch.impl_started(building)
         try:
             fn()
             return None
-        except Exception as e:
+        except (Exception, SystemExit) as e:
             return Outcome(crashed=True, message=what + _crash_message(e))
         finally:
             self.watch.impl_finished()
@@ -685,7 +689,7 @@ class LockStep:
             if valid:
                 return Outcome(crashed=True, message=f"the adapter says a valid call is not expressible: {e}")
             return Outcome(not_sent=f"not expressible in the implementation's API: {e}")
-        except Exception as e:
+        except (Exception, SystemExit) as e:  # sys.exit() in an implementation is its crash, not the harness's
             return Outcome(crashed=True, message=_crash_message(e), raised_types=_type_names(e))
         finally:
             self.watch.impl_finished()
@@ -1034,8 +1038,7 @@ class LockStep:
 
     def hung(self) -> ConformanceFailure:
         """Record that the implementation call in flight did not return in time; returns the failure."""
-        limit = self.watch.step_timeout_s
-        message = f"no answer within the step time limit of {limit:g} s" if limit else "no answer"
+        message = self.watch.limit_met()
         index, op, args, spec, mistake = (
             self._inflight if self._inflight is not None else (len(self.records) + 1, "?", (), Outcome(), None)
         )

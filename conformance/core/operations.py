@@ -699,7 +699,14 @@ _TABLE: tuple[Operation, ...] = (
                 "delay_cache_blocks",
                 False,
                 "asynchronous external load",
-                ("allocate_slots: registration delayed for an external load",),
+                # cache_blocks is called only for a request whose registration was delayed (the machine's
+                # rule needs a loading request): without the feature none of its branches can be reached.
+                (
+                    "allocate_slots: registration delayed for an external load",
+                    "cache_blocks: loaded blocks registered",
+                    "cache_blocks: nothing new to register",
+                    "cache_blocks: InvalidRequest",
+                ),
             ),
         ),
         # A running request's step: no hit, no external tokens, nothing delayed.

@@ -18,7 +18,7 @@ False. They are `str` enums so that they print and serialise as their value.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -36,6 +36,7 @@ __all__ = [
     "Outcome",
     "Verdict",
     "inconclusive_why",
+    "unreached_why",
 ]
 
 
@@ -104,6 +105,22 @@ def inconclusive_why(examples: int, steps: int, max_examples: int | None) -> str
     if max_examples is not None and examples < floor:
         return f"{examples} examples ran, fewer than the floor of {floor} (a larger time budget runs more)"
     return None
+
+
+def unreached_why(reachable: Sequence[str], coverage: Mapping[str, int]) -> str | None:
+    """Why a campaign that found nothing wrong still may not say "conforms": the branches the implementation
+    can reach (`reachable`) that it did not reach, and how to reach them; or None.
+
+    >>> unreached_why(["touch: hit a free block", "touch: InvalidBlock"], {"touch: hit a free block": 3})[:59]
+    '1 branch(es) this implementation can reach were not reached'
+    """
+    unreached = [b for b in reachable if not coverage.get(b)]
+    if not unreached:
+        return None
+    return (
+        f"{len(unreached)} branch(es) this implementation can reach were not reached: {'; '.join(unreached)} "
+        "(more examples reach them: a larger --max-examples, --cover-rounds or --time-budget)"
+    )
 
 
 class FailureKind(str, Enum):

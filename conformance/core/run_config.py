@@ -39,6 +39,8 @@ from kvspec.spec.ordering import is_profile, known_profiles
 
 __all__ = [
     "AUTO",
+    "DEFAULT_BUILD_TIMEOUT_S",
+    "DEFAULT_COVER_ROUNDS",
     "DEFAULT_TRACE_DIR",
     "DRAWN",
     "LIMITS",
@@ -80,6 +82,11 @@ LIMITS: dict[str, Limit] = {
     "seed": Limit(0, None),
 }
 MAX_SECONDS = 7 * 24 * 3600.0  # a time budget or step timeout above a week is a typo (a timer overflows far later)
+# Importing vLLM on a loaded 2-core machine takes a minute or more; no step of the spec's comes near it.
+DEFAULT_BUILD_TIMEOUT_S = 300.0
+# Rounds on the next seeds while a branch the implementation can reach is unreached (they run only then):
+# with a verdict that needs every such branch, six keep the default campaigns conclusive at the request level.
+DEFAULT_COVER_ROUNDS = 6
 
 
 class ConfigError(ValueError):
@@ -114,15 +121,18 @@ class RunConfig:
     device: str | None = None  # AdapterConfig.device of every adapter built; None: the adapter picks
     max_examples: int = 100  # examples per configuration (LIMITS)
     steps: int = 50  # rules per example: Hypothesis's stateful_step_count (LIMITS)
-    cover_rounds: int = 3  # more rounds on the next seeds while a branch is unreached (LIMITS)
+    cover_rounds: int = DEFAULT_COVER_ROUNDS  # more rounds on the next seeds while a branch is unreached (LIMITS)
     time_budget_s: float | None = None  # wall-clock seconds for the whole run; None: the examples decide
     step_timeout_s: float | None = 10.0  # the most one implementation call may take; None: no limit
+    # The most importing and building the implementation may take (each adapter built; the first build
+    # of a process imports it): its own limit, so a slow import is not a hung step. None: no limit.
+    build_timeout_s: float | None = DEFAULT_BUILD_TIMEOUT_S
     seed: int = 0  # the first chunk's seed: the same seed and jobs give the same campaign (LIMITS)
     jobs: int = 1  # forked processes a campaign's examples are shared among (LIMITS)
     shrink: bool = True  # shrink a failure Hypothesis found; False: report it as found
     minimize_s: float = 30.0  # time to cut down a trace a dead or hung process left (0: not cut)
     isolate: bool = True  # run each campaign in a child process (crash- and hang-proof)
-    trace_dir: Path = DEFAULT_TRACE_DIR  # where failure traces go (created when one is written)
+    trace_dir: Path | None = DEFAULT_TRACE_DIR  # where failure traces go (created when one is written); None: not saved
     html_dir: Path | None = None  # also write a step-through page of each failure trace here
     junit: Path | None = None  # also write a JUnit XML report here
     json: Path | Literal["-"] | None = None  # also write the summary as JSON here ("-": stdout)
@@ -202,6 +212,7 @@ def _problems(config: RunConfig) -> Iterator[ConfigError]:
         yield from _count_problem(name, getattr(config, name))
     yield from _seconds_problem("time_budget_s", config.time_budget_s, "must be above 0")
     yield from _seconds_problem("step_timeout_s", config.step_timeout_s, "must be above 0")
+    yield from _seconds_problem("build_timeout_s", config.build_timeout_s, "must be above 0")
     if isinstance(config.minimize_s, bool) or not isinstance(config.minimize_s, (int, float)):
         yield _typed("minimize_s", config.minimize_s, "a number of seconds")
     elif not 0 <= config.minimize_s <= MAX_SECONDS:
@@ -297,15 +308,13 @@ def _flag_problems(config: RunConfig) -> Iterator[ConfigError]:
                 )
 
 
-_NOT_WITH_AUTO = ("steps", "step_timeout_s", "device", "groups", "events", "cover_rounds", "keep_deepest",
-                  "junit", "json", "database")  # fmt: skip
+_NOT_WITH_AUTO = ("steps", "step_timeout_s", "build_timeout_s", "device", "groups", "events", "cover_rounds",
+                  "keep_deepest", "junit", "json", "database")  # fmt: skip
 
 
 def _output_problems(config: RunConfig) -> Iterator[ConfigError]:
     """The outputs: paths (checked for writing by whoever parses them) and the example database."""
-    if not isinstance(config.trace_dir, Path):
-        yield _typed("trace_dir", config.trace_dir, "a Path")
-    for name in ("html_dir", "junit"):
+    for name in ("trace_dir", "html_dir", "junit"):
         if getattr(config, name) is not None and not isinstance(getattr(config, name), Path):
             yield _typed(name, getattr(config, name), "a Path or None")
     if config.json is not None and config.json != "-" and not isinstance(config.json, Path):

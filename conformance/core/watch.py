@@ -27,7 +27,21 @@ from typing import Any
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.trace import encode_value, header_line
 
-__all__ = ["StepTimeout", "StepWatch"]
+__all__ = ["StepTimeout", "StepWatch", "time_limit_met"]
+
+
+def time_limit_met(limit_s: float | None, building: bool) -> str:
+    """A call that did not answer within `limit_s`, in words: the step limit, or building's own limit.
+
+    >>> time_limit_met(10.0, building=False)
+    'no answer within the step time limit of 10 s'
+    >>> time_limit_met(300.0, building=True)[:64]
+    'building the adapter (importing and constructing the implementat'
+    """
+    if building:
+        within = f" within the build time limit of {limit_s:g} s (--build-timeout)" if limit_s else ""
+        return f"building the adapter (importing and constructing the implementation) did not finish{within}"
+    return f"no answer within the step time limit of {limit_s:g} s" if limit_s else "no answer"
 
 
 class StepTimeout(BaseException):
@@ -48,11 +62,17 @@ class StepWatch:
         stream_fd: int | None = None,
         heartbeat: Any = None,
         impl_name: str | None = None,
+        build_timeout_s: float | None = None,
     ) -> None:
         self.step_timeout_s = step_timeout_s  # per implementation call; None: no limit
+        # Per adapter built (importing and constructing the implementation): its own limit, so that a slow
+        # import is not taken for a hung call. None: the step limit.
+        self.build_timeout_s = build_timeout_s if build_timeout_s is not None else step_timeout_s
+        self.building = False  # the running implementation call builds the adapter
         self.stream_fd = stream_fd  # where each step is written before it runs (a crash leaves it)
         # Shared doubles the parent reads: [0] when the running call started (0 when none), [1] examples
-        # started, [2] steps checked (the parent's progress line).
+        # started, [2] steps checked (the parent's progress line), [3] the running call's time limit
+        # (-1: none), which the parent enforces on a call hung in C.
         self.heartbeat = heartbeat
         self.impl_name = impl_name  # written into the stream's trace header
         self.current: Any = None  # the LockStep of the example running now
@@ -75,7 +95,7 @@ class StepWatch:
 
     def install_alarm(self) -> Callable[[], None]:
         """Arm the per-step time limit with SIGALRM, if this thread can; returns the undo."""
-        if self.step_timeout_s is None or not hasattr(signal, "setitimer"):
+        if (self.step_timeout_s is None and self.build_timeout_s is None) or not hasattr(signal, "setitimer"):
             return lambda: None
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
@@ -93,12 +113,21 @@ class StepWatch:
 
         return undo
 
-    def impl_started(self) -> None:
-        """An implementation call begins: start its clock."""
-        if self._alarm_ready and self.step_timeout_s is not None:
-            signal.setitimer(signal.ITIMER_REAL, self.step_timeout_s)
+    def impl_started(self, building: bool = False) -> None:
+        """An implementation call begins (`building`: the call builds an adapter): start its clock."""
+        self.building = building
+        limit = self.build_timeout_s if building else self.step_timeout_s
+        if self._alarm_ready and limit is not None:
+            signal.setitimer(signal.ITIMER_REAL, limit)
         if self.heartbeat is not None:
+            self.heartbeat[3] = limit if limit is not None else -1.0
             self.heartbeat[0] = time.monotonic()
+
+    def limit_met(self) -> str:
+        """What a call that did not answer in time ran past, in words (the step limit, or the build limit)."""
+        if self.building:
+            return time_limit_met(self.build_timeout_s, building=True)
+        return time_limit_met(self.step_timeout_s, building=False)
 
     def impl_finished(self) -> None:
         """The implementation call returned (or raised): stop its clock."""

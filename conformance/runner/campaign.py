@@ -13,6 +13,7 @@ reported is the campaign's rather than one seed's luck. It hands back a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,9 +32,12 @@ from kvspec.conformance.core.machine import machine_for
 from kvspec.conformance.core.operations import required_methods
 from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Verdict
 from kvspec.conformance.core.run_config import Configuration, adapter_config
+from kvspec.conformance.core.trace import Trace
 from kvspec.conformance.core.watch import StepWatch
 
-__all__ = ["CampaignPlan", "run_campaign"]
+__all__ = ["PROBE_NUM_GPU_BLOCKS", "CampaignPlan", "run_campaign"]
+
+PROBE_NUM_GPU_BLOCKS = 8  # the pool the probe builds, before any example: the first build of a campaign
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +57,12 @@ class CampaignPlan:
 
 def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> tuple[Verdict, str] | None:
     """Why no campaign runs on this factory at this level (n/a: a level, profile or layout it does not
-    provide), or None. `groups`: the campaign's KV cache groups ("drawn": any)."""
+    provide; could not run: it cannot be built here, a device it does not have say, or the adapter lacks
+    a method), or None. `groups`: the campaign's KV cache groups ("drawn": any).
+
+    A factory that ends the process (sys.exit) is not judged here: the campaign's first example builds
+    it again and reports the crash as the implementation's, with its story (`LockStep`).
+    """
     level, declared = config.level, getattr(factory, "levels", None)
     if declared is not None and level not in declared:
         return Verdict.NOT_APPLICABLE, f"the factory declares levels={tuple(declared)}"
@@ -66,6 +75,8 @@ def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> tup
         return Verdict.NOT_APPLICABLE, str(e)
     except Exception as e:
         return Verdict.COULD_NOT_RUN, f"building the adapter failed for {config}: {type(e).__name__}: {e}"
+    except SystemExit:
+        return None
     declared = getattr(adapter, "levels", None)
     if declared is not None and level not in declared:
         return Verdict.NOT_APPLICABLE, f"{type(adapter).__name__} declares levels={tuple(declared)}"
@@ -95,20 +106,35 @@ def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, he
     start = time.monotonic()
     configuration, run = plan.configuration, plan.configuration.run
     observer = Observer(keep_deepest=run.keep_deepest)
-    watch = StepWatch(run.step_timeout_s, stream_fd, heartbeat, configuration.impl)
+    watch = StepWatch(run.step_timeout_s, stream_fd, heartbeat, configuration.impl, run.build_timeout_s)
     undo = watch.install_alarm()
     try:
-        watch.impl_started()
-        try:
-            why = _probe(factory, adapter_config(configuration, 8), configuration.groups)
-        finally:
-            watch.impl_finished()
-        if why is not None:
-            return CampaignReport(why[0], why[1], seconds=time.monotonic() - start)
+        refused = _probed(factory, configuration, watch)
+        if refused is not None:
+            return dataclasses.replace(refused, seconds=time.monotonic() - start)
         found, message, extra_rounds = _chunks(factory, plan, observer, watch, start)
     finally:
         undo()
     return _report(plan, observer, found, message, extra_rounds, time.monotonic() - start)
+
+
+def _probed(factory: Factory, configuration: Configuration, watch: StepWatch) -> CampaignReport | None:
+    """The probe under the build time limit: the report of a campaign that does not run, or None.
+
+    A build that does not finish in time is the implementation hanging (a story at "building the
+    adapter"), not kvspec failing.
+    """
+    config = adapter_config(configuration, PROBE_NUM_GPU_BLOCKS)
+    watch.impl_started(building=True)
+    try:
+        why = _probe(factory, config, configuration.groups)
+    except StepTimeout:
+        failure = Failure(FailureKind.HUNG, 0, "init", watch.limit_met())
+        trace = Trace(config, (), configuration.impl, Verdict.HUNG, failure)
+        return CampaignReport(Verdict.HUNG, failure=failure, trace=trace)
+    finally:
+        watch.impl_finished()
+    return CampaignReport(why[0], why[1]) if why is not None else None
 
 
 def _chunks(

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvspec.conformance.core.results import CampaignReport, Verdict
 
-__all__ = ["Death", "Progress", "Work", "run_isolated", "run_isolated_jobs"]
+__all__ = ["Death", "Progress", "Work", "kvspec_failed", "run_isolated", "run_isolated_jobs"]
 
 # The work a child runs: (stream_fd, heartbeat) -> its report. stream_fd and
 # heartbeat are None when it runs in this process.
@@ -107,7 +107,8 @@ class _Child:
     def __init__(self, work: Work) -> None:
         ctx = multiprocessing.get_context("fork")
         self.recv, send = ctx.Pipe(duplex=False)
-        self.heartbeat = ctx.RawArray("d", 3)  # call started, examples, steps (watch.StepWatch writes them)
+        # call started, examples, steps, the call's time limit (watch.StepWatch writes them)
+        self.heartbeat = ctx.RawArray("d", 4)
         fd, self.stream_path = tempfile.mkstemp(prefix="kvspec-steps-", suffix=".jsonl")
         os.close(fd)
         self.proc = ctx.Process(target=_child_main, args=(work, send, self.heartbeat, self.stream_path), daemon=True)
@@ -122,8 +123,10 @@ class _Child:
         if not self.proc.is_alive():
             report = _receive(self.recv) if self.recv.poll(0.2) else None
             return report if report is not None else self._death(hung=False)
-        started = self.heartbeat[0]
-        if step_timeout_s is not None and started and time.monotonic() - started > step_timeout_s + _KILL_GRACE_S:
+        started, limit = self.heartbeat[0], self.heartbeat[3]
+        # The running call's own limit (a build has a longer one than a step); a work that never wrote one: the step's.
+        limit_s = (limit if limit > 0 else None) if limit else step_timeout_s
+        if limit_s is not None and started and time.monotonic() - started > limit_s + _KILL_GRACE_S:
             self.proc.kill()
             return self._death(hung=True)
         return None
@@ -196,15 +199,28 @@ def _child_main(work: Work, conn: Any, heartbeat: Any, stream_path: str) -> None
     fd = os.open(stream_path, os.O_WRONLY | os.O_TRUNC)
     try:
         report = work(fd, heartbeat)
-    except BaseException as e:  # the harness itself failed: report it, never hang the parent
-        message = f"the harness failed: {type(e).__name__}: {e}\n{traceback.format_exc()}"
-        report = CampaignReport(Verdict.COULD_NOT_RUN, message)
+    except BaseException as e:  # kvspec itself failed (its faults only: the implementation's are caught per call)
+        report = CampaignReport(Verdict.COULD_NOT_RUN, kvspec_failed(e))
     conn.send(report)
     conn.close()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip the exit handlers this child inherited from its parent (a test runner's, say).
     os._exit(0)
+
+
+def kvspec_failed(e: BaseException) -> str:
+    """One line for a fault of kvspec itself, naming the file its full traceback was saved to.
+
+    The traceback is for kvspec's maintainers, not the user's screen: it goes to a file in the
+    temporary directory (kept: it is what a bug report needs), and the line says where.
+    """
+    fd, path = tempfile.mkstemp(prefix="kvspec-internal-error-", suffix=".log")
+    with os.fdopen(fd, "w", encoding="utf-8") as log:
+        log.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    first = (str(e).splitlines() or [""])[0]
+    what = f"{type(e).__name__}: {first}"
+    return f"kvspec itself failed (a bug in kvspec, not in the implementation): {what}; full log: {path}"
 
 
 def _cuda_started_here() -> bool:

@@ -29,27 +29,39 @@ from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.lockstep import Factory, run_spec
 from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Outcome
 from kvspec.conformance.core.trace import MalformedTrace, Trace, TraceStep, parse_trace
+from kvspec.conformance.core.watch import time_limit_met
 from kvspec.conformance.runner.isolation import Death, run_isolated
 from kvspec.conformance.runner.replaying import replay_example
 
 __all__ = ["shrink_by_replay", "trace_from_death"]
 
 
-def trace_from_death(death: Death, impl: str | None, step_timeout_s: float | None) -> Trace | None:
-    """The steps a dead child had started, checked on the spec, with the last one marked crashed or hung."""
+def trace_from_death(
+    death: Death, impl: str | None, step_timeout_s: float | None, config: AdapterConfig | None = None,
+    build_timeout_s: float | None = None,
+) -> Trace | None:  # fmt: skip
+    """The steps a dead child had started, checked on the spec, with the last one marked crashed or hung.
+
+    A child that died before it streamed an example died building the adapter (the only implementation
+    call before one): given the `config` it was built with, that is a trace of no steps failing at step 0.
+    """
     if not death.stream:
-        return None
-    try:
-        partial = parse_trace(death.stream, "<steps of the dead process>")
-    except MalformedTrace:
-        return None
+        if config is None:
+            return None
+        partial = Trace(config=config, steps=(), impl=impl)
+    else:
+        try:
+            partial = parse_trace(death.stream, "<steps of the dead process>")
+        except MalformedTrace:
+            return None
+    building = not partial.steps
     if death.hung:
-        what = f"no answer within the step time limit of {step_timeout_s:g} s; the process was killed"
+        what = time_limit_met(build_timeout_s if building else step_timeout_s, building) + "; the process was killed"
         kind = FailureKind.HUNG
     else:
         code = death.exitcode
         sig = f"signal {-code} ({signal.Signals(-code).name})" if code is not None and code < 0 else f"exit code {code}"
-        what = f"the process died ({sig}) during this step"
+        what = f"the process died ({sig}) " + ("while building the adapter" if building else "during this step")
         kind = FailureKind.CRASHED
     steps = _spec_side(partial)
     op = steps[-1].op if steps else "init"

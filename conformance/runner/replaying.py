@@ -4,19 +4,97 @@ A trace records each operation with literal arguments, so a replay needs
 neither Hypothesis nor this version of the machine: it builds the adapter
 from the trace's header and runs the steps in order. Outcomes and snapshots
 stored in the trace are for people and are recomputed here, never trusted.
+
+What a replay sends is checked before anything is sent (`unsendable_step`):
+every step is a call its campaign could have sent, a legal call on the spec
+or a caller mistake the trace records as one (its `mistake`, or, in a trace
+written before mistakes were named, the spec's error recorded beside it),
+and no integer is wider than 64 bits. A trace edited by hand, or written by
+something else, is refused in one line instead of blaming the implementation
+for a crash on `num_blocks="abc"` or an id of 10**30.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
-from kvspec.conformance.core.lockstep import ConformanceFailure, Factory, LockStep, Observer, SpecFailure, StepTimeout
-from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Verdict
-from kvspec.conformance.core.trace import Trace
+from kvspec.conformance.core.lockstep import (
+    ConformanceFailure,
+    Factory,
+    LockStep,
+    Observer,
+    SpecFailure,
+    StepTimeout,
+    run_spec,
+)
+from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Outcome, Verdict
+from kvspec.conformance.core.trace import MalformedTrace, Trace, TraceStep, args_dict, read_trace
 from kvspec.conformance.core.watch import StepWatch
 
-__all__ = ["replay_example"]
+__all__ = ["load_sendable", "replay_example", "unsendable_step"]
+
+# The widest integer a step may carry: what a C or CUDA implementation's API can take at all.
+MAX_INT = 2**63 - 1
+
+
+def load_sendable(path: str | Path) -> Trace:
+    """A trace file, read and checked before anything is sent: every step one its campaign could have sent.
+
+    Raises:
+        MalformedTrace: it cannot be read, or a step is not sendable (one line naming the step).
+    """
+    trace = read_trace(path)
+    why = unsendable_step(trace)
+    if why is not None:
+        raise MalformedTrace(f"{path}: {why}")
+    return trace
+
+
+def unsendable_step(trace: Trace) -> str | None:
+    """Why a step of `trace` is not one its campaign could have sent, in one line; None when every step is.
+
+    A step is sendable when its integers fit in 64 bits and the spec accepts it
+    where it stands, or rejects it as the caller mistake the step records.
+    """
+    for step in trace.steps:
+        wide = _wide_int(step.args)
+        if wide is not None:
+            return f"step {step.index} ({step.op}): {wide} is wider than 64 bits, more than any implementation takes"
+    outcomes = run_spec(trace.config, [(s.op, s.args) for s in trace.steps])
+    for step, (outcome, _) in zip(trace.steps, outcomes):
+        why = _unrecorded(step, outcome)
+        if why is not None:
+            call = ", ".join(f"{k}={v!r}" for k, v in args_dict(step.op, step.args).items())
+            return f"step {step.index} {step.op}({call}) {why}"
+    return None
+
+
+def _unrecorded(step: TraceStep, outcome: Outcome) -> str | None:
+    """Why the spec's `outcome` of `step` is not what the step says it is, or None."""
+    if outcome.crashed and not (step.spec is not None and step.spec.crashed):
+        return f"is not a call of this operation: the spec cannot take it ({outcome.message})"
+    if outcome.error is not None and step.mistake is None and (step.spec is None or step.spec.error != outcome.error):
+        return (
+            f"is a caller mistake ({outcome.error}: {outcome.message}) that the trace does not record as one "
+            "(a step's mistake); only a recorded mistake is sent"
+        )
+    if outcome.error is None and not outcome.crashed and step.mistake is not None:
+        return f"records the mistake {step.mistake!r}, but the spec accepts the call"
+    return None
+
+
+def _wide_int(value: Any) -> int | None:
+    """The first integer in `value` (lists, tuples, a request's fields) wider than 64 bits, or None."""
+    if isinstance(value, int):
+        return value if abs(value) > MAX_INT else None
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    if isinstance(value, (list, tuple)):
+        return next((w for v in value if (w := _wide_int(v)) is not None), None)
+    return None
 
 
 def replay_example(
@@ -26,11 +104,15 @@ def replay_example(
     step_timeout_s: float | None,
     stream_fd: int | None,
     heartbeat: Any,
+    build_timeout_s: float | None = None,
 ) -> CampaignReport:
-    """Run `trace`'s steps on a fresh adapter; the verdict, and the example as it went this time."""
+    """Run `trace`'s steps on a fresh adapter; the verdict, and the example as it went this time.
+
+    `build_timeout_s`: the most building the adapter may take (None: the step limit).
+    """
     start = time.monotonic()
     observer = Observer()
-    watch = StepWatch(step_timeout_s, stream_fd, heartbeat, impl)
+    watch = StepWatch(step_timeout_s, stream_fd, heartbeat, impl, build_timeout_s)
     undo = watch.install_alarm()
     lock: LockStep | None = None
     failure: Failure | None = None

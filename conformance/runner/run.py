@@ -3,8 +3,9 @@
 `run_check` runs the state machine of one level against one implementation
 and returns a `CheckResult`: the verdict, how much was run, what the run
 reached, and for a failure the shrunk trace (saved as a file) and its story.
-`replay` re-runs a saved trace; `make_conformance_test` wraps `run_check` as
-a unittest class. The work itself runs in parts, each in its module:
+`replay` re-runs a saved trace (`make_conformance_test`, in
+kvspec.conformance.runner.testcase, wraps `run_check` as a unittest class).
+The work itself runs in parts, each in its module:
 
 - kvspec.conformance.runner.registry: from an implementation's name to its factory;
 - kvspec.conformance.runner.isolation: the forked child that survives any crash or hang;
@@ -24,24 +25,36 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-import unittest
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hypothesis import settings
-
 from kvspec.conformance.core.coverage import expected_branches, reachable_branches
 from kvspec.conformance.core.report import render_story
-from kvspec.conformance.core.results import CampaignReport, CheckResult, Failure, Verdict, inconclusive_why
-from kvspec.conformance.core.run_config import AUTO, DEFAULT_TRACE_DIR, ConfigError, Configuration, RunConfig
-from kvspec.conformance.core.trace import Trace, dumps_trace, read_trace
-from kvspec.conformance.runner.campaign import run_campaign
+from kvspec.conformance.core.results import (
+    CampaignReport,
+    CheckResult,
+    Failure,
+    Verdict,
+    inconclusive_why,
+    unreached_why,
+)
+from kvspec.conformance.core.run_config import (
+    AUTO,
+    DEFAULT_BUILD_TIMEOUT_S,
+    DEFAULT_COVER_ROUNDS,
+    DEFAULT_TRACE_DIR,
+    ConfigError,
+    Configuration,
+    RunConfig,
+    adapter_config,
+)
+from kvspec.conformance.core.trace import Trace, dumps_trace
+from kvspec.conformance.runner.campaign import PROBE_NUM_GPU_BLOCKS, run_campaign
 from kvspec.conformance.runner.isolation import Death, Progress, run_isolated, run_isolated_jobs
 from kvspec.conformance.runner.jobs import decides, job_plans, merged
 from kvspec.conformance.runner.minimize import shrink_by_replay, trace_from_death
-from kvspec.conformance.runner.registry import Factory, FactoryError, factory_name, load_factory
-from kvspec.conformance.runner.replaying import replay_example
+from kvspec.conformance.runner.registry import Factory, FactoryError, load_factory
+from kvspec.conformance.runner.replaying import load_sendable, replay_example
 
 __all__ = [
     "DEFAULT_TRACE_DIR",
@@ -51,7 +64,6 @@ __all__ = [
     "Verdict",
     "check_configuration",
     "load_factory",
-    "make_conformance_test",
     "replay",
     "replay_configured",
     "run_check",
@@ -70,11 +82,12 @@ def _save(text: str, trace_dir: Path, stem: str) -> str:
 
 
 def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
-    """The trace's failure with its trace saved and its story told."""
+    """The trace's failure with its story told, and its trace saved where the run saves traces (if it does)."""
     assert trace.failure is not None and trace.verdict is not None, "only a failing trace is reported"
     verdict = trace.verdict
     stem = f"{verdict}-{c.level}" if verdict in (Verdict.CRASHED, Verdict.HUNG) else f"failure-{c.level}"
-    path = _save(dumps_trace(trace), c.run.trace_dir, stem)
+    trace_dir = c.run.trace_dir
+    path = _save(dumps_trace(trace), trace_dir, stem) if trace_dir is not None else None
     story = render_story(trace, path, c.impl)
     if not is_shrunk:
         story += "\n(not shrunk: the process died or hung, and no shorter trace reproduced it in time)"
@@ -91,8 +104,13 @@ def _check_result(report: CampaignReport, c: Configuration, failure: Failure | N
     expected = reachable_branches(c.level, branches, coverage, report.not_exercised, report.absent_ops)
     verdict, message = report.verdict, report.message
     asked = None if c.is_replay else run.max_examples
-    # No verdict without work: a run that checked (almost) nothing says so instead of "conforms".
-    why = inconclusive_why(report.examples, report.steps, asked) if verdict is Verdict.CONFORMS else None
+    # No verdict without work: a run that checked (almost) nothing, or left a branch the implementation
+    # can reach unreached, says so instead of "conforms". A replay reaches what its one trace reaches.
+    why = None
+    if verdict is Verdict.CONFORMS:
+        why = inconclusive_why(report.examples, report.steps, asked) or (
+            None if c.is_replay else unreached_why(expected, coverage)
+        )
     if why is not None:
         verdict, message = Verdict.INCONCLUSIVE, why + (f" ({message})" if message else "")
     return CheckResult(
@@ -131,7 +149,8 @@ def _result(raw: CampaignReport | Death, factory: Factory, c: Configuration, sta
     died, run = isinstance(raw, Death), c.run
     if isinstance(raw, Death):
         verdict = Verdict.HUNG if raw.hung else Verdict.CRASHED
-        rebuilt = trace_from_death(raw, c.impl, run.step_timeout_s)
+        built_with = adapter_config(c, PROBE_NUM_GPU_BLOCKS) if not c.is_replay else None  # what the probe built
+        rebuilt = trace_from_death(raw, c.impl, run.step_timeout_s, built_with, run.build_timeout_s)
         if rebuilt is None:
             report = CampaignReport(verdict, "the process died before its first step was written")
             return _check_result(report, c, None, time.monotonic() - started)
@@ -147,7 +166,7 @@ def _result(raw: CampaignReport | Death, factory: Factory, c: Configuration, sta
     failure = _reported(trace, c, is_shrunk) if trace is not None else None
     seconds = time.monotonic() - started if died or (trace is not None and must_shrink) else report.seconds
     result = _check_result(report, c, failure, seconds)
-    if report.deepest is not None:
+    if report.deepest is not None and run.trace_dir is not None:
         caching = "on" if c.enable_caching else "off"
         text = dumps_trace(dataclasses.replace(report.deepest, verdict=Verdict.CONFORMS))
         result.deepest_trace_path = _save(text, run.trace_dir, f"deepest-{c.level}-caching-{caching}")
@@ -201,13 +220,14 @@ def run_check(
     trace_dir: str | Path | None = None,
     impl: str | None = None,
     steps_per_example: int = 50,
+    build_timeout_s: float | None = DEFAULT_BUILD_TIMEOUT_S,
     keep_deepest: bool = False,
     isolate: bool = True,
     database: Any = None,
     minimize_s: float = 30.0,
     device: str | None = None,
     shrink: bool = True,
-    cover_rounds: int = 0,
+    cover_rounds: int = DEFAULT_COVER_ROUNDS,
     progress: Progress | None = None,
     groups: str = "full",
     events: bool = False,
@@ -235,7 +255,8 @@ def run_check(
         run = RunConfig(
             impls=(name,) if name else (), levels=(level,), caching=(enable_caching,), profile=profile,  # type: ignore[arg-type]
             groups=groups, events=events, device=device, max_examples=max_examples, steps=steps_per_example,
-            cover_rounds=cover_rounds, time_budget_s=time_budget_s, step_timeout_s=step_timeout_s, seed=seed,
+            cover_rounds=cover_rounds, time_budget_s=time_budget_s, step_timeout_s=step_timeout_s,
+            build_timeout_s=build_timeout_s, seed=seed,
             jobs=jobs, shrink=shrink, minimize_s=minimize_s, isolate=isolate, keep_deepest=keep_deepest,
             trace_dir=Path(trace_dir) if trace_dir is not None else DEFAULT_TRACE_DIR, database=database,
         )  # fmt: skip
@@ -263,9 +284,11 @@ def check_configuration(
         except FactoryError as e:
             return _could_not_run(str(e), configuration)
     chosen: Factory = factory
-    works = [lambda fd, hb, p=p: run_campaign(chosen, p, fd, hb) for p in job_plans(configuration)]
+    plans = job_plans(configuration)
+    works = [lambda fd, hb, p=p: run_campaign(chosen, p, fd, hb) for p in plans]
     outcomes = run_isolated_jobs(works, run.step_timeout_s, run.isolate, progress, stops_later_jobs=decides)
-    return _result(merged(outcomes, time.monotonic() - started), chosen, configuration, started)
+    report = merged(outcomes, time.monotonic() - started, [p.max_examples for p in plans])
+    return _result(report, chosen, configuration, started)
 
 
 def replay(
@@ -277,10 +300,12 @@ def replay(
     trace_dir: str | Path | None = None,
     isolate: bool = True,
     device: str | None = None,
+    build_timeout_s: float | None = DEFAULT_BUILD_TIMEOUT_S,
 ) -> CheckResult:
     """Re-run a recorded trace on an implementation, checking every step as the machine does.
 
-    `device`, when given, replaces the device the trace was recorded on.
+    `device`, when given, replaces the device the trace was recorded on. The replay's own trace (its
+    failure, as it went this time) is saved only in `trace_dir`, when given: the caller has the trace.
 
     Raises:
         MalformedTrace: the trace file cannot be read.
@@ -289,7 +314,7 @@ def replay(
     name = impl or (factory if isinstance(factory, str) else None)
     run = replay_record(
         impls=(name,) if name else (), step_timeout_s=step_timeout_s, isolate=isolate, device=device,
-        trace_dir=Path(trace_dir) if trace_dir is not None else DEFAULT_TRACE_DIR,
+        build_timeout_s=build_timeout_s, trace_dir=Path(trace_dir) if trace_dir is not None else None,
     )  # fmt: skip
     return replay_configured(trace, factory, run)
 
@@ -308,10 +333,11 @@ def replay_configured(trace: Trace | str | Path, factory: Factory | str, run: Ru
     are the trace's, and its device unless the record names one.
 
     Raises:
-        MalformedTrace: the trace file cannot be read.
+        MalformedTrace: the trace file cannot be read, or one of its steps is not one a campaign could
+            have sent (`replaying.load_sendable`; a `Trace` built in Python is the caller's to vouch for).
     """
     started = time.monotonic()
-    t = trace if isinstance(trace, Trace) else read_trace(trace)
+    t = trace if isinstance(trace, Trace) else load_sendable(trace)
     if run.device is not None:
         t = dataclasses.replace(t, config=dataclasses.replace(t.config, device=run.device))
     c = t.config
@@ -326,67 +352,6 @@ def replay_configured(trace: Trace | str | Path, factory: Factory | str, run: Ru
         except FactoryError as e:
             return _could_not_run(str(e), configuration)
     chosen: Factory = factory
-    impl, timeout = configuration.impl, run.step_timeout_s
-    raw = run_isolated(lambda fd, hb: replay_example(t, chosen, impl, timeout, fd, hb), timeout, run.isolate)
+    impl, timeout, build = configuration.impl, run.step_timeout_s, run.build_timeout_s
+    raw = run_isolated(lambda fd, hb: replay_example(t, chosen, impl, timeout, fd, hb, build), timeout, run.isolate)
     return _result(raw, chosen, configuration, started)
-
-
-def make_conformance_test(
-    factory: Factory,
-    level: str = "both",
-    enable_caching: bool | None = None,
-    profile: str = "vllm-v1",
-    max_examples: int | None = None,
-    seed: int = 0,
-    step_timeout_s: float | None = 10.0,
-    trace_dir: str | Path | None = None,
-    events: bool = False,
-) -> type[unittest.TestCase]:
-    """A `unittest.TestCase` class that checks `factory`'s adapters against the spec.
-
-    One test per level and caching mode (`test_pool_caching_on`, ...). Each runs
-    `run_check` in a child process; a failure fails the test with the short
-    story, and the trace is saved (in `trace_dir`, default ./kvspec-traces).
-    A level the adapter does not provide is a skipped test; a run that checked
-    too little to conclude fails with the reason. The story's replay line names
-    the factory (`registry.factory_name`: "file.py:function" for a top-level
-    module's function), so pasted in the folder the tests ran in, it replays.
-
-    Args:
-        factory: builds an adapter from an `AdapterConfig`.
-        level: "pool", "manager" or "both".
-        enable_caching: True or False for one mode; None for both.
-        profile: the ordering profile the implementation claims.
-        max_examples: per test; None takes the active Hypothesis profile's.
-        seed: the campaign's seed.
-        step_timeout_s: the most one implementation call may take.
-        trace_dir: where failure traces are saved.
-        events: check the KV cache events and hit statistics too (`kvspec check --events`).
-
-    Raises:
-        ValueError: level is not "pool", "manager" or "both".
-    """
-    if level not in ("pool", "manager", "both"):
-        raise ValueError(f"level must be 'pool', 'manager' or 'both'; got level={level!r}")
-    levels = ("pool", "manager") if level == "both" else (level,)
-    modes = (True, False) if enable_caching is None else (enable_caching,)
-    impl = factory_name(factory)
-
-    def make_test(lv: str, caching: bool) -> Callable[[unittest.TestCase], None]:
-        def test(self: unittest.TestCase) -> None:
-            n = max_examples if max_examples is not None else settings().max_examples
-            result = run_check(factory, level=lv, enable_caching=caching, profile=profile, max_examples=n,
-                               seed=seed, step_timeout_s=step_timeout_s, trace_dir=trace_dir, impl=impl,
-                               events=events)  # fmt: skip
-            if result.verdict is Verdict.NOT_APPLICABLE:
-                self.skipTest(f"{lv} level not provided: {result.message}")
-            if result.verdict is not Verdict.CONFORMS:
-                self.fail(result.failure.story if result.failure is not None else f"{result.verdict}: {result.message}")
-
-        test.__name__ = f"test_{lv}_caching_{'on' if caching else 'off'}"
-        test.__doc__ = f"The {lv} level conforms to the spec (profile {profile}, caching {'on' if caching else 'off'})."
-        return test
-
-    attrs: dict[str, Any] = {make_test(lv, c).__name__: make_test(lv, c) for lv in levels for c in modes}
-    name = getattr(factory, "__name__", type(factory).__name__)
-    return type(f"Conformance_{name}", (unittest.TestCase,), attrs)

@@ -111,11 +111,13 @@ def _result(mutant: Mutant, check: CheckResult, seconds: float) -> MutantResult:
         message = failure.message
     else:
         kind = None if check.verdict is Verdict.CONFORMS else check.verdict.value
-        message = (
-            f"survived {check.examples_run} examples ({check.steps_run} steps) in {check.seconds:.1f} s"
-            if check.verdict is Verdict.CONFORMS
-            else f"verdict {check.verdict} without a failure record"
-        )
+        survived = f"survived {check.examples_run} examples ({check.steps_run} steps) in {check.seconds:.1f} s"
+        if check.verdict is Verdict.INCONCLUSIVE:  # not killed, on a campaign that left branches unreached
+            message = f"{survived} (inconclusive: {check.message})"
+        elif check.verdict is Verdict.CONFORMS:
+            message = survived
+        else:
+            message = f"verdict {check.verdict} without a failure record"
     return MutantResult(
         name=mutant.name,
         killed=killed,

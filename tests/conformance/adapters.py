@@ -12,12 +12,16 @@ tests/ package), as a user's would be.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import sys
 import time
 from collections.abc import Sequence
 
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
+from kvspec.mutants._base import ListFreeKVCacheBlockQueue, ListQueuePool
+from kvspec.reference.free_queue import KVCacheBlock
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
 
@@ -154,6 +158,63 @@ class HangInC(ReferencePoolAdapter):
         return super().reset_prefix_cache()
 
 
+class ExitsOnTouch(ReferencePoolAdapter):
+    """Calls sys.exit(0) when a block is touched: the implementation tries to end the process."""
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        sys.exit(0)
+
+
+class OsExitOnTouch(ReferencePoolAdapter):
+    """Calls os._exit(3) when a block is touched: the process ends at once, no handler runs."""
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        os._exit(3)
+
+
+class KillsItselfOnTouch(ReferencePoolAdapter):
+    """Sends itself SIGKILL when a block is touched."""
+
+    def touch(self, block_ids: Sequence[BlockId]) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def make_never_returns(config: AdapterConfig) -> object:
+    """A factory that never returns (a build that waits forever, say on a lock or a device)."""
+    while True:
+        time.sleep(0.05)
+
+
+def make_slow_import(config: AdapterConfig) -> object:
+    """A factory whose first build takes 1.5 s (a slow import, as vLLM's on a loaded machine), then is quick."""
+    global _imported
+    if not _imported:
+        time.sleep(1.5)
+        _imported = True
+    return ReferencePoolAdapter(config)
+
+
+_imported = False
+make_never_returns.levels = make_slow_import.levels = ("pool",)  # type: ignore[attr-defined]
+
+
+class _RightEndQueue(ListFreeKVCacheBlockQueue):
+    """A free queue whose blocks are handed out from the wrong end: the right (most recently freed) first."""
+
+    def popleft_n(self, n: int) -> list[KVCacheBlock]:
+        taken = self._blocks[len(self._blocks) - n :][::-1]
+        del self._blocks[len(self._blocks) - n :]
+        return taken
+
+
+class TakesFromTheRightEnd(ListQueuePool):
+    """The reference pool, but get_new_blocks takes blocks from the right end of the free queue."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        super().__init__(config)
+        self.free_block_queue = _RightEndQueue(self.free_block_queue)  # type: ignore[assignment]
+
+
 class NoFreeBlocks:
     """A pool adapter that forgot free_blocks."""
 
@@ -213,6 +274,10 @@ make_crash_on_long_free = pool_only(CrashOnLongFree)
 make_segfault_on_touch = pool_only(SegfaultOnTouch)
 make_hang_on_reset = pool_only(HangOnReset)
 make_hang_in_c = pool_only(HangInC)
+make_takes_from_the_right_end = pool_only(TakesFromTheRightEnd)
+make_exits_on_touch = pool_only(ExitsOnTouch)
+make_os_exit_on_touch = pool_only(OsExitOnTouch)
+make_kills_itself_on_touch = pool_only(KillsItselfOnTouch)
 make_hit_past_cap = manager_only(HitPastCap)
 make_other_hash_function = manager_only(OtherHashFunction)
 

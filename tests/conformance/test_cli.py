@@ -25,7 +25,7 @@ def test_check_on_the_reference_prints_one_screen_and_exits_0(tmp_path, capsys):
             "--caching",
             "on",
             "--max-examples",
-            "20",
+            "100",
             "--junit",
             str(junit),
             "--trace-dir",
@@ -35,7 +35,7 @@ def test_check_on_the_reference_prints_one_screen_and_exits_0(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     lines = out.splitlines()
-    assert lines[0] == "kvspec check: profile vllm-v1, seed 0, 20 examples x up to 50 steps per configuration"
+    assert lines[0] == "kvspec check: profile vllm-v1, seed 0, 100 examples x up to 50 steps per configuration"
     assert lines[1].split() == [
         "implementation",
         "level",
@@ -230,7 +230,7 @@ def test_vllm_logs_are_silenced_whatever_the_implementation_is_called(tmp_path) 
         "    return adapter\n"
     )
     argv = ["check", "--impl", f"{tmp_path / 'chatty_pool.py'}:factory", "--level", "pool", "--caching", "on",
-            "--max-examples", "20"]  # fmt: skip
+            "--max-examples", "100"]  # fmt: skip
     done = subprocess.run([sys.executable, "-m", "kvspec", *argv], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Failed to reset prefix cache" not in done.stdout + done.stderr

@@ -39,16 +39,23 @@ def _state(folder: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def answers_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
-    """Run kvspec in a folder of its own; assert exit 2, one line on stderr that says ``says``, nothing changed."""
+    """Run kvspec in a folder of its own; assert exit 2, one line on stderr that says ``says``, nothing changed.
+
+    With ``exits=1`` (the implementation is wrong): exit 1, nothing on stderr, and ``says`` in the story's
+    line that names what failed ("what failed: ...").
+    """
     monkeypatch.chdir(tmp_path)
 
-    def check(argv: list[str], says: str) -> None:
+    def check(argv: list[str], says: str, exits: int = 2) -> None:
         before = _state(tmp_path)
         code = main(argv)
         out, err = capsys.readouterr()
-        lines = err.strip().splitlines()
-        assert code == 2, (argv, out, err)
-        assert len(lines) == 1 and says in lines[0], err
+        assert code == exits, (argv, out, err)
+        if exits == 2:
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and says in lines[0], err
+        else:
+            assert not err.strip() and [line for line in out.splitlines() if says in line], out
         assert "Traceback" not in out + err
         assert _state(tmp_path) == before, "a file was created or changed"
 
@@ -152,3 +159,108 @@ def test_a_release_named_by_the_environment_that_is_not_one(monkeypatch, answers
 )
 def test_a_diff_of_what_is_not_two_vllms(argv: list[str], says: str, answers_in_one_line: Callable) -> None:
     answers_in_one_line(argv, says)
+
+
+ADAPTERS = "tests.conformance.adapters"
+
+
+@pytest.mark.parametrize("caching", ["off", "on"])
+def test_a_wrong_pool_is_never_conforms_under_ten_jobs_of_one_example(tmp_path_factory, answers_in_one_line,
+                                                                     caching) -> None:  # fmt: skip
+    # It said "conforms": ten jobs of one example each ran ten trivial examples (a seed's first example is its
+    # simplest). The floor of examples holds per job, so this is one job of ten examples, and it diverges.
+    traces = tmp_path_factory.mktemp("traces")
+    answers_in_one_line(["check", "--impl", f"{ADAPTERS}:make_takes_from_the_right_end", "--level", "pool",
+                         "--caching", caching, "--jobs", "10", "--max-examples", "10", "--trace-dir", str(traces)],
+                        "what failed: ", exits=1)  # fmt: skip
+
+
+def _step(index: int, op: str, args: list, **more: object) -> str:
+    return json.dumps({"step": index, "op": op, "args": args, **more})
+
+
+@pytest.mark.parametrize(
+    ("steps", "says"),
+    [
+        ([_step(1, "get_new_blocks", ["abc"])], "step 1 get_new_blocks(num_blocks='abc') is a caller mistake"),
+        ([_step(1, "get_new_blocks", [1]), _step(2, "free_blocks", [[10**30]])], "wider than 64 bits"),
+        ([_step(1, "get_new_blocks", [1]), _step(2, "touch", [[-1]])], "that the trace does not record as one"),
+        ([_step(1, "get_new_blocks", [1]), _step(2, "free_blocks", [[1]]), _step(3, "free_blocks", [[1]])],
+         "step 3 free_blocks(block_ids=[1]"),
+        ([_step(1, "get_new_blocks", [1], mistake="get_new_blocks: bad count")],
+         "records the mistake 'get_new_blocks: bad count', but the spec accepts the call"),
+    ],
+)  # fmt: skip
+def test_replay_refuses_a_step_no_campaign_could_have_sent(tmp_path, answers_in_one_line, steps, says) -> None:
+    # Checked when the trace is loaded, before the implementation is built or sent anything.
+    path = _trace(tmp_path, *steps)
+    answers_in_one_line(["replay", str(path)], says)
+
+
+def test_replay_sends_a_mistake_the_trace_records(tmp_path: Path, monkeypatch, capsys) -> None:
+    # The same double free, recorded as the caller mistake it is: sent, and the reference rejects it as the spec does.
+    monkeypatch.chdir(tmp_path)
+    free = _step(3, "free_blocks", [[1]], mistake="free_blocks: double free")
+    path = _trace(tmp_path, _step(1, "get_new_blocks", [1]), _step(2, "free_blocks", [[1]]), free)
+    assert main(["replay", str(path)]) == 0
+    assert "verdict: conforms" in capsys.readouterr().out
+
+
+def test_a_replay_writes_no_trace_unless_asked(tmp_path: Path, monkeypatch, capsys) -> None:
+    # A replay that diverges (exit 1) leaves the folder it ran in as it was: the trace replayed is the record.
+    monkeypatch.chdir(tmp_path)
+    old_traces = Path(__file__).resolve().parents[1] / "data" / "traces_before_the_split"
+    recorded = old_traces / "double_free_ignored.trace.jsonl"
+    assert main(["replay", str(recorded)]) == 1
+    assert "verdict: diverges" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    assert main(["replay", str(recorded), "--trace-dir", "kept"]) == 1
+    assert [p.parent.name for p in tmp_path.rglob("*.trace.jsonl")] == ["kept"]
+
+
+@pytest.mark.parametrize(
+    ("factory", "says"),
+    [
+        ("make_exits_on_touch", "what failed: SystemExit(0): the implementation tried to end the process (sys.exit)"),
+        ("make_os_exit_on_touch", "what failed: the process died (exit code 3) during this step"),
+        ("make_kills_itself_on_touch", "what failed: the process died (signal 9 (SIGKILL)) during this step"),
+        ("make_never_returns", "what failed: building the adapter (importing and constructing the implementation) "
+         "did not finish within the build time limit of 1 s (--build-timeout)"),
+    ],
+)  # fmt: skip
+def test_an_implementation_that_ends_or_hangs_is_its_fault_with_a_story(tmp_path_factory, answers_in_one_line,
+                                                                       factory, says) -> None:  # fmt: skip
+    # Exit 1 (the implementation is wrong), never "kvspec failed"; the trace goes where --trace-dir says.
+    traces = tmp_path_factory.mktemp("traces")
+    answers_in_one_line(["check", "--impl", f"{ADAPTERS}:{factory}", "--level", "pool", "--caching", "on",
+                         "--max-examples", "30", "--build-timeout", "1", "--trace-dir", str(traces)],
+                        says, exits=1)  # fmt: skip
+    assert len(list(traces.iterdir())) == 1
+
+
+def test_a_slow_import_is_not_a_step_timeout(tmp_path_factory, capsys, monkeypatch) -> None:
+    # The first build takes 1.5 s, past the step limit of 1 s and within the build limit (default 300 s).
+    monkeypatch.chdir(tmp_path_factory.mktemp("run"))
+    code = main(["check", "--impl", f"{ADAPTERS}:make_slow_import", "--level", "pool", "--caching", "off",
+                 "--max-examples", "100", "--step-timeout", "1"])  # fmt: skip
+    assert code == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--build-timeout", "--step-timeout"])
+def test_a_time_limit_of_zero_is_refused(answers_in_one_line: Callable, flag: str) -> None:
+    answers_in_one_line(["check", flag, "0"], f"{flag}: must be above 0")
+    answers_in_one_line(["replay", "no.trace.jsonl", flag, "0"], f"{flag}: must be above 0")
+
+
+def test_a_fault_of_kvspec_itself_is_one_line_with_its_log() -> None:
+    # What the child hands back when kvspec's own code raises: one line, the log's path, the traceback in the log.
+    from kvspec.conformance.runner.isolation import kvspec_failed
+
+    try:
+        raise TypeError("an internal mistake\nsecond line")
+    except TypeError as e:
+        line = kvspec_failed(e)
+    assert "\n" not in line and line.startswith("kvspec itself failed (a bug in kvspec, not in the implementation)")
+    log = Path(line.rsplit("full log: ", 1)[1])
+    assert "Traceback" in log.read_text() and "an internal mistake" in log.read_text()
+    log.unlink()

@@ -21,10 +21,14 @@ from tests.conformance import adapters
 
 
 def test_two_jobs_are_the_one_job_campaigns_on_their_seeds_added_up(tmp_path):
-    both = run_check(make_reference, level="pool", max_examples=20, seed=3, jobs=2, trace_dir=tmp_path)
-    first = run_check(make_reference, level="pool", max_examples=10, seed=3, trace_dir=tmp_path)
-    second = run_check(make_reference, level="pool", max_examples=10, seed=4, trace_dir=tmp_path)
-    assert both.verdict == "conforms" and both.jobs == 2 and first.jobs == 1
+    # Without extra rounds (each job's would run on its own seeds), 20 examples leave branches unreached:
+    # inconclusive, for the two jobs as for the two one-job campaigns, and the same work added up.
+    both = run_check(make_reference, level="pool", max_examples=20, seed=3, jobs=2, trace_dir=tmp_path, cover_rounds=0)
+    first = run_check(make_reference, level="pool", max_examples=10, seed=3, trace_dir=tmp_path, cover_rounds=0)
+    second = run_check(make_reference, level="pool", max_examples=10, seed=4, trace_dir=tmp_path, cover_rounds=0)
+    assert both.verdict == first.verdict == second.verdict == "inconclusive" and "not reached" in both.message
+    assert both.jobs == 2 and first.jobs == 1
+    assert set(both.unreached) == set(first.unreached) & set(second.unreached)
     assert both.examples_run == first.examples_run + second.examples_run
     assert both.steps_run == first.steps_run + second.steps_run
     assert both.invariants_checked == first.invariants_checked + second.invariants_checked
@@ -119,13 +123,22 @@ def test_jobs_must_be_a_positive_integer(tmp_path, capsys):
 
 def test_check_shares_each_campaign_among_the_jobs_asked_for(capsys, tmp_path):
     code = main(["check", "--impl", "reference", "--level", "pool", "--caching", "on", "--jobs", "2",
-                 "--max-examples", "20", "--json", "-", "--trace-dir", str(tmp_path)])  # fmt: skip
+                 "--max-examples", "100", "--json", "-", "--trace-dir", str(tmp_path)])  # fmt: skip
     out = capsys.readouterr().out
     document = json.loads(out[out.index("{") :])
     assert code == 0 and document["results"][0]["jobs"] == 2 and document["results"][0]["verdict"] == "conforms"
 
 
-@pytest.mark.parametrize("examples", [1, 2])
-def test_no_more_jobs_than_examples(tmp_path, examples):
-    r = run_check(make_reference, level="pool", max_examples=examples, jobs=4, trace_dir=tmp_path)
-    assert r.jobs == examples and r.examples_run >= examples
+@pytest.mark.parametrize(("examples", "jobs"), [(1, 1), (2, 1), (19, 1), (20, 2), (45, 4)])
+def test_no_more_jobs_than_give_each_its_floor_of_examples(tmp_path, examples, jobs):
+    r = run_check(make_reference, level="pool", max_examples=examples, jobs=4, trace_dir=tmp_path, cover_rounds=0)
+    assert r.jobs == jobs and r.examples_run >= examples
+
+
+def test_a_job_short_of_its_floor_makes_the_campaign_inconclusive():
+    # Two jobs asked 10 examples each: one conformed on 10, the other a time budget cut at 3.
+    outcomes = [_report(Verdict.CONFORMS, 10), _report(Verdict.CONFORMS, 3)]
+    r = merged(outcomes, 1.0, [10, 10])
+    assert r.verdict is Verdict.INCONCLUSIVE and r.examples == 13
+    assert r.message.startswith("job 2 of 2: 3 examples ran, fewer than the floor of 10")
+    assert merged([_report(Verdict.CONFORMS, 10), _report(Verdict.CONFORMS, 10)], 1.0, [10, 10]).verdict == "conforms"

@@ -64,7 +64,7 @@ def test_the_adapter_config_is_the_records_view():
         ({"levels": ("request",)}, "level must be 'pool' or 'manager'; got level='request'"),
         ({"caching": (1,)}, "caching must be a non-empty tuple of True and False; got caching=(1,)"),
         ({"events": "yes"}, "events must be True or False; got events='yes'"),
-        ({"trace_dir": "traces"}, "trace_dir must be a Path; got trace_dir='traces'"),
+        ({"trace_dir": "traces"}, "trace_dir must be a Path or None; got trace_dir='traces'"),
         ({"database": "db"}, "database must be a Hypothesis ExampleDatabase or None; got database='db'"),
         ({"levels": ("pool",), "groups": "full,sliding:8"}, "groups='full,sliding:8' does nothing at the pool level"),
         ({"profile": "auto", "json": Path("x.json")}, "json=PosixPath('x.json') does nothing with profile='auto'"),
@@ -128,6 +128,6 @@ def test_a_refused_flag_is_one_line_exit_2_and_nothing_created(args, line, tmp_p
 
 def test_a_device_this_machine_has_is_taken(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code = main(["check", "--impl", "reference", "--level", "pool", "--caching", "on", "--max-examples", "5",
-                 "--cover-rounds", "0", "--device", "cpu"])  # fmt: skip
+    code = main(["check", "--impl", "reference", "--level", "pool", "--caching", "on", "--max-examples", "100",
+                 "--device", "cpu"])  # fmt: skip
     assert code == 0, capsys.readouterr()

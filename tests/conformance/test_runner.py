@@ -174,21 +174,23 @@ def test_bad_arguments_could_not_run(tmp_path):
 
 def test_unreached_branches_get_more_rounds_on_the_next_seeds(tmp_path):
     # Five examples cannot reach the pool's 37 branches: every extra round runs, each a seed further.
-    one = run_check(make_reference, level="pool", max_examples=5, trace_dir=tmp_path)
+    one = run_check(make_reference, level="pool", max_examples=5, cover_rounds=0, trace_dir=tmp_path)
     more = run_check(make_reference, level="pool", max_examples=5, cover_rounds=2, trace_dir=tmp_path)
     assert one.extra_rounds == 0 and one.unreached
-    assert more.verdict == "conforms" and more.extra_rounds == 2
+    # A branch it can reach and did not: no "conforms", and the verdict names it and the way to reach it.
+    assert one.verdict == "inconclusive" and one.unreached[0] in one.message and "--cover-rounds" in one.message
+    assert more.extra_rounds == 2 and (more.verdict == "conforms") == (not more.unreached)
     assert more.examples_run > one.examples_run and more.steps_run > one.steps_run
     assert len(more.unreached) < len(one.unreached)
     # The rounds are the campaign's next seeds: seed 1's campaign is the first extra round.
-    seed_1 = run_check(make_reference, level="pool", max_examples=5, seed=1, trace_dir=tmp_path)
+    seed_1 = run_check(make_reference, level="pool", max_examples=5, seed=1, cover_rounds=0, trace_dir=tmp_path)
     assert set(more.unreached) <= set(one.unreached) & set(seed_1.unreached)
 
 
 def test_extra_rounds_stop_at_the_time_budget(tmp_path):
     # One example a round never covers everything: only the budget ends the rounds.
     r = run_check(make_reference, level="pool", max_examples=1, cover_rounds=10**6, time_budget_s=2, trace_dir=tmp_path)
-    assert r.verdict == "conforms" and "time budget" in r.message
+    assert r.verdict == "inconclusive" and "not reached" in r.message and "time budget" in r.message
     assert 0 < r.extra_rounds < 10**6 and r.seconds < 20
 
 
@@ -240,7 +242,7 @@ def test_a_seed_draws_the_same_campaign_whatever_modules_the_process_has_loaded(
 
 def test_a_time_budget_stops_a_campaign_that_would_run_forever(tmp_path):
     r = run_check(make_reference, level="pool", max_examples=10**9, time_budget_s=1.5, trace_dir=tmp_path)
-    assert r.verdict == "conforms" and "time budget" in r.message
+    assert (r.verdict == "conforms") == (not r.unreached) and "time budget" in r.message
     assert r.seconds < 20 and r.steps_run > 0
 
 
@@ -264,7 +266,7 @@ def test_the_campaign_reaches_deep_states_and_counts_them(tmp_path):
 
 def test_the_request_level_reaches_preemption_chunking_and_capped_hits(tmp_path):
     # An eviction by the manager is the rarest of these: one seed's 50 examples can miss it.
-    r = run_check(make_reference, level="manager", max_examples=50, cover_rounds=3, trace_dir=tmp_path)
+    r = run_check(make_reference, level="manager", max_examples=100, trace_dir=tmp_path)
     assert r.verdict == "conforms"
     for event in (
         "free: request preempted",
@@ -342,7 +344,7 @@ def test_a_kv_write_into_the_wrong_slot_is_caught_by_reading_the_hit_back(tmp_pa
 
 
 def test_gpu_impl_conforms_with_its_content_checked_on_the_device_asked_for(tmp_path):
-    r = check("gpu", tmp_path, level="manager", max_examples=30, device="cpu")
+    r = check("gpu", tmp_path, level="manager", max_examples=100, device="cpu")
     assert r.verdict == "conforms", r.failure and r.failure.story
     assert r.device == "cpu" and r.coverage["get_computed_blocks: hit"] > 0
     bad = check("gpu", tmp_path, level="manager", max_examples=5, device="tpu:3")
@@ -388,7 +390,7 @@ class _RejectsDoubleFreesOnly(adapters.AcceptsDoubleFree):
 
 
 def test_mistakes_an_adapter_declares_it_does_not_reject_are_not_made_and_are_listed(tmp_path):
-    r = check(_TrustsItsCaller, tmp_path, level="pool", max_examples=60)
+    r = check(_TrustsItsCaller, tmp_path, level="pool", max_examples=60, cover_rounds=10)
     assert r.verdict == "conforms", r.failure and r.failure.story
     assert "free_blocks: double free" in r.not_exercised and "get_new_blocks: more than free" not in r.not_exercised
     assert r.coverage["get_new_blocks: PoolExhausted"] > 0

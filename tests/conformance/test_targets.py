@@ -51,10 +51,10 @@ def test_a_third_party_target_is_found_through_its_entry_point_alone(register_ta
     register_target("their-pool", "their-pool", "their_pool:TARGET", THIRD_PARTY)
     factory = load_factory("their-pool")
     assert factory.__name__ == "make_adapter" and factory_name(factory) == "their-pool"
-    result = run_check("their-pool", level="pool", max_examples=10, cover_rounds=0, trace_dir=tmp_path)
+    result = run_check("their-pool", level="pool", max_examples=100, trace_dir=tmp_path)
     assert result.verdict == "conforms" and result.impl == "their-pool" and result.steps_run > 0
     # and on the command line, named like any built-in
-    code = main(["check", "--impl", "their-pool", "--level", "pool", "--caching", "on", "--max-examples", "10",
+    code = main(["check", "--impl", "their-pool", "--level", "pool", "--caching", "on", "--max-examples", "100",
                  "--trace-dir", str(tmp_path)])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0 and "their-pool" in out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import shutil
 
 import pytest
 
@@ -266,3 +267,22 @@ def test_a_folder_that_is_not_a_source_tree_is_refused_in_one_line(tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"kvspec check: implementation 'vllm@{tmp_path}': {tmp_path} is not a vLLM source tree: "
                    "it has no vllm/v1/core/block_pool.py"]  # fmt: skip
+
+
+def test_0_34_draws_evict_first_and_a_copy_that_sends_those_blocks_to_the_back_is_killed(tmp_path) -> None:
+    from kvspec.conformance.runner.run import run_check
+    from kvspec.conformance.targets.vllm.lightmode import fetch_release
+
+    released = run_check(make_light_adapter("0.34.0"), level="pool", max_examples=100, trace_dir=tmp_path)
+    assert released.verdict == "conforms", released.failure
+    assert released.coverage["free_blocks: cached block freed to be evicted first"] > 0
+    # 0.34.0's own pool with one change: a freed cached block goes to the back even when asked to go first.
+    tree = tmp_path / "mutant"
+    shutil.copytree(fetch_release("0.34.0") / "vllm", tree / "vllm")
+    pool = tree / "vllm" / "v1" / "core" / "block_pool.py"
+    text = pool.read_text()
+    assert text.count(" or evict_first:") == 1
+    pool.write_text(text.replace(" or evict_first:", ":"))
+    mutant = run_check(factory_for(f"vllm@{tree}"), level="pool", max_examples=100, trace_dir=tmp_path)
+    assert mutant.verdict == "diverges" and mutant.failure is not None
+    assert mutant.failure.op == "free_blocks" and mutant.failure.num_steps <= 5, mutant.failure.story

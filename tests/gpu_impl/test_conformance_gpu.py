@@ -15,7 +15,8 @@ import pytest
 
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.coverage import EVENT_BRANCHES, MANAGER_EVENT_BRANCHES
-from kvspec.conformance.runner.run import make_conformance_test, run_check
+from kvspec.conformance.runner.run import run_check
+from kvspec.conformance.runner.testcase import make_conformance_test
 from kvspec.gpu_impl.adapter import make_adapter
 
 
@@ -36,8 +37,8 @@ TestGpuImplConforms = make_conformance_test(make_adapter_on_cpu, max_examples=50
 def test_gpu_impl_publishes_the_specs_events_and_counts_its_hits(level, profile, groups, tmp_path):
     """`kvspec check --impl gpu --events`: every event kind and counter reached and equal to the spec's."""
     r = run_check(
-        make_adapter_on_cpu, level=level, profile=profile, groups=groups, events=True, max_examples=30,
-        cover_rounds=3, trace_dir=tmp_path, impl="gpu",
+        make_adapter_on_cpu, level=level, profile=profile, groups=groups, events=True, max_examples=60,
+        cover_rounds=10, trace_dir=tmp_path, impl="gpu",
     )
     assert r.verdict == "conforms", r.failure.story if r.failure else r.message
     expected = EVENT_BRANCHES + (MANAGER_EVENT_BRANCHES if level == "manager" else ())

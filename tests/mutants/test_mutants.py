@@ -162,7 +162,7 @@ def test_run_mutants_reports_kills_and_a_survivor(tmp_path):
     survivor = Mutant("unchanged_reference", "the reference, unchanged", "pool", make_reference, "none")
     seen: list[str] = []
     results = run_mutants(
-        [killed, survivor], max_examples=30, seed=0, trace_dir=tmp_path, on_result=lambda r: seen.append(r.name)
+        [killed, survivor], max_examples=100, seed=0, trace_dir=tmp_path, on_result=lambda r: seen.append(r.name)
     )
     assert seen == ["allocate_from_right", "unchanged_reference"]
     first, second = results
@@ -183,19 +183,19 @@ def test_run_mutants_reports_kills_and_a_survivor(tmp_path):
 
 def test_the_control_runs_the_reference_under_each_configuration_the_mutants_use():
     chosen = [m for m in MUTANTS if m.name in ("allocate_from_right", "unhashed_freed_to_right", "free_head_first")]
-    controls = run_control(chosen, max_examples=20, seed=0)
+    controls = run_control(chosen, max_examples=100, seed=0)
     assert [(c.level, c.enable_caching) for c in controls] == [("pool", True), ("pool", False), ("manager", True)]
     assert all(c.verdict == "conforms" for c in controls)
     # a policy mutant's control runs under the profile it claims
     policy = [m for m in MUTANTS if m.profile != "vllm-v1"][:1]
     assert policy, "no policy mutant"
-    (control,) = run_control(policy, max_examples=20, seed=0)
+    (control,) = run_control(policy, max_examples=100, seed=0)
     assert control.profile == policy[0].profile and control.verdict == "conforms"
 
 
 def test_cli_prints_the_table_and_the_benchmark(capsys):
     code = main(
-        ["mutants", "--only", "null_block_queued", "--only", "num_free_counts_null_block", "--max-examples", "40"]
+        ["mutants", "--only", "null_block_queued", "--only", "num_free_counts_null_block", "--max-examples", "100"]
     )
     out = capsys.readouterr().out
     assert code == 0, out
@@ -209,7 +209,7 @@ def test_cli_prints_the_table_and_the_benchmark(capsys):
 
 
 def test_cli_json_output(capsys):
-    code = main(["mutants", "--only", "double_free_ignored", "--max-examples", "40", "--json"])
+    code = main(["mutants", "--only", "double_free_ignored", "--max-examples", "100", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     [row] = report["mutants"]

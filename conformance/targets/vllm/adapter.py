@@ -370,6 +370,9 @@ class VllmPoolAdapter:
             if facts is not None and facts.usage_counts_null
             else {}
         )
+        if "evict_first" in inspect.signature(self.pool.free_blocks).parameters:  # 0.34.0 on, read from the code
+            # The harness sends a trailing parameter only to a method that takes it: this one does.
+            self.free_blocks = self._free_blocks_evict_first  # type: ignore[method-assign]
 
     # -- translation ---------------------------------------------------------
 
@@ -463,6 +466,10 @@ class VllmPoolAdapter:
     def free_blocks(self, block_ids: Sequence[BlockId]) -> None:
         """vLLM's ``free_blocks``, in the given order."""
         self.pool.free_blocks([self._block(b, "free_blocks") for b in block_ids])
+
+    def _free_blocks_evict_first(self, block_ids: Sequence[BlockId], evict_first: bool = False) -> None:
+        """vLLM's ``free_blocks`` where it takes ``evict_first`` (0.34.0 on): freed cached blocks to the front."""
+        self.pool.free_blocks([self._block(b, "free_blocks") for b in block_ids], evict_first=evict_first)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache``."""

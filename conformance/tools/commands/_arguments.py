@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from kvspec.conformance.core.run_config import DRAWN, ConfigError
+from kvspec.conformance.core.run_config import DEFAULT_BUILD_TIMEOUT_S, DRAWN, ConfigError
 from kvspec.conformance.runner import run as runner
 from kvspec.spec.attention import format_groups, parse_groups
 from kvspec.spec.errors import InvalidRequest
@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_TRACE_DIR",
     "FLAGS",
     "OneLineParser",
+    "add_timeouts",
     "check_device",
     "fraction",
     "group_layout",
@@ -95,9 +96,29 @@ FLAGS: dict[str, str] = {
     "impls": "--impl", "levels": "--level", "caching": "--caching", "profile": "--profile", "groups": "--groups",
     "events": "--events", "device": "--device", "max_examples": "--max-examples", "steps": "--steps",
     "cover_rounds": "--cover-rounds", "time_budget_s": "--time-budget", "step_timeout_s": "--step-timeout",
+    "build_timeout_s": "--build-timeout",
     "seed": "--seed", "jobs": "--jobs", "trace_dir": "--trace-dir", "html_dir": "--html-dir", "junit": "--junit",
     "json": "--json", "keep_deepest": "--keep-deepest", "database": "--database",
 }  # fmt: skip
+
+
+def add_timeouts(p: argparse.ArgumentParser) -> None:
+    """The two time limits on the implementation: one per call, and one per adapter built (imports included)."""
+    p.add_argument(
+        "--step-timeout",
+        type=number,
+        default=10.0,
+        metavar="SECONDS",
+        help="the most one implementation call may take (default 10, at most a week)",
+    )
+    p.add_argument(
+        "--build-timeout",
+        type=number,
+        default=DEFAULT_BUILD_TIMEOUT_S,
+        metavar="SECONDS",
+        help="the most importing and building the implementation may take, each adapter built "
+        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}, at most a week): its own limit, so a slow import is not a hung step",
+    )
 
 
 def refuse(prog: str, error: ConfigError) -> int:

@@ -40,7 +40,14 @@ from typing import Any
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from kvspec.conformance.core.results import CheckResult, Verdict
-from kvspec.conformance.core.run_config import AUTO, LIMITS, ConfigError, Configuration, RunConfig
+from kvspec.conformance.core.run_config import (
+    AUTO,
+    DEFAULT_COVER_ROUNDS,
+    LIMITS,
+    ConfigError,
+    Configuration,
+    RunConfig,
+)
 from kvspec.conformance.runner.isolation import Progress
 from kvspec.conformance.runner.profiles import PROFILES as VLLM_PROFILES
 from kvspec.conformance.runner.profiles import detect_profiles
@@ -48,6 +55,7 @@ from kvspec.conformance.runner.registry import FactoryError, default_targets, lo
 from kvspec.conformance.runner.run import check_configuration
 from kvspec.conformance.tools.commands._arguments import (
     DEFAULT_TRACE_DIR,
+    add_timeouts,
     check_device,
     integer,
     json_output,
@@ -73,7 +81,6 @@ __all__ = ["register", "render_summary", "run", "write_junit"]
 DEFAULT_MAX_EXAMPLES = 100
 # Rare branches (a duplicate id, an eviction by the manager) can go unreached by
 # one seed's 100 examples; a few more rounds reach them, and the summary says so.
-DEFAULT_COVER_ROUNDS = 3
 # With a time budget and no example count, the budget alone decides.
 UNBOUNDED_EXAMPLES = 10**9
 
@@ -138,13 +145,7 @@ def _add_budget_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="wall-clock budget for the whole run, shared among configurations (at most a week)",
     )
-    p.add_argument(
-        "--step-timeout",
-        type=number,
-        default=10.0,
-        metavar="SECONDS",
-        help="the most one implementation call may take (default 10, at most a week)",
-    )
+    add_timeouts(p)
     p.add_argument("--junit", type=output_file, metavar="PATH", help="also write a JUnit XML report")
     p.add_argument(
         "--json", type=json_output, metavar="PATH", help="also write the whole summary as JSON (- for stdout)"
@@ -292,6 +293,7 @@ def _record(args: argparse.Namespace, impls: Sequence[str]) -> RunConfig:
         cover_rounds=args.cover_rounds,
         time_budget_s=args.time_budget,
         step_timeout_s=args.step_timeout,
+        build_timeout_s=args.build_timeout,
         seed=args.seed,
         jobs=args.jobs,
         trace_dir=args.trace_dir,

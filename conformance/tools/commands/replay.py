@@ -5,7 +5,10 @@ implementation and on the spec in lock-step, checked exactly as the
 conformance machine checks them, so a failure found by `kvspec check`
 replays to the same verdict, and a fixed implementation replays to
 "conforms". Exit codes as `kvspec check`; a malformed trace file exits 2
-with the line that is wrong.
+with the line that is wrong, and so does a step no campaign could have sent
+(an argument of the wrong type or range not recorded as a caller mistake),
+before anything is sent. A replay writes no trace unless `--trace-dir` (or
+`--html-dir`) asks for one.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from typing import Any
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import Verdict
 from kvspec.conformance.core.run_config import ConfigError
-from kvspec.conformance.core.trace import MalformedTrace, read_trace
+from kvspec.conformance.core.trace import MalformedTrace
 from kvspec.conformance.runner.registry import target_names
+from kvspec.conformance.runner.replaying import load_sendable
 from kvspec.conformance.runner.run import replay_configured, replay_record
 from kvspec.conformance.tools.commands._arguments import (
-    DEFAULT_TRACE_DIR,
+    add_timeouts,
     check_device,
     json_output,
-    number,
     output_dir,
     refuse,
 )
@@ -51,19 +54,14 @@ def register(subparsers: Any) -> None:
         "or path/file.py:function); "
         "default: the one named in the trace",
     )
-    p.add_argument(
-        "--step-timeout",
-        type=number,
-        default=10.0,
-        metavar="SECONDS",
-        help="the most one implementation call may take (default 10)",
-    )
+    add_timeouts(p)
     p.add_argument(
         "--trace-dir",
         type=output_dir,
-        default=DEFAULT_TRACE_DIR,
+        default=None,
         metavar="DIR",
-        help=f"where the replay's own failure trace is written (default ./{DEFAULT_TRACE_DIR})",
+        help="also save the replay's own failure trace here (default: none is written, the trace replayed is "
+        "the record; with --html-dir, the page's trace is saved beside it)",
     )
     p.add_argument("--json", type=json_output, metavar="PATH", help="also write the result as JSON (- for stdout)")
     p.add_argument(
@@ -82,14 +80,16 @@ def run(args: argparse.Namespace) -> int:
     """Replay the trace; print the recorded and the new verdict and the story; exit per the new verdict."""
     try:
         record = replay_record(
-            step_timeout_s=args.step_timeout, trace_dir=args.trace_dir, json=args.json, html_dir=args.html_dir,
+            step_timeout_s=args.step_timeout, build_timeout_s=args.build_timeout,
+            trace_dir=args.trace_dir or args.html_dir, json=args.json,
+            html_dir=args.html_dir,
             device=args.device,
         )  # fmt: skip
         check_device(record.device)
     except ConfigError as e:
         return refuse("kvspec replay", e)
     try:
-        trace = read_trace(args.trace)
+        trace = load_sendable(args.trace)  # read, and every step checked before anything is sent
     except MalformedTrace as e:
         print(f"kvspec replay: cannot read the trace: {e}", file=sys.stderr)
         return 2

@@ -14,7 +14,7 @@ from kvspec.conformance.targets.plugins.targets import TARGETS
 from kvspec.conformance.targets.vllm.adapter import spec_hashing_for
 from kvspec.conformance.targets.vllm.factories import loadable_release
 from kvspec.conformance.targets.vllm.hashes import FLEET_SEED, compare_release, measure_release, measure_releases
-from kvspec.conformance.targets.vllm.lightmode import NEWEST, LightModeError, newest_release
+from kvspec.conformance.targets.vllm.lightmode import NEWEST
 from kvspec.conformance.targets.vllm.releases import HASH_CHAIN_DIFFERENCES, RELEASES
 from kvspec.conformance.targets.vllm.v0 import V0_RELEASES
 from kvspec.conformance.tools import oracle, oracle_matrix
@@ -106,33 +106,8 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
     if args.plugins is not None:
         return run_plugins_cmd(args)
     args.level = args.level or "pool"
-    versions = list(RELEASES) if args.all else list(args.vllm)
-    if NEWEST in versions:
-        try:
-            newest = newest_release()
-        except LightModeError as e:
-            print(f"kvspec oracle: {e}", file=sys.stderr)
-            return EXIT_COULD_NOT_RUN
-        versions = list(dict.fromkeys(newest if v == NEWEST else v for v in versions))
-    if not versions:
-        print("kvspec oracle: name releases with --vllm X [Y ...] or use --all", file=sys.stderr)
-        return EXIT_COULD_NOT_RUN
-
-    # A release number the table does not declare is checked like one it does (light mode fetches it).
-    unknown = [v for v in versions if v not in RELEASES and v not in V0_RELEASES and not is_release_number(v)]
-    if unknown:
-        v0_only = [v for v in V0_RELEASES if v not in RELEASES]
-        known = f"{V0_RELEASES[0]} to {RELEASES[-1]} ({v0_only[0]} to {v0_only[-1]}: vLLM v0's allocator)"
-        print(
-            f"kvspec oracle: {', '.join(unknown)} is not a vLLM release number (e.g. 0.34.0, or newest); "
-            f"kvspec's table declares {known}, and any other release the package registry has is checked too",
-            file=sys.stderr,
-        )
-        return EXIT_COULD_NOT_RUN
-    try:  # a release the table does not declare is fetched now: one the registry lacks is refused before any work
-        versions = [v if v in RELEASES or v in V0_RELEASES else loadable_release(v) for v in versions]
-    except ValueError as e:
-        print(f"kvspec oracle: {e}", file=sys.stderr)
+    versions = _oracle_versions(list(RELEASES) if args.all else list(args.vllm))
+    if versions is None:
         return EXIT_COULD_NOT_RUN
     levels = ["pool", "manager"] if args.level == "both" else [args.level]
     cachings = ["on", "off"] if args.caching == "both" else [args.caching]
@@ -155,6 +130,29 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
     else:
         print(oracle_matrix.format_matrix(rows, levels, cachings))
     return _oracle_exit(rows)
+
+
+def _oracle_versions(asked: list[str]) -> list[str] | None:
+    """The releases to run, ``newest`` asked of the registry and each release the table does not declare
+    fetched now; None after a one-line refusal (no release named, not a release number, one the registry lacks)."""
+    if not asked:
+        print("kvspec oracle: name releases with --vllm X [Y ...] or use --all", file=sys.stderr)
+        return None
+    unknown = [v for v in asked if v not in V0_RELEASES and v != NEWEST and not is_release_number(v)]
+    if unknown:
+        v0_only = [v for v in V0_RELEASES if v not in RELEASES]
+        known = f"{V0_RELEASES[0]} to {RELEASES[-1]} ({v0_only[0]} to {v0_only[-1]}: vLLM v0's allocator)"
+        print(
+            f"kvspec oracle: {', '.join(unknown)} is not a vLLM release number (e.g. 0.34.0, or newest); "
+            f"kvspec's table declares {known}, and any other release the package registry has is checked too",
+            file=sys.stderr,
+        )
+        return None
+    try:  # a release the table does not declare is fetched now: one the registry lacks is refused before any work
+        return list(dict.fromkeys(v if v in RELEASES or v in V0_RELEASES else loadable_release(v) for v in asked))
+    except ValueError as e:
+        print(f"kvspec oracle: {e}", file=sys.stderr)
+        return None
 
 
 def run_plugins_cmd(args: argparse.Namespace) -> int:
