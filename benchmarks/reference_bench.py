@@ -236,7 +236,7 @@ def _replay_keyed(num_blocks: int, trace: Sequence[tuple[str, int]]) -> float:
     free = KeyedFreeBlocks(blocks, profile_rule("lru-timestamp"))
     for block in free.popleft_n(num_blocks):
         block.block_hash = BlockHash(block.block_id.to_bytes(8, "big"))
-    free.freed(range(num_blocks), blocks)  # stamped 0..n-1: the trace's LRU order
+    free.freed(range(num_blocks), blocks, False)  # stamped 0..n-1: the trace's LRU order
     start = time.perf_counter()
     for op, b in trace:
         if op == "evict":
@@ -245,7 +245,7 @@ def _replay_keyed(num_blocks: int, trace: Sequence[tuple[str, int]]) -> float:
         elif op == "remove":
             free.remove(blocks[b])
         else:
-            free.freed((b,), (blocks[b],))
+            free.freed((b,), (blocks[b],), False)
     return time.perf_counter() - start
 
 

@@ -83,10 +83,10 @@ def test_the_spec_hashes_with_the_hash_function_and_seed_the_factory_names(tmp_p
         return _hashes_as_deployed(config)
 
     declared.spec_hashing = lambda: ("sha256", VLLM_NONE_HASH_SEED)  # type: ignore[attr-defined]
-    result = run_check(declared, level="manager", max_examples=30, isolate=False, trace_dir=tmp_path)
+    result = run_check(declared, level="manager", max_examples=100, isolate=False, trace_dir=tmp_path)
     assert result.verdict == "conforms", result.failure
     # Undeclared, the spec hashes with kvspec's defaults, and the first registered block's value differs.
-    result = run_check(_hashes_as_deployed, level="manager", max_examples=30, isolate=False, trace_dir=tmp_path)
+    result = run_check(_hashes_as_deployed, level="manager", max_examples=100, isolate=False, trace_dir=tmp_path)
     assert result.verdict == "diverges" and result.failure is not None
     assert f"kvspec's chain (hash_fn={DEFAULT_HASH_FN!r}, seed={DEFAULT_SEED!r})" in result.failure.message
 

@@ -83,7 +83,7 @@ def _undeclared(config: AdapterConfig) -> KVCacheManager:
 def test_an_adapter_that_does_not_declare_groups_is_not_applicable() -> None:
     r = run_check(_undeclared, level="manager", max_examples=10, isolate=False, groups="full,sliding:8")
     assert r.verdict is Verdict.NOT_APPLICABLE and "kv_cache_groups = True" in r.message
-    assert run_check(_undeclared, level="manager", max_examples=10, isolate=False).verdict is Verdict.CONFORMS
+    assert run_check(_undeclared, level="manager", max_examples=100, isolate=False).verdict is Verdict.CONFORMS
 
 
 def test_a_trace_records_its_groups_and_replays_with_them(tmp_path) -> None:
@@ -112,7 +112,7 @@ def test_the_demo_nulls_what_the_window_left_and_agrees_with_the_spec(capsys: py
 
 
 def test_the_harness_benchmark_prints_a_row_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert harness_bench.main(["--groups", "full", "full,sliding:8", "--max-examples", "10"]) == 0
+    assert harness_bench.main(["--groups", "full", "full,sliding:8", "--max-examples", "100"]) == 0
     out = capsys.readouterr().out
     assert "full,sliding:8" in out and "steps/s" in out and "target: at least 1000" in out
 

@@ -126,7 +126,7 @@ class PoolBeforeEvictFirst(ReferencePoolAdapter):
 
 
 def test_a_pool_whose_free_blocks_takes_no_evict_first_is_told_so_and_still_covered(tmp_path: Path) -> None:
-    r = run_check(PoolBeforeEvictFirst, level="pool", max_examples=N, trace_dir=tmp_path, impl="old-pool")
+    r = run_check(PoolBeforeEvictFirst, level="pool", max_examples=100, trace_dir=tmp_path, impl="old-pool")
     assert r.verdict == "conforms", r.failure.story if r.failure else r.message
     assert "evict first: not applicable, the adapter's free_blocks takes no evict_first" in r.not_exercised
     assert f"free_blocks: {EVICT_FIRST_OUTCOME}" not in r.unreached  # only a call with it reaches it

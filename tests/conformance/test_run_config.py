@@ -23,7 +23,7 @@ from kvspec.conformance.tools.cli import main
 
 def test_the_defaults_make_a_valid_record_and_the_configurations_come_in_order():
     run = RunConfig(impls=("reference", "spec"))
-    assert (run.max_examples, run.steps, run.cover_rounds, run.jobs, run.step_timeout_s) == (100, 50, 3, 1, 10.0)
+    assert (run.max_examples, run.steps, run.cover_rounds, run.jobs, run.step_timeout_s) == (100, 50, 6, 1, 10.0)
     assert [(c.impl, c.level, c.enable_caching) for c in run.configurations()] == [
         (impl, level, caching)
         for impl in ("reference", "spec")
