@@ -266,9 +266,34 @@ class PoolMachine(_LockStepMachine):
         self.live.append(group)
         return group
 
-    @initialize(num_gpu_blocks=strat.pool_sizes())
-    def new_pool(self, num_gpu_blocks: int) -> None:
+    @initialize(num_gpu_blocks=strat.pool_sizes(), data=st.data())
+    def new_pool(self, num_gpu_blocks: int, data: st.DataObject) -> None:
         self._start(self._config("pool", num_gpu_blocks))
+        if self.enable_caching:
+            self._served_before(data)
+
+    def _served_before(self, data: st.DataObject) -> None:
+        """Start from a pool that has served requests: blocks taken, registered and freed, so cached blocks
+        wait in the free queue from the first step (none is what this shrinks to).
+
+        Why: Hypothesis turns a random subset of rules off in each example, and
+        in an example without get_new_blocks no block is ever cached; touch,
+        evict_blocks and the allocation that evicts then have nothing to act
+        on, and a short campaign left those branches unreached.
+        """
+        n = data.draw(st.integers(0, len(self._state.free_queue)), label="blocks cached before the first step")
+        if not n:
+            return
+        self._lock.check()
+        blocks = list(self._call("get_new_blocks", n).result or ())
+        self._lock.check()
+        # Mostly every block registered; none is what this shrinks to, so a failing free needs no registration.
+        full = data.draw(_one_of(st.integers(0, len(blocks)), st.just(len(blocks))), label="num_full_blocks")
+        if full:
+            hashes = data.draw(st.lists(strat.hash_values(), min_size=full, max_size=full), label="block_hashes")
+            self._call("cache_full_blocks", blocks[:full], hashes)
+            self._lock.check()
+        self._call("free_blocks", list(reversed(blocks)))
 
     @property
     def _state(self) -> PoolState:
@@ -599,6 +624,30 @@ class ManagerMachine(_LockStepMachine):
         # Every group takes its own blocks from the one pool: as many requests' worth per group.
         num_gpu_blocks = 1 + (num_gpu_blocks - 1) * self.num_groups
         self._start(self._config("manager", num_gpu_blocks, block_size, groups))
+        if self.enable_caching:
+            self._served_before(data)
+
+    def _served_before(self, data: st.DataObject) -> None:
+        """Start, now and then, from a manager that has served a request: one prompt admitted whole and
+        finished, its blocks cached in the free queue, the prompt kept for later ones to repeat or build on
+        (none is what this shrinks to).
+
+        Why: a prefix hit needs an earlier request's blocks registered and the
+        same prefix sent again; Hypothesis turns a random subset of rules off in
+        each example, and a short campaign left the hit's branches (a hit, a
+        hit on a free block, the len - 1 cap) unreached.
+        """
+        if not data.draw(st.booleans(), label="a request served before the first step"):
+            return
+        self._lock.check()
+        request_id = self._admit(replace(self._prompt(data), request_id=self._new_id()), data, whole=True)
+        if not isinstance(request_id, str):  # it did not fit: nothing was served
+            return
+        self._lock.check()
+        self._call("free", request_id)
+        self._lock.tag("free: request finished")
+        del self.requests[request_id]
+        self.finished.append(request_id)
 
     def _new_id(self) -> str:
         self.num_ids += 1
@@ -1028,10 +1077,15 @@ class ManagerMachine(_LockStepMachine):
     @precondition(lambda self: self._has("cache_blocks") and any(r.loading for r in self.requests.values()))
     @rule(data=st.data())
     def cache_blocks(self, data: st.DataObject) -> None:
-        """An asynchronous load is done: its blocks are registered; one that failed partway keeps fewer tokens."""
+        """An asynchronous load is done (one of several loading): see `_load_done`."""
+        rid = data.draw(_sampled(sorted(r for r, run in self.requests.items() if run.loading)), label="loaded request")
+        self._load_done(rid, data)
+
+    def _load_done(self, rid: str, data: st.DataObject) -> None:
+        """The request's asynchronous load is done: its blocks are registered; one that failed partway keeps
+        fewer tokens; or one mistake."""
         mistakes = self._mistakes("cache_blocks", "not running", "tokens out of range")
         kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
-        rid = data.draw(_sampled(sorted(r for r, run in self.requests.items() if run.loading)), label="loaded request")
         run = self.requests[rid]
         registered = max(self._state.request(rid).num_cached_blocks, default=0) * self.block_size  # type: ignore[union-attr]
         if kind == "not running":

@@ -112,9 +112,11 @@ def test_the_demo_nulls_what_the_window_left_and_agrees_with_the_spec(capsys: py
 
 
 def test_the_harness_benchmark_prints_a_row_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert harness_bench.main(["--groups", "full", "full,sliding:8", "--max-examples", "100"]) == 0
+    # A benchmark's rates stand at any budget: a short campaign may be inconclusive, never wrong.
+    assert harness_bench.main(["--groups", "full", "full,sliding:8", "--max-examples", "20", "--seed", "3"]) == 0
     out = capsys.readouterr().out
     assert "full,sliding:8" in out and "steps/s" in out and "target: at least 1000" in out
+    assert all(("conforms" in line or "inconclusive" in line) for line in out.splitlines() if line.startswith("full"))
 
 
 def test_the_spec_request_ids_of_several_groups_may_not_name_a_table() -> None:
