@@ -8,7 +8,6 @@ against the newest release.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import shutil
 
@@ -19,6 +18,7 @@ from kvspec.conformance.core.reactions import NotExpressible, raises
 from kvspec.conformance.runner.survey import survey_reactions
 from kvspec.conformance.targets.vllm.adapter import VllmPoolAdapter, light_release, make_pool_adapter
 from kvspec.conformance.targets.vllm.factories import factory_for, make_light_adapter
+from kvspec.conformance.targets.vllm.measure import free_order_scenario
 from kvspec.conformance.targets.vllm.probes import run_probes
 from kvspec.conformance.targets.vllm.reactions import pool_reactions, reaction_change_points
 from kvspec.conformance.targets.vllm.releases import RELEASES, facts_for, version_key
@@ -48,10 +48,7 @@ def test_detected_api_generation_matches_the_release_facts(version: str) -> None
                                    ("is_block_writable", facts.has_is_block_writable)) if has}  # fmt: skip
     # get_num_free_blocks, get_usage and reset_prefix_cache exist in every v1 release
     assert capabilities(adapter) - {"get_num_free_blocks", "get_usage", "reset_prefix_cache"} == expected
-    pool = adapter.pool
-    assert ("evict_first" in inspect.signature(pool.free_blocks).parameters) == facts.free_has_evict_first_kwarg
-    assert hasattr(pool.cached_block_hash_to_block, "_dup_ids") == facts.hash_map_holds_block_ids
-    assert (getattr(pool.blocks[-1], "pool", None) is not None) == facts.blocks_know_their_pool
+    # the other facts, measured from the code and by scenario: tests/conformance/test_vllm_facts.py
 
 
 @pytest.mark.parametrize("version", RELEASES)
@@ -59,12 +56,7 @@ def test_free_order_scenario_with_explicit_ids(version: str) -> None:
     # free [7,6] (no hash), then [3, 2h, 1h] tail first, then [5,4]: the order checks the eviction order
     facts = facts_for(version)
     pool = _pool(version)
-    assert pool.get_new_blocks(7) == [1, 2, 3, 4, 5, 6, 7]
-    pool.cache_full_blocks([BlockId(1), BlockId(2)], [H1, H2])
-    pool.free_blocks([BlockId(7), BlockId(6)])
-    pool.free_blocks([BlockId(3), BlockId(2), BlockId(1)])
-    pool.free_blocks([BlockId(5), BlockId(4)])
-    queue = list(pool.snapshot().free_queue)
+    queue = free_order_scenario(pool)  # the scenario that measures free_order (kvspec.conformance.targets.vllm.measure)
     if facts.free_order == "all_right":
         assert queue == [7, 6, 3, 2, 1, 5, 4]
     else:
@@ -73,16 +65,6 @@ def test_free_order_scenario_with_explicit_ids(version: str) -> None:
     snap = pool.snapshot()
     assert snap.block_hash[1] == H1 and snap.block_hash[2] == H2
     assert dict(snap.hash_to_blocks) == {H1: (1,), H2: (2,)}
-
-
-@pytest.mark.parametrize("version", ["0.8.0", "0.23.0", "0.27.0", "0.28.0", "0.33.0"])
-def test_free_end_without_caching(version: str) -> None:
-    pool = _pool(version, caching=False)
-    pool.get_new_blocks(7)
-    pool.free_blocks([BlockId(7), BlockId(6)])
-    pool.free_blocks([BlockId(1), BlockId(2)])
-    expected = [1, 2, 7, 6] if facts_for(version).free_end_without_caching == "left" else [7, 6, 1, 2]
-    assert list(pool.snapshot().free_queue) == expected
 
 
 @pytest.mark.parametrize("version", ["0.8.0", "0.9.1", "0.33.0"])

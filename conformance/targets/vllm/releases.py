@@ -15,7 +15,9 @@ Where a release's block-hash chain is kvspec's (``hash_chain_differs``) is
 measured from the golden hash cases in fresh interpreters
 (``kvspec.conformance.targets.vllm.hashes.measure_releases``), and a test measures it
 again for every release, so the table cannot go stale; the harness compares
-hash values exactly at the request level only where it is.
+hash values exactly at the request level only where it is. Every other fact
+light mode can measure is measured again the same way
+(``kvspec.conformance.targets.vllm.measure``, ``kvspec facts``).
 """
 
 from __future__ import annotations
