@@ -18,7 +18,9 @@ Rules are few and each does what a scheduler does in one go (allocate and
 register the full blocks; look a hash chain up and touch the hits; finish
 every request and reset), because Hypothesis turns a random subset of rules
 off in each example (swarm testing): with many small rules, an example rarely
-had all the ones a deep state needs. `target()` records how many cached blocks
+had all the ones a deep state needs. For the same reason each machine may
+start from a pool that has served requests (blocks cached in the free queue):
+an example whose subset leaves allocation out still has a cache to act on. `target()` records how many cached blocks
 an example evicted or hit again; long campaigns (1,000 examples or more)
 hill-climb on it, short ones skip that phase, where it spent the budget on one
 example's neighbours.

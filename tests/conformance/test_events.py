@@ -100,7 +100,7 @@ class OldManager:
 
 
 def test_an_adapter_without_the_hit_cap_is_called_as_before_and_the_summary_says_so(tmp_path):
-    r = run_check(OldManager, level="manager", max_examples=100, trace_dir=tmp_path)
+    r = run_check(OldManager, level="manager", max_examples=200, trace_dir=tmp_path)
     assert r.verdict == "conforms", r.failure.story if r.failure else r.message
     assert any(n.startswith("connector hit cap: not applicable") for n in r.not_exercised)
 

@@ -21,11 +21,13 @@ from tests.conformance import adapters
 
 
 def test_two_jobs_are_the_one_job_campaigns_on_their_seeds_added_up(tmp_path):
-    # Without extra rounds (each job's would run on its own seeds), 20 examples leave branches unreached:
-    # inconclusive, for the two jobs as for the two one-job campaigns, and the same work added up.
-    both = run_check(make_reference, level="pool", max_examples=20, seed=3, jobs=2, trace_dir=tmp_path, cover_rounds=0)
-    first = run_check(make_reference, level="pool", max_examples=10, seed=3, trace_dir=tmp_path, cover_rounds=0)
-    second = run_check(make_reference, level="pool", max_examples=10, seed=4, trace_dir=tmp_path, cover_rounds=0)
+    # Without extra rounds (each job's would run on its own seeds), 20 examples of the request level leave
+    # branches unreached: inconclusive, for the two jobs as for the two one-job campaigns, the work added up.
+    def check(n: int, seed: int, jobs: int = 1):
+        return run_check(make_reference, level="manager", max_examples=n, seed=seed, jobs=jobs, trace_dir=tmp_path,
+                         cover_rounds=0)  # fmt: skip
+
+    both, first, second = check(20, 3, jobs=2), check(10, 3), check(10, 4)
     assert both.verdict == first.verdict == second.verdict == "inconclusive" and "not reached" in both.message
     assert both.jobs == 2 and first.jobs == 1
     assert set(both.unreached) == set(first.unreached) & set(second.unreached)
