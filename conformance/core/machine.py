@@ -20,8 +20,8 @@ every request and reset), because Hypothesis turns a random subset of rules
 off in each example (swarm testing): with many small rules, an example rarely
 had all the ones a deep state needs. For the same reason each machine may
 start from a pool that has served requests (blocks cached in the free queue):
-an example whose subset leaves allocation out still has a cache to act on. `target()` records how many cached blocks
-an example evicted or hit again; long campaigns (1,000 examples or more)
+an example whose subset leaves allocation out still has a cache to act on.
+`target()` records how many cached blocks an example evicted or hit again; long campaigns (1,000 examples or more)
 hill-climb on it, short ones skip that phase, where it spent the budget on one
 example's neighbours.
 """
@@ -1079,13 +1079,8 @@ class ManagerMachine(_LockStepMachine):
     @precondition(lambda self: self._has("cache_blocks") and any(r.loading for r in self.requests.values()))
     @rule(data=st.data())
     def cache_blocks(self, data: st.DataObject) -> None:
-        """An asynchronous load is done (one of several loading): see `_load_done`."""
+        """An asynchronous load is done: its blocks are registered; one that failed partway keeps fewer tokens."""
         rid = data.draw(_sampled(sorted(r for r, run in self.requests.items() if run.loading)), label="loaded request")
-        self._load_done(rid, data)
-
-    def _load_done(self, rid: str, data: st.DataObject) -> None:
-        """The request's asynchronous load is done: its blocks are registered; one that failed partway keeps
-        fewer tokens; or one mistake."""
         mistakes = self._mistakes("cache_blocks", "not running", "tokens out of range")
         kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         run = self.requests[rid]
