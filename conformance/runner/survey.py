@@ -30,15 +30,19 @@ def survey_reactions(
     max_examples: int = 200,
     seed: int = 0,
     profile: str = "vllm-v1",
+    groups: str = "full",
 ) -> dict[str, Counter[str]]:
     """Mistake -> reaction seen (in `Reaction.describe` words) -> times, over one campaign.
+
+    ``groups`` is the managers' KV cache group layout (a reaction may depend on it: see
+    `kvspec.conformance.targets.vllm.reactions.manager_reactions`).
 
     Raises:
         kvspec.conformance.core.lockstep.ConformanceFailure: a valid call diverged (no survey of a wrong
             implementation).
     """
     observer = Observer(survey={})
-    machine = conformance_machine(factory, level, enable_caching, profile, observer=observer)
+    machine = conformance_machine(factory, level, enable_caching, profile, observer=observer, groups=groups)
     run_state_machine_as_test(
         machine,
         settings=settings(

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.vllm
 logging.disable(logging.WARNING)
 
 # (target, vLLM release or None, level, caching) -> the campaign's verdict under the claimed profile
-CAMPAIGNS: dict[tuple[str, str | None, str, bool], Verdict] = {
+CAMPAIGNS: dict[tuple[str, str | None, str, bool], Verdict | tuple[Verdict, ...]] = {
     ("vllm-mlx", None, "pool", True): Verdict.CONFORMS,
     ("vllm-mlx", None, "pool", False): Verdict.CONFORMS,
     ("vllm-mlx", None, "manager", True): Verdict.DIVERGES,
@@ -36,7 +36,9 @@ CAMPAIGNS: dict[tuple[str, str | None, str, bool], Verdict] = {
     ("kvcached", None, "pool", False): Verdict.DIVERGES,
     ("kvcached", "0.33.0", "pool", True): Verdict.DIVERGES,
     ("kvcached", "0.33.0", "pool", False): Verdict.DIVERGES,
-    ("tpu-inference", None, "pool", True): Verdict.CRASHED,
+    # Two findings (no-prepend-n crashes a free, single-block-from-the-top diverges at the first one-block
+    # allocation): which one a campaign meets first depends on its draws, and either is a described finding.
+    ("tpu-inference", None, "pool", True): (Verdict.CRASHED, Verdict.DIVERGES),
     ("tpu-inference", None, "pool", False): Verdict.CRASHED,  # a double free reaches the missing prepend_n
     ("vllm-ascend", None, "pool", True): Verdict.CONFORMS,
     ("vllm-ascend", None, "pool", False): Verdict.CONFORMS,
@@ -98,7 +100,10 @@ def test_campaign_verdict_and_a_known_divergence(
     impl = t.impl_name(base)
     result = run_check(impl, level=level, enable_caching=caching, profile=t.profile, max_examples=60,
                        trace_dir=tmp_path, impl=impl)  # fmt: skip
-    assert result.verdict is CAMPAIGNS[(target, base, level, caching)], result.failure or result.message
+    expected = CAMPAIGNS[(target, base, level, caching)]
+    assert result.verdict in (expected if isinstance(expected, tuple) else (expected,)), (
+        result.failure or result.message
+    )
     if result.failure is not None:
         found = match_finding(t.findings, result.failure, caching)
         assert found is not None, f"a divergence not described yet: {result.failure.story}"

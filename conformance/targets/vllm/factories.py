@@ -20,6 +20,7 @@ from kvspec.conformance.targets.vllm.adapter import (
     VllmRelease,
     _installed_spec_hashing,
     _selected_spec_hashing,
+    has_null_block,
     installed_release,
     light_release,
     make_pool_adapter,
@@ -138,16 +139,19 @@ def make_tree_adapter(tree: str) -> AdapterFactory:
         ValueError: the folder is not a vLLM source tree (checked now, before anything runs).
     """
     try:
-        version = tree_release(Path(tree)).version
+        release = tree_release(Path(tree))
     except LightModeError as e:
         raise ValueError(str(e)) from None
+    version = release.version
 
     def factory(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerAdapter:
         return make_release_adapter(tree_release(Path(tree)), config)
 
     factory.__qualname__ = factory.__name__ = f"vllm@{tree}"
     factory.spec_hashing = lambda: spec_hashing_for(version)  # type: ignore[attr-defined]
-    factory.min_num_gpu_blocks = 2  # type: ignore[attr-defined]  # its null block is not known before it loads
+    # Read from its code, as a release's is declared: with a null block the spec's one-block pool is buildable.
+    null_block = has_null_block(release, AdapterConfig(level="pool", num_gpu_blocks=2))
+    factory.min_num_gpu_blocks = 1 if null_block else 2  # type: ignore[attr-defined]
     return factory
 
 
