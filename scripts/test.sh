@@ -9,7 +9,9 @@
 # chromium and chromium-driver, installed here when missing (as root, with apt-get);
 # without them those tests skip and say why.
 # The default suite runs in KVSPEC_TEST_WORKERS pytest-xdist workers (default 2, CI's cores;
-# 0 runs it in this process). Arguments go to the default suite's pytest.
+# 0 runs it in this process), then, the same way, the heavy tests (marker `heavy`: about 12 s or
+# more each: whole campaigns, the lemmas, the CrossHair search); KVSPEC_HEAVY=0 leaves them out.
+# Arguments go to both stages' pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } \
@@ -22,10 +24,16 @@ VENV="${KVSPEC_VENV:-.venv}"
 source scripts/venv.sh
 make_venv "$VENV" test
 WORKERS="${KVSPEC_TEST_WORKERS:-2}"
-if [ "$WORKERS" = 0 ]; then
-  "$VENV/bin/python" -m pytest "$@"
-else
-  "$VENV/bin/python" -m pytest -n "$WORKERS" "$@"
+run_pytest() {
+  if [ "$WORKERS" = 0 ]; then
+    "$VENV/bin/python" -m pytest "$@"
+  else
+    "$VENV/bin/python" -m pytest -n "$WORKERS" "$@"
+  fi
+}
+run_pytest "$@"
+if [ "${KVSPEC_HEAVY:-1}" != "0" ]; then
+  KVSPEC_HEAVY=1 run_pytest -m heavy "$@"
 fi
 if [ "${KVSPEC_VLLM:-1}" != "0" ]; then
   bash scripts/test-vllm.sh

@@ -1,9 +1,11 @@
-"""Suite-wide settings: Hypothesis profiles, and the opt-in heavy campaigns.
+"""Suite-wide settings: Hypothesis profiles, and the opt-in stages.
 
 Profiles: `ci` (derandomized, no deadline; the default when CI is set) and
 `dev` (random, 200 examples); HYPOTHESIS_PROFILE overrides.
 
-Tests marked `slow` run only with KVSPEC_SLOW=1, tests marked `vllm`
+Tests marked `slow` run only with KVSPEC_SLOW=1, tests marked `heavy` (about
+12 s or more each: scripts/test.sh runs them after the default suite) only
+with KVSPEC_HEAVY=1, tests marked `vllm`
 (the real vLLM package) only with KVSPEC_VLLM=1, and tests marked `fuzz`
 (a HypoFuzz campaign) only with KVSPEC_FUZZ=1; otherwise they are
 deselected, not skipped, so the default run reports only what it ran.
@@ -24,7 +26,7 @@ settings.register_profile(
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
-_OPT_IN = {"slow": "KVSPEC_SLOW", "vllm": "KVSPEC_VLLM", "fuzz": "KVSPEC_FUZZ"}
+_OPT_IN = {"slow": "KVSPEC_SLOW", "vllm": "KVSPEC_VLLM", "fuzz": "KVSPEC_FUZZ", "heavy": "KVSPEC_HEAVY"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

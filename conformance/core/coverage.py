@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvspec.conformance.core.operations import OPERATIONS, REQUEST_FEATURES, level_operations
+from kvspec.conformance.core.operations import OPERATIONS, REQUEST_FEATURES, Operation, level_operations
 from kvspec.conformance.core.results import Outcome
+from kvspec.conformance.core.strategies import KIND_COMBINATIONS
 from kvspec.spec.attention import parse_groups
 from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.state import Snapshot
@@ -55,13 +56,19 @@ _READ_THROUGH = {"events": "take_events", "stats": "prefix_cache_stats"}
 
 
 def expected_branches(
-    level: str, enable_caching: bool, profile: str, groups: str = "full", events: bool = False
+    level: str,
+    enable_caching: bool,
+    profile: str,
+    groups: str = "full",
+    events: bool = False,
+    group_kinds: frozenset[frozenset[str]] | None = None,
 ) -> tuple[str, ...]:
     """The spec branches and events a campaign at this configuration should reach.
 
     A branch of KV cache groups is expected only of a layout that has it
-    (`groups`: the manager's layout, or "drawn": every layout); the events'
-    and statistics' only when they are checked (`events`).
+    (`groups`: the manager's layout, or "drawn": every layout, or those mixing
+    one of `group_kinds` where given); the events' and statistics' only when
+    they are checked (`events`).
 
     >>> "get_cached_block: hit" in expected_branches("pool", False, "vllm-v1")
     False
@@ -70,20 +77,30 @@ def expected_branches(
     >>> "events: AllBlocksCleared" in expected_branches("pool", False, "vllm-v1", events=True)
     True
     """
-    names = _operation_branches(level, enable_caching, profile, groups)
+    names = _operation_branches(level, enable_caching, profile, groups, group_kinds)
     if not events:
         return names
     extra = EVENT_BRANCHES + (MANAGER_EVENT_BRANCHES if level == "manager" else ())
     return names + tuple(b for b in extra if enable_caching or b not in _EVENTS_CACHING_ONLY)
 
 
-def _operation_branches(level: str, enable_caching: bool, profile: str, groups: str) -> tuple[str, ...]:
+def _operation_branches(
+    level: str, enable_caching: bool, profile: str, groups: str, group_kinds: frozenset[frozenset[str]] | None
+) -> tuple[str, ...]:
     """The operations' branches a configuration should reach (`expected_branches` without the events)."""
     if groups != "drawn" and not _is_layout(groups):
         groups = "full"  # a run refused for its layout expects what one full-attention group reaches
+    # Drawn layouts: each combination of attention types drawn stands for its layouts.
+    drawn = None if groups != "drawn" or group_kinds is None else [KIND_COMBINATIONS[k] for k in group_kinds]
+
+    def has_layout(op: Operation, branch: str) -> bool:
+        if groups != "drawn":
+            return op.layout_only[branch](groups)
+        return drawn is None or any(op.layout_only[branch](layout) for layout in drawn)
+
     names = tuple(
         b for op in level_operations(level) for b in op.all_branches()
-        if (b not in op.layout_only or groups == "drawn" or op.layout_only[b](groups))
+        if (b not in op.layout_only or has_layout(op, b))
         and (b not in op.profile_only or op.profile_only[b](profile, enable_caching))
     )  # fmt: skip
     if not enable_caching:

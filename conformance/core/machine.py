@@ -53,9 +53,9 @@ from kvspec.conformance.core.lockstep import Factory, LockStep, Observer, StepWa
 from kvspec.conformance.core.operations import HIT_LIMIT, Level, Operation, level_operations
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import Outcome
-from kvspec.conformance.core.run_config import Configuration, RunConfig, adapter_config
+from kvspec.conformance.core.run_config import AUTO, DRAWN, Configuration, RunConfig, adapter_config
 from kvspec.spec import manager as spec_manager
-from kvspec.spec.attention import parse_groups
+from kvspec.spec.attention import num_skipped_blocks, parse_groups
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.manager import ManagerState, Request
 from kvspec.spec.state import NULL_BLOCK_ID, PoolState
@@ -236,7 +236,12 @@ NEW_PROMPT = "new prompt"
 # What an admission sends (ManagerMachine._prompt): a new prompt (a system prompt, then the user's tokens;
 # twice as likely, and what a prompt shrinks to), or an earlier prompt again or built on.
 PROMPT_KINDS = (
-    NEW_PROMPT, "the same prompt again", "next chat turn", NEW_PROMPT, "long continuation", "same tokens, other keys"
+    NEW_PROMPT,
+    "the same prompt again",
+    "next chat turn",
+    NEW_PROMPT,
+    "long continuation",
+    "same tokens, other keys",
 )
 
 
@@ -615,8 +620,10 @@ class ManagerMachine(_LockStepMachine):
     @initialize(num_gpu_blocks=strat.manager_pool_sizes(), block_size=strat.block_sizes(), data=st.data())
     def new_manager(self, num_gpu_blocks: int, block_size: int, data: st.DataObject) -> None:
         groups = type(self).configuration.groups
-        if groups == "drawn":
-            groups = data.draw(strat.group_layouts(block_size), label="KV cache groups")
+        assert groups != AUTO, "groups 'auto' is resolved per implementation before a campaign runs"
+        if groups == DRAWN:
+            kinds = type(self).configuration.group_kinds
+            groups = data.draw(strat.group_layouts(block_size, kinds), label="KV cache groups")
         elif any(g.kind == "chunked" and g.size % block_size for g in parse_groups(groups)):
             # A chunk must be a multiple of the block size: draw one that divides it.
             block_size = data.draw(strat.block_sizes_for(parse_groups(groups)), label="block_size")
@@ -791,8 +798,10 @@ class ManagerMachine(_LockStepMachine):
         # NOTE: a request with a hit limit reads nothing from an external connector (vLLM 0.34's scheduler:
         # `skip_reading_external_kv`, the connector's hits are not bounded by the limit), so none is drawn.
         limited = request.prefix_cache_hit_limit is not None
-        ext = 0 if whole or limited else data.draw(
-            strat.external_tokens(remaining - 1), label="num_external_computed_tokens"
+        ext = (
+            0
+            if whole or limited
+            else data.draw(strat.external_tokens(remaining - 1), label="num_external_computed_tokens")
         )
         # An asynchronous load: blocks for the external tokens now, no token computed, registered when it is done.
         delayed = (
@@ -871,8 +880,9 @@ class ManagerMachine(_LockStepMachine):
             # One hit block more than the request has full blocks (any ids: the length is checked first).
             num_hits = len(fresh.token_ids) // bs + 1
             size = num_hits * self.num_groups  # every group's positions
-            blocks = data.draw(st.lists(st.integers(1, max(n - 1, 1)), min_size=size, max_size=size),
-                               label="hit blocks")
+            blocks = data.draw(
+                st.lists(st.integers(1, max(n - 1, 1)), min_size=size, max_size=size), label="hit blocks"
+            )
             call(fresh, 1, num_hits * bs, blocks, 0)
         elif kind == "no tokens scheduled":
             call(fresh, 0, 0, [], 0)
@@ -886,9 +896,7 @@ class ManagerMachine(_LockStepMachine):
             on_running = data.draw(st.booleans(), label="running request") if self.requests else False
             if on_running:
                 run = self.requests[data.draw(_sampled(sorted(self.requests)), label="running request")]
-                call(
-                    run.request, len(run.request.token_ids) - run.num_computed_tokens + 1, 0, [], 0
-                )
+                call(run.request, len(run.request.token_ids) - run.num_computed_tokens + 1, 0, [], 0)
             else:
                 call(fresh, len(fresh.token_ids) + 1, 0, [], 0)
         elif kind == "hit count mismatch":
@@ -905,7 +913,13 @@ class ManagerMachine(_LockStepMachine):
             else:
                 chain = spec_manager.request_block_hashes(self._state, request)
                 pool = self._state.pool
-                wrong = [b for b in range(-1, n + 1) if not (0 <= b < n and pool.block_hash[b] == chain[0])]
+                # The null block is the right one where every group's window skips the hit's position (a chunk
+                # of one block: the hit lies in a chunk the step no longer reads).
+                skipped = all(num_skipped_blocks(g, bs, bs) > 0 for g in self._state.config.groups)
+                wrong = [
+                    b for b in range(-1, n + 1)
+                    if not (0 <= b < n and pool.block_hash[b] == chain[0]) and not (skipped and b == NULL_BLOCK_ID)
+                ]  # fmt: skip
                 block = data.draw(_sampled(wrong), label="hit block")
             call(request, 1, bs, [block] * self.num_groups, 0)  # group 0's is checked first
 
@@ -927,6 +941,52 @@ class ManagerMachine(_LockStepMachine):
         out = self._call("allocate_slots", run.request, num, 0, [], 0)
         if out.error is None and out.result is not None:
             run.num_computed_tokens += num
+
+    @precondition(lambda self: self.lock is not None and self._skips_blocks())
+    @rule(target=running, data=st.data())
+    def allocate_slots_rest_on_a_full_pool(self, data: st.DataObject) -> Any:
+        """A new prompt's first chunk past a window, a filler that takes the pool to within a block of empty,
+        then the rest of the prompt in one step.
+
+        In a layout whose windows skip tokens (sliding, chunked), a step first
+        frees the blocks its request no longer reads and then may still be
+        refused for lack of blocks (vLLM's `remove_skipped_blocks` runs before
+        the capacity check, and the freed blocks stay freed). That takes a step
+        longer than what it frees, on a full pool: a random workload reaches it
+        rarely, a chunked-only layout almost never.
+        """
+        bs = self.block_size
+        span = max([bs] + [g.size for g in self._state.config.groups])  # the widest window or chunk
+        first = span + data.draw(st.integers(0, bs), label="first chunk past the window")
+        rest = span + bs * data.draw(st.integers(1, 3), label="blocks in the rest")
+        # Tokens nothing cached shares (its first token is its own): no prefix hit, new blocks only.
+        request = Request(self._new_id(), (5000 + self.num_ids,) + tuple(2000 + i for i in range(first + rest - 1)))
+        if self._call("get_computed_blocks", request, None).error is not None:
+            return multiple()
+        self._lock.check()
+        out = self._call("allocate_slots", request, first, 0, [], 0)
+        if out.error is not None or out.result is None:
+            return multiple()
+        self._lock.check()
+        self.requests[request.request_id] = run = _Running(request, first)
+        per_group = (
+            len(self._state.pool.free_queue) - data.draw(st.integers(0, 1), label="left free")
+        ) // self.num_groups
+        filler = None
+        if per_group >= 1:
+            # Tokens nothing cached shares (outside the workload's vocabulary): the filler takes new blocks only.
+            filler = self._admit(
+                Request(self._new_id(), tuple(1000 + i for i in range(per_group * bs))), data, whole=True
+            )
+            self._lock.check()
+        out = self._call("allocate_slots", request, rest, 0, [], 0)
+        if out.error is None and out.result is not None:
+            run.num_computed_tokens += rest
+        return multiple(request.request_id, *([filler] if isinstance(filler, str) else []))
+
+    def _skips_blocks(self) -> bool:
+        """Whether the manager's layout has a group whose window skips tokens (sliding window, chunked local)."""
+        return any(g.kind != "full" for g in self._state.config.groups)
 
     @rule(target=running, data=st.data())
     def prefill_in_chunks(self, data: st.DataObject) -> Any:
@@ -1043,9 +1103,11 @@ class ManagerMachine(_LockStepMachine):
     # Only while a request runs: the connector reports the blocks of a load it was doing for one. Enabled
     # whenever anything is cached, the rule evicted so often that prefix hits became rare.
     @precondition(
-        lambda self: self._has("evict_blocks")
-        and bool(self.requests)
-        and (not self.enable_caching or bool(self._state.pool.hash_to_blocks))
+        lambda self: (
+            self._has("evict_blocks")
+            and bool(self.requests)
+            and (not self.enable_caching or bool(self._state.pool.hash_to_blocks))
+        )
     )
     @rule(data=st.data())
     def evict_blocks(self, data: st.DataObject) -> None:
@@ -1101,8 +1163,10 @@ class ManagerMachine(_LockStepMachine):
     # A reset of an empty cache changes nothing whatever the answer; without caching, only the refusal
     # while requests run (or every one finishing first) is worth a step.
     @precondition(
-        lambda self: self._has("reset_prefix_cache")
-        and (bool(self._state.pool.hash_to_blocks) if self.enable_caching else bool(self.requests))
+        lambda self: (
+            self._has("reset_prefix_cache")
+            and (bool(self._state.pool.hash_to_blocks) if self.enable_caching else bool(self.requests))
+        )
     )
     @rule(data=st.data())
     def reset_prefix_cache(self, data: st.DataObject) -> None:

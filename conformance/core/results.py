@@ -275,6 +275,9 @@ class CampaignReport:
     not_expressed: Mapping[str, int] = field(default_factory=dict)  # mistake -> calls the implementation cannot take
     absent_ops: tuple[str, ...] = ()  # optional operations the adapter lacks or declares deviant
     extra_rounds: int = 0  # rounds run after max_examples to reach a branch
+    groups: str | None = None  # the KV cache groups checked, resolved for the adapter (None: as configured)
+    declares_groups: bool = False  # the adapter declares kv_cache_groups = True
+    group_kinds: frozenset[frozenset[str]] | None = None  # the attention types drawn layouts mix (None: any)
     failure: Failure | None = None
     trace: Any = None  # the failing (or replayed) example as a Trace
     deepest: Any = None  # the example that reached the most branches, as a Trace, when kept
@@ -318,6 +321,7 @@ class CheckResult:
     groups: str = "full"  # the KV cache groups at the manager level ("drawn": a layout per example)
     events: bool = False  # the KV cache events and hit statistics were checked too
     jobs: int = 1  # processes the campaign's examples were shared among (kvspec.conformance.runner.jobs)
+    left_out: tuple[str, ...] = ()  # what the implementation provides that this run did not check, and the flag
 
     @property
     def exit_code(self) -> int:

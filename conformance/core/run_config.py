@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -50,13 +50,16 @@ __all__ = [
     "Limit",
     "RunConfig",
     "adapter_config",
+    "with_groups_resolved",
 ]
 
 # Where failure traces go unless the caller says: a folder in the current one, created only
 # when a trace is written (never the temporary directory, where no one looks for them).
 DEFAULT_TRACE_DIR = Path("kvspec-traces")
 DRAWN = "drawn"  # `groups`: one layout drawn per example
-AUTO = "auto"  # `profile`: find which vLLM profiles the implementation follows (kvspec check --profile auto)
+# `profile`: find which vLLM profiles the implementation follows (kvspec check --profile auto);
+# `groups`: every kind the implementation declares, drawn (`with_groups_resolved`; kvspec check's default).
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,9 @@ class RunConfig:
     levels: tuple[Level, ...] = ("pool", "manager")  # the adapter levels checked, each a configuration
     caching: tuple[bool, ...] = (True, False)  # prefix caching on, off, or each in turn
     profile: str = "vllm-v1"  # the ordering profile claimed (spec.ordering), or AUTO: every vLLM profile
-    groups: str = "full"  # the manager level's KV cache groups (spec.attention), normalized; or DRAWN
+    # The manager level's KV cache groups (spec.attention), normalized; or DRAWN; or AUTO: DRAWN for an
+    # implementation that declares kv_cache_groups, one full group for one that does not.
+    groups: str = "full"
     events: bool = False  # check the KV cache events and hit statistics too (AdapterConfig.events)
     device: str | None = None  # AdapterConfig.device of every adapter built; None: the adapter picks
     max_examples: int = 100  # examples per configuration (LIMITS)
@@ -142,7 +147,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         for problem in _problems(self):
             raise problem
-        if self.groups != DRAWN:  # normal form: "full, sliding:8" -> "full,sliding:8"
+        if self.groups not in (DRAWN, AUTO):  # normal form: "full, sliding:8" -> "full,sliding:8"
             object.__setattr__(self, "groups", format_groups(parse_groups(self.groups)))
 
     def configurations(self) -> Iterator[Configuration]:
@@ -163,6 +168,9 @@ class Configuration:
     enable_caching: bool
     time_budget_s: float | None  # this configuration's share of the run's budget
     is_replay: bool = False  # one recorded trace re-run: no examples asked for, one process
+    # With groups drawn: the sets of attention types a layout may mix, those the implementation was probed
+    # to build (strategies.KIND_COMBINATIONS); None: every one.
+    group_kinds: frozenset[frozenset[str]] | None = None
 
     @property
     def groups(self) -> str:
@@ -183,7 +191,8 @@ def adapter_config(
         configuration: the configuration the adapter is checked in.
         num_gpu_blocks: the pool's size, the null block included (drawn per example).
         block_size: tokens per block (drawn per example at the manager level).
-        groups: this example's KV cache groups; None: the configuration's ("full" where it draws them).
+        groups: this example's KV cache groups; None: the configuration's ("full" where it draws them
+            or has them resolved per implementation).
         hashing: the (hash_fn, seed) the implementation hashes with; None: kvspec's defaults.
     """
     run = configuration.run
@@ -196,10 +205,28 @@ def adapter_config(
         profile=run.profile,
         block_size=block_size,
         device=run.device,
-        groups="full" if layout == DRAWN else layout,
+        groups="full" if layout in (DRAWN, AUTO) else layout,
         events=run.events,
         **extra,
     )
+
+
+def with_groups_resolved(
+    configuration: Configuration, declares_groups: bool, group_kinds: frozenset[frozenset[str]] | None = None
+) -> Configuration:
+    """`configuration` made concrete for one implementation, as its probe found it: AUTO groups become every
+    layout drawn where it declares ``kv_cache_groups = True``, one full-attention group where it does not;
+    drawn layouts mix only the attention types it builds (`group_kinds`, None: any).
+
+    Why per implementation, when it is built: whether an adapter builds several groups is its own
+    declaration, read from the adapter object (a factory may be a plain function), and which attention
+    types it builds, its answer (`LevelNotProvided`) to a layout of each kind; a run names several.
+    """
+    run = configuration.run
+    if run.groups == AUTO:
+        run = replace(run, groups=DRAWN if declares_groups else "full")
+    kinds = group_kinds if run.groups == DRAWN else None
+    return replace(configuration, run=run, group_kinds=kinds)
 
 
 # --- the checks -------------------------------------------------------------------------------------
@@ -243,11 +270,13 @@ def _choice_problems(config: RunConfig) -> Iterator[ConfigError]:
             f"unknown profile={config.profile!r}; known profiles: {known}",
             f"unknown profile {config.profile!r}; known profiles: {known}, or {AUTO}",
         )
-    if config.groups != DRAWN:
+    if config.groups not in (DRAWN, AUTO):
         try:
             parse_groups(config.groups if isinstance(config.groups, str) else repr(config.groups))
         except InvalidRequest as e:
-            yield ConfigError("groups", f"{e}, or {DRAWN!r} for a layout drawn per example")
+            yield ConfigError(
+                "groups", f"{e}, or {DRAWN!r} for a layout drawn per example, or {AUTO!r} for what it declares"
+            )
     for name in ("events", "shrink", "isolate", "keep_deepest"):
         if not isinstance(getattr(config, name), bool):
             yield _typed(name, getattr(config, name), "True or False")
@@ -289,7 +318,8 @@ def _seconds_problem(name: str, value: object, bound: str) -> Iterator[ConfigErr
 
 def _flag_problems(config: RunConfig) -> Iterator[ConfigError]:
     """Settings that would do nothing in this configuration: refused rather than silently ignored."""
-    if config.groups not in ("full", DRAWN) and isinstance(config.levels, tuple) and "manager" not in config.levels:
+    layout = config.groups not in ("full", DRAWN, AUTO)
+    if layout and isinstance(config.levels, tuple) and "manager" not in config.levels:
         yield ConfigError(
             "groups",
             f"groups={config.groups!r} does nothing at the pool level (levels={config.levels!r}): "

@@ -49,6 +49,7 @@ __all__ = [
     "chat_turns",
     "external_tokens",
     "group_layouts",
+    "KIND_COMBINATIONS",
     "hash_values",
     "hit_limits",
     "kinds",
@@ -104,17 +105,47 @@ def block_sizes_for(groups: tuple[KVGroup, ...]) -> st.SearchStrategy[int]:
 
 
 @lru_cache(maxsize=32)
-def group_layouts(block_size: int) -> st.SearchStrategy[str]:
+def group_layouts(block_size: int, kinds: frozenset[frozenset[str]] | None = None) -> st.SearchStrategy[str]:
     """One to three KV cache groups: full attention, sliding windows of sizes that are and are not
-    multiples of the block size, chunks that are (as vLLM requires); one full-attention group shrinks first."""
+    multiples of the block size, chunks that are (as vLLM requires); one full-attention group shrinks first.
+
+    `kinds`: the sets of attention types a layout may mix (what the implementation was probed to build,
+    `kind_combinations`); None: any.
+    """
     b = block_size
     windows = sorted({w for w in (2, b + 1, 2 * b, 2 * b + 1, 3 * b - 1, 4 * b) if w >= 2})
-    group = st.one_of(
-        st.just(FULL),
-        st.sampled_from(windows).map(lambda w: KVGroup("sliding", w)),
-        st.sampled_from((b, 2 * b, 4 * b)).map(lambda c: KVGroup("chunked", c)),
-    )
-    return st.lists(group, min_size=1, max_size=3).map(lambda gs: format_groups(tuple(gs)))
+    of_kind = {
+        "full": st.just(FULL),
+        "sliding": st.sampled_from(windows).map(lambda w: KVGroup("sliding", w)),
+        "chunked": st.sampled_from((b, 2 * b, 4 * b)).map(lambda c: KVGroup("chunked", c)),
+    }
+    if kinds is None:
+        group = st.one_of(*of_kind.values())
+        return st.lists(group, min_size=1, max_size=3).map(lambda gs: format_groups(tuple(gs)))
+    order = tuple(of_kind)
+    allowed = sorted(kinds, key=lambda ks: (len(ks), [order.index(k) for k in sorted(ks, key=order.index)]))
+
+    @st.composite
+    def layout(draw: st.DrawFn) -> str:
+        mixed = sorted(draw(st.sampled_from(allowed)), key=order.index)  # {"full"} first: it shrinks there
+        extra = draw(st.lists(st.sampled_from(mixed), max_size=3 - len(mixed)))
+        gs = [draw(of_kind[k]) for k in [*mixed, *extra]]
+        return format_groups(tuple(draw(st.permutations(gs))))
+
+    return layout()
+
+
+# One layout of each combination of attention types `group_layouts` mixes (block size 4): what a probe
+# builds to learn which combinations an implementation provides.
+KIND_COMBINATIONS: dict[frozenset[str], str] = {
+    frozenset({"full"}): "full",
+    frozenset({"sliding"}): "sliding:8",
+    frozenset({"chunked"}): "chunked:8",
+    frozenset({"full", "sliding"}): "full,sliding:8",
+    frozenset({"full", "chunked"}): "full,chunked:8",
+    frozenset({"sliding", "chunked"}): "sliding:8,chunked:8",
+    frozenset({"full", "sliding", "chunked"}): "full,sliding:8,chunked:8",
+}
 
 
 def hash_values() -> st.SearchStrategy[BlockHash]:
@@ -257,18 +288,29 @@ def continue_chat(prompt: Request, turn: tuple[int, ...]) -> Request:
     return replace(prompt, token_ids=prompt.token_ids + turn)
 
 
+def _mostly_none(other: st.SearchStrategy[Any], weight: int) -> st.SearchStrategy[Any]:
+    """None in `weight` draws of `weight + 1`, else a draw of `other`; it shrinks to None.
+
+    Why not `st.one_of(st.none(), st.none(), ..., other)`: copies of one strategy do not add weight there
+    (measured: eight copies of `none()` beside two other strategies gave None in 40% of draws, not 80%).
+    """
+    return st.sampled_from((False,) * weight + (True,)).flatmap(lambda drawn: other if drawn else st.none())
+
+
 @lru_cache(maxsize=512)
 def external_tokens(max_tokens: int) -> st.SearchStrategy[int]:
-    """Tokens an external KV connector loads after the prefix hit: mostly none."""
+    """Tokens an external KV connector loads after the prefix hit: none in a third of the draws, any count up
+    to `max_tokens` in a third, all of it in a third (a connector that holds the whole prompt loads all but
+    its last token)."""
     if max_tokens <= 0:
         return st.just(0)
-    return st.one_of(st.just(0), st.integers(1, max_tokens))
+    return st.one_of(st.just(0), st.integers(1, max_tokens), st.just(max_tokens))
 
 
 @lru_cache(maxsize=512)
 def hit_caps(num_tokens: int) -> st.SearchStrategy[int | None]:
     """The scheduler's cap on a request's local hit (an external connector's): mostly none, else 0..len - 1."""
-    return st.one_of(st.none(), st.none(), st.integers(0, max(num_tokens - 1, 0)))
+    return _mostly_none(st.integers(0, max(num_tokens - 1, 0)), 2)
 
 
 @lru_cache(maxsize=512)
@@ -277,7 +319,7 @@ def hit_limits(num_tokens: int) -> st.SearchStrategy[int | None]:
     (the request skips the cache: no lookup, no local statistics), else a prompt row within its tokens."""
     # Mostly none: a limited request reads nothing from the connector, and the external loads' branches
     # (a delayed load registered by cache_blocks) must stay within a default campaign's reach.
-    return st.one_of(*[st.none()] * 8, st.just(0), st.integers(1, max(num_tokens, 1)))
+    return _mostly_none(st.one_of(st.just(0), st.integers(1, max(num_tokens, 1))), 8)
 
 
 @lru_cache(maxsize=1)

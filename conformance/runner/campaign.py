@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 from hypothesis import seed as hypothesis_seed
@@ -31,7 +31,8 @@ from kvspec.conformance.core.lockstep import ConformanceFailure, Factory, LockSt
 from kvspec.conformance.core.machine import machine_for
 from kvspec.conformance.core.operations import required_methods
 from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Verdict
-from kvspec.conformance.core.run_config import Configuration, adapter_config
+from kvspec.conformance.core.run_config import AUTO, DRAWN, Configuration, adapter_config, with_groups_resolved
+from kvspec.conformance.core.strategies import KIND_COMBINATIONS
 from kvspec.conformance.core.trace import Trace
 from kvspec.conformance.core.watch import StepWatch
 
@@ -55,50 +56,87 @@ class CampaignPlan:
     seed_stride: int = 1
 
 
-def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> tuple[Verdict, str] | None:
+class _Probe(NamedTuple):
+    """What building one adapter before any example tells: whether a campaign runs, and what it declares."""
+
+    refused: tuple[Verdict, str] | None  # why no campaign runs (verdict, message), or None
+    declares_groups: bool = False  # the adapter declares kv_cache_groups = True (several KV cache groups)
+    # With groups drawn: the sets of attention types it builds (None: every one), and why not the others.
+    group_kinds: frozenset[frozenset[str]] | None = None
+    kinds_refused: str = ""
+
+
+def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> _Probe:
     """Why no campaign runs on this factory at this level (n/a: a level, profile or layout it does not
     provide; could not run: it cannot be built here, a device it does not have say, or the adapter lacks
-    a method), or None. `groups`: the campaign's KV cache groups ("drawn": any).
+    a method), or None; and whether it declares KV cache groups. `groups`: the campaign's KV cache groups
+    ("drawn": any; "auto": what the adapter declares, so never n/a for its layout).
 
     A factory that ends the process (sys.exit) is not judged here: the campaign's first example builds
     it again and reports the crash as the implementation's, with its story (`LockStep`).
     """
     level, declared = config.level, getattr(factory, "levels", None)
     if declared is not None and level not in declared:
-        return Verdict.NOT_APPLICABLE, f"the factory declares levels={tuple(declared)}"
+        return _Probe((Verdict.NOT_APPLICABLE, f"the factory declares levels={tuple(declared)}"))
     policies = getattr(factory, "profiles", None)
     if policies is not None and not provides_profile(policies, config.profile):
-        return Verdict.NOT_APPLICABLE, f"the factory declares profiles={tuple(policies)}, not {config.profile}"
+        why = f"the factory declares profiles={tuple(policies)}, not {config.profile}"
+        return _Probe((Verdict.NOT_APPLICABLE, why))
     try:
         adapter = factory(config)
     except LevelNotProvided as e:
-        return Verdict.NOT_APPLICABLE, str(e)
+        return _Probe((Verdict.NOT_APPLICABLE, str(e)))
     except Exception as e:
-        return Verdict.COULD_NOT_RUN, f"building the adapter failed for {config}: {type(e).__name__}: {e}"
+        return _Probe((Verdict.COULD_NOT_RUN, f"building the adapter failed for {config}: {type(e).__name__}: {e}"))
     except SystemExit:
-        return None
+        return _Probe(None)
     declared = getattr(adapter, "levels", None)
     if declared is not None and level not in declared:
-        return Verdict.NOT_APPLICABLE, f"{type(adapter).__name__} declares levels={tuple(declared)}"
-    if level == "manager" and groups != "full" and not getattr(adapter, "kv_cache_groups", False):
-        return Verdict.NOT_APPLICABLE, (
+        return _Probe((Verdict.NOT_APPLICABLE, f"{type(adapter).__name__} declares levels={tuple(declared)}"))
+    declares_groups = getattr(adapter, "kv_cache_groups", False) is True
+    if level == "manager" and groups not in ("full", AUTO) and not declares_groups:
+        return _Probe((Verdict.NOT_APPLICABLE, (
             f"{type(adapter).__name__} does not declare kv_cache_groups = True: it is checked with one "
             f"full-attention KV cache group only, not groups={groups}"
-        )
+        )))  # fmt: skip
     missing = [m for m in required_methods(level) if not callable(getattr(adapter, m, None))]
     if not missing:
-        return None
+        if level == "manager" and declares_groups and groups in (DRAWN, AUTO):
+            return _Probe(None, declares_groups, *_kinds_built(factory, config))
+        return _Probe(None, declares_groups)
     other = "pool" if level == "manager" else "manager"
     if set(missing) >= set(required_methods(level)) - {"snapshot"} and all(
         callable(getattr(adapter, m, None)) for m in required_methods(other)
     ):
-        return Verdict.NOT_APPLICABLE, (
+        return _Probe((Verdict.NOT_APPLICABLE, (
             f"the factory builds a {other}-level adapter ({type(adapter).__name__}) when asked for the {level} "
             f"level: it provides the {other} level only"
-        )
-    return Verdict.COULD_NOT_RUN, f"the {level}-level adapter {type(adapter).__name__} lacks " + ", ".join(
-        m + "()" for m in missing
-    )
+        )))  # fmt: skip
+    lacks = ", ".join(m + "()" for m in missing)
+    return _Probe((Verdict.COULD_NOT_RUN, f"the {level}-level adapter {type(adapter).__name__} lacks {lacks}"))
+
+
+def _kinds_built(factory: Factory, config: AdapterConfig) -> tuple[frozenset[frozenset[str]] | None, str]:
+    """Which combinations of attention types the factory builds (one layout of each, `KIND_COMBINATIONS`):
+    None when every one, else those it builds and why not the others, from its `LevelNotProvided`.
+
+    Only `LevelNotProvided` says a layout is not provided; any other error builds nothing either, but it is
+    the implementation's to answer for, so that layout is drawn and its first example reports the crash.
+    """
+    built, refused = set(), []
+    for kinds, layout in KIND_COMBINATIONS.items():
+        try:
+            factory(dataclasses.replace(config, groups=layout, num_gpu_blocks=1 + 8 * len(kinds)))
+        except LevelNotProvided as e:
+            refused.append((layout, str(e)))
+            continue
+        except Exception:
+            pass
+        built.add(kinds)
+    if not refused:
+        return None, ""
+    layouts = ", ".join(layout for layout, _ in refused)
+    return frozenset(built), f"builds no layout like {layouts} (the first refused: {refused[0][1]})"
 
 
 def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, heartbeat: Any) -> CampaignReport:
@@ -109,17 +147,25 @@ def run_campaign(factory: Factory, plan: CampaignPlan, stream_fd: int | None, he
     watch = StepWatch(run.step_timeout_s, stream_fd, heartbeat, configuration.impl, run.build_timeout_s)
     undo = watch.install_alarm()
     try:
-        refused = _probed(factory, configuration, watch)
-        if refused is not None:
-            return dataclasses.replace(refused, seconds=time.monotonic() - start)
+        probed = _probed(factory, configuration, watch)
+        if isinstance(probed, CampaignReport):
+            return dataclasses.replace(probed, seconds=time.monotonic() - start)
+        resolved = with_groups_resolved(configuration, probed.declares_groups, probed.group_kinds)
+        plan = dataclasses.replace(plan, configuration=resolved)
+        if probed.kinds_refused:
+            observer.not_exercised.add(f"KV cache groups: not applicable, {probed.kinds_refused}")
         found, message, extra_rounds = _chunks(factory, plan, observer, watch, start)
     finally:
         undo()
-    return _report(plan, observer, found, message, extra_rounds, time.monotonic() - start)
+    report = _report(plan, observer, found, message, extra_rounds, time.monotonic() - start)
+    return dataclasses.replace(
+        report, groups=resolved.groups, declares_groups=probed.declares_groups, group_kinds=resolved.group_kinds
+    )
 
 
-def _probed(factory: Factory, configuration: Configuration, watch: StepWatch) -> CampaignReport | None:
-    """The probe under the build time limit: the report of a campaign that does not run, or None.
+def _probed(factory: Factory, configuration: Configuration, watch: StepWatch) -> CampaignReport | _Probe:
+    """The probe under the build time limit: the report of a campaign that does not run, or what the probe
+    found (`_Probe`).
 
     A build that does not finish in time is the implementation hanging (a story at "building the
     adapter"), not kvspec failing.
@@ -127,14 +173,14 @@ def _probed(factory: Factory, configuration: Configuration, watch: StepWatch) ->
     config = adapter_config(configuration, PROBE_NUM_GPU_BLOCKS)
     watch.impl_started(building=True)
     try:
-        why = _probe(factory, config, configuration.groups)
+        probe = _probe(factory, config, configuration.groups)
     except StepTimeout:
         failure = Failure(FailureKind.HUNG, 0, "init", watch.limit_met())
         trace = Trace(config, (), configuration.impl, Verdict.HUNG, failure)
         return CampaignReport(Verdict.HUNG, failure=failure, trace=trace)
     finally:
         watch.impl_finished()
-    return CampaignReport(why[0], why[1]) if why is not None else None
+    return CampaignReport(*probe.refused) if probe.refused is not None else probe
 
 
 def _chunks(

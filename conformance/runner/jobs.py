@@ -96,6 +96,9 @@ def merged(
         not_expressed=_summed(r.not_expressed for r in reports),
         absent_ops=tuple(sorted(set().union(*(r.absent_ops for r in reports)))),
         extra_rounds=max(r.extra_rounds for r in reports),
+        groups=first.groups,  # every job builds the same adapter: the same declaration
+        declares_groups=first.declares_groups,
+        group_kinds=first.group_kinds,
         failure=first.failure,
         trace=first.trace,
         deepest=deepest.deepest,

@@ -43,10 +43,12 @@ from kvspec.conformance.core.run_config import (
     DEFAULT_BUILD_TIMEOUT_S,
     DEFAULT_COVER_ROUNDS,
     DEFAULT_TRACE_DIR,
+    DRAWN,
     ConfigError,
     Configuration,
     RunConfig,
     adapter_config,
+    with_groups_resolved,
 )
 from kvspec.conformance.core.trace import Trace, dumps_trace
 from kvspec.conformance.runner.campaign import PROBE_NUM_GPU_BLOCKS, run_campaign
@@ -98,7 +100,9 @@ def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
 
 def _check_result(report: CampaignReport, c: Configuration, failure: Failure | None, seconds: float) -> CheckResult:
     run = c.run
-    branches = expected_branches(c.level, c.enable_caching, run.profile, c.groups, run.events)
+    if report.groups is not None:  # the layouts the campaign's probe resolved for this implementation
+        c = with_groups_resolved(c, report.declares_groups, report.group_kinds)
+    branches = expected_branches(c.level, c.enable_caching, run.profile, c.groups, run.events, c.group_kinds)
     coverage = {b: 0 for b in branches}
     coverage.update(report.coverage)
     expected = reachable_branches(c.level, branches, coverage, report.not_exercised, report.absent_ops)
@@ -141,7 +145,24 @@ def _check_result(report: CampaignReport, c: Configuration, failure: Failure | N
         absent_ops=report.absent_ops,
         examples_asked=asked,
         jobs=1 if asked is None else len(job_plans(c)),
+        left_out=_left_out(c, report) if verdict is not Verdict.NOT_APPLICABLE else (),
     )
+
+
+def _left_out(c: Configuration, report: CampaignReport) -> tuple[str, ...]:
+    """What the implementation provides that this run did not check, each with the flag that checks it.
+
+    Why in the verdict: a gate run with a narrow flag set would otherwise say `conforms` for code it never
+    called (a sliding-window group, the event queue). Groups are left out only of an adapter that declares
+    them; events of every run without them, since an adapter builds its event queue only when asked (one
+    asked that has none is listed as not providing `take_events`).
+    """
+    left = []
+    if c.level == "manager" and report.declares_groups and c.groups != DRAWN:
+        left.append(f"KV cache group layouts other than {c.groups} (--groups drawn)")
+    if not c.run.events:
+        left.append("KV cache events" + (" and hit statistics" if c.level == "manager" else "") + " (--events)")
+    return tuple(left)
 
 
 def _result(raw: CampaignReport | Death, factory: Factory, c: Configuration, started: float) -> CheckResult:

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.adapter import AdapterConfig, LevelNotProvided
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.mutants._base import ListFreeKVCacheBlockQueue, ListQueuePool
 from kvspec.reference.free_queue import KVCacheBlock
@@ -72,6 +72,16 @@ class HitPastCap(ReferenceManagerAdapter):
             if extra is not None:
                 blocks = [*blocks, extra]
         return blocks, len(blocks) * self.block_size
+
+
+class NoChunkedGroups(ReferenceManagerAdapter):
+    """Builds full-attention and sliding-window groups, and says it has no chunked local attention
+    (as vLLM 0.9.2 does: no ChunkedLocalAttentionSpec)."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        if "chunked" in config.groups:
+            raise LevelNotProvided(f"no chunked local attention; groups={config.groups!r} is not provided")
+        super().__init__(config)
 
 
 class OtherHashFunction(ReferenceManagerAdapter):

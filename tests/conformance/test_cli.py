@@ -5,6 +5,8 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
+import pytest
+
 from kvspec.conformance.core.trace import read_trace
 from kvspec.conformance.targets.builtin import make_reference
 from kvspec.conformance.tools.cli import main
@@ -188,6 +190,7 @@ def v1_whatever_asked(config):
     return make_reference(dataclasses.replace(config, profile="vllm-v1"))
 
 
+@pytest.mark.heavy
 def test_check_profile_auto_reports_each_profile_and_exits_0_when_one_conforms(tmp_path, capsys):
     code = main(
         ["check", "--impl", "tests.conformance.test_cli:v1_whatever_asked", "--level", "pool",

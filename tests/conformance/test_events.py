@@ -8,6 +8,7 @@ take no hit cap, which must be reported as such, never passed quietly.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -29,6 +30,7 @@ def check(factory, tmp_path, **kw):
     return run_check(factory, trace_dir=tmp_path, impl="under-test", events=True, cover_rounds=10, **kw)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("factory", [make_reference, make_spec], ids=["reference", "spec"])
 @pytest.mark.parametrize("level", ["pool", "manager"])
 def test_the_built_in_implementations_conform_with_every_event_and_counter_reached(factory, level, tmp_path):
@@ -99,16 +101,23 @@ class OldManager:
         return getattr(self._inner, name)
 
 
+@pytest.mark.heavy
 def test_an_adapter_without_the_hit_cap_is_called_as_before_and_the_summary_says_so(tmp_path):
     r = run_check(OldManager, level="manager", max_examples=200, trace_dir=tmp_path)
     assert r.verdict == "conforms", r.failure.story if r.failure else r.message
     assert any(n.startswith("connector hit cap: not applicable") for n in r.not_exercised)
 
 
-def test_the_command_line_says_events_are_checked(tmp_path):
+def test_the_command_line_checks_events_unless_told_not_to_and_then_says_so(tmp_path):
     cmd = [sys.executable, "-m", "kvspec", "check", "--impl", "reference", "--level", "pool", "--caching", "on",
-           "--events", "--max-examples", "100", "--trace-dir", str(tmp_path)]  # fmt: skip
+           "--max-examples", "100", "--trace-dir", str(tmp_path), "--json", str(tmp_path / "r.json")]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "KV cache events and hit statistics checked" in out.stdout
-    assert "result: 1 conforms (exit 0)" in out.stdout
+    (row,) = json.loads((tmp_path / "r.json").read_text(encoding="utf-8"))["results"]
+    assert row["events"] is True and "events: BlockStored" in row["branches_reached"]
+    assert "result: 1 conforms (exit 0)" in out.stdout and "left out" not in out.stdout
+    out = subprocess.run([*cmd, "--no-events"], capture_output=True, text=True, timeout=300)
+    lines = out.stdout.splitlines()
+    assert "KV cache events not checked" in lines[0], out.stdout
+    result = lines.index("result: 1 conforms (exit 0)")
+    assert lines[result + 1] == "left out of this verdict: KV cache events (--events)"  # no statistics in a pool

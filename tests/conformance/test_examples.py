@@ -86,6 +86,7 @@ def _pytest_examples(tmp_path, bug=None, only=None):
     return run(args, tmp_path, bug, timeout=300)
 
 
+@pytest.mark.heavy
 def test_the_pytest_one_liner_passes(tmp_path):
     r = _pytest_examples(tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr

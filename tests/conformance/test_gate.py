@@ -169,7 +169,7 @@ def test_make_conformance_test_skips_a_level_the_factory_does_not_provide():
 def test_a_missing_optional_operation_is_reported_against_the_whole_spec(tmp_path):
     result = kvspec(
         "check", "--impl", f"{ADAPTERS}:make_no_evict_blocks", "--level", "pool", "--caching", "on",
-        "--max-examples", "30", cwd=tmp_path,
+        "--max-examples", "30", "--no-events", cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout
     (row,) = [line for line in result.stdout.splitlines() if line.startswith(ADAPTERS)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from kvspec.conformance.tools.view import build_view, trace_to_page_data
 from kvspec.mutants.groups import KeyWithoutGroupId
 from kvspec.reference.kv_cache_manager import KVCacheManager
 from kvspec.spec.manager import Request
+from tests.conformance.adapters import NoChunkedGroups
 
 GROUP_BRANCHES = (
     "allocate_slots: skipped blocks freed",
@@ -29,6 +31,7 @@ GROUP_BRANCHES = (
 )
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("impl", ["reference", "spec"])
 def test_two_groups_conform_and_reach_every_group_branch(impl: str) -> None:
     r = run_check(impl, level="manager", max_examples=50, isolate=False, groups="full,sliding:8", cover_rounds=6)
@@ -39,6 +42,7 @@ def test_two_groups_conform_and_reach_every_group_branch(impl: str) -> None:
     assert not r.unreached
 
 
+@pytest.mark.heavy
 def test_chunked_local_attention_reaches_its_hit() -> None:
     # A caller mistake on an asynchronous load needs a load in flight: the rarest branch, hence the rounds.
     r = run_check("reference", level="manager", max_examples=100, isolate=False, groups="full,chunked:8",
@@ -47,6 +51,7 @@ def test_chunked_local_attention_reaches_its_hit() -> None:
     assert not r.unreached
 
 
+@pytest.mark.heavy
 def test_drawn_layouts_conform() -> None:
     r = run_check("reference", level="manager", max_examples=60, isolate=False, groups="drawn")
     assert r.verdict is Verdict.CONFORMS, r.message
@@ -80,10 +85,49 @@ def _undeclared(config: AdapterConfig) -> KVCacheManager:
     return KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_caching)
 
 
+@pytest.mark.heavy
 def test_an_adapter_that_does_not_declare_groups_is_not_applicable() -> None:
     r = run_check(_undeclared, level="manager", max_examples=10, isolate=False, groups="full,sliding:8")
     assert r.verdict is Verdict.NOT_APPLICABLE and "kv_cache_groups = True" in r.message
     assert run_check(_undeclared, level="manager", max_examples=100, isolate=False).verdict is Verdict.CONFORMS
+
+
+@pytest.mark.heavy
+def test_groups_auto_draws_the_attention_types_an_adapter_builds() -> None:
+    # The default of `kvspec check`: every layout where the adapter declares groups, but only the
+    # attention types its probe built; the others are named, their branches not expected.
+    r = run_check(NoChunkedGroups, level="manager", max_examples=60, isolate=False, groups="auto")
+    assert r.verdict is Verdict.CONFORMS, r.message
+    assert r.groups == "drawn" and r.left_out == ("KV cache events and hit statistics (--events)",), r.left_out
+    assert r.coverage["get_computed_blocks: sliding-window hit"] > 0
+    assert "get_computed_blocks: chunked-local hit" not in r.branches
+    not_built = "KV cache groups: not applicable, builds no layout like chunked:8"
+    assert any(n.startswith(not_built) for n in r.not_exercised)
+    undeclared = run_check(_undeclared, level="manager", max_examples=60, isolate=False, groups="auto")
+    assert undeclared.verdict is Verdict.CONFORMS and undeclared.groups == "full", undeclared.message
+
+
+def test_check_by_default_checks_what_the_implementation_provides_and_names_what_a_narrow_run_left_out(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    report = tmp_path / "r.json"
+    main(["check", "--impl", "reference", "--level", "manager", "--caching", "off", "--max-examples", "20",
+          "--json", str(report)])  # fmt: skip
+    out = capsys.readouterr().out
+    # The defaults go unsaid in the header: what a run checks beyond them, or leaves out, is said.
+    header = "kvspec check: profile vllm-v1, seed 0, 20 examples x up to 50 steps per configuration"
+    assert out.splitlines()[0] == header
+    (row,) = json.loads(report.read_text(encoding="utf-8"))["results"]
+    assert (row["groups"], row["events"], row["left_out"]) == ("drawn", True, [])
+    assert "left out of this verdict" not in out
+    main(["check", "--impl", "reference", "--level", "manager", "--caching", "off", "--max-examples", "20",
+          "--groups", "full", "--no-events"])  # fmt: skip
+    narrow = capsys.readouterr().out.strip().splitlines()
+    assert "KV cache groups full only, KV cache events not checked" in narrow[0]
+    assert narrow[-1] == (
+        "left out of this verdict: KV cache group layouts other than full (--groups drawn); "
+        "KV cache events and hit statistics (--events)"
+    )
 
 
 def test_a_trace_records_its_groups_and_replays_with_them(tmp_path) -> None:
@@ -111,6 +155,7 @@ def test_the_demo_nulls_what_the_window_left_and_agrees_with_the_spec(capsys: py
     assert "sliding:8 [null null" in out and "every state holds every invariant and equals the spec's" in out
 
 
+@pytest.mark.heavy
 def test_the_harness_benchmark_prints_a_row_per_layout(capsys: pytest.CaptureFixture[str]) -> None:
     # A benchmark's rates stand at any budget: a short campaign may be inconclusive, never wrong.
     assert harness_bench.main(["--groups", "full", "full,sliding:8", "--max-examples", "20", "--seed", "3"]) == 0

@@ -40,6 +40,7 @@ def test_two_jobs_are_the_one_job_campaigns_on_their_seeds_added_up(tmp_path):
     assert both.states_reached <= first.states_reached + second.states_reached
 
 
+@pytest.mark.heavy
 def test_jobs_run_at_once_give_what_the_same_jobs_give_in_turn(tmp_path):
     at_once = run_check(make_reference, level="manager", groups="full,sliding:8", max_examples=16, jobs=2,
                         trace_dir=tmp_path)  # fmt: skip

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.branches import EVICT_FIRST_OUTCOME
 from kvspec.conformance.runner.run import run_check
@@ -133,6 +135,7 @@ def test_a_pool_whose_free_blocks_takes_no_evict_first_is_told_so_and_still_cove
     assert not r.coverage.get(f"free_blocks: {EVICT_FIRST_OUTCOME}")
 
 
+@pytest.mark.heavy
 def test_a_pool_whose_free_blocks_takes_evict_first_is_sent_it(tmp_path: Path) -> None:
     # Sent it, and compared: the reference conforms only if every such free reaches it.
     r = run_check(ReferencePoolAdapter, level="pool", max_examples=100, trace_dir=tmp_path, impl="new-pool")

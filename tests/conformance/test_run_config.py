@@ -126,6 +126,7 @@ def test_a_refused_flag_is_one_line_exit_2_and_nothing_created(args, line, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.heavy
 def test_a_device_this_machine_has_is_taken(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code = main(["check", "--impl", "reference", "--level", "pool", "--caching", "on", "--max-examples", "100",

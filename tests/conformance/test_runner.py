@@ -196,6 +196,7 @@ def test_extra_rounds_stop_at_the_time_budget(tmp_path):
     assert 0 < r.extra_rounds < 10**6 and r.seconds < 20
 
 
+@pytest.mark.heavy
 def test_a_campaign_that_reached_every_branch_runs_no_extra_round(tmp_path):
     r = run_check(
         make_reference, level="pool", enable_caching=False, max_examples=300, cover_rounds=3, trace_dir=tmp_path
@@ -230,6 +231,7 @@ print("same" if campaign() == before else "differs")
 """
 
 
+@pytest.mark.heavy
 def test_a_seed_draws_the_same_campaign_whatever_modules_the_process_has_loaded(tmp_path):
     # Hypothesis mixes literals of loaded first-party modules into its draws; a campaign draws without them.
     # In a process of its own: the suite's other Hypothesis tests keep the modules they see.
@@ -266,6 +268,7 @@ def test_the_campaign_reaches_deep_states_and_counts_them(tmp_path):
     assert replay(r.deepest_trace_path, make_reference).verdict == "conforms"
 
 
+@pytest.mark.heavy
 def test_the_request_level_reaches_preemption_chunking_and_capped_hits(tmp_path):
     # An eviction by the manager is the rarest of these: one seed's 50 examples can miss it.
     r = run_check(make_reference, level="manager", max_examples=100, trace_dir=tmp_path)
@@ -345,6 +348,7 @@ def test_a_kv_write_into_the_wrong_slot_is_caught_by_reading_the_hit_back(tmp_pa
     assert replay(r.failure.trace_path, mutant.factory).verdict == "diverges"
 
 
+@pytest.mark.heavy
 def test_gpu_impl_conforms_with_its_content_checked_on_the_device_asked_for(tmp_path):
     r = check("gpu", tmp_path, level="manager", max_examples=100, device="cpu")
     assert r.verdict == "conforms", r.failure and r.failure.story
@@ -353,6 +357,7 @@ def test_gpu_impl_conforms_with_its_content_checked_on_the_device_asked_for(tmp_
     assert bad.verdict == "could-not-run" and "device='tpu:3'" in bad.message
 
 
+@pytest.mark.heavy
 def test_an_adapter_on_kvspecs_chain_has_its_hash_values_compared_exactly(tmp_path):
     from kvspec.mutants.hashing import MUTANTS as HASH_MUTANTS
 

@@ -47,6 +47,7 @@ def test_kvspec_registers_its_own_targets_through_entry_points() -> None:
     assert find_target("my_pool:factory") is None
 
 
+@pytest.mark.heavy
 def test_a_third_party_target_is_found_through_its_entry_point_alone(register_target, tmp_path, capsys) -> None:
     register_target("their-pool", "their-pool", "their_pool:TARGET", THIRD_PARTY)
     factory = load_factory("their-pool")

@@ -26,12 +26,12 @@ def make_adapter_on_cpu(config: AdapterConfig) -> object:
 
 # 50 examples per configuration keeps the four campaigns near 15 s on two cores;
 # `kvspec check --impl gpu` runs the full 100.
-TestGpuImplConforms = make_conformance_test(make_adapter_on_cpu, max_examples=50)
+TestGpuImplConforms = pytest.mark.heavy(make_conformance_test(make_adapter_on_cpu, max_examples=50))
 
 
 @pytest.mark.parametrize(
     ("level", "profile", "groups"),
-    [("pool", "vllm-v1", "full"), ("manager", "lru-timestamp", "full,sliding:8")],
+    [("pool", "vllm-v1", "full"), pytest.param("manager", "lru-timestamp", "full,sliding:8", marks=pytest.mark.heavy)],
     ids=["pool", "manager-keyed-groups"],
 )
 def test_gpu_impl_publishes_the_specs_events_and_counts_its_hits(level, profile, groups, tmp_path):

@@ -23,6 +23,7 @@ def row(lines: list[str], step: str) -> list[str]:
     return next(line for line in lines if line.startswith(step)).split()
 
 
+@pytest.mark.heavy
 def test_quick_cpu_mode_passes_every_step_and_prints_the_table(tmp_path):
     done = run({"KVSPEC_DEVICE": "cpu", "KVSPEC_DEVICE_CHECK_QUICK": "1", "KVSPEC_DEVICE_CHECK_LOGS": str(tmp_path)})
     assert done.returncode == 0, done.stdout + done.stderr

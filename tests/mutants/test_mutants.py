@@ -181,6 +181,7 @@ def test_run_mutants_reports_kills_and_a_survivor(tmp_path):
     assert summary.median_within_target == (first.shrunk_steps <= MEDIAN_TRACE_TARGET)
 
 
+@pytest.mark.heavy
 def test_the_control_runs_the_reference_under_each_configuration_the_mutants_use():
     chosen = [m for m in MUTANTS if m.name in ("allocate_from_right", "unhashed_freed_to_right", "free_head_first")]
     controls = run_control(chosen, max_examples=100, seed=0)

@@ -54,6 +54,7 @@ def test_same_search_finds_nothing_in_the_spec_operation(bug: Bug):
     assert "verified" not in report.summary
 
 
+@pytest.mark.heavy
 def test_every_spec_function_is_searched_and_nothing_is_found():
     """A short search of every contract in the spec: each one runs paths, none fails."""
     report = contracts.check_modules(per_condition_timeout=0.3, per_path_timeout=0.3)

@@ -15,7 +15,8 @@ from kvspec.spec.lemmas.prover import Formula, Obligation, decide_false, decide_
 from kvspec.spec.lemmas.report import DEFAULT_PROFILES, LemmaResult, ProofReport, prove
 from kvspec.spec.ordering import profile_rule
 
-pytestmark = [pytest.mark.z3, pytest.mark.timeout(180)]
+# Proving every lemma for every profile takes about half a minute: the heavy stage of scripts/test.sh.
+pytestmark = [pytest.mark.z3, pytest.mark.heavy, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")

@@ -187,6 +187,7 @@ def test_the_reference_keeps_the_spec_order_through_many_lazy_deletions(profile)
 
 # The spec run as an implementation only passes the profile through to itself: its campaigns are the heavy
 # run's (KVSPEC_SLOW=1); the reference and gpu_impl, the implementations of the keyed policies, run by default.
+@pytest.mark.heavy
 @pytest.mark.parametrize("impl", ["reference", "gpu", pytest.param("spec", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("profile", ["lru-timestamp", "block-age", "lfu", "lru-lfu:0.5"])
 def test_kvspec_check_conforms_for_every_builtin_implementation(profile, impl, tmp_path):
@@ -208,6 +209,7 @@ def _queue_policies_only(config):
 _queue_policies_only.profiles = QUEUE_PROFILES  # a declared fact: the other profiles are not built
 
 
+@pytest.mark.heavy
 def test_a_profile_an_implementation_does_not_declare_is_na_never_run():
     result = run_check(_queue_policies_only, level="pool", profile="lfu", max_examples=5, seed=0)
     assert result.verdict == "n/a" and "profiles=('vllm-v1', 'vllm-v1-tail')" in result.message

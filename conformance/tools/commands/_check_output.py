@@ -191,6 +191,9 @@ def render_summary(results: Sequence[CheckResult], seconds: float, per_profile: 
     nothing = " (nothing was checked)" if all_na else ""
     tally = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items()))
     lines += ["", f"profiles tried: {tally}" if per_profile else f"result: {tally}{nothing} (exit {code})"]
+    left_out = list(dict.fromkeys(item for r in results for item in r.left_out))
+    if left_out and not per_profile:
+        lines.append(f"left out of this verdict: {'; '.join(left_out)}")
     return "\n".join(lines)
 
 
@@ -203,6 +206,7 @@ def _result_json(r: CheckResult) -> dict[str, Any]:
         "profile": r.profile,
         "groups": r.groups,
         "events": r.events,
+        "left_out": list(r.left_out),
         "verdict": r.verdict.value,
         "exit_code": r.exit_code,
         "message": r.message,

@@ -111,18 +111,20 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--groups",
-        default="full",
+        default=None,
         metavar="LAYOUT",
         help="the KV cache groups of the manager level, in vLLM's group order: full, sliding:W (a window of W "
-        "tokens), chunked:C (chunked local attention), comma-separated, e.g. full,sliding:8 (default full); "
-        "or drawn: one to three groups drawn per example",
+        "tokens), chunked:C (chunked local attention), comma-separated, e.g. full,sliding:8; drawn: one to three "
+        "groups drawn per example; auto (the default): drawn for an implementation that declares "
+        "kv_cache_groups, one full group for one that does not",
     )
     p.add_argument(
         "--events",
-        action="store_true",
-        help="also check what the pool tells the world: the KV cache events every call publishes (BlockStored, "
-        "BlockRemoved, AllBlocksCleared; compared with the spec's, and the router's mirror rules) and, at the "
-        "manager level, the prefix-cache hit statistics",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check what the pool tells the world too (the default; --no-events leaves it out): the KV cache "
+        "events every call publishes (BlockStored, BlockRemoved, AllBlocksCleared; compared with the spec's, and "
+        "the router's mirror rules) and, at the manager level, the prefix-cache hit statistics",
     )
     p.add_argument(
         "--device",
@@ -285,8 +287,10 @@ def _record(args: argparse.Namespace, impls: Sequence[str]) -> RunConfig:
         levels=("pool", "manager") if args.level == "both" else (args.level,),
         caching={"on": (True,), "off": (False,), "both": (True, False)}[args.caching],
         profile=args.profile,
-        groups=args.groups,
-        events=args.events,
+        # By default everything the implementation provides; --profile auto runs each profile with the
+        # record's own defaults, so there only what was asked for goes in.
+        groups=args.groups if args.groups is not None else ("full" if args.profile == AUTO else AUTO),
+        events=args.events if args.events is not None else args.profile != AUTO,
         device=args.device,
         max_examples=max_examples,
         steps=args.steps,
@@ -310,8 +314,11 @@ def _record(args: argparse.Namespace, impls: Sequence[str]) -> RunConfig:
 def _print_header(config: RunConfig, notes: Sequence[str]) -> None:
     """The run's first line: what every configuration checks, and why a default implementation is left out."""
     per = "time budget" if config.time_budget_s else f"{config.max_examples} examples"
-    layout = f", KV cache groups {config.groups}" if config.groups != "full" and "manager" in config.levels else ""
-    layout += ", KV cache events and hit statistics checked" if config.events else ""
+    # The defaults (groups as each implementation provides them, events checked) go unsaid; a narrower run says so.
+    shown = config.groups not in ("full", AUTO) and "manager" in config.levels
+    layout = f", KV cache groups {config.groups}" if shown else ""
+    layout += ", KV cache groups full only" if config.groups == "full" and "manager" in config.levels else ""
+    layout += "" if config.events else ", KV cache events not checked"
     layout += f", each campaign over {config.jobs} jobs" if config.jobs > 1 else ""
     print(
         f"kvspec check: profile {config.profile}, seed {config.seed}{layout}, {per} x up to {config.steps} steps "
