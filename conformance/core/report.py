@@ -31,11 +31,13 @@ _MARK = "<<"
 
 
 def describe_config(trace: Trace) -> str:
-    """One line: level, pool size, block size, caching, profile, implementation."""
+    """One line: level, pool size, block size and KV cache groups, caching, profile, implementation."""
     c = trace.config
     parts = [f"{c.level} level", f"num_gpu_blocks={c.num_gpu_blocks}"]
     if c.level == "manager":
         parts.append(f"block_size={c.block_size}")
+        if c.groups != "full":  # a drawn layout is the story's to tell: the example ran under it
+            parts.append(f"KV cache groups {c.groups}")
     parts += [f"caching {'on' if c.enable_caching else 'off'}", f"profile {c.profile}"]
     if trace.impl:
         parts.append(f"implementation {trace.impl}")

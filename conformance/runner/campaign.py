@@ -120,8 +120,9 @@ def _kinds_built(factory: Factory, config: AdapterConfig) -> tuple[frozenset[fro
     """Which combinations of attention types the factory builds (one layout of each, `KIND_COMBINATIONS`):
     None when every one, else those it builds and why not the others, from its `LevelNotProvided`.
 
-    Only `LevelNotProvided` says a layout is not provided; any other error builds nothing either, but it is
-    the implementation's to answer for, so that layout is drawn and its first example reports the crash.
+    Only `LevelNotProvided` says a layout is not provided; any other error (or an exit) builds nothing
+    either, but it is the implementation's to answer for, so that layout is drawn and its first example
+    reports the crash.
     """
     built, refused = set(), []
     for kinds, layout in KIND_COMBINATIONS.items():
@@ -130,7 +131,7 @@ def _kinds_built(factory: Factory, config: AdapterConfig) -> tuple[frozenset[fro
         except LevelNotProvided as e:
             refused.append((layout, str(e)))
             continue
-        except Exception:
+        except (Exception, SystemExit):  # the implementation's to answer for: its first example reports it
             pass
         built.add(kinds)
     if not refused:

@@ -84,6 +84,16 @@ class NoChunkedGroups(ReferenceManagerAdapter):
         super().__init__(config)
 
 
+class ExitsOnChunkedGroups(ReferenceManagerAdapter):
+    """Ends the process when asked to build chunked local attention: the probe of `--groups auto` builds that
+    layout too, and the exit is the implementation's fault, told with a story, not kvspec failing."""
+
+    def __init__(self, config: AdapterConfig) -> None:
+        if "chunked" in config.groups:
+            sys.exit(0)
+        super().__init__(config)
+
+
 class OtherHashFunction(ReferenceManagerAdapter):
     """Correct, but hashes with pickle-sha256 whatever the config says: conforms (hashes are names)."""
 
@@ -290,6 +300,7 @@ make_os_exit_on_touch = pool_only(OsExitOnTouch)
 make_kills_itself_on_touch = pool_only(KillsItselfOnTouch)
 make_hit_past_cap = manager_only(HitPastCap)
 make_other_hash_function = manager_only(OtherHashFunction)
+make_exits_on_chunked_groups = manager_only(ExitsOnChunkedGroups)
 
 
 def make_no_free_blocks(config: AdapterConfig) -> object:

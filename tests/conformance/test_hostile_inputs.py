@@ -10,6 +10,7 @@ no file replaced. The corpus grows with every report.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -236,6 +237,19 @@ def test_an_implementation_that_ends_or_hangs_is_its_fault_with_a_story(tmp_path
                          "--max-examples", "30", "--build-timeout", "1", "--trace-dir", str(traces)],
                         says, exits=1)  # fmt: skip
     assert len(list(traces.iterdir())) == 1
+
+
+def test_an_implementation_that_exits_building_one_layout_is_its_fault(tmp_path_factory, capsys) -> None:
+    # `--groups auto` builds one layout of each mix before the campaign: an exit there is not kvspec's fault,
+    # and the mix is drawn, so an example builds it again and tells the story.
+    traces = tmp_path_factory.mktemp("traces")
+    code = main(["check", "--impl", f"{ADAPTERS}:make_exits_on_chunked_groups", "--level", "manager",
+                 "--caching", "on", "--max-examples", "60", "--trace-dir", str(traces)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1 and "Traceback" not in out, out
+    assert "what failed: building the adapter failed: SystemExit(0): the implementation tried to end the process" in out
+    header = r"manager level, num_gpu_blocks=\d+, block_size=\d+, KV cache groups [a-z:0-9,]*chunked:"
+    assert re.search(header, out), out
 
 
 def test_a_slow_import_is_not_a_step_timeout(tmp_path_factory, capsys, monkeypatch) -> None:
