@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Set up a virtual environment with every test dependency and run the whole test suite:
-#   1. the default suite (no vLLM needed; slow campaigns are opt-in with KVSPEC_SLOW=1);
-#   2. the real-vLLM tests (scripts/test-vllm.sh): every release's BlockPool in light
-#      mode and the KVCacheManager of six releases, one per API generation; KVSPEC_VLLM=0 leaves them out;
-#   3. the HypoFuzz test (scripts/test-fuzz.sh, in its own .venv-fuzz): a short campaign on a
+#   1. the default suite (no vLLM needed; the long campaigns are opt-in with KVSPEC_SLOW=1);
+#   2. the heavy tests (marker `heavy`), the same way; KVSPEC_HEAVY=0 leaves them out;
+#   3. the real-vLLM tests (scripts/test-vllm.sh): every release's BlockPool in light
+#      mode and the KVCacheManager of seven releases, one per API generation; KVSPEC_VLLM=0 leaves them out;
+#   4. the HypoFuzz test (scripts/test-fuzz.sh, in its own .venv-fuzz): a short campaign on a
 #      planted mutant reports the failure and it replays; KVSPEC_FUZZ=0 leaves it out.
 # The default suite opens the step-through pages in a headless Chromium: Debian's
 # chromium and chromium-driver, installed here when missing (as root, with apt-get);
