@@ -105,6 +105,7 @@ __all__ = [
     "AdapterConfig",
     "AdapterFactory",
     "BlockManagerAdapter",
+    "HarnessLimit",
     "KVCacheManagerAdapter",
     "KVContentAdapter",
     "KVSource",
@@ -122,6 +123,16 @@ OPTIONAL_POOL_OPS: tuple[str, ...] = optional_operations("pool")
 
 class LevelNotProvided(ValueError):
     """Raised by a factory asked for a level its implementation does not have (the harness reports it n/a)."""
+
+
+class HarnessLimit(Exception):
+    """Raised inside an implementation's call where kvspec, not the implementation, cannot go on.
+
+    Light mode's stand-in for a device runtime raises it when pool code calls
+    one (kvspec.conformance.targets.loader.DeviceRuntimeModule): kvspec cannot
+    say what the real call would have done, so the check ends without a verdict
+    on the implementation (could-not-run, exit 2) instead of calling it a crash.
+    """
 
 
 @dataclass(frozen=True, slots=True)

@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from kvspec.conformance.core.adapter import AdapterConfig, KVContentAdapter, capabilities
+from kvspec.conformance.core.adapter import AdapterConfig, HarnessLimit, KVContentAdapter, capabilities
 from kvspec.conformance.core.coverage import step_branches
 from kvspec.conformance.core.hash_names import HashNames
 from kvspec.conformance.core.kv_events import (
@@ -117,11 +117,16 @@ class ConformanceFailure(AssertionError):
 
 
 class SpecFailure(AssertionError):
-    """The spec itself failed (a contract or an unexpected exception): a bug in kvspec, not in the implementation."""
+    """The spec itself failed (a contract or an unexpected exception): a bug in kvspec, not in the implementation.
 
-    def __init__(self, message: str, step: int) -> None:
+    Also kvspec's limit met inside the implementation's call (``limit``, a
+    `HarnessLimit`): no bug, but as little a verdict on the implementation.
+    """
+
+    def __init__(self, message: str, step: int, op: str = "?", *, limit: bool = False) -> None:
         super().__init__(message)
-        self.failure = Failure(FailureKind.SPEC, step, "?", message)
+        self.failure = Failure(FailureKind.SPEC, step, op, message)
+        self.limit = limit
 
 
 def spec_initial_state(config: AdapterConfig) -> PoolState | ManagerState:
@@ -337,10 +342,24 @@ class LockStep:
         try:
             fn()
             return None
+        except HarnessLimit as e:
+            raise self._harness_limit("building the adapter" if building else what.removesuffix(" failed: "), e) from e
         except (Exception, SystemExit) as e:
             return Outcome(crashed=True, message=what + _crash_message(e))
         finally:
             self.watch.impl_finished()
+
+    def _harness_limit(self, what: str, e: HarnessLimit, args: Sequence[Any] | None = None) -> SpecFailure:
+        """The failure that ends the example where kvspec itself cannot run a call: no verdict on the implementation.
+
+        ``args``: the operation's arguments, where ``what`` is an operation. The trace ends before the
+        call: what kvspec cannot run has no outcome to show on either side.
+        """
+        index = len(self.records) + 1
+        message = f"kvspec cannot run step {index} ({what}) on the implementation: {e}"
+        self.failure = SpecFailure(message, index, what if args is not None else "?", limit=True)
+        self.watch.failed = self
+        return self.failure
 
     def _read_declarations(self) -> Outcome | None:
         """What the adapter declares about itself (adapter.py), and what the summary must say it left out.
@@ -683,6 +702,8 @@ class LockStep:
                     crashed=True, message=f"raised {type(e).__name__}, a BlockManagerError of no spec type: {e}"
                 )
             return self._with_events(Outcome(error=name, message=str(e), raised_types=_type_names(e)), adapter)
+        except HarnessLimit as e:
+            raise self._harness_limit(operation.name, e, args) from e
         except NotExpressible as e:
             if adapter is self.adapter:
                 self._sent.pop()

@@ -21,6 +21,12 @@ this module is the one place that has them:
   loaded modules import but never run on the paths the harness drives,
   any attribute is a fresh, subclassable, callable stand-in, each one handed
   out recorded so a check can assert that no observed path leaned on one;
+- device runtimes (`DEVICE_RUNTIMES`: torch, triton, jax, ...): a loader
+  either refuses them (``import torch`` raises ImportError, as on a machine
+  without one) or stands them in (`DeviceRuntimeModule`: a module imports
+  and names its types, but calling anything of the runtime raises
+  `HarnessLimit`, so a pool path that needs the device ends in kvspec's
+  "cannot run this", never in a verdict on the implementation);
   and `exec_definitions`, which runs only the named top-level definitions of
   a heavy module (and what they use) as written.
 
@@ -44,7 +50,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.core.adapter import HarnessLimit
+
 __all__ = [
+    "DEVICE_RUNTIMES",
+    "DeviceRuntimeModule",
     "PlaceholderModule",
     "PrivateFinder",
     "SourceTree",
@@ -53,6 +63,9 @@ __all__ = [
     "placeholder",
     "redirecting_builtins",
 ]
+
+# Top-level modules of device runtimes: what no loaded pool module may need to run on the CPU.
+DEVICE_RUNTIMES: frozenset[str] = frozenset({"torch", "torch_npu", "jax", "jaxlib", "mlx", "triton", "libtpu"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +125,11 @@ class _ImportlibShim(types.ModuleType):
 
 
 def redirecting_builtins(
-    rename: Callable[[str], str], *, refused: Collection[str] = (), refused_why: str = ""
+    rename: Callable[[str], str],
+    *,
+    refused: Collection[str] = (),
+    refused_why: str = "",
+    stand_in: Callable[[str], types.ModuleType] | None = None,
 ) -> dict[str, Any]:
     """A ``__builtins__`` for loaded code whose absolute imports go through ``rename``.
 
@@ -121,6 +138,8 @@ def redirecting_builtins(
         refused: Top-level modules the loaded code cannot import (device runtimes): ImportError, as
             on a machine without them.
         refused_why: Ends the ImportError's message (``"left out of the overlay X"``).
+        stand_in: Where given, a device runtime (`DEVICE_RUNTIMES`) is not imported: ``stand_in(name)``
+            is the module of that dotted name (a `DeviceRuntimeModule`).
 
     Returns:
         A copy of the builtins whose ``__import__`` maps names and whose ``importlib``
@@ -139,8 +158,12 @@ def redirecting_builtins(
         if level == 0 and (name == "importlib" or name.startswith("importlib.")):
             found = real_import(name, globals, locals, fromlist or (), level)
             return found if fromlist else shim
-        if level == 0 and name.partition(".")[0] in refused:
+        top = name.partition(".")[0]
+        if level == 0 and top in refused:
             raise ImportError(f"{name} is a device runtime, {refused_why}")
+        if level == 0 and stand_in is not None and top in DEVICE_RUNTIMES:
+            # ``import torch.cuda`` binds ``torch``; ``from torch.cuda import x`` reads x off ``torch.cuda``.
+            return stand_in(name if fromlist else top)
         if level == 0:
             name = rename(name)
         return real_import(name, globals, locals, fromlist or (), level)
@@ -302,6 +325,56 @@ class PlaceholderModule(types.ModuleType):
         if found is not None:
             return found
         value = placeholder(f"{self._kvspec_real}:{name}", self._kvspec_used)
+        setattr(self, name, value)
+        return value
+
+
+class _DeviceStandInMeta(_PlaceholderMeta):
+    """A device runtime's name: a type or value to name, never to run."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _device_stand_in(f"{cls._kvspec_path}.{name}", cls._kvspec_used)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise HarnessLimit(
+            f"{cls._kvspec_path}() was called: {cls._kvspec_path.partition('.')[0]} is a device runtime, "
+            "which kvspec stands in and does not run (check a build that has it installed: --impl vllm)"
+        )
+
+    def __repr__(cls) -> str:
+        return f"<device runtime stand-in {cls._kvspec_path}>"
+
+
+def _device_stand_in(path: str, used: set[str] | None) -> type:
+    if used is not None:
+        used.add(path)
+    namespace = {"_kvspec_path": path, "_kvspec_used": used}
+    return _DeviceStandInMeta(path.rsplit(".", 1)[-1], (_PlaceholderBase,), namespace)
+
+
+class DeviceRuntimeModule(types.ModuleType):
+    """A device runtime (``torch``, ``triton``, ...) as loaded code sees it where the loader stands it in.
+
+    Why a stand-in keeps the pool's observable behaviour: a pool module that
+    imports torch at module level to annotate with ``torch.Tensor``, to test
+    ``isinstance(x, torch.Tensor)`` (False: nothing here is a tensor) or to
+    hold a dtype does the same with this module as with torch. Anything that
+    would *run* device code (calling any of its names: ``torch.zeros``,
+    ``torch.cuda.is_available()``) raises `HarnessLimit` instead of guessing
+    an answer, so such a path reports kvspec's limit, not the implementation.
+    Every name handed out is recorded in ``used`` (``"torch.cuda.is_available"``).
+    """
+
+    def __init__(self, name: str, used: set[str]) -> None:
+        super().__init__(name)
+        self._kvspec_used = used
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        value = _device_stand_in(f"{self.__name__}.{name}", self._kvspec_used)
         setattr(self, name, value)
         return value
 

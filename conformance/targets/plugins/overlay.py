@@ -66,14 +66,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvspec.conformance.targets.loader import PrivateFinder, SourceTree, redirecting_builtins
+from kvspec.conformance.targets.loader import DEVICE_RUNTIMES, PrivateFinder, SourceTree, redirecting_builtins
 from kvspec.conformance.targets.vllm.adapter import VllmRelease
 from kvspec.conformance.targets.vllm.lightmode import LightRelease, load_release
 
-__all__ = ["DEVICE_RUNTIMES", "Overlay", "OverlayError", "PoolFactory", "load_overlay", "load_plugin"]
-
-# Top-level modules that plugin code cannot import in an overlay: the device runtimes.
-DEVICE_RUNTIMES: frozenset[str] = frozenset({"torch", "torch_npu", "jax", "jaxlib", "mlx", "triton", "libtpu"})
+__all__ = ["Overlay", "OverlayError", "PoolFactory", "load_overlay", "load_plugin"]
 
 PoolFactory = Callable[..., Any]  # (num_gpu_blocks, enable_caching, **kwargs) -> a BlockPool
 

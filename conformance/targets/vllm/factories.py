@@ -150,7 +150,10 @@ def make_tree_adapter(tree: str) -> AdapterFactory:
     factory.__qualname__ = factory.__name__ = f"vllm@{tree}"
     factory.spec_hashing = lambda: spec_hashing_for(version)  # type: ignore[attr-defined]
     # Read from its code, as a release's is declared: with a null block the spec's one-block pool is buildable.
-    null_block = has_null_block(release, AdapterConfig(level="pool", num_gpu_blocks=2))
+    try:
+        null_block = has_null_block(release, AdapterConfig(level="pool", num_gpu_blocks=2))
+    except Exception as e:  # the tree's pool as checked out: a constructor kvspec does not know how to call
+        raise ValueError(f"{tree}'s BlockPool does not build: {type(e).__name__}: {e}") from None
     factory.min_num_gpu_blocks = 1 if null_block else 2  # type: ignore[attr-defined]
     return factory
 

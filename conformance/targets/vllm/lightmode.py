@@ -27,7 +27,16 @@ What is real and what is not:
 - everything else (config, platforms, ``Request``, the KV-cache specs, torch
   helpers) is a placeholder: any attribute is a fresh, subclassable, callable
   stand-in. Each one handed out is recorded in ``LightRelease.placeholders_used``
-  so a check can assert that no pool path leaned on one.
+  so a check can assert that no pool path leaned on one;
+- a device runtime (``torch``, ``triton``, ...) that loaded code imports is a
+  stand-in (kvspec.conformance.targets.loader.DeviceRuntimeModule): its names
+  can be read (annotations, ``isinstance``, a dtype) but calling one raises
+  ``HarnessLimit``, kvspec's "cannot run this", never a verdict. No release's
+  pool modules import one; a fork's may, at module level.
+
+A source tree (`load_tree`) is one more folder: a checkout holding ``vllm/``,
+or a fork whose package has its own name (``myfork/v1/core/block_pool.py``
+importing ``myfork.*``), loaded with that name as an alias of ``vllm``.
 
 Which modules are real is a ``Layout``: ``V1`` is the list above; ``V0`` is
 vLLM v0's prefix-caching allocator (``core/block/prefix_caching_block.py``,
@@ -72,8 +81,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.core.adapter import HarnessLimit
 from kvspec.conformance.targets.archives import cached_folder, extract_zip, is_release_number, pip_download
 from kvspec.conformance.targets.loader import (
+    DeviceRuntimeModule,
     PlaceholderModule,
     PrivateFinder,
     SourceTree,
@@ -289,13 +300,15 @@ class LightRelease:
     Attributes:
         version: The release, e.g. ``"0.33.0"``.
         package_name: The private top-level name the modules live under.
-        root: The extracted folder (holds ``vllm/...``).
+        root: The extracted folder (holds ``vllm/...``, or a fork's ``<package>/...``).
         modules: Every loaded module, keyed by its vLLM name (``"vllm.envs"``).
         placeholders_used: ``"module:attribute"`` for every placeholder handed
             out so far (grows as the loaded code runs).
         placeholders_at_load: ``placeholders_used`` as it stood right after
             loading; anything beyond it was reached by running pool code.
         layout: Which modules are real (``V1`` or ``V0``).
+        package: The package's folder under ``root``: ``"vllm"``, or a fork's own name (``"myfork"``),
+            which its code imports itself by; both names load the same modules.
     """
 
     version: str
@@ -305,6 +318,8 @@ class LightRelease:
     placeholders_used: set[str] = field(default_factory=set)
     placeholders_at_load: frozenset[str] = frozenset()
     layout: Layout = V1
+    package: str = "vllm"
+    device_runtimes: dict[str, DeviceRuntimeModule] = field(default_factory=dict)
 
     def module(self, vllm_name: str) -> types.ModuleType:
         """Return a loaded module by its vLLM name, importing it if needed.
@@ -321,8 +336,8 @@ class LightRelease:
 
     @property
     def tree(self) -> SourceTree:
-        """The release's files: the extracted folder, holding ``vllm/...``."""
-        return SourceTree(self.root, "vllm")
+        """The release's files: the extracted folder, holding ``vllm/...`` (a fork: ``<package>/...``)."""
+        return SourceTree(self.root, "vllm", "" if self.package == "vllm" else self.package)
 
     @property
     def block_pool(self) -> types.ModuleType:
@@ -437,27 +452,80 @@ def load_tree(tree: Path, *, fresh: bool = False) -> LightRelease:
     is newer than the last release it started from): which release's declared
     reactions it is checked against.
 
+    A fork whose package has another name (``myfork/v1/core/block_pool.py``,
+    importing ``myfork.*``) is found the same way (`tree_package`) and loaded
+    under that name as an alias of ``vllm``: no file is edited.
+
     Raises:
-        LightModeError: the folder holds no ``vllm/v1/core/block_pool.py``.
+        LightModeError: the folder holds no ``<package>/v1/core/block_pool.py``, or several.
     """
-    root = tree.expanduser().resolve()
-    if not (root / V1.required).is_file():
-        raise LightModeError(f"{tree} is not a vLLM source tree: it has no {V1.required}")
-    version = tree_version(root)
+    root, package = tree_package(tree.expanduser().resolve(), str(tree))
+    version = tree_version(root, package)
     digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
-    return _load(version, root, f"_kvspec_vllm_tree_{digest}", fresh, V1)
+    try:
+        release = _load(version, root, f"_kvspec_vllm_tree_{digest}", fresh, V1, package)
+    except LightModeError:
+        raise
+    except Exception as e:  # the tree's code, as checked out: a syntax error, an import of what light mode lacks
+        where = _traceback_line(e, root)
+        what = str(e) if isinstance(e, HarnessLimit) else f"{type(e).__name__}: {e}"
+        raise LightModeError(f"{tree}'s pool modules do not load{where}: {what}") from e
+    for module, name in (("block_pool", "BlockPool"), ("kv_cache_utils", "KVCacheBlock")):
+        if not isinstance(getattr(release, module).__dict__.get(name), type):
+            raise LightModeError(f"{tree} is not a vLLM source tree: {package}/v1/core/{module}.py defines no {name}")
+    return release
 
 
-def tree_version(root: Path) -> str:
-    """The version a source tree declares (``vllm/_version.py``, written by a build), else the newest release's
-    ``.dev0+tree``."""
-    written = root / "vllm" / "_version.py"
+def _traceback_line(e: BaseException, root: Path) -> str:
+    """`` (at <file>:<line>)`` for the deepest frame of ``e`` in a file under ``root``, or ``""``."""
+    found = ""
+    tb = e.__traceback__
+    while tb is not None:
+        path = Path(tb.tb_frame.f_code.co_filename)
+        if path.is_relative_to(root):
+            found = f" (at {path.relative_to(root)}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    if isinstance(e, SyntaxError) and e.filename and Path(e.filename).is_relative_to(root):
+        found = f" (at {Path(e.filename).relative_to(root)}:{e.lineno})"
+    return found
+
+
+def tree_package(folder: Path, shown: str) -> tuple[Path, str]:
+    """Where a source tree holds vLLM's pool: the folder that holds the package, and the package's name.
+
+    ``folder`` is the tree (holding ``vllm/``, else exactly one package with
+    ``v1/core/block_pool.py``: a fork's) or a package's own folder (which names
+    one package of a tree holding several).
+
+    Raises:
+        LightModeError: no such package, or several and none named ``vllm`` (``shown``: the folder as named).
+    """
+    pool = V1.required.removeprefix("vllm/")
+    if (folder / pool).is_file() and folder.name.isidentifier():
+        return folder.parent, folder.name
+    if (folder / "vllm" / pool).is_file():
+        return folder, "vllm"
+    found = sorted(p.name for p in folder.iterdir() if (p / pool).is_file()) if folder.is_dir() else []
+    if len(found) == 1 and found[0].isidentifier():
+        return folder, found[0]
+    if found:
+        example = f"vllm@{Path(shown) / found[0]}"
+        raise LightModeError(f"{shown} holds several vLLM packages ({', '.join(found)}): name one's folder ({example})")
+    raise LightModeError(f"{shown} is not a vLLM source tree: it has no {V1.required}")
+
+
+def tree_version(root: Path, package: str = "vllm") -> str:
+    """The version a source tree declares (``<package>/_version.py``, written by a build), else the newest
+    release's ``.dev0+tree``."""
+    written = root / package / "_version.py"
     found = re.search(r"""^(?:__version__|version)\s*=\s*(?:\w+\s*=\s*)?['"]([^'"]+)['"]""",
                       written.read_text(encoding="utf-8") if written.is_file() else "", re.M)  # fmt: skip
     return found[1] if found else f"{RELEASES[-1]}.dev0+tree"
 
 
-def _load(version: str, root: Path, base: str, fresh: bool, layout: Layout) -> LightRelease:
+def _load(
+    version: str, root: Path, base: str, fresh: bool, layout: Layout, package: str = "vllm"
+) -> LightRelease:
     """Load the layout's modules of the vLLM under ``root`` as the private package ``base`` (once, unless fresh)."""
     global _num_fresh
     with _lock:
@@ -472,7 +540,7 @@ def _load(version: str, root: Path, base: str, fresh: bool, layout: Layout) -> L
             raise LightModeError(
                 f"cannot load vllm=={version} as package_name={name!r}: a module of that name is already imported"
             )
-        release = LightRelease(version=version, package_name=name, root=root, layout=layout)
+        release = LightRelease(version=version, package_name=name, root=root, layout=layout, package=package)
         finder = _ReleaseFinder(release)
         sys.meta_path.insert(0, finder)
         try:
@@ -508,12 +576,24 @@ class _ReleaseFinder(PrivateFinder):
     """Serves ``<package_name>.*``: real, partial or placeholder modules."""
 
     def __init__(self, release: LightRelease) -> None:
-        super().__init__(redirecting_builtins(self._private_name))
+        super().__init__(redirecting_builtins(self._private_name, stand_in=self._device_runtime))
         self.release = release
 
     def _private_name(self, name: str) -> str:
         top, dot, rest = name.partition(".")
-        return self.release.package_name + dot + rest if top == "vllm" else name
+        # A fork imports itself by its own name (``myfork.v1.core...``): the same modules as ``vllm.*``.
+        is_ours = top in ("vllm", self.release.package)
+        return self.release.package_name + dot + rest if is_ours else name
+
+    def _device_runtime(self, name: str) -> DeviceRuntimeModule:
+        """A device runtime imported by loaded code: a stand-in (light mode runs nothing built)."""
+        runtimes = self.release.device_runtimes
+        if name not in runtimes:
+            runtimes[name] = DeviceRuntimeModule(name, self.release.placeholders_used)
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(self._device_runtime(parent), child, runtimes[name])
+        return runtimes[name]
 
     def real_name(self, fullname: str) -> str | None:
         pkg = self.release.package_name
