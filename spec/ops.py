@@ -152,12 +152,21 @@ def _is_int(value: object) -> bool:
 
 
 def _check_block_ids(state: PoolState, block_ids: Sequence[BlockId], op: str) -> None:
-    """Every id is an int in range, not the null block, and named once."""
+    """Every id is an int in range, not the null block, and named once.
+
+    Out of range is two checks, below 0 and past the pool, one message: an
+    implementation taking plain ids may do a different thing with each (a
+    Python list reads -1 as its last block), so the error contract
+    (kvspec.conformance.core.error_contract) has a caller mistake for each.
+    """
     for b in block_ids:
-        if not _is_int(b) or not 0 <= b < state.num_gpu_blocks:
-            raise InvalidBlock(
-                f"{op}: block_id={b!r} is not a block of this pool (ids 0..{state.num_gpu_blocks - 1})"
-            )
+        out_of_range = f"{op}: block_id={b!r} is not a block of this pool (ids 0..{state.num_gpu_blocks - 1})"
+        if not _is_int(b):
+            raise InvalidBlock(out_of_range)
+        if b < 0:
+            raise InvalidBlock(out_of_range)
+        if b >= state.num_gpu_blocks:
+            raise InvalidBlock(out_of_range)
         if b == NULL_BLOCK_ID:
             raise InvalidBlock(f"{op}: block_id=0 is the null block, whose ref_cnt is never maintained")
     if len(set(block_ids)) != len(block_ids):

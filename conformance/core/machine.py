@@ -541,7 +541,8 @@ class PoolMachine(_LockStepMachine):
     @rule(data=st.data())
     def evict_blocks(self, data: st.DataObject) -> None:
         n = self._state.num_gpu_blocks
-        mistakes = self._mistakes("evict_blocks", "bad id", *(["named twice"] if n > 1 else []))
+        # Plain ids: each class of bad id is a mistake of its own (strategies.PLAIN_ID_MISTAKES).
+        mistakes = self._mistakes("evict_blocks", *strat.PLAIN_ID_MISTAKES, *(["named twice"] if n > 1 else []))
         kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         hashed = self._hashed()
         any_id = st.integers(1, n - 1) if n > 1 else st.nothing()
@@ -556,7 +557,7 @@ class PoolMachine(_LockStepMachine):
             ids = ids or [1]
             bad: Any = data.draw(_sampled(ids), label="named twice")
         else:
-            bad = self._bad_id(data)
+            bad = data.draw(strat.plain_bad_ids(n, kind), label="bad block id")
         with_bad = _insert(data, ids, bad)
         self._call("evict_blocks", with_bad, mistake=kind, without=(_good_part(with_bad, ids, kind),))
 
@@ -1118,7 +1119,7 @@ class ManagerMachine(_LockStepMachine):
         hole in the chain.
         """
         n = self._state.pool.num_gpu_blocks
-        mistakes = self._mistakes("evict_blocks", "bad id", "named twice")
+        mistakes = self._mistakes("evict_blocks", *strat.PLAIN_ID_MISTAKES, "named twice")
         kind = data.draw(_sampled(_kinds(*mistakes)), label="call")
         held = {b for _, e in self._state.requests for t in e.tables for b in t if b != NULL_BLOCK_ID}
         hashed = [b for b, h in enumerate(self._state.pool.block_hash) if h is not None and b in held] or [
@@ -1133,7 +1134,7 @@ class ManagerMachine(_LockStepMachine):
         bad: Any = (
             data.draw(_sampled(ids), label="named twice")
             if kind == "named twice"
-            else data.draw(strat.bad_block_ids(n), label="bad block id")
+            else data.draw(strat.plain_bad_ids(n, kind), label="bad block id")
         )
         with_bad = _insert(data, ids, bad)
         self._call("evict_blocks", with_bad, mistake=kind, without=(_good_part(with_bad, ids, kind),))

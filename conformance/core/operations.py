@@ -506,7 +506,13 @@ _TABLE: tuple[Operation, ...] = (
         cases=Cases(
             pool_state,
             {"caching": True, "block_ids": (1,)},
-            {"bad id": append_to(block_ids=(BAD_ID,)), "named twice": append_to(block_ids=(1,))},
+            # Plain ids: a class of bad id per mistake (strategies.PLAIN_ID_MISTAKES); "bad id" is the null block.
+            {
+                "bad id": append_to(block_ids=(0,)),
+                "id past the pool": append_to(block_ids=(BAD_ID,)),
+                "negative id": append_to(block_ids=(-1,)),
+                "named twice": append_to(block_ids=(1,)),
+            },
         ),
         is_optional=True,
         wording=Wording(lambda c: f"Evict {c.blocks('block_ids')} from the prefix cache: their hashes are dropped."),

@@ -33,12 +33,15 @@ from kvspec.spec.state import BlockHash
 
 __all__ = [
     "HASH_UNIVERSE",
+    "PLAIN_ID_MISTAKES",
     "LORA_NAMES",
     "CACHE_SALTS",
     "VALID",
     "VOCABULARY_SIZE",
     "bad_block_id_values",
     "bad_block_ids",
+    "plain_bad_id_values",
+    "plain_bad_ids",
     "bad_counts",
     "bad_hashes",
     "bad_hit_limits",
@@ -352,6 +355,33 @@ def bad_block_id_values(num_gpu_blocks: int) -> tuple[object, ...]:
 def bad_block_ids(num_gpu_blocks: int) -> st.SearchStrategy[object]:
     """A drawn one of `bad_block_id_values`."""
     return st.sampled_from(bad_block_id_values(num_gpu_blocks))
+
+
+# An operation that takes plain ids (evict_blocks) can do something different with each class of
+# bad id (a Python list reads -1 as its last element; a bound check fires past the end), so each
+# class is a caller mistake of its own there, with its own declared reaction.
+PLAIN_ID_MISTAKES = ("bad id", "id past the pool", "negative id")
+
+
+def plain_bad_id_values(num_gpu_blocks: int, mistake: str) -> tuple[object, ...]:
+    """The bad ids of one of `PLAIN_ID_MISTAKES`: together, `bad_block_id_values`.
+
+    >>> [plain_bad_id_values(4, m) for m in PLAIN_ID_MISTAKES]
+    [(0, '1', 1.0, None, True), (4, 7), (-1,)]
+    """
+    assert mistake in PLAIN_ID_MISTAKES, f"mistake={mistake!r} is not a class of bad id"
+    values = bad_block_id_values(num_gpu_blocks)
+    if mistake == "id past the pool":
+        return tuple(v for v in values if type(v) is int and v >= num_gpu_blocks)
+    if mistake == "negative id":
+        return tuple(v for v in values if type(v) is int and v < 0)
+    return tuple(v for v in values if type(v) is not int or 0 <= v < num_gpu_blocks)
+
+
+@lru_cache(maxsize=512)
+def plain_bad_ids(num_gpu_blocks: int, mistake: str) -> st.SearchStrategy[object]:
+    """A drawn one of `plain_bad_id_values`."""
+    return st.sampled_from(plain_bad_id_values(num_gpu_blocks, mistake))
 
 
 def bad_hashes() -> st.SearchStrategy[object]:

@@ -138,7 +138,8 @@ def test_an_operation_added_through_the_table_is_drawn_by_the_machine_and_compar
         with pytest.raises(ConformanceFailure) as caught:
             _run_machine(_HashingWrong, Observer())
         assert caught.value.failure.op == "is_block_hashed"
-        assert "returned False; the spec returned True" in caught.value.failure.message
+        # Off by one block: which way round the campaign meets first depends on its draws.
+        assert re.search(r"returned (True|False); the spec returned (?!\1)", caught.value.failure.message)
     # Out of the block, the machines built are as they were: no rule for it.
     assert "is_block_hashed" not in {r.function.__name__ for r in conformance_machine(_Hashing).setup_state().rules}
 

@@ -266,5 +266,9 @@ def test_vllm_declared_reactions_name_every_mistake_of_their_level_and_only_thos
     assert vllm_reactions.manager_reactions("0.10.2", True)["get_computed_blocks: no tokens"] == raises("ValueError")
     assert "get_computed_blocks: no tokens" not in on
     assert off["get_computed_blocks: no tokens"].kind == "ignores"
-    assert on["evict_blocks: named twice"].kind == "ignores" and "evict_blocks: bad id" not in on
+    assert on["evict_blocks: named twice"].kind == "ignores"
+    # evict_blocks takes plain ints: a reaction per class of bad id, the pool's own (its bound check asserts).
+    assert [on[f"evict_blocks: {m}"].kind for m in ("bad id", "id past the pool", "negative id")] == [
+        "ignores", "raises", "accepts"]
+    assert on["evict_blocks: id past the pool"].error == "AssertionError"
     assert "allocate_slots: bad count" not in on and "allocate_slots: bad count" not in off

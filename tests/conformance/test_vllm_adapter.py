@@ -242,6 +242,53 @@ def test_a_source_tree_checks_exactly_like_the_release_it_was_made_from(tmp_path
         assert (runs[0].steps_run, runs[0].coverage) == (runs[1].steps_run, runs[1].coverage)
 
 
+def test_a_fork_of_a_release_under_its_own_name_importing_torch_checks_like_the_release(tmp_path) -> None:
+    # A fork as forks ship: the package renamed (its imports with it), torch imported at module level.
+    import re
+
+    from kvspec.conformance.runner.run import run_check
+    from kvspec.conformance.targets.vllm.lightmode import fetch_release
+
+    version = RELEASES[-1]
+    fork = tmp_path / "fork"
+    shutil.copytree(fetch_release(version) / "vllm", fork / "myfork")
+    for path in (fork / "myfork").rglob("*.py"):
+        path.write_text(re.sub(r"\b(from|import) vllm\b", r"\1 myfork", path.read_text()))
+    pool = fork / "myfork" / "v1" / "core" / "block_pool.py"
+    pool.write_text("import torch\nimport triton\n_DTYPE = torch.bfloat16\n" + pool.read_text())
+    from_fork = factory_for(f"vllm@{fork}")
+    built, released = from_fork(AdapterConfig(level="pool", num_gpu_blocks=8)), _pool(version)
+    assert built.mistake_reactions == released.mistake_reactions
+    for caching in (True, False):
+        runs = [run_check(factory, level="pool", enable_caching=caching, max_examples=30, seed=7)
+                for factory in (from_fork, make_light_adapter(version))]  # fmt: skip
+        assert [r.verdict for r in runs] == ["conforms", "conforms"], [r.failure for r in runs]
+        assert (runs[0].steps_run, runs[0].coverage) == (runs[1].steps_run, runs[1].coverage)
+
+
+def test_evict_blocks_gets_each_class_of_bad_id_and_a_copy_without_vllms_bound_check_is_killed(tmp_path) -> None:
+    # evict_blocks takes plain ints: the id at the pool's end, -1 and the null block are sent as they are.
+    from kvspec.conformance.runner.run import run_check
+    from kvspec.conformance.targets.vllm.lightmode import fetch_release
+
+    released = run_check(make_light_adapter("0.34.0"), level="pool", max_examples=100, trace_dir=tmp_path)
+    assert released.verdict == "conforms", released.failure
+    for mistake in ("bad id", "id past the pool", "negative id"):
+        assert released.mistakes_checked[f"evict_blocks: {mistake}"] > 0, released.mistakes_checked
+    # 0.34.0's own pool without its bound check: an id past the end raises IndexError, not its AssertionError.
+    tree = tmp_path / "mutant"
+    shutil.copytree(fetch_release("0.34.0") / "vllm", tree / "vllm")
+    pool = tree / "vllm" / "v1" / "core" / "block_pool.py"
+    text = pool.read_text()
+    check = text[text.index("            assert block_id < len(self.blocks), ("):]
+    check = check[: check.index("            )\n") + len("            )\n")]
+    pool.write_text(text.replace(check, ""))
+    mutant = run_check(factory_for(f"vllm@{tree}"), level="pool", max_examples=100, trace_dir=tmp_path)
+    assert mutant.verdict == "diverges" and mutant.failure is not None
+    assert mutant.failure.op == "evict_blocks", mutant.failure.story
+    assert "'evict_blocks: id past the pool': it raised IndexError" in mutant.failure.message, mutant.failure.story
+
+
 def test_a_folder_that_is_not_a_source_tree_is_refused_in_one_line(tmp_path, capsys) -> None:
     from kvspec.conformance.tools.cli import main
 

@@ -539,11 +539,19 @@ class _EvictBlocks:
     """``evict_blocks`` (vLLM 0.13+)."""
 
     pool: Any
-    _block: Callable[[BlockId, str], Any]
+    _offset: int
 
     def evict_blocks(self, block_ids: Sequence[BlockId]) -> None:
-        """vLLM's ``evict_blocks``: it takes a set of vLLM block ids."""
-        self.pool.evict_blocks({self._block(b, "evict_blocks").block_id for b in block_ids})
+        """vLLM's ``evict_blocks``: it takes a set of plain int ids, which are sent as they are (its own
+        bound check at the pool's end, and -1 as a Python index, are what it does with a bad one).
+
+        Raises:
+            NotExpressible: an id is not an int (vLLM's ids are ints).
+        """
+        for b in block_ids:
+            if not isinstance(b, int) or isinstance(b, bool):
+                raise NotExpressible(f"evict_blocks takes vLLM's int block ids; block_id={b!r} is not one")
+        self.pool.evict_blocks({b - self._offset for b in block_ids})
 
 
 class _IsBlockWritable:

@@ -42,6 +42,9 @@ _Entry = Reaction | ByCaching | None
 # "bad id": the only bad id vLLM's API can take is block 0, the null block (the
 # others name no block object), so before 0.8.3 (no null block) none can be sent.
 _NULL_BLOCK = "the only bad id the harness sends that names a block object is 0, the null block"
+_EVICT_NULL = "block 0, the null block, has no hash and is skipped (an id that is not an int is not sent)"
+_EVICT_PAST = "its bound check (assert block_id < len(self.blocks)) fires after evicting the ids the set yields first"
+_EVICT_NEGATIVE = "a Python index: -1 is the last block, whose hash, if it has one, is dropped"
 _POOL_REACTIONS: dict[str, list[tuple[str, _Entry]]] = {
     "get_new_blocks: more than free": [("0.8.0", raises("ValueError"))],
     "get_new_blocks: bad count": [
@@ -81,7 +84,11 @@ _POOL_REACTIONS: dict[str, list[tuple[str, _Entry]]] = {
     ],
     "cache_full_blocks: hash not bytes": [("0.8.0", not_expressible("the release's hash keys are made of bytes"))],
     "get_cached_block: hash not bytes": [("0.8.0", not_expressible("the release's hash keys are made of bytes"))],
-    "evict_blocks: bad id": [("0.13.0", ignores(f"an id with no cached block is skipped ({_NULL_BLOCK})"))],
+    # evict_blocks takes plain ints (0.13.0 on; the adapter sends the int, nothing translated): each class
+    # of bad id is its own mistake (strategies.PLAIN_ID_MISTAKES), and each has one reaction in every release.
+    "evict_blocks: bad id": [("0.13.0", ignores(_EVICT_NULL))],
+    "evict_blocks: id past the pool": [("0.13.0", raises("AssertionError", then=_EVICT_PAST))],
+    "evict_blocks: negative id": [("0.13.0", accepts(_EVICT_NEGATIVE))],
     "evict_blocks: named twice": [("0.13.0", ignores("the ids are a set: the copy is dropped"))],
     "is_block_writable: bad id": [
         ("0.29.0", not_expressible("it takes a block object, and no bad id the harness sends names one"))
@@ -155,10 +162,10 @@ _MANAGER_REACTIONS: dict[str, list[tuple[str, _Entry]]] = {
     "get_computed_blocks: bad hit cap": [
         ("0.33.0", ByCaching(None, ignores("nothing is looked up without caching, so the cap is not read")))
     ],
-    # vLLM's evict_blocks takes ints: an id past the last block raises AssertionError (after evicting the
-    # ids the set yields before it, or not), -1 evicts the last block (a negative index), 0 is the null
-    # block, which has no hash and is skipped: by value and by state (measured with caching on and off).
-    "evict_blocks: bad id": [("0.33.0", None)],
+    # KVCacheManager.evict_blocks hands the set to its BlockPool's: the pool's reaction to each class of bad id.
+    "evict_blocks: bad id": [("0.33.0", ignores(_EVICT_NULL))],
+    "evict_blocks: id past the pool": [("0.33.0", raises("AssertionError", then=_EVICT_PAST))],
+    "evict_blocks: negative id": [("0.33.0", accepts(_EVICT_NEGATIVE))],
     "evict_blocks: named twice": [("0.33.0", ignores("the ids are a set: the copy is dropped"))],
     # Not measured: the adapter does not delay a registration or call cache_blocks (an asynchronous load is
     # declared not applicable), so these are never sent to it.
