@@ -14,7 +14,10 @@ kinds of change are reported, pool level:
   where one conforms and the other does not, the shrunk trace of the one that
   does not is a call sequence on which the two give different results. It is
   replayed on both, and kept only when it conforms on one and not on the
-  other: a witness, not a guess.
+  other: a witness, not a guess. With a folder for pages, each witness is a
+  step-through page with A beside B: the side that follows the spec is the
+  spec's column (its replay equals the spec's state at every step), the side
+  that leaves it the implementation's.
 
 Why through the spec rather than A against B directly: a trace that conforms
 on A follows the spec step by step, so where B leaves the spec on that trace,
@@ -28,7 +31,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +41,9 @@ from kvspec.conformance.core.trace import read_trace
 from kvspec.conformance.runner.registry import load_factory
 from kvspec.conformance.runner.run import replay, run_check
 from kvspec.conformance.targets.vllm.probes import run_probes
+from kvspec.conformance.tools.view.files import page_path_for
+from kvspec.conformance.tools.view.page import write_page
+from kvspec.conformance.tools.view.source import trace_to_page_data
 
 __all__ = ["PROFILES", "Change", "diff_vllm", "format_changes"]
 
@@ -57,12 +63,21 @@ class Change:
     b: str  # B's side
     trace: str | None = None  # a behaviour change's witness: conforms on one side, not on the other
     steps: int | None = None  # its length
+    page: str | None = None  # the witness as a step-through page, A beside B (with a folder for pages)
 
 
 def diff_vllm(
-    a: str, b: str, *, max_examples: int = 100, trace_dir: Path, log: Callable[[str], None] = lambda _: None
+    a: str,
+    b: str,
+    *,
+    max_examples: int = 100,
+    trace_dir: Path,
+    html_dir: Path | None = None,
+    log: Callable[[str], None] = lambda _: None,
 ) -> list[Change]:
     """Every change from A to B (vLLM implementation names as ``--impl`` takes them), API, facts, behaviour.
+
+    ``html_dir``: where each behaviour change's witness is written as a page with A beside B (None: no pages).
 
     Raises:
         kvspec.conformance.runner.registry.FactoryError: a name that loads no vLLM (the message says why).
@@ -76,6 +91,8 @@ def diff_vllm(
         for profile in PROFILES:
             log(f"caching {'on' if caching else 'off'}, profile {profile}")
             found, conforming = _behaviour_change(a, b, factories, caching, profile, max_examples, trace_dir)
+            if found is not None and html_dir is not None:
+                found = _with_page(found, a, b, html_dir, log)
             changes += [found] if found else []
             own_profile.update(dict.fromkeys(conforming if caching else (), profile))
     log("probes")
@@ -163,6 +180,21 @@ def _behaviour_change(
     return change, conforming
 
 
+def _with_page(change: Change, a: str, b: str, html_dir: Path, log: Callable[[str], None]) -> Change:
+    """The change with its witness written as a page, A beside B, named ``diff-<trace>.html`` (a check's page of
+    the same trace keeps its name). A page that cannot be written is logged; the change stands either way."""
+    assert change.trace is not None, f"change={change.what!r} has no witness"
+    follows, leaves = (a, b) if change.a == "follows the spec" else (b, a)
+    try:
+        doc = trace_to_page_data(read_trace(change.trace))
+        doc["beside"] = {"a": a, "b": b, "follows": follows, "leaves": leaves}
+        page = write_page(html_dir / f"diff-{page_path_for(change.trace, html_dir).name}", doc)
+    except (OSError, ValueError) as e:  # MalformedTrace is a ValueError
+        log(f"page of {change.trace} not written ({type(e).__name__}: {e})")
+        return change
+    return replace(change, page=str(page))
+
+
 def format_changes(a: str, b: str, changes: Sequence[Change]) -> str:
     """The changes as text: one paragraph per kind, each change on a line, its witness under it."""
     if not changes:
@@ -176,6 +208,8 @@ def format_changes(a: str, b: str, changes: Sequence[Change]) -> str:
             lines.append(f"  {c.what}: {c.a}  ->  {c.b}")
             if c.trace and c.kind == "behaviour":
                 lines.append(f"    witness ({c.steps} steps): kvspec replay {c.trace} --impl {a}  (and --impl {b})")
+                if c.page:
+                    lines.append(f"    page, {a} beside {b}: {c.page}")
             elif c.trace:
                 lines.append(f"    trace ({c.steps} steps) of the side it fails on: kvspec replay {c.trace}")
     return "\n".join(lines)

@@ -255,6 +255,34 @@ def test_a_mutant_failure_opens_at_the_first_divergence_the_story_names(
     browser.assert_clean(FILE)
 
 
+def test_a_diff_witness_is_a_page_with_a_beside_b(browser: Browser, tmp_path: Path):
+    # kvspec diff's witness: the side that follows the spec is the spec's column, named; the other leaves it.
+    from kvspec.conformance.tools.vllm_diff import Change, _with_page
+
+    mutant = next(m for m in all_mutants() if m.name == "duplicate_hash_overwrites")
+    result = run_check(mutant.factory, level=mutant.level, enable_caching=mutant.enable_caching,
+                       max_examples=200, seed=0, time_budget_s=30.0, trace_dir=tmp_path)  # fmt: skip
+    assert result.failure is not None and result.failure.trace_path is not None, result.verdict
+    witness = Change("behaviour", "caching on, profile vllm-v1", result.failure.message, "follows the spec",
+                     result.failure.trace_path, result.failure.step)  # fmt: skip
+    paged = _with_page(witness, "vllm@1.0.0", "vllm@1.1.0", tmp_path / "pages", print)
+    assert paged.page is not None and Path(paged.page).name.startswith("diff-failure-")
+    browser.open(Path(paged.page).as_uri())
+    assert browser.js("return document.querySelector('h1').innerText").startswith(
+        "kvspec diff: vllm@1.0.0 beside vllm@1.1.0")
+    headers = browser.js("return Array.prototype.map.call(document.querySelectorAll('#sides h3'), "
+                         "function (h) { return h.innerText; })")  # fmt: skip
+    assert [h.lower().split(" (")[0] for h in headers] == ["vllm@1.1.0", "vllm@1.0.0"], headers
+    assert "follows the spec" in headers[0].lower() and "leaves the spec" in headers[1].lower()
+    results = browser.js("return document.getElementById('operation').innerText")
+    assert "vllm@1.1.0:" in results and "vllm@1.0.0:" in results, results
+    assert browser.js("return document.getElementById('legend-differs').innerText") == (
+        "differs between vllm@1.1.0 and vllm@1.0.0")
+    assert set(side(browser, "impl")["differs"]) == set(side(browser, "spec")["differs"]) != set()
+    browser.screenshot("diff-witness")
+    browser.assert_clean(FILE)
+
+
 @pytest.fixture(scope="module")
 def content_failure(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The page of gpu_impl with a mutant that writes each token one slot along: the hit reads wrong KV."""

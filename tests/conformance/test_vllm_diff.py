@@ -19,7 +19,8 @@ pytestmark = pytest.mark.vllm
 
 def _diff(tmp_path: Path, capsys: pytest.CaptureFixture[str], a: str, b: str) -> tuple[int, dict]:
     out = tmp_path / "diff.json"
-    code = main(["diff", a, b, "--max-examples", "50", "--trace-dir", str(tmp_path / "traces"), "--json", str(out)])
+    code = main(["diff", a, b, "--max-examples", "50", "--trace-dir", str(tmp_path / "traces"), "--json", str(out),
+                 "--html-dir", str(tmp_path / "pages")])  # fmt: skip
     capsys.readouterr()
     return code, json.loads(out.read_text())
 
@@ -30,6 +31,10 @@ def _witnessed(tmp_path: Path, change: dict, a: str, b: str) -> None:
     verdicts = {name: replay(change["trace"], name, isolate=False, trace_dir=tmp_path).verdict for name in (a, b)}
     following = a if change["a"] == "follows the spec" else b
     assert verdicts[following] is Verdict.CONFORMS and verdicts[b if following == a else a] is not Verdict.CONFORMS
+    # Its page shows A beside B, the side that follows the spec in the spec's column.
+    page = Path(change["page"]).read_text(encoding="utf-8")
+    assert f"<title>kvspec diff: {a} beside {b}</title>" in page
+    assert f"{following} (follows the spec" in page
 
 
 def test_the_free_order_change_of_0_24_is_named_with_witnesses(tmp_path, capsys) -> None:

@@ -8,7 +8,7 @@ the installed vLLM (vllm). Reported at the pool level: the BlockPool's API
 declares (the null block, touch's shape, the hash key, the caller-mistake
 reactions, each probe's verdict), and each behaviour change with a witness: a
 trace that conforms on one side and not on the other, replayable on each with
-kvspec replay.
+kvspec replay (--html-dir: also a step-through page of it, A beside B).
 
 Exit codes: 0 no change found (or only changes --accept lists), 1 a change
 found (so a CI that pins "no change" fails on one), 2 no answer (a name that
@@ -50,6 +50,8 @@ def register(subparsers: Any) -> None:
                    f"(default 100, at most {MAX_EXAMPLES})")  # fmt: skip
     p.add_argument("--trace-dir", type=output_dir, default=DEFAULT_TRACE_DIR, metavar="DIR",
                    help=f"where the witnesses are written (default ./{DEFAULT_TRACE_DIR})")  # fmt: skip
+    p.add_argument("--html-dir", type=output_dir, metavar="DIR",
+                   help="also write each witness as a step-through page here, A beside B")  # fmt: skip
     p.add_argument("--json", type=json_output, metavar="PATH", help="also write the changes as JSON (- for stdout)")
     p.add_argument("--accept", type=Path, metavar="FILE",
                    help="changes that are expected (a --json file, or a list of {kind, what}): "
@@ -89,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     logging.disable(logging.WARNING)  # vLLM logs every refused reset; the changes say it all
     try:
         changes = diff_vllm(args.a, args.b, max_examples=args.max_examples, trace_dir=args.trace_dir,
+                            html_dir=args.html_dir,
                             log=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))  # fmt: skip
     except FactoryError as e:
         print(f"kvspec diff: {e}", file=sys.stderr)

@@ -67,6 +67,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n== {pr} against {base}", flush=True)
     accept = ["--accept", str(args.accept)] if args.accept else []
     changed = _run(diff, ["diff", base, pr, "--json", str(out / "changes.json"),
-                          "--trace-dir", str(out / "traces"), *accept])  # fmt: skip
+                          "--trace-dir", str(out / "traces"), "--html-dir", str(out / "pages"), *accept])  # fmt: skip
     print(f"\nkvspec gate: check exit {checked}, diff exit {changed} (0 pass, 1 a finding, 2 no answer)")
     return 2 if 2 in (checked, changed) else max(checked, changed)

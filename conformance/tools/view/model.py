@@ -510,8 +510,18 @@ def _title_and_sides(doc: Mapping[str, Any], has_impl: bool, bs: int) -> tuple[s
     if doc["kind"] == "walkthrough":
         title = f"Seed 000's walkthrough: {doc['config']['num_gpu_blocks'] - 1} blocks of {bs} tokens"
         return title, [{"key": "spec", "label": f"the {doc.get('impl') or 'reference'} model"}]
+    beside = doc.get("beside")  # kvspec diff's witness: the side that follows the spec, the side that leaves it
+    if isinstance(beside, Mapping) and has_impl:
+        follows, leaves = str(beside.get("follows", "")), str(beside.get("leaves", ""))
+        title = f"kvspec diff: {beside.get('a', '')} beside {beside.get('b', '')}"
+        return title, [
+            {"key": "spec", "label": f"{follows} (follows the spec: its replay is in this state at every step)",
+             "short": follows},
+            {"key": "impl", "label": f"{leaves} (leaves the spec)", "short": leaves},
+        ]  # fmt: skip
     title = f"kvspec trace of {doc['impl']}" if doc.get("impl") else "kvspec trace"
-    sides = [{"key": "spec", "label": "spec"}]
+    sides = [{"key": "spec", "label": "spec", "short": "spec"}]
     if has_impl:
-        sides.append({"key": "impl", "label": f"implementation{': ' + doc['impl'] if doc.get('impl') else ''}"})
+        label = f"implementation{': ' + doc['impl'] if doc.get('impl') else ''}"
+        sides.append({"key": "impl", "label": label, "short": "implementation"})
     return title, sides
