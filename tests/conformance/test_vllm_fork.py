@@ -82,7 +82,7 @@ def test_a_fork_named_by_its_package_folder_has_the_facts_of_the_tree_it_was_mad
         code = main(["facts", f"vllm@{name}"])
         out, err = capsys.readouterr()
         assert code == 1 and not err.strip(), err  # the miniature differs from the release it is set beside
-        printed.append(out.replace(str(where), "TREE"))
+        printed.append(out.replace(str(where), "TREE").replace("minifork/", "vllm/"))  # a file it names is its own
     assert printed[0] == printed[1]
     assert "* has_evict_blocks             False" in printed[0]
 
@@ -124,3 +124,23 @@ def test_a_tree_that_does_not_load_is_refused_in_one_line(tmp_path, monkeypatch,
     lines = err.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in out + err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no trace folder, nothing written
+
+
+@pytest.mark.parametrize("has_limit", [True, False, None], ids=["with-hit-limit", "without", "no-request-module"])
+def test_a_trees_request_hit_limit_is_read_from_its_files(tmp_path, has_limit) -> None:
+    # Light mode runs neither Request nor KVCacheManager, but a tree holds their files: the fact is read from them.
+    from kvspec.conformance.targets.vllm.adapter import tree_release
+    from kvspec.conformance.targets.vllm.measure import measure_facts
+
+    fork = _fork(tmp_path)
+    if has_limit is not None:
+        method = "get_max_cache_hit_length" if has_limit else "get_num_computed_tokens"
+        request = f"class Request:\n    def {method}(self):\n        return 0\n"
+        (fork / "minifork" / "v1" / "request.py").write_text(request)
+        (fork / "minifork" / "v1" / "core" / "kv_cache_manager.py").write_text(
+            "class KVCacheManager:\n    def get_num_cached_tokens(self, request):\n        return 0\n")
+    measured = measure_facts(tree_release(fork))
+    if has_limit is None:
+        assert "has no minifork/v1/request.py" in measured.not_measured["request_hit_limit"]
+    else:
+        assert measured.values["request_hit_limit"] is has_limit

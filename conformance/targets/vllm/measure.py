@@ -21,10 +21,12 @@ measured as far as it can be.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
@@ -32,6 +34,7 @@ from kvspec.conformance.targets.builtin import make_reference
 from kvspec.conformance.targets.loader import is_placeholder
 from kvspec.conformance.targets.vllm.adapter import VllmPoolAdapter, VllmRelease, make_pool_adapter
 from kvspec.conformance.targets.vllm.hashes import measure_release
+from kvspec.conformance.targets.vllm.lightmode import LightModeError, tree_package
 from kvspec.conformance.targets.vllm.releases import RELEASES, ReleaseFacts
 from kvspec.spec.state import BlockHash, BlockId
 
@@ -135,12 +138,37 @@ def _hash_map_holds_block_ids(release: VllmRelease) -> bool:
 
 
 def _request_hit_limit(release: VllmRelease) -> bool:
-    """The request's hit limit and the manager's ``get_num_cached_tokens``, where those modules load."""
+    """The request's hit limit and the manager's ``get_num_cached_tokens``, where those modules load; for a
+    source tree, read from its files (light mode runs neither module, but the tree holds both)."""
     request = getattr(release.module("vllm.v1.request"), "Request", None)
     manager = getattr(release.module("vllm.v1.core.kv_cache_manager"), "KVCacheManager", None)
-    if request is None or manager is None or is_placeholder(request) or is_placeholder(manager):
+    if request is not None and manager is not None and not is_placeholder(request) and not is_placeholder(manager):
+        return hasattr(request, "get_max_cache_hit_length") and hasattr(manager, "get_num_cached_tokens")
+    if release.source != "tree":
         raise _NotMeasured(f"{release.label} has no request level here: light mode loads only the pool's modules")
-    return hasattr(request, "get_max_cache_hit_length") and hasattr(manager, "get_num_cached_tokens")
+    try:
+        root, package = tree_package(Path(release.where), release.where)
+    except LightModeError as e:
+        raise _NotMeasured(f"{release.label}: {e}") from None
+    found = [_defines_method(root / package / file, cls, method) for file, cls, method in (
+        ("v1/request.py", "Request", "get_max_cache_hit_length"),
+        ("v1/core/kv_cache_manager.py", "KVCacheManager", "get_num_cached_tokens"),
+    )]  # fmt: skip
+    if None in found:
+        raise _NotMeasured(f"{release.label}: the tree has no {package}/v1/request.py or kv_cache_manager.py to read")
+    return all(found)
+
+
+def _defines_method(path: Path, cls: str, method: str) -> bool | None:
+    """Whether the file's top-level class ``cls`` defines ``method`` (read, not run); None: no such file or class."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return any(isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == method for n in node.body)
+    return None
 
 
 def _hash_chain_differs(release: VllmRelease) -> tuple[str, ...]:
