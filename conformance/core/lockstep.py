@@ -352,12 +352,19 @@ class LockStep:
     def _harness_limit(self, what: str, e: HarnessLimit, args: Sequence[Any] | None = None) -> SpecFailure:
         """The failure that ends the example where kvspec itself cannot run a call: no verdict on the implementation.
 
-        ``args``: the operation's arguments, where ``what`` is an operation. The trace ends before the
-        call: what kvspec cannot run has no outcome to show on either side.
+        ``args``: the operation's arguments, where ``what`` is an operation. The call in flight ends the
+        trace (as a hang's does), so a replay reaches it and meets the same limit: its implementation side
+        says it was not run to an answer, never that it crashed.
         """
         index = len(self.records) + 1
         message = f"kvspec cannot run step {index} ({what}) on the implementation: {e}"
         self.failure = SpecFailure(message, index, what if args is not None else "?", limit=True)
+        if args is not None and self._inflight is not None:
+            index, op, call_args, spec, mistake = self._inflight
+            impl = Outcome(not_sent=f"kvspec cannot run it: {e}")
+            # The spec's state after it is left out: the page recomputes it, as for a process that died.
+            self.records.append(TraceStep(index, op, call_args, spec, impl, None, None, mistake))
+        self._pending = self._inflight = None
         self.watch.failed = self
         return self.failure
 

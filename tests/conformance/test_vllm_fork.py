@@ -97,6 +97,14 @@ def test_a_fork_that_runs_a_device_runtime_on_a_pool_path_gets_no_verdict(tmp_pa
     assert "could-not-run" in out and "crashed" not in out.lower()
     assert "kvspec cannot run step" in out and "torch.cuda.synchronize() was called" in out
     assert "a bug in kvspec" not in out and "Traceback" not in out + err
+    # Its trace ends with the call kvspec could not run: a replay meets the same limit, never "conforms".
+    (trace,) = (tmp_path / "kvspec-traces").glob("*.trace.jsonl")
+    assert main(["replay", str(trace), "--impl", f"vllm@{fork}"]) == 2
+    out, err = capsys.readouterr()
+    assert "not sent (kvspec cannot run it: torch.cuda.synchronize() was called" in out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvspec replay: kvspec cannot run step 1 (get_new_blocks)"), err
+    assert "Traceback" not in out + err
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,12 @@ def run(args: argparse.Namespace) -> int:
     if record.json is not None:
         write_json(summary_json([result], result.seconds) | {"kvspec": "replay", "trace": str(args.trace)}, record.json)
     if result.verdict is Verdict.COULD_NOT_RUN:
-        print(f"kvspec replay: {result.message}", file=sys.stderr)
+        # No verdict: a bad argument or a factory that would not build says why in its message; a step kvspec
+        # itself could not run (its limit, or a bug in the spec) has a story up to that step too.
+        if result.failure is not None:
+            print(result.failure.story)
+        why = result.message or (result.failure.message if result.failure is not None else "no verdict")
+        print(f"kvspec replay: {why}", file=sys.stderr)
         return result.exit_code
     if result.failure is not None:
         print(result.failure.story)
