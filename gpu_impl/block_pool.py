@@ -26,21 +26,26 @@ counts them; a call is about 2 us on the CPU, 5-10 us of launch on CUDA):
 
 | short call | CPU | CUDA |
 |---|---|---|
-| `get_new_blocks`, `touch`, `free_blocks`, `cache_full_blocks`, `evict_blocks`, ids in a list | none | 4: the sync |
-| the same, ids in a tensor | 1: `tolist` | 5: `tolist` (waits for the device) and the sync |
-| `get_new_blocks_tensor` | 1: `frombuffer` over the ids | 6: the sync and the ids' copy (`tensor`, `to`) |
-| `get_cached_block`, `is_block_writable`, `get_num_free_blocks`, `get_usage` | none | none |
+| `get_new_blocks`, `touch`, `free_blocks`, `cache_full_blocks`, `evict_blocks`, ids in a list | none | none |
+| the same, ids in a tensor | 1: `tolist` | 1: `tolist` (waits for the device) |
+| `get_new_blocks_tensor` | 1: `frombuffer` over the ids | 2: the ids' copy (`tensor`, `to`) |
+| `get_cached_block`, `is_block_writable`, `get_num_free_blocks`, `get_usage`, `snapshot` | none | none |
 
 On the CPU a short call is Python only: about 1 us, plus 0.1-0.3 us a
-block. On CUDA the sync is the host face's writes going to the device face:
-`tensor` (the entries written and their values, staged in pinned memory),
-`to` (an asynchronous copy), `unbind` (a view: indices, values) and
-`index_copy_` (the scatter); none of them waits for the device. A long batch
-costs 6-22 calls whatever its length (6 for a take without gaps; a free,
-with its ids checked on the device, about 20), and on CUDA five or six more
-to bring the host face up to date: the indices written, a gather of their
-values, one copy back (a wait, which the long path pays anyway for its
-result) and `index_copy_` on the host.
+block. On CUDA too: its writes to the host face wait there (gpu_impl.mirror)
+and go to the device face when it is next read, every short call's since in
+one sync: `tensor` (the entries written and their values, staged in pinned
+memory), `to` (an asynchronous copy), `unbind` (a view: indices, values) and
+`index_copy_` (the scatter); none of them waits for the device. Every reader
+of the device face goes through `ref_cnt`, `has_hash`, `is_corrupt` (and the
+free queue's `free_key`, `key_to_block`), which bring it up to date first.
+A long batch costs a fixed number of calls whatever its length (held per
+operation, with its waits for the device and its copies, by
+tests/gpu_impl/test_operator_calls.py: 17 for a take, 30 for a free with its
+ids checked on the device), of which on CUDA five or six bring the host face
+up to date: the indices written, a gather of their values, one copy back (a
+wait, which the long path pays anyway for its result) and `index_copy_` on
+the host.
 
 Design choice, the hash-to-blocks map: a host dict beside the arrays, and a
 flag per block, `has_hash`, in the mirrored state. Block hashes are bytes
@@ -286,11 +291,11 @@ class TensorBlockPool:
         end, step = _NUM_FIELDS * self.num_gpu_blocks, _NUM_FIELDS
         # NOTE: the null block's ref_cnt stays 0 and it is never queued: it is a
         # placeholder for slots that need no memory, never handed out or freed.
-        self.ref_cnt = state.tensor[_REF:end:step]  # requests holding each block (device face)
+        self._ref_cnt = state.tensor[_REF:end:step]  # requests holding each block (device face: `ref_cnt`)
         # Whether each block is registered in the hash table (1) or not (0): the
         # truth the dict below is read through.
-        self.has_hash = state.tensor[_HASH:end:step]
-        self.is_corrupt = state.tensor[_CORRUPT:end:step]  # held, found corrupt: quarantine on free (1)
+        self._has_hash = state.tensor[_HASH:end:step]  # (device face: `has_hash`)
+        self._is_corrupt = state.tensor[_CORRUPT:end:step]  # held, found corrupt: quarantine on free (1)
         self._ref = state.host[_REF:end:step]  # the host faces of the three, for Python
         self._hash_flags = state.host[_HASH:end:step]
         self._corrupt = state.host[_CORRUPT:end:step]
@@ -415,6 +420,35 @@ class TensorBlockPool:
 
     # --- marking writes (only when the two faces are two memories) ------------------------
 
+    def sync_device(self) -> None:
+        """Bring the device face up to date now: every short call's waiting writes, in one copy, no wait.
+
+        Reading the device face does it anyway; a scheduler may call it at the end of a step, so that the
+        next long batch starts with nothing to copy. Nothing to do on the CPU (one memory).
+        """
+        self._state.device_face()
+
+    # The device face's fields, brought up to date as they are read (short calls leave their writes on the
+    # host: gpu_impl.mirror). Every kernel and every other reader goes through these.
+
+    @property
+    def ref_cnt(self) -> torch.Tensor:
+        """Requests holding each block (the device face)."""
+        self._state.device_face()
+        return self._ref_cnt
+
+    @property
+    def has_hash(self) -> torch.Tensor:
+        """Whether each block is registered in the hash table (1) or not (0) (the device face)."""
+        self._state.device_face()
+        return self._has_hash
+
+    @property
+    def is_corrupt(self) -> torch.Tensor:
+        """Held blocks found corrupt, quarantined on free (1) (the device face)."""
+        self._state.device_face()
+        return self._is_corrupt
+
     def _wrote_host(self, field: int, block_ids: list[int]) -> None:
         self._state.wrote_host([_NUM_FIELDS * b + field for b in block_ids])
 
@@ -499,7 +533,7 @@ class TensorBlockPool:
         if self._track:
             self._wrote_host(_REF, taken)
             self._wrote_host(_HASH, taken)
-            self._state.sync()
+            self._state.host_written()
         return taken
 
     def _take_long(self, num_blocks: int) -> torch.Tensor:
@@ -553,7 +587,7 @@ class TensorBlockPool:
             self.free_block_queue.remove_list(was_free)
         if self._track:
             self._wrote_host(_REF, cast("list[int]", ids))
-            self._state.sync()
+            self._state.host_written()
         return None
 
     def _refuse_touch(self, block_ids: Sequence[object]) -> list[int]:
@@ -664,7 +698,7 @@ class TensorBlockPool:
                 queue.append_list(right)
         if self._track:
             self._wrote_host(_REF, cast("list[int]", ids))
-            self._state.sync()
+            self._state.host_written()
         return None
 
     def _undrop(self, block_ids: Sequence[object], dropped: int) -> None:
@@ -798,7 +832,7 @@ class TensorBlockPool:
             self._stamped.registered_list(cast("list[int]", ids))
         if self._track:
             self._wrote_host(_HASH, cast("list[int]", ids))
-            self._state.sync()
+            self._state.host_written()
         self._register(cast("list[int]", ids), block_hashes, stored)
         return None
 
@@ -965,7 +999,7 @@ class TensorBlockPool:
             self._stamped.lost_hash(cast("list[int]", ids))
         if self._track:
             self._wrote_host(_HASH, cast("list[int]", ids))
-            self._state.sync()
+            self._state.host_written()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash if no block is held; refuse (False, nothing changes) otherwise.
@@ -1053,20 +1087,24 @@ class TensorBlockPool:
         if self._track:
             self._wrote_host(_HASH, ids)
             self._wrote_host(_CORRUPT, ids)
-            self._state.sync()
+            self._state.host_written()
 
     # --- observation ----------------------------------------------------------------------
 
     def snapshot(
         self, block_tables: tuple[tuple[str, tuple[BlockId, ...]], ...] | None = None, kv_groups: tuple[str, ...] = ()
     ) -> Snapshot:
-        """The state in the spec's normal form, read from the device face (stale map entries left out).
+        """The state in the spec's normal form, read from the host face (stale map entries left out).
+
+        The host face, which every operation leaves current: reading a state needs no device work, and a
+        short call's writes may still wait for the device face (gpu_impl.mirror). check_invariants reads
+        the device face and requires it equal.
 
         `block_tables` and `kv_groups` are the request level's, passed through (None and () at the pool level).
 
         Cost: O(num_gpu_blocks).
         """
-        flags = self.has_hash.tolist()
+        flags = self._hash_flags.tolist()
         block_hash: list[BlockHash | None] = [None] * self.num_gpu_blocks
         for b, h in self._registered_hash.items():
             if flags[b]:
@@ -1076,7 +1114,7 @@ class TensorBlockPool:
         return Snapshot(
             num_gpu_blocks=self.num_gpu_blocks,
             enable_caching=self.enable_caching,
-            ref_cnt=tuple(self.ref_cnt.tolist()),
+            ref_cnt=tuple(self._ref.tolist()),
             block_hash=tuple(block_hash),
             free_queue=tuple(self.free_block_queue.ordered().tolist()),
             hash_to_blocks=canonical_hash_to_blocks(tuple((h, blocks) for h, blocks in live if blocks)),

@@ -157,14 +157,29 @@ class KeyedFreeQueue:
         self._k2b_base = key_index_at  # fixed: key_to_block[k] is state entry _k2b_base + k
         # free_key[b]: block b's key while b is free; stale otherwise (a block is
         # free iff key_to_block[free_key[b]] == b, so nothing resets it on take).
-        self.free_key = state.tensor[fk_start:fk_end:fk_step]  # device face
+        self._free_key = state.tensor[fk_start:fk_end:fk_step]  # device face (`free_key`)
         # key_to_block[k]: the free block whose key is k, or EMPTY. Every
         # occupied key lies in [lo, hi].
-        self.key_to_block = state.tensor[key_index_at:k2b_end]  # device face
+        self._key_to_block = state.tensor[key_index_at:k2b_end]  # device face (`key_to_block`)
         self._free_key_host = state.host_tensor[fk_start:fk_end:fk_step]  # host face, for tensor operations
         self._key_to_block_host = state.host_tensor[key_index_at:k2b_end]
         self._fk = state.host[fk_start:fk_end:fk_step]  # host face, for Python
         self._k2b = state.host[key_index_at:k2b_end]
+
+    # The device face's views, brought up to date as they are read (gpu_impl.mirror: short calls leave their
+    # writes on the host until the device face is next read).
+
+    @property
+    def free_key(self) -> torch.Tensor:
+        """free_key[b]: block b's key while b is free (the device face)."""
+        self._state.device_face()
+        return self._free_key
+
+    @property
+    def key_to_block(self) -> torch.Tensor:
+        """key_to_block[k]: the free block whose key is k, or EMPTY (the device face)."""
+        self._state.device_face()
+        return self._key_to_block
 
     def _queue_every_block(self, num_gpu_blocks: int) -> None:
         """The initial queue, written on the host face: blocks 1..num_gpu_blocks-1 free in id order."""
@@ -406,8 +421,9 @@ class KeyedFreeQueue:
     # --- reading ------------------------------------------------------------------------------
 
     def ordered(self) -> torch.Tensor:
-        """Every free block, left end first, read from the device face. Cost: O(hi - lo)."""
-        span = self.key_to_block[self.lo : self.hi + 1]
+        """Every free block, left end first, read from the host face (current after every operation; the
+        snapshot reads it). Cost: O(hi - lo)."""
+        span = self._key_to_block_host[self.lo : self.hi + 1]
         return span[span >= 0]
 
     def is_free(self, block_id: int) -> bool:

@@ -11,16 +11,21 @@ few blocks it touches; a long batch runs as kernels over the device face.
 
 On the CPU the two faces are one memory (`torch.frombuffer` over the array):
 a write through either is a write to both, and nothing is ever copied. On
-CUDA they are two memories, equal again after every operation: the
-operation marks the entries it wrote (host indices, or device index
-tensors), and `sync` copies exactly those entries across.
+CUDA they are two memories: an operation marks the entries it wrote (host
+indices, or device index tensors), and the marked entries are copied across.
 
-- Written on the host: one pinned staging tensor of (indices, values), one
-  asynchronous host-to-device copy, one `index_copy_` on the device: three
-  operator calls and no wait for the device.
-- Written on the device: one gather, one device-to-host copy (a wait for the
-  device, which a long batch pays anyway for its result), one `index_copy_`
-  on the host.
+- Written on the host (a short call): nothing is copied then. The marks
+  wait until the device face is next read (`device_face`, which every reader
+  of the device face calls first: a long batch's kernels, a snapshot, a
+  check) and go across in one copy for all the short calls since: one pinned
+  staging tensor of (indices, values), one asynchronous host-to-device copy,
+  one `index_copy_` on the device, and no wait for the device. So a short
+  call does no device work at all. Past `_LAZY_HOST_MAX` marks they go
+  across at once, so the marks a run of short calls leaves stay bounded.
+- Written on the device (a long batch): copied back at the end of the batch
+  (`sync`): one gather, one device-to-host copy (a wait for the device,
+  which a long batch pays anyway for its result), one `index_copy_` on the
+  host. The host face, which Python reads, is never behind.
 
 The same code runs on both devices: `share_host_memory=False` keeps two
 memories on the CPU too, so the CUDA synchronisation is tested on any machine.
@@ -45,6 +50,9 @@ __all__ = ["MirroredState"]
 # Up to this many host-written entries, a sync stages them from a Python list
 # (one torch call); beyond it, with tensor gathers (no per-entry Python work).
 _LIST_PUSH_MAX = 4096
+# Host-written entries left waiting for the device face's next read, at most
+# (then they go across at once): a run of short calls never reads the device.
+_LAZY_HOST_MAX = 1 << 16
 
 
 class MirroredState:
@@ -120,6 +128,18 @@ class MirroredState:
         if self._device_marks:
             self._pull()
 
+    def host_written(self) -> None:
+        """The end of an operation that wrote through the host face only: its marks wait for `device_face`
+        (no device work now), unless `_LAZY_HOST_MAX` are waiting."""
+        if len(self._host_marks) > _LAZY_HOST_MAX or len(self._host_mark_tensors) > 64:
+            self._push()
+
+    def device_face(self) -> None:
+        """Bring the device face up to date before it is read: the host's waiting writes go across, in one
+        copy. Every reader of the device face calls it first. O(1) when nothing waits (and when shared)."""
+        if self._host_marks or self._host_mark_tensors:
+            self._push()
+
     def _push(self) -> None:
         marks, tensors = self._host_marks, self._host_mark_tensors
         if not tensors and len(marks) <= _LIST_PUSH_MAX:
@@ -165,10 +185,12 @@ class MirroredState:
     # --- checking -----------------------------------------------------------------------------------------
 
     def representation_errors(self) -> list[str]:
-        """Where the two faces differ, or marks are left unsynchronised (for check_invariants). Cost: O(length)."""
+        """Where the two faces differ once the device face is read, or device writes were left on the device
+        (for check_invariants). Cost: O(length)."""
         errors: list[str] = []
-        if self._host_marks or self._host_mark_tensors or self._device_marks:
-            errors.append("entries written since the last sync were not copied to the other face")
+        self.device_face()  # a check reads the device face: the host's waiting writes go across first
+        if self._device_marks:
+            errors.append("entries written on the device were not copied back to the host face")
         if not self.is_shared:
             differ = torch.nonzero(self.host_tensor != self.tensor.cpu()).squeeze(1)
             if differ.numel():
