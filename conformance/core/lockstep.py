@@ -69,7 +69,7 @@ from kvspec.conformance.core.reactions import (
     observed_reaction,
     reaction_problem,
 )
-from kvspec.conformance.core.results import Failure, FailureKind, Outcome
+from kvspec.conformance.core.results import HARNESS_LIMIT, Failure, FailureKind, Outcome
 from kvspec.conformance.core.trace import Trace, TraceStep
 from kvspec.conformance.core.watch import StepTimeout, StepWatch
 from kvspec.spec import errors as spec_errors
@@ -357,7 +357,7 @@ class LockStep:
         says it was not run to an answer, never that it crashed.
         """
         index = len(self.records) + 1
-        message = f"kvspec cannot run step {index} ({what}) on the implementation: {e}"
+        message = f"{HARNESS_LIMIT} {index} ({what}) on the implementation: {e}"
         self.failure = SpecFailure(message, index, what if args is not None else "?", limit=True)
         if args is not None and self._inflight is not None:
             index, op, call_args, spec, mistake = self._inflight

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvspec.conformance.core.hash_names import HashNames
 from kvspec.conformance.core.operations import OPERATIONS
-from kvspec.conformance.core.results import Outcome, Verdict
+from kvspec.conformance.core.results import HARNESS_LIMIT, Outcome, Verdict
 from kvspec.conformance.core.trace import Trace, TraceStep
 from kvspec.spec.manager import Request
 from kvspec.spec.state import Snapshot
@@ -142,7 +142,9 @@ def render_story(trace: Trace, trace_path: str | None = None, replay_impl: str |
     if failure is not None:
         verdict = trace.verdict or failure.kind.verdict
         where = "building the adapter" if bad == 0 else f"step {bad} of {len(trace.steps)} ({failure.op})"
-        lines.append(f"{verdict.value.upper()}: {failure.kind.value} at {where}")
+        # A step kvspec could not run (LockStep's harness limit) is no failure of the spec's: say whose it is.
+        kind = "kvspec's limit" if failure.message.startswith(HARNESS_LIMIT) else failure.kind.value
+        lines.append(f"{verdict.value.upper()}: {kind} at {where}")
     else:
         verdict_name = (trace.verdict or Verdict.CONFORMS).value
         lines.append(f"{verdict_name.upper()}: {len(trace.steps)} steps, no divergence")
@@ -155,7 +157,7 @@ def render_story(trace: Trace, trace_path: str | None = None, replay_impl: str |
         inv = failure.invariant
         lines.append(f"what failed: {'invariant ' + str(inv) + ': ' if inv else ''}{failure.message}")
         at = next((s for s in trace.steps if s.index == bad), None)
-        if at is not None:
+        if at is not None and (at.spec_snapshot is not None or at.impl_snapshot is not None):
             lines.append("")
             lines += side_by_side(at.spec_snapshot, at.impl_snapshot, names, f"state after step {bad}")
     if trace_path:

@@ -26,6 +26,7 @@ from typing import Any
 from kvspec.conformance.core.kv_events import event_to_json
 
 __all__ = [
+    "HARNESS_LIMIT",
     "CampaignReport",
     "CheckResult",
     "EXIT_COULD_NOT_RUN",
@@ -71,6 +72,10 @@ class Verdict(str, Enum):
 EXIT_OK = 0
 EXIT_DIVERGES = 1
 EXIT_COULD_NOT_RUN = 2
+
+# How a failure's message starts where kvspec itself could not run a step (a light-mode stand-in for a device
+# runtime was called): no verdict on the implementation (a SPEC-kind failure), and no bug in the spec either.
+HARNESS_LIMIT = "kvspec cannot run step"
 
 _EXIT_CODES = {
     Verdict.CONFORMS: EXIT_OK,

@@ -96,6 +96,7 @@ def test_a_fork_that_runs_a_device_runtime_on_a_pool_path_gets_no_verdict(tmp_pa
     assert code == 2, out
     assert "could-not-run" in out and "crashed" not in out.lower()
     assert "kvspec cannot run step" in out and "torch.cuda.synchronize() was called" in out
+    assert "COULD-NOT-RUN: kvspec's limit at step 1 of 1 (get_new_blocks)" in out, out
     assert "a bug in kvspec" not in out and "Traceback" not in out + err
     # Its trace ends with the call kvspec could not run: a replay meets the same limit, never "conforms".
     (trace,) = (tmp_path / "kvspec-traces").glob("*.trace.jsonl")
