@@ -108,7 +108,7 @@ import torch
 
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.free_queue import KeyedFreeQueue, default_key_capacity
-from kvspec.gpu_impl.mirror import MirroredState
+from kvspec.gpu_impl.mirror import DeviceFaceView, MirroredState
 from kvspec.gpu_impl.sizing import DEFAULT_MARGIN, CapacityPlan, KVLayout, device_free_memory, plan_capacity
 from kvspec.gpu_impl.stamped_free import StampedFreeBlocks
 from kvspec.spec.errors import (
@@ -430,24 +430,9 @@ class TensorBlockPool:
 
     # The device face's fields, brought up to date as they are read (short calls leave their writes on the
     # host: gpu_impl.mirror). Every kernel and every other reader goes through these.
-
-    @property
-    def ref_cnt(self) -> torch.Tensor:
-        """Requests holding each block (the device face)."""
-        self._state.device_face()
-        return self._ref_cnt
-
-    @property
-    def has_hash(self) -> torch.Tensor:
-        """Whether each block is registered in the hash table (1) or not (0) (the device face)."""
-        self._state.device_face()
-        return self._has_hash
-
-    @property
-    def is_corrupt(self) -> torch.Tensor:
-        """Held blocks found corrupt, quarantined on free (1) (the device face)."""
-        self._state.device_face()
-        return self._is_corrupt
+    ref_cnt = DeviceFaceView("Requests holding each block (the device face).")
+    has_hash = DeviceFaceView("Whether each block is registered in the hash table (1) or not (0) (the device face).")
+    is_corrupt = DeviceFaceView("Held blocks found corrupt, quarantined on free (1) (the device face).")
 
     def _wrote_host(self, field: int, block_ids: list[int]) -> None:
         self._state.wrote_host([_NUM_FIELDS * b + field for b in block_ids])

@@ -59,7 +59,7 @@ import array
 
 import torch
 
-from kvspec.gpu_impl.mirror import MirroredState
+from kvspec.gpu_impl.mirror import DeviceFaceView, MirroredState
 from kvspec.spec.ordering import initial_free_key, initial_key_counters, left_batch_key, right_batch_key
 
 __all__ = ["EMPTY", "KeyedFreeQueue", "default_key_capacity"]
@@ -168,18 +168,8 @@ class KeyedFreeQueue:
 
     # The device face's views, brought up to date as they are read (gpu_impl.mirror: short calls leave their
     # writes on the host until the device face is next read).
-
-    @property
-    def free_key(self) -> torch.Tensor:
-        """free_key[b]: block b's key while b is free (the device face)."""
-        self._state.device_face()
-        return self._free_key
-
-    @property
-    def key_to_block(self) -> torch.Tensor:
-        """key_to_block[k]: the free block whose key is k, or EMPTY (the device face)."""
-        self._state.device_face()
-        return self._key_to_block
+    free_key = DeviceFaceView("free_key[b]: block b's key while b is free (the device face).")
+    key_to_block = DeviceFaceView("key_to_block[k]: the free block whose key is k, or EMPTY (the device face).")
 
     def _queue_every_block(self, num_gpu_blocks: int) -> None:
         """The initial queue, written on the host face: blocks 1..num_gpu_blocks-1 free in id order."""

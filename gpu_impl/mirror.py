@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import array
 from collections.abc import Iterable, Sequence
+from typing import Any, overload
 
 import torch
 
-__all__ = ["MirroredState"]
+__all__ = ["DeviceFaceView", "MirroredState"]
 
 # Up to this many host-written entries, a sync stages them from a Python list
 # (one torch call); beyond it, with tensor gathers (no per-entry Python work).
@@ -200,3 +201,29 @@ class MirroredState:
                     f"index {i}: host={self.host[i]} device={int(self.tensor[i])}"
                 )
         return errors
+
+
+class DeviceFaceView:
+    """A field of an object's `MirroredState` as its device face: reading it calls `device_face` first.
+
+    Declared on a class as ``ref_cnt = DeviceFaceView("...")``; the view itself lives in the instance's
+    ``_ref_cnt`` and the state in its ``_state``. Every reader of the device face goes through one, so no
+    kernel reads an entry a short call left waiting on the host.
+    """
+
+    def __init__(self, doc: str) -> None:
+        self.__doc__ = doc
+        self._slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._slot = "_" + name
+
+    @overload
+    def __get__(self, obj: None, objtype: type | None = None) -> DeviceFaceView: ...
+    @overload
+    def __get__(self, obj: object, objtype: type | None = None) -> torch.Tensor: ...
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        obj._state.device_face()
+        return getattr(obj, self._slot)

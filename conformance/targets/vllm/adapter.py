@@ -90,6 +90,7 @@ __all__ = [
     "make_pool_adapter",
     "pool_snapshot",
     "spec_hashing_for",
+    "vllm_id_set",
 ]
 
 # Set to a release ("0.24.0") to make `make_adapter` load it in light mode.
@@ -548,10 +549,20 @@ class _EvictBlocks:
         Raises:
             NotExpressible: an id is not an int (vLLM's ids are ints).
         """
-        for b in block_ids:
-            if not isinstance(b, int) or isinstance(b, bool):
-                raise NotExpressible(f"evict_blocks takes vLLM's int block ids; block_id={b!r} is not one")
-        self.pool.evict_blocks({b - self._offset for b in block_ids})
+        self.pool.evict_blocks(vllm_id_set(block_ids, self._offset))
+
+
+def vllm_id_set(block_ids: Sequence[BlockId], offset: int) -> set[int]:
+    """The set of plain int ids vLLM's ``evict_blocks`` takes (pool's and manager's), each as given, shifted by
+    ``offset`` (1 for a release without a null block): a bad one is vLLM's to answer.
+
+    Raises:
+        NotExpressible: an id is not an int (vLLM's ids are ints).
+    """
+    for b in block_ids:
+        if not isinstance(b, int) or isinstance(b, bool):
+            raise NotExpressible(f"evict_blocks takes vLLM's int block ids; block_id={b!r} is not one")
+    return {b - offset for b in block_ids}
 
 
 class _IsBlockWritable:

@@ -144,7 +144,13 @@ from typing import Any
 from kvspec.conformance.core.adapter import AdapterConfig, KVCacheManagerAdapter, LevelNotProvided
 from kvspec.conformance.core.operations import HIT_LIMIT
 from kvspec.conformance.core.reactions import NotExpressible, Reaction
-from kvspec.conformance.targets.vllm.adapter import VllmRelease, has_null_block, installed_release, pool_snapshot
+from kvspec.conformance.targets.vllm.adapter import (
+    VllmRelease,
+    has_null_block,
+    installed_release,
+    pool_snapshot,
+    vllm_id_set,
+)
 from kvspec.conformance.targets.vllm.events import EventTranslator, StatsSum, event_facts, fields_not_published
 from kvspec.conformance.targets.vllm.hashes import hash_seed_env
 from kvspec.conformance.targets.vllm.reactions import manager_reactions
@@ -836,10 +842,7 @@ class _EvictBlocks(VllmManagerAdapter):
         Raises:
             NotExpressible: an id is not an int (vLLM's ids are ints).
         """
-        for b in block_ids:
-            if not isinstance(b, int) or isinstance(b, bool):
-                raise NotExpressible(f"evict_blocks takes vLLM's int block ids; block_id={b!r} is not one")
-        self.manager.evict_blocks({b - self._offset for b in block_ids})
+        self.manager.evict_blocks(vllm_id_set(block_ids, self._offset))
 
 
 class _NumCachedTokens(VllmManagerAdapter):
