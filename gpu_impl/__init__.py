@@ -2,8 +2,9 @@
 
 `TensorBlockPool` keeps ref counts, hash flags and the free order (integer
 keys, lemma 6) in one array with two faces (`gpu_impl.mirror`): on the host,
-where a request's few blocks are handled in Python, and on the device, where
-long batches run as kernels; on the CPU the two are one memory.
+where every call decides (a request's few blocks in Python, long batches as
+tensor operations), and on the device, which follows for device code to
+read; on the CPU the two are one memory.
 `TensorKVCacheManager` adds request block tables, one per KV cache group
 (full attention, sliding windows, chunked local attention), and the KV
 memory a prefix hit reads back (`PagedKVCache`, one store per group in a

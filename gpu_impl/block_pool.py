@@ -12,40 +12,48 @@ blocks each.
 
 Design choice, two paths over one state: every per-block field lives in one
 int64 array with a host face and a device face (gpu_impl.mirror; on the CPU
-they are one memory). A batch of at most `host_path_max` blocks, which is
-what a single request sends, runs as a Python loop over the host face; a
-longer one runs as batched kernels over the device face. Both paths make the
-same checks in the same order and the same writes, and the lock-step tests
-run each of them alone against the reference. The rejected alternative, one
-path of device kernels for every batch (the previous design), paid 8-12
-torch operator calls of about 2 us each on the CPU for any call, however few
-blocks it named: 15-35 us for one block, 7-13x the reference's time.
+they are one memory), and every call decides on the host face; the device
+face follows, for device code to read. A batch of at most `python_path_max`
+blocks, which is what a single request sends, runs as a Python loop; a
+longer one as batched tensor operations. Both paths make the same checks in
+the same order and the same writes, and the lock-step tests run each of
+them alone against the reference. Rejected: one path of tensor operations
+for every batch (an earlier design), which paid 8-12 torch operator calls of
+about 2 us each on the CPU for any call, however few blocks it named: 15-35
+us for one block, 7-13x the reference's time; and long batches as kernels
+over the device face (the design before this one), which on CUDA waited
+for the device five or six times a call (gpu_impl.mirror says why deciding
+on the host costs none).
 
 What a call costs in torch calls (tests/gpu_impl/test_operator_calls.py
-counts them; a call is about 2 us on the CPU, 5-10 us of launch on CUDA):
+holds the counts; a call is about 2 us on the CPU, a launch 5-10 us on CUDA;
+a wait is a call that hands a device value to the host):
 
-| short call | CPU | CUDA |
-|---|---|---|
-| `get_new_blocks`, `touch`, `free_blocks`, `cache_full_blocks`, `evict_blocks`, ids in a list | none | none |
-| the same, ids in a tensor | 1: `tolist` | 1: `tolist` (waits for the device) |
-| `get_new_blocks_tensor` | 1: `frombuffer` over the ids | 2: the ids' copy (`tensor`, `to`) |
-| `get_cached_block`, `is_block_writable`, `get_num_free_blocks`, `get_usage`, `snapshot` | none | none |
+| call | torch calls | on the device | waits |
+|---|---|---|---|
+| a short call, ids in a list (every operation) | none | none | none |
+| a short call, ids in a tensor | 1: `tolist` | 1 on CUDA | 1 on CUDA |
+| short `get_new_blocks_tensor` | 1: `frombuffer` (CPU); `tensor`, `to` (CUDA) | CUDA: `to` | none |
+| a long call, ids in a list | 6 (take) to 20 (free), whatever its length | none | none |
+| a long call, ids on the device | the same, and `cpu` for the ids | `cpu` | 1 |
+| long `get_new_blocks_tensor` | 11 | `to`: the ids handed back | none |
+| `get_cached_block`, `is_block_writable`, `get_num_free_blocks`, `get_usage`, `snapshot` | none | none | none |
 
-On the CPU a short call is Python only: about 1 us, plus 0.1-0.3 us a
-block. On CUDA too: its writes to the host face wait there (gpu_impl.mirror)
-and go to the device face when it is next read, every short call's since in
-one sync: `tensor` (the entries written and their values, staged in pinned
-memory), `to` (an asynchronous copy), `unbind` (a view: indices, values) and
-`index_copy_` (the scatter); none of them waits for the device. Every reader
-of the device face goes through `ref_cnt`, `has_hash`, `is_corrupt` (and the
-free queue's `free_key`, `key_to_block`), which bring it up to date first.
-A long batch costs a fixed number of calls whatever its length (held per
-operation, with its waits for the device and its copies, by
-tests/gpu_impl/test_operator_calls.py: 17 for a take, 30 for a free with its
-ids checked on the device), of which on CUDA five or six bring the host face
-up to date: the indices written, a gather of their values, one copy back (a
-wait, which the long path pays anyway for its result) and `index_copy_` on
-the host.
+No call writes the device face. Its writes wait on the host (gpu_impl.mirror)
+until the device face is next read, and then go across together, with no
+wait: the entries Python wrote as one staged copy and one scatter, and each
+long call's tensor writes (one to three: ref counts, hash flags, the queue's
+slots) replayed there, one kernel each, their arguments in one upload.
+Every reader of the device face goes through `ref_cnt`, `has_hash`,
+`is_corrupt` (and the free queue's `free_key`, `key_to_block`), which bring
+it up to date first; `sync_device` does it at a point of the caller's
+choosing (the end of a scheduler step).
+
+The one wait that stays, ids in on the device, is the price of two
+promises: a bad id raises at the call that passed it, with nothing changed
+(DESIGN.md's bad input), and the host face is current when the call
+returns. Reading the ids later would move the error to a later call and the
+wait with it.
 
 Design choice, the hash-to-blocks map: a host dict beside the arrays, and a
 flag per block, `has_hash`, in the mirrored state. Block hashes are bytes
@@ -92,23 +100,24 @@ send requests here for a prefix no longer served); retiring it later, when
 its last holder frees it, publishes nothing (it has no key left).
 
 Bad input: every argument is checked before anything changes. A short batch
-is checked by the loop that reads its blocks, a long one on the device
-(types, range, duplicates) before its kernels run; either way the first sign
+is checked by the loop that reads its blocks, a long one by tensor
+operations (types, range, duplicates) before it writes; either way the first sign
 of trouble hands the ids to a diagnosis that walks them in order exactly as
 the spec does, so the error type and the block named are the spec's.
 """
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.free_queue import KeyedFreeQueue, default_key_capacity
-from kvspec.gpu_impl.mirror import DeviceFaceView, MirroredState
+from kvspec.gpu_impl.mirror import DeviceFaceView, MirroredState, Ones
 from kvspec.gpu_impl.sizing import DEFAULT_MARGIN, CapacityPlan, KVLayout, device_free_memory, plan_capacity
 from kvspec.gpu_impl.stamped_free import StampedFreeBlocks
 from kvspec.spec.errors import (
@@ -123,20 +132,22 @@ from kvspec.spec.invariants import check_all
 from kvspec.spec.ordering import ProfileRule, profile_rule
 from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
-__all__ = ["HOST_PATH_MAX", "BlockIds", "TensorBlockPool"]
+__all__ = ["PYTHON_PATH_MAX", "BlockIds", "TensorBlockPool"]
 
 # A batch of block ids: a Python sequence (what vLLM's callers pass), or a 1-D
 # integer tensor (a caller that already holds the ids on the device).
 BlockIds = Sequence[BlockId] | torch.Tensor
 
-# The longest batch that runs on the host face, per device type. On the CPU a
-# Python step costs 0.1-0.3 us a block against a 15-35 us floor for the
-# kernels, which then cost 0.05-0.3 us a block: measured crossover 200-300
-# blocks in a 1e4-block pool, 130-250 in a 1e6-block pool (torch 2.13, one
-# thread). TODO(#16): measure the CUDA crossover (`kvspec bench gpu
-# --host-path-max 0` against the default), where the kernels' floor is
-# higher and their cost per block lower.
-HOST_PATH_MAX = {"cpu": 256, "cuda": 1024}
+# The longest batch that runs as a Python loop; a longer one runs as tensor
+# operations. Both run on the host face whatever the device (gpu_impl.mirror),
+# so the crossover is the host's: a Python step costs 0.1-0.3 us a block, the
+# tensor path a floor of 15-35 us and then 0.05-0.3 us a block. Measured with
+# `kvspec bench gpu --python-path-max 0` against `--python-path-max 100000`
+# (torch 2.13, one thread): crossover 200-300 blocks in a 1e4-block pool,
+# 130-250 in a 1e6-block pool; with the faces in two memories (`--two-memories`,
+# the push to the device face timed too) 128-256. On CUDA each replayed tensor
+# write adds a kernel launch to the push (three at most per call), a few us.
+PYTHON_PATH_MAX = 256
 
 # The mirrored state holds four fields per block, side by side, then the free
 # queue's key index. Side by side: a short call touches one or two cache lines
@@ -150,6 +161,22 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def ids_as_tensor(block_ids: Sequence[object]) -> torch.Tensor | None:
+    """Block ids from a list as an int64 CPU tensor (one torch call over an array's memory), or None unless
+    every one is a plain int (bools, floats, int subclasses: the caller's checks say what they are).
+
+    The floor of any long call with ids in a list: `kvspec bench gpu` times it.
+
+    Raises:
+        OverflowError: a value is beyond int64.
+    """
+    if not block_ids:
+        return torch.empty(0, dtype=torch.int64)
+    if set(map(type, block_ids)) != {int}:
+        return None
+    return torch.frombuffer(array.array("q", cast("Sequence[int]", block_ids)), dtype=torch.int64)
+
+
 class TensorBlockPool:
     """A pool of `num_gpu_blocks` KV blocks with prefix caching, its state in a host array and a device tensor."""
 
@@ -160,7 +187,7 @@ class TensorBlockPool:
         profile: str = "vllm-v1",
         device: str | torch.device | None = None,
         key_capacity: int | None = None,
-        host_path_max: int | None = None,
+        python_path_max: int | None = None,
         share_host_memory: bool | None = None,
         enable_kv_cache_events: bool = False,
     ) -> None:
@@ -173,8 +200,8 @@ class TensorBlockPool:
             device: where the device face lives; None picks (gpu_impl.device.pick_device).
             key_capacity: the free queue's key index length (None: the default; tests
                 pass a small one to force relabels). A keyed policy has no key index.
-            host_path_max: the longest batch run on the host face (None: HOST_PATH_MAX for
-                the device; tests pass 0 to run every batch on the device face).
+            python_path_max: the longest batch run as a Python loop, a longer one as tensor
+                operations (None: PYTHON_PATH_MAX; tests pass 0 for the tensor path alone).
             share_host_memory: one memory for both faces (None: on the CPU only; tests pass
                 False on the CPU to run the synchronisation CUDA needs).
             enable_kv_cache_events: queue the KV cache events every operation publishes,
@@ -182,19 +209,19 @@ class TensorBlockPool:
 
         Raises:
             InvalidRequest: num_gpu_blocks is not an integer >= 1, the profile is unknown,
-                the device cannot be used, host_path_max is not an integer >= 0, or
+                the device cannot be used, python_path_max is not an integer >= 0, or
                 share_host_memory is asked for a device with its own memory.
 
         Cost: O(num_gpu_blocks).
         """
-        rule = self._check_arguments(num_gpu_blocks, profile, host_path_max)
+        rule = self._check_arguments(num_gpu_blocks, profile, python_path_max)
         self.device = pick_device(device)  # fixed
         self.num_gpu_blocks = num_gpu_blocks  # fixed
         self.enable_caching = bool(enable_caching)  # fixed
         self.profile = profile  # fixed: the ordering rule it claims
         self._unhashed_to_left = rule.unhashed_to_left  # fixed, read on every free
         # fixed: the longest batch run in Python over the host face
-        self.host_path_max = HOST_PATH_MAX.get(self.device.type, 0) if host_path_max is None else host_path_max
+        self.python_path_max = PYTHON_PATH_MAX if python_path_max is None else python_path_max
         length = self._state_length(rule, key_capacity)
         self._init_state(length, share_host_memory)
         self._init_free_order(rule, key_capacity)
@@ -248,8 +275,8 @@ class TensorBlockPool:
     # --- the steps of __init__, in its order ----------------------------------------------
 
     @staticmethod
-    def _check_arguments(num_gpu_blocks: int, profile: str, host_path_max: int | None) -> ProfileRule:
-        """Refuse a bad pool size, profile or host_path_max, in that order; return the profile's rule.
+    def _check_arguments(num_gpu_blocks: int, profile: str, python_path_max: int | None) -> ProfileRule:
+        """Refuse a bad pool size, profile or python_path_max, in that order; return the profile's rule.
 
         Raises:
             InvalidRequest: as `__init__`.
@@ -263,8 +290,8 @@ class TensorBlockPool:
             rule = profile_rule(profile)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        if host_path_max is not None and (not _is_int(host_path_max) or host_path_max < 0):
-            raise InvalidRequest(f"host_path_max must be an integer >= 0; got host_path_max={host_path_max!r}")
+        if python_path_max is not None and (not _is_int(python_path_max) or python_path_max < 0):
+            raise InvalidRequest(f"python_path_max must be an integer >= 0; got python_path_max={python_path_max!r}")
         return rule
 
     def _state_length(self, rule: ProfileRule, key_capacity: int | None) -> int:
@@ -299,7 +326,15 @@ class TensorBlockPool:
         self._ref = state.host[_REF:end:step]  # the host faces of the three, for Python
         self._hash_flags = state.host[_HASH:end:step]
         self._corrupt = state.host[_CORRUPT:end:step]
-        self._has_hash_host = state.host_tensor[_HASH:end:step]  # the host face of has_hash, as a tensor
+        # The host faces of the three as CPU tensors, for the long batches' tensor operations.
+        self._ref_host = state.host_tensor[_REF:end:step]
+        self._has_hash_host = state.host_tensor[_HASH:end:step]
+        self._corrupt_host = state.host_tensor[_CORRUPT:end:step]
+        self._field_views = {  # each field's view of the two faces, for writes replayed on the device
+            _REF: (self._ref_host, self._ref_cnt),
+            _HASH: (self._has_hash_host, self._has_hash),
+            _CORRUPT: (self._corrupt_host, self._is_corrupt),
+        }
 
     def _init_free_order(self, rule: ProfileRule, key_capacity: int | None) -> None:
         """The eviction order, every usable block free in id order.
@@ -331,12 +366,11 @@ class TensorBlockPool:
         self._num_corrupt_held = 0  # blocks with is_corrupt set (all held)
 
     def _init_batch_tensors(self) -> None:
-        """The device tensors the long path reuses, allocated once at the pool's size."""
-        n, dev = self.num_gpu_blocks, self.device
-        self._scratch = torch.empty(n, dtype=torch.int64, device=dev)  # duplicate detection for long batches
-        self._positions = torch.arange(n, dtype=torch.int64, device=dev)  # what each id of a batch writes there
-        self._ones = torch.ones(n, dtype=torch.int64, device=dev)  # increments for ref_cnt.index_add_
-        self._no_blocks = torch.empty(0, dtype=torch.int64, device=dev)
+        """The CPU tensors the long path reuses, allocated once at the pool's size."""
+        n = self.num_gpu_blocks
+        self._scratch = torch.empty(n, dtype=torch.int64)  # duplicate detection for long batches
+        self._positions = torch.arange(n, dtype=torch.int64)  # what each id of a batch writes there
+        self._no_blocks = torch.empty(0, dtype=torch.int64)
 
     # --- argument checks ------------------------------------------------------------------
 
@@ -348,8 +382,8 @@ class TensorBlockPool:
         """
         if isinstance(block_ids, torch.Tensor):
             self._check_tensor(block_ids, op)
-            return cast("list[int]", block_ids.tolist()) if block_ids.numel() <= self.host_path_max else None
-        return block_ids if len(block_ids) <= self.host_path_max else None
+            return cast("list[int]", block_ids.tolist()) if block_ids.numel() <= self.python_path_max else None
+        return block_ids if len(block_ids) <= self.python_path_max else None
 
     @staticmethod
     def _check_tensor(block_ids: torch.Tensor, op: str) -> None:
@@ -360,28 +394,31 @@ class TensorBlockPool:
             )
 
     def _index(self, block_ids: BlockIds, op: str) -> torch.Tensor:
-        """A long batch as an int64 device tensor, checked on the device (ints, in range, not null, distinct).
+        """A long batch as an int64 CPU tensor, checked (ints, in range, not null, distinct).
+
+        Ids on the device come to the host first: the one wait such a call pays (its ids must be read
+        before anything changes, and every decision is made on the host face: gpu_impl.mirror).
 
         Raises:
             InvalidBlock, InvalidRequest: as `_check_ids`.
         """
         if isinstance(block_ids, torch.Tensor):
-            ids = block_ids.to(device=self.device, dtype=torch.int64)
-            self._check_on_device(ids, op, ids.tolist)
+            ids = self._state.to_host(block_ids)
+            self._check_batch(ids, op, ids.tolist)
             return ids
-        host_ids: Sequence[int] = block_ids
-        if set(map(type, block_ids)) != {int}:
-            host_ids = self._plain_ids(block_ids, op)  # raises, unless the ids are only int subclasses
         try:
-            ids = self._state.to_device(host_ids)
+            found = ids_as_tensor(block_ids)
+            if found is None:  # raises, unless the ids are only int subclasses
+                found = ids_as_tensor(self._plain_ids(block_ids, op))
+            ids = cast(torch.Tensor, found)  # plain ints always convert
         except OverflowError:
-            self._check_ids(host_ids, op)  # raises: an id beyond int64 is not a block
+            self._check_ids(block_ids, op)  # raises: an id beyond int64 is not a block
             raise
-        self._check_on_device(ids, op, lambda: host_ids)
+        self._check_batch(ids, op, lambda: block_ids)
         return ids
 
-    def _check_on_device(self, ids: torch.Tensor, op: str, as_list: Callable[[], Sequence[object]]) -> None:
-        """Range and distinctness of a long batch in a constant number of kernels; diagnose on failure."""
+    def _check_batch(self, ids: torch.Tensor, op: str, as_list: Callable[[], Sequence[object]]) -> None:
+        """Range and distinctness of a long batch in a constant number of tensor operations; diagnose on failure."""
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()
         # More ids than the pool has usable blocks must repeat one (or name the null block); the
         # scatter below has one position per block and cannot take them.
@@ -421,7 +458,7 @@ class TensorBlockPool:
     # --- marking writes (only when the two faces are two memories) ------------------------
 
     def sync_device(self) -> None:
-        """Bring the device face up to date now: every short call's waiting writes, in one copy, no wait.
+        """Bring the device face up to date now: every call's waiting writes, in one upload, no wait.
 
         Reading the device face does it anyway; a scheduler may call it at the end of a step, so that the
         next long batch starts with nothing to copy. Nothing to do on the CPU (one memory).
@@ -437,8 +474,10 @@ class TensorBlockPool:
     def _wrote_host(self, field: int, block_ids: list[int]) -> None:
         self._state.wrote_host([_NUM_FIELDS * b + field for b in block_ids])
 
-    def _wrote_device(self, field: int, block_ids: torch.Tensor) -> None:
-        self._state.wrote_device(block_ids * _NUM_FIELDS + field)
+    def _apply(self, field: int, method: str, *args: object, **kwargs: Any) -> None:
+        """A long batch's tensor write of one field through the host face, replayed on the device face at the
+        next push (gpu_impl.mirror): `method(*args, **kwargs)` on the field's view of each face."""
+        self._state.apply(*self._field_views[field], method, *args, **kwargs)
 
     def _queue(self) -> KeyedFreeQueue:
         """The free queue of a queue policy (called only under one: a keyed policy has `_stamped`)."""
@@ -449,6 +488,10 @@ class TensorBlockPool:
     def get_block_hash(self, block_id: int) -> BlockHash | None:
         """The hash `block_id` is registered under, or None (host only). Cost: O(1)."""
         return self._registered_hash.get(block_id) if self._hash_flags[block_id] else None
+
+    def get_ref_cnt(self, block_id: int) -> int:
+        """Requests holding `block_id` now (host only; `ref_cnt` is the device face). Cost: O(1)."""
+        return self._ref[block_id]
 
     def get_num_free_blocks(self) -> int:
         """How many blocks `get_new_blocks` could take now. Cost: O(1)."""
@@ -472,10 +515,10 @@ class TensorBlockPool:
             PoolExhausted: fewer than num_blocks blocks are free.
 
         Cost: O(num_blocks): Python over the host face for a short batch, a constant number
-        of kernels and the list returned for a long one.
+        of tensor operations and the list returned for a long one.
         """
         self._check_take(num_blocks)
-        if num_blocks <= self.host_path_max:
+        if num_blocks <= self.python_path_max:
             return cast("list[BlockId]", self._take_short(num_blocks))
         return cast("list[BlockId]", self._take_long(num_blocks).tolist())
 
@@ -486,10 +529,9 @@ class TensorBlockPool:
             InvalidRequest, PoolExhausted: as `get_new_blocks`.
         """
         self._check_take(num_blocks)
-        if num_blocks <= self.host_path_max:
-            taken = self._take_short(num_blocks)
-            return self._state.to_device(taken) if taken else self._no_blocks
-        return self._take_long(num_blocks)
+        if num_blocks <= self.python_path_max:
+            return self._state.to_device(self._take_short(num_blocks))
+        return self._state.to_device(self._take_long(num_blocks))
 
     def _check_take(self, num_blocks: int) -> None:
         if not _is_int(num_blocks) or num_blocks < 0:
@@ -522,21 +564,19 @@ class TensorBlockPool:
         return taken
 
     def _take_long(self, num_blocks: int) -> torch.Tensor:
-        if self._stamped is not None:  # the order is host metadata: the ids go to the device once
+        """Take a long batch on the host face; the taken ids as a CPU tensor."""
+        if self._stamped is not None:  # the keyed order lives in host heaps
             host_ids = self._stamped.take(num_blocks)
             if self.kv_event_queue is not None:
                 self._publish_removed(host_ids)
-            taken = self._state.to_device(host_ids)
+            taken = torch.frombuffer(array.array("q", host_ids), dtype=torch.int64)
         else:
             taken = self._queue().popleft_n(num_blocks)
             if self.kv_event_queue is not None:
                 self._publish_removed_long(taken)
-        self.ref_cnt.index_fill_(0, taken, 1)
-        self.has_hash.index_fill_(0, taken, 0)  # evicted, as above
-        if self._track:
-            self._wrote_device(_REF, taken)
-            self._wrote_device(_HASH, taken)
-            self._state.sync()
+        self._apply(_REF, "index_fill_", 0, taken, 1)
+        self._apply(_HASH, "index_fill_", 0, taken, 0)  # evicted, as above
+        self._state.host_written()
         return taken
 
     def touch(self, block_ids: BlockIds) -> None:
@@ -547,7 +587,7 @@ class TensorBlockPool:
             InvalidRequest: an id is named twice.
 
         Cost: O(len(block_ids)): Python over the host face for a short batch, a constant
-        number of kernels for a long one.
+        number of tensor operations for a long one.
         """
         ids = self._short(block_ids, "touch")
         if ids is None:
@@ -591,22 +631,20 @@ class TensorBlockPool:
         return ids
 
     def _touch_long(self, ids: torch.Tensor) -> None:
-        hashed = self.has_hash.index_select(0, ids)
+        hashed = self._has_hash_host.index_select(0, ids)
         if not bool(hashed.all()):
             b = int(ids[int(torch.nonzero(hashed == 0)[0])])
             raise InvalidBlock(
-                f"touch: block_id={b} has no hash (ref_cnt={int(self.ref_cnt[b])}), "
+                f"touch: block_id={b} has no hash (ref_cnt={self._ref[b]}), "
                 "so no request can have hit it; stale block table?"
             )
-        was_free = self.ref_cnt.index_select(0, ids) == 0
+        was_free = self._ref_host.index_select(0, ids) == 0
         if self._stamped is not None:
             self._stamped.hit(ids, ids[was_free])
         else:
             self._queue().remove(ids[was_free])
-        self.ref_cnt.index_add_(0, ids, self._ones[: ids.numel()])
-        if self._track:
-            self._wrote_device(_REF, ids)
-            self._state.sync()
+        self._apply(_REF, "index_add_", 0, ids, Ones(ids.numel()))
+        self._state.host_written()
 
     def free_blocks(self, ordered_block_ids: BlockIds, evict_first: bool = False) -> None:
         """Drop one reference per block, in eviction-priority order (a request's blocks tail first).
@@ -627,12 +665,12 @@ class TensorBlockPool:
             DoubleFree: a block has ref_cnt 0.
 
         Cost: O(len(ordered_block_ids)): Python over the host face for a short batch, a
-        constant number of kernels for a long one.
+        constant number of tensor operations for a long one.
         """
         if evict_first is not True and evict_first is not False:
             raise InvalidRequest(f"free_blocks: evict_first={evict_first!r} is not a bool")
         ids = ordered_block_ids
-        if isinstance(ids, torch.Tensor) or len(ids) > self.host_path_max:
+        if isinstance(ids, torch.Tensor) or len(ids) > self.python_path_max:
             short = self._short(ids, "free_blocks")
             if short is None:
                 return self._free_long(self._index(ids, "free_blocks"), evict_first)
@@ -715,14 +753,12 @@ class TensorBlockPool:
             self._wrote_host(_CORRUPT, retired)
 
     def _free_long(self, ids: torch.Tensor, evict_first: bool) -> None:
-        ref_cnt = self.ref_cnt.index_select(0, ids)
+        ref_cnt = self._ref_host.index_select(0, ids)
         min_ref, max_ref = torch.stack(torch.aminmax(ref_cnt)).tolist()
         if min_ref == 0:
             b = int(ids[int(torch.nonzero(ref_cnt == 0)[0])])
             raise DoubleFree(f"free_blocks: block_id={b} has ref_cnt=0, no request holds it (double free?)")
-        self.ref_cnt.index_add_(0, ids, self._ones[: ids.numel()], alpha=-1)
-        if self._track:
-            self._wrote_device(_REF, ids)
+        self._apply(_REF, "index_add_", 0, ids, Ones(ids.numel()), alpha=-1)
         if min_ref == 1:  # some block is free now
             newly_free = ids if max_ref == 1 else ids[ref_cnt == 1]
             if self._num_corrupt_held:
@@ -733,11 +769,10 @@ class TensorBlockPool:
             newly_free = self._no_blocks
         if self._stamped is not None:
             self._stamped.freed(ids, newly_free, evict_first)
-        if self._track:
-            self._state.sync()
+        self._state.host_written()
 
     def _queue_long(self, newly_free: torch.Tensor, evict_first: bool) -> None:
-        """Send blocks whose ref_cnt reached 0 to their ends of the queue (device face)."""
+        """Send blocks whose ref_cnt reached 0 to their ends of the queue (host face, tensors)."""
         queue = self._queue()
         if evict_first:  # every one to the left end, as one batch in the given order
             queue.prepend_n(newly_free)
@@ -745,7 +780,7 @@ class TensorBlockPool:
         if not self._unhashed_to_left:
             queue.append_n(newly_free)
             return
-        flags = self.has_hash.index_select(0, newly_free)
+        flags = self._has_hash_host.index_select(0, newly_free)
         num_hashed = int(torch.count_nonzero(flags))
         if num_hashed == 0:
             queue.prepend_n(newly_free)
@@ -758,13 +793,11 @@ class TensorBlockPool:
 
     def _retire_long(self, newly_free: torch.Tensor) -> torch.Tensor:
         """Quarantine the corrupt blocks among those whose ref_cnt just reached 0; return the others."""
-        corrupt = self.is_corrupt.index_select(0, newly_free) != 0
+        corrupt = self._corrupt_host.index_select(0, newly_free) != 0
         if not bool(corrupt.any()):
             return newly_free
         retired = newly_free[corrupt]
-        self.is_corrupt.index_fill_(0, retired, 0)
-        if self._track:
-            self._wrote_device(_CORRUPT, retired)
+        self._apply(_CORRUPT, "index_fill_", 0, retired, 0)
         for b in retired.tolist():
             self.quarantined[b] = None
         self._num_corrupt_held -= retired.numel()
@@ -791,7 +824,7 @@ class TensorBlockPool:
             AlreadyCached: a block already has a hash.
 
         Cost: O(len(block_ids)): one host map insert per block, plus a constant number of
-        kernels for a long batch.
+        tensor operations for a long batch.
         """
         if not self.enable_caching:
             raise InvalidRequest("cache_full_blocks: prefix caching is off (enable_caching=False), nothing is hashed")
@@ -822,18 +855,16 @@ class TensorBlockPool:
         return None
 
     def _cache_long(self, ids: torch.Tensor, block_hashes: Sequence[BlockHash], stored: BlockStored | None) -> None:
-        bad = (self.ref_cnt.index_select(0, ids) == 0) | (self.has_hash.index_select(0, ids) != 0)
+        bad = (self._ref_host.index_select(0, ids) == 0) | (self._has_hash_host.index_select(0, ids) != 0)
         if self._num_corrupt_held:
-            bad |= self.is_corrupt.index_select(0, ids) != 0
+            bad |= self._corrupt_host.index_select(0, ids) != 0
         host_ids = cast("list[int]", ids.tolist())
         if bool(bad.any()) or set(map(type, block_hashes)) != {bytes}:
             self._diagnose_cache(host_ids, block_hashes)
-        self.has_hash.index_fill_(0, ids, 1)
+        self._apply(_HASH, "index_fill_", 0, ids, 1)
         if self._stamped is not None:
             self._stamped.registered(ids)
-        if self._track:
-            self._wrote_device(_HASH, ids)
-            self._state.sync()
+        self._state.host_written()
         self._register(host_ids, block_hashes, stored)
 
     def _register(self, block_ids: list[int], block_hashes: Sequence[BlockHash], stored: BlockStored | None) -> None:
@@ -882,8 +913,8 @@ class TensorBlockPool:
                 queue.append(BlockRemoved((registered[b],)))
 
     def _publish_removed_long(self, ids: torch.Tensor) -> None:
-        """`_publish_removed` for a long batch: the hashed ids are picked on the device, only they come to the host."""
-        self._publish_removed(cast("list[int]", ids[self.has_hash.index_select(0, ids) != 0].tolist()))
+        """`_publish_removed` for a long batch: the hashed ids picked by tensor operations, only they go to Python."""
+        self._publish_removed(cast("list[int]", ids[self._has_hash_host.index_select(0, ids) != 0].tolist()))
 
     def take_events(self) -> list[KVCacheEvent]:
         """The events published since the last call, oldest first, and none kept (none at all with events off).
@@ -961,12 +992,10 @@ class TensorBlockPool:
             long_ids = self._index(block_ids, "evict_blocks")
             if self.kv_event_queue is not None:
                 self._publish_removed_long(long_ids)
-            self.has_hash.index_fill_(0, long_ids, 0)
+            self._apply(_HASH, "index_fill_", 0, long_ids, 0)
             if self._stamped is not None:  # a free block that loses its hash joins first fit
                 self._stamped.lost_hash(cast("list[int]", long_ids.tolist()))
-            if self._track:
-                self._wrote_device(_HASH, long_ids)
-                self._state.sync()
+            self._state.host_written()
             return
         n = self.num_gpu_blocks
         for b in ids:
@@ -998,9 +1027,8 @@ class TensorBlockPool:
             return False
         self.cached_block_hash_to_block = {}
         self._registered_hash = {}
-        self.has_hash.zero_()
-        if self._track:
-            self._has_hash_host.zero_()
+        self._apply(_HASH, "zero_")
+        self._state.host_written()
         if self._stamped is not None:
             self._stamped.reset()
         if self.kv_event_queue is not None:
@@ -1082,7 +1110,7 @@ class TensorBlockPool:
         """The state in the spec's normal form, read from the host face (stale map entries left out).
 
         The host face, which every operation leaves current: reading a state needs no device work, and a
-        short call's writes may still wait for the device face (gpu_impl.mirror). check_invariants reads
+        call's writes may still wait for the device face (gpu_impl.mirror). check_invariants reads
         the device face and requires it equal.
 
         `block_tables` and `kv_groups` are the request level's, passed through (None and () at the pool level).

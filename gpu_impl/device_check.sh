@@ -16,7 +16,9 @@
 #      a short call makes, the device's free memory);
 #   4. the benchmark: the full grid (batches of 1 to 1e5 blocks in pools of 1e4
 #      to 1e6, against the reference) and the KV content check at 1e5 blocks;
-# then prints the benchmark and one short table. Exit 0 when every step
+# then prints the benchmark and one short table, and under it the largest
+# batch's rows of the benchmark: each operation's times beside its torch
+# calls (host/device/waits, with lists and with device ids). Exit 0 when every step
 # passes, 1 when one fails, 2 when the check cannot run here (no device, or
 # not run from a source checkout: the tests it runs are not shipped).
 #
@@ -192,10 +194,12 @@ echo "benchmark, the largest batch in the largest pool (ratio = reference / gpu_
 "$PY" - "$logs/benchmark.log" <<'EOF' || true
 import re, sys
 
-rows = [line for line in open(sys.argv[1]) if re.match(r" +[0-9,]+ +[0-9,]+  [a-z_]+ ", line)]
+lines = open(sys.argv[1]).readlines()
+header = next((line for line in lines if re.match(r" +pool +batch +operation ", line)), "")
+rows = [line for line in lines if re.match(r" +[0-9,]+ +[0-9,]+  [a-z_]+ ", line)]
 size = lambda line: tuple(int(cell.replace(",", "")) for cell in line.split()[:2])
 largest = max(map(size, rows), key=lambda s: (s[1], s[0]), default=None)
-print("".join(line for line in rows if size(line) == largest), end="")
+print(header + "".join(line for line in rows if size(line) == largest), end="")
 EOF
 grep -E '^KV content check|^  hit: |every hit block read back|target' "$logs/benchmark.log" || true
 if [ "$status" -ne 0 ]; then

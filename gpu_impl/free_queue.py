@@ -1,4 +1,4 @@
-"""The free queue as integer keys on the device: the key encoding of lemma 6.
+"""The free queue as integer keys in the mirrored state (decided on the host, followed on the device): lemma 6.
 
 Design choice: no links. Every free block carries an int64 key and the queue
 is the free blocks in ascending key order. Two host counters bound the keys:
@@ -6,8 +6,8 @@ is the free blocks in ascending key order. Two host counters bound the keys:
 the keys `lo - k + i` (i = 0..k-1), so it keeps its order and sits below every
 free block; a batch sent to the right end gets `hi + 1 + i`. Taking n blocks
 is selecting the n smallest keys. The rejected alternative, vLLM's doubly
-linked list, is a pointer chase: one dependent load per block, which a GPU
-cannot batch.
+linked list, is a pointer chase: one dependent load per block, which no
+batched operation can do.
 
 Why this is vLLM's order: lemma 6, the key encoding
 (`lemma_key_encoding_matches_queue`, kvspec.spec.lemmas; the helpers are
@@ -43,14 +43,16 @@ keys long, so after a relabel each end has room for at least num_gpu_blocks
 more keys and relabels cost O(1) per freed block, amortized.
 
 Two faces, one queue: the keys and the index live in the pool's
-`MirroredState` (gpu_impl.mirror), so every operation comes twice. The list
-methods (`popleft_list`, `remove_list`, `prepend_list`, `append_list`) are
-Python over the host face, for a request's few blocks: no torch operator at
-all unless a take meets more gaps than it is worth scanning one by one
-(`_HOST_SCAN_MAX`), or a batch forces a relabel; those run as tensor
-operations over the host face. The tensor methods (`popleft_n`, `remove`,
-`prepend_n`, `append_n`) are kernels over the device face, for long batches.
-Each marks what it wrote; the pool synchronises the faces once per operation.
+`MirroredState` (gpu_impl.mirror), and every operation reads and writes the
+host face, where the pool decides. The list methods (`popleft_list`,
+`remove_list`, `prepend_list`, `append_list`) are Python over it, for a
+request's few blocks: no torch operator at all unless a take meets more gaps
+than it is worth scanning one by one (`_HOST_SCAN_MAX`), or a batch forces a
+relabel; those run as tensor operations over the host face. The tensor
+methods (`popleft_n`, `remove`, `prepend_n`, `append_n`) are tensor
+operations over the host face, for long batches, on CPU tensors. Each marks
+what it wrote; the device face follows when it is next read (`free_key` and
+`key_to_block` are its views).
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ class KeyedFreeQueue:
         self.device = device  # fixed
         self.key_capacity = cap  # fixed: keys are 0..cap-1
         self._init_views(n, state, free_key_at, key_index_at)
-        self._keys = torch.arange(cap, dtype=torch.int64, device=device)  # every key: a batch's keys are a slice
+        self._keys = torch.arange(cap, dtype=torch.int64)  # every key (host): a batch's keys are a slice
         self._queue_every_block(n)
         if owns_state:
             state.upload(0, n + cap)  # else the owner uploads its whole state once
@@ -166,10 +168,18 @@ class KeyedFreeQueue:
         self._fk = state.host[fk_start:fk_end:fk_step]  # host face, for Python
         self._k2b = state.host[key_index_at:k2b_end]
 
-    # The device face's views, brought up to date as they are read (gpu_impl.mirror: short calls leave their
+    # The device face's views, brought up to date as they are read (gpu_impl.mirror: every call leaves its
     # writes on the host until the device face is next read).
     free_key = DeviceFaceView("free_key[b]: block b's key while b is free (the device face).")
     key_to_block = DeviceFaceView("key_to_block[k]: the free block whose key is k, or EMPTY (the device face).")
+
+    def _apply_k2b(self, method: str, *args: object) -> None:
+        """A tensor write of the key index through the host face, replayed on the device face (gpu_impl.mirror)."""
+        self._state.apply(self._key_to_block_host, self._key_to_block, method, *args)
+
+    def _apply_fk(self, method: str, *args: object) -> None:
+        """A tensor write of the blocks' keys through the host face, replayed on the device face."""
+        self._state.apply(self._free_key_host, self._free_key, method, *args)
 
     def _queue_every_block(self, num_gpu_blocks: int) -> None:
         """The initial queue, written on the host face: blocks 1..num_gpu_blocks-1 free in id order."""
@@ -223,37 +233,35 @@ class KeyedFreeQueue:
             self.num_gaps -= (end - lo) - n
         if end - lo <= len(_EMPTY_ROW):
             k2b[lo:end] = _EMPTY_ROW[: end - lo]
+            if self._track:
+                self._state.wrote_host_range(self._k2b_base + lo, self._k2b_base + end)
         else:
-            self._key_to_block_host[lo:end] = EMPTY
-        if self._track:
-            self._state.wrote_host_range(self._k2b_base + lo, self._k2b_base + end)
+            self._apply_k2b("__setitem__", slice(lo, end), EMPTY)
         self._taken_up_to(end, n)
         return taken
 
     def popleft_n(self, n: int) -> torch.Tensor:
-        """Remove and return the n free blocks with the smallest keys, smallest first (device face).
+        """Remove and return the n free blocks with the smallest keys, smallest first (host face, tensors).
 
         Args:
             n: how many; at most num_free_blocks (the pool checks).
 
         Returns:
-            An int64 tensor of n block ids on the device.
+            An int64 CPU tensor of n block ids.
 
-        Cost: O(n + gaps skipped), a constant number of kernels per doubling.
+        Cost: O(n + gaps skipped), a constant number of tensor operations per doubling.
         """
         assert 0 <= n <= self.num_free_blocks, f"popleft_n(n={n}) with {self.num_free_blocks} free"
-        lo = self.lo
+        lo, k2b = self.lo, self._key_to_block_host
         if n == 0:
-            return self.key_to_block[lo:lo]
+            return k2b[lo:lo].clone()
         if self.num_gaps == 0:
             end = lo + n
-            taken = self.key_to_block[lo:end].clone()
+            taken = k2b[lo:end].clone()
         else:
-            taken, end = self._select(self.key_to_block, lo, n)
+            taken, end = self._select(k2b, lo, n)
             self.num_gaps -= (end - lo) - n
-        self.key_to_block[lo:end] = EMPTY
-        if self._track:
-            self._state.wrote_device_range(self._k2b_base + lo, self._k2b_base + end)
+        self._apply_k2b("__setitem__", slice(lo, end), EMPTY)
         self._taken_up_to(end, n)
         return taken
 
@@ -301,17 +309,15 @@ class KeyedFreeQueue:
         self._removed(k)
 
     def remove(self, block_ids: torch.Tensor) -> None:
-        """`remove_list` for a device tensor of blocks (device face).
+        """`remove_list` for a CPU tensor of blocks (host face, tensors).
 
-        Cost: O(len(block_ids)) in two kernels.
+        Cost: O(len(block_ids)) in two tensor operations.
         """
         k = block_ids.numel()
         if k == 0:
             return
-        keys = self.free_key.index_select(0, block_ids)
-        self.key_to_block.index_fill_(0, keys, EMPTY)
-        if self._track:
-            self._state.wrote_device(keys + self._k2b_base)
+        keys = self._free_key_host.index_select(0, block_ids)
+        self._apply_k2b("index_fill_", 0, keys, EMPTY)
         self._removed(k)
 
     def _removed(self, k: int) -> None:
@@ -334,7 +340,7 @@ class KeyedFreeQueue:
         if k == 0:
             return
         if self.lo - k < 0:
-            self._relabel(on_host=True)
+            self._relabel()
         first = left_batch_key(self.lo, k, 0)  # keys lo - k + i, i = 0..k-1
         self._put_list(block_ids, first)
         self.lo = first
@@ -351,7 +357,7 @@ class KeyedFreeQueue:
         if k == 0:
             return
         if self.hi + k >= self.key_capacity:
-            self._relabel(on_host=True)
+            self._relabel()
         first = right_batch_key(self.hi, 0)  # keys hi + 1 + i, i = 0..k-1
         self._put_list(block_ids, first)
         self.hi = first + k - 1
@@ -372,40 +378,37 @@ class KeyedFreeQueue:
         self.num_free_blocks += k
 
     def prepend_n(self, block_ids: torch.Tensor) -> None:
-        """`prepend_list` for a device tensor of blocks (device face).
+        """`prepend_list` for a CPU tensor of blocks (host face, tensors).
 
-        Cost: O(len(block_ids)) in two kernels, plus an occasional relabel.
+        Cost: O(len(block_ids)) in two tensor operations, plus an occasional relabel.
         """
         k = block_ids.numel()
         if k == 0:
             return
         if self.lo - k < 0:
-            self._relabel(on_host=False)
+            self._relabel()
         first = left_batch_key(self.lo, k, 0)
         self._put(block_ids, first)
         self.lo = first
 
     def append_n(self, block_ids: torch.Tensor) -> None:
-        """`append_list` for a device tensor of blocks (device face).
+        """`append_list` for a CPU tensor of blocks (host face, tensors).
 
-        Cost: O(len(block_ids)) in two kernels, plus an occasional relabel.
+        Cost: O(len(block_ids)) in two tensor operations, plus an occasional relabel.
         """
         k = block_ids.numel()
         if k == 0:
             return
         if self.hi + k >= self.key_capacity:
-            self._relabel(on_host=False)
+            self._relabel()
         first = right_batch_key(self.hi, 0)
         self._put(block_ids, first)
         self.hi = first + k - 1
 
     def _put(self, block_ids: torch.Tensor, first: int) -> None:
         k = block_ids.numel()
-        self.key_to_block[first : first + k] = block_ids
-        self.free_key.index_copy_(0, block_ids, self._keys[first : first + k])
-        if self._track:
-            self._state.wrote_device_range(self._k2b_base + first, self._k2b_base + first + k)
-            self._state.wrote_device(block_ids * self._fk_step + self._fk_start)
+        self._apply_k2b("__setitem__", slice(first, first + k), block_ids)
+        self._apply_fk("index_copy_", 0, block_ids, self._keys[first : first + k])
         self.num_free_blocks += k
 
     # --- reading ------------------------------------------------------------------------------
@@ -458,32 +461,19 @@ class KeyedFreeQueue:
         self.hi = self.lo - 1
         self.num_gaps = 0
 
-    def _relabel(self, on_host: bool) -> None:
+    def _relabel(self) -> None:
         """Give the free blocks consecutive keys, in order, centred in the index.
 
         A strictly increasing renumbering: the queue order does not change.
-        Tensor operations over the face the calling operation writes.
-        Cost: O(hi - lo).
+        Tensor operations over the host face. Cost: O(hi - lo).
         """
-        k2b = self._key_to_block_host if on_host else self.key_to_block
-        fk = self._free_key_host if on_host else self.free_key
         old_lo, old_end = self.lo, self.hi + 1
-        span = k2b[old_lo:old_end]
+        span = self._key_to_block_host[old_lo:old_end]
         blocks = span[span >= 0]
         m = blocks.numel()
-        span.fill_(EMPTY)
         first = (self.key_capacity - m) // 2
-        k2b[first : first + m] = blocks
-        fk.index_copy_(0, blocks, torch.arange(first, first + m, dtype=torch.int64, device=k2b.device))
-        if self._track:
-            base = self._k2b_base
-            if on_host:
-                self._state.wrote_host_range(base + old_lo, base + old_end)
-                self._state.wrote_host_range(base + first, base + first + m)
-                self._state.wrote_host_tensor(blocks * self._fk_step + self._fk_start)
-            else:
-                self._state.wrote_device_range(base + old_lo, base + old_end)
-                self._state.wrote_device_range(base + first, base + first + m)
-                self._state.wrote_device(blocks * self._fk_step + self._fk_start)
+        self._apply_k2b("__setitem__", slice(old_lo, old_end), EMPTY)
+        self._apply_k2b("__setitem__", slice(first, first + m), blocks)
+        self._apply_fk("index_copy_", 0, blocks, self._keys[first : first + m])
         self.lo, self.hi, self.num_gaps = first, first + m - 1, 0
         self.num_relabels += 1

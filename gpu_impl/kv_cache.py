@@ -149,7 +149,7 @@ class PagedKVCache:
             NotWritable: naming the first block that is null, free, shared or hashed.
         """
         pool = self.block_pool
-        if block_ids.numel() <= pool.host_path_max:
+        if block_ids.numel() <= pool.python_path_max:
             # A step's few blocks: checked in Python on the pool's host face, not by the mask's kernels.
             unwritable = [b for b in block_ids.tolist() if not pool.is_block_writable(b)]
             if not unwritable:
@@ -161,8 +161,8 @@ class PagedKVCache:
                 return
             b = int(block_ids[int(torch.nonzero(~writable)[0])])
         raise NotWritable(
-            f"cannot write KV into block_id={b}: ref_cnt={int(pool.ref_cnt[b])} "
-            f"has_hash={bool(pool.has_hash[b])}; only a block held by one request and not yet "
+            f"cannot write KV into block_id={b}: ref_cnt={pool.get_ref_cnt(b)} "
+            f"has_hash={pool.get_block_hash(b) is not None}; only a block held by one request and not yet "
             "registered is writable (shared or cached KV belongs to every request that can hit it)"
         )
 

@@ -878,7 +878,7 @@ class TensorKVCacheManager:
             needed += max(num_required - max(skipped, len(hits)), 0)
             kept = hits[skipped:] if skipped else hits
             if kept:
-                needed += int((pool.ref_cnt[self._table(kept)] == 0).sum())
+                needed += sum(1 for b in kept if pool.get_ref_cnt(b) == 0)  # the host face: no wait
         return needed <= pool.get_num_free_blocks()
 
     def _touch_hits(self, step: _AllocationStep) -> tuple[list[list[BlockId]], list[int]]:

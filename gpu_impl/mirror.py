@@ -1,59 +1,90 @@
-"""The pool's state as one int64 array with two faces: host memory for Python, a device tensor for kernels.
+"""The pool's state as one int64 array with two faces: host memory where every decision is made, a device
+tensor that follows it for device code.
 
 Design choice: every per-block field of a TensorBlockPool (ref counts, hash
 flags, corrupt flags) and of its free queue (each free block's key, the
 key -> block index) lives in one flat int64 array. Its host face is an
-`array.array` that Python reads and writes at about 0.03 us an entry; its
-device face is a tensor that batched kernels read and write. A short batch
-(a request's blocks) runs as Python over the host face, because a torch
-operator costs about 2-3 us on the CPU (5-10 us of launch on CUDA) however
-few blocks it touches; a long batch runs as kernels over the device face.
+`array.array` that Python reads and writes at about 0.03 us an entry, and a
+CPU tensor over the same memory (`torch.frombuffer`) for batched operations;
+its device face is a tensor that device code reads (the pool's own checks,
+`writable_mask`, a scheduler's kernels). A short batch (a request's blocks)
+runs as Python over the host face, because a torch operator costs about
+2-3 us on the CPU however few blocks it touches; a long batch runs as tensor
+operations over the host face.
 
-On the CPU the two faces are one memory (`torch.frombuffer` over the array):
-a write through either is a write to both, and nothing is ever copied. On
-CUDA they are two memories: an operation marks the entries it wrote (host
-indices, or device index tensors), and the marked entries are copied across.
+Why every operation decides on the host, the long ones too: the host face is
+current after every call (short calls read it with no device work), so
+whatever a long batch changes, the host must apply in O(batch) anyway. Run
+on the device instead, a long batch would pay that same host work (as a copy
+back and a scatter) and, on top, a wait for the device for every answer the
+host needs before it may return (the checks, the counts that size the
+queue's batches, the ids handed back): the previous design, five or six
+waits per call on CUDA. Deciding on the host costs none: the device face
+only follows.
 
-- Written on the host (a short call): nothing is copied then. The marks
-  wait until the device face is next read (`device_face`, which every reader
-  of the device face calls first: a long batch's kernels, a snapshot, a
-  check) and go across in one copy for all the short calls since: one pinned
-  staging tensor of (indices, values), one asynchronous host-to-device copy,
-  one `index_copy_` on the device, and no wait for the device. So a short
-  call does no device work at all. Past `_LAZY_HOST_MAX` marks they go
-  across at once, so the marks a run of short calls leaves stay bounded.
-- Written on the device (a long batch): copied back at the end of the batch
-  (`sync`): one gather, one device-to-host copy (a wait for the device,
-  which a long batch pays anyway for its result), one `index_copy_` on the
-  host. The host face, which Python reads, is never behind.
+On the CPU the two faces are one memory: a write through either is a write
+to both, and nothing is ever copied. On CUDA they are two memories, and
+what the host wrote waits there until the device face is next read
+(`device_face`, which every reader of it calls first: `DeviceFaceView`).
+Then it goes across with no wait for the device: the tensor operations
+(`apply`) are replayed on the device face in their order, their tensor
+arguments uploaded in one asynchronous copy for all of them, one kernel
+each; the entries Python wrote (`wrote_host`) follow as one pinned staging
+tensor of (indices, values), one copy and one `index_copy_`. Past
+`_LAZY_HOST_MAX` entries, `_LAZY_REPLAYS_MAX` operations, or as many
+replayed entries as the state has, they go at once, so what waits stays
+bounded. Nothing is ever copied back: the device face is written by
+nothing else.
 
 The same code runs on both devices: `share_host_memory=False` keeps two
 memories on the CPU too, so the CUDA synchronisation is tested on any machine.
 
-Rejected: device tensors only (the previous design), where every call pays
-the operator floor, 15-35 us on the CPU, 7-13x the reference's time for one
-block; a host-only pool, which gives up the kernels for long batches; and one
-tensor per field in its own dtype, where a synchronisation costs a copy and a
-scatter per field written instead of one of each in all. The price of one
-dtype is memory: a flag takes 8 bytes.
+Rejected: long batches as kernels over the device face (the previous
+design; the waits above, and its host face a copy behind after every long
+call until the copy back); device tensors only (the design before that),
+where every call paid the operator floor, 15-35 us on the CPU, 7-13x the
+reference's time for one block; and one tensor per field in its own dtype,
+where a synchronisation costs a copy and a scatter per field written
+instead of one of each in all. The price of one dtype is memory: a flag
+takes 8 bytes.
 """
 
 from __future__ import annotations
 
 import array
 from collections.abc import Iterable, Sequence
-from typing import Any, overload
+from typing import Any, NamedTuple, overload
 
 import torch
 
-__all__ = ["DeviceFaceView", "MirroredState"]
+__all__ = ["DeviceFaceView", "MirroredState", "Ones"]
 
-# Up to this many host-written entries, a sync stages them from a Python list
-# (one torch call); beyond it, with tensor gathers (no per-entry Python work).
-_LIST_PUSH_MAX = 4096
-# Host-written entries left waiting for the device face's next read, at most
+# Up to this many entries written by Python, a push stages them from a Python list
+# (one torch call); beyond it, with a tensor gather (no per-entry Python work).
+# Measured (torch 2.13, one thread): 4 entries 3.9 us against 5.2; 64 entries
+# 11.7 us against 6.8; 5,000 entries 784 us against 179.
+_LIST_PUSH_MAX = 16
+# Entries written by Python left waiting for the device face's next read, at most
 # (then they go across at once): a run of short calls never reads the device.
 _LAZY_HOST_MAX = 1 << 16
+# Tensor writes left waiting, at most: each is one kernel when replayed.
+_LAZY_REPLAYS_MAX = 256
+_CPU = torch.device("cpu")
+
+
+class Ones(NamedTuple):
+    """k ones, as an argument of `MirroredState.apply`: each face uses a ones tensor of its own."""
+
+    k: int
+
+
+class _Replay(NamedTuple):
+    """A tensor write of the host face, to run again on the device face: `view.method(*args, **kwargs)`."""
+
+    view: torch.Tensor
+    method: str
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
 
 
 class MirroredState:
@@ -87,111 +118,164 @@ class MirroredState:
         # The device face: the host tensor itself when shared, else a memory of its own (see upload).
         self.tensor = self.host_tensor if shared else torch.zeros(length, dtype=torch.int64, device=device)
         self._pin = device.type == "cuda"  # staging in pinned memory: the copy to the device needs no wait
-        self._host_marks: list[int] = []  # indices written on the host since the last sync
-        self._host_mark_tensors: list[torch.Tensor] = []  # the same, as CPU index tensors (long batches)
-        self._device_marks: list[torch.Tensor] = []  # device index tensors written on the device since the last sync
+        self._host_marks: list[int] = []  # entries Python wrote since the last push (values read at the push)
+        self._replays: list[_Replay] = []  # tensor writes since the last push, to run again on the device face
+        self._num_replayed = 0  # entries the replays' tensor arguments hold
+        self._ones = {"host": torch.ones(0, dtype=torch.int64), "device": torch.ones(0, dtype=torch.int64)}
 
-    # --- marking what an operation wrote (only when the faces are two memories) ---------------------------
+    # --- what an operation wrote (kept only when the faces are two memories) ------------------------------
 
     def wrote_host(self, indices: Iterable[int]) -> None:
-        """Entries written through the host face."""
-        self._host_marks.extend(indices)
+        """Entries Python wrote through the host face (`host`): their values go across at the next push."""
+        if not self.is_shared:
+            self._host_marks.extend(indices)
 
     def wrote_host_range(self, start: int, end: int) -> None:
-        """Entries [start, end) written through the host face."""
+        """Entries [start, end) Python wrote through the host face."""
+        if self.is_shared or end <= start:
+            return
         if end - start <= 64:
             self._host_marks.extend(range(start, end))
-        elif end > start:
-            self._host_mark_tensors.append(torch.arange(start, end, dtype=torch.int64))
+        else:  # a long run: its values as they are now, replayed as one slice write
+            self._record(self.tensor, "__setitem__", (slice(start, end), self.host_tensor[start:end].clone()), {})
 
-    def wrote_host_tensor(self, indices: torch.Tensor) -> None:
-        """Entries written through the host face, as a CPU int64 tensor."""
-        self._host_mark_tensors.append(indices)
+    def apply(self, host_view: torch.Tensor, device_view: torch.Tensor, method: str, *args: object,
+              **kwargs: Any) -> None:
+        """A tensor write through the host face, `host_view.method(*args, **kwargs)`, run again on the
+        device face as `device_view.method(...)` at the next push.
 
-    def wrote_device(self, indices: torch.Tensor) -> None:
-        """Entries written through the device face, as a device int64 tensor."""
-        self._device_marks.append(indices)
+        The two views are the same field of the two faces. Tensor arguments are int64 CPU tensors that
+        nobody writes afterwards; the push uploads them all in one copy. `Ones(k)` stands for k ones, each
+        face's own (nothing uploaded). In one memory the host's write is all there is.
+        """
+        getattr(host_view, method)(*self._resolve(args, "host"), **kwargs)
+        if not self.is_shared:
+            self._record(device_view, method, args, kwargs)
 
-    def wrote_device_range(self, start: int, end: int) -> None:
-        """Entries [start, end) written through the device face."""
-        if end > start:
-            self._device_marks.append(torch.arange(start, end, dtype=torch.int64, device=self.device))
+    def _record(self, view: torch.Tensor, method: str, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        self._replays.append(_Replay(view, method, args, kwargs))
+        self._num_replayed += sum(a.numel() for a in args if isinstance(a, torch.Tensor))
+
+    def _resolve(self, args: tuple[object, ...], face: str) -> list[object]:
+        return [self._ones_of(a.k, face) if isinstance(a, Ones) else a for a in args]
+
+    def _ones_of(self, k: int, face: str) -> torch.Tensor:
+        ones = self._ones[face]
+        if ones.numel() < k:
+            device = self.device if face == "device" else _CPU
+            ones = self._ones[face] = torch.ones(max(k, 2 * ones.numel()), dtype=torch.int64, device=device)
+        return ones[:k]
 
     # --- copying ------------------------------------------------------------------------------------------
 
-    def sync(self) -> None:
-        """Copy every marked entry to the other face; both faces are then equal. No-op when shared.
-
-        An operation writes through one face only, so no entry is marked on both.
-        """
-        if self._host_marks or self._host_mark_tensors:
-            self._push()
-        if self._device_marks:
-            self._pull()
-
     def host_written(self) -> None:
-        """The end of an operation that wrote through the host face only: its marks wait for `device_face`
-        (no device work now), unless `_LAZY_HOST_MAX` are waiting."""
-        if len(self._host_marks) > _LAZY_HOST_MAX or len(self._host_mark_tensors) > 64:
+        """The end of an operation: its writes wait for `device_face` (no device work now), unless more wait
+        than `_LAZY_HOST_MAX` entries in Python, `_LAZY_REPLAYS_MAX` tensor writes, or as many entries in
+        their arguments as the state has; then they go at once."""
+        if (
+            len(self._host_marks) > _LAZY_HOST_MAX
+            or len(self._replays) > _LAZY_REPLAYS_MAX
+            or self._num_replayed > self.host_tensor.numel()
+        ):
             self._push()
 
     def device_face(self) -> None:
         """Bring the device face up to date before it is read: the host's waiting writes go across, in one
         copy. Every reader of the device face calls it first. O(1) when nothing waits (and when shared)."""
-        if self._host_marks or self._host_mark_tensors:
+        if self._host_marks or self._replays:
             self._push()
 
     def _push(self) -> None:
-        marks, tensors = self._host_marks, self._host_mark_tensors
-        if not tensors and len(marks) <= _LIST_PUSH_MAX:
+        """The waiting writes onto the device face: the tensor writes replayed in their order, then the
+        entries Python wrote, with their values now (the host's: so an entry written both ways ends equal)."""
+        self._replay()
+        marks = self._host_marks
+        if not marks:
+            return
+        if len(marks) <= _LIST_PUSH_MAX:
             host = self.host
             staged = torch.tensor((marks, [host[i] for i in marks]), dtype=torch.int64, pin_memory=self._pin)
-        else:
-            parts = [torch.tensor(marks, dtype=torch.int64)] if marks else []
-            indices = torch.cat(parts + tensors)
+        else:  # the indices through an array (a C loop), the values gathered by one tensor operation
+            indices = torch.frombuffer(array.array("q", marks), dtype=torch.int64)
             staged = torch.stack((indices, self.host_tensor[indices]))
             if self._pin:
                 staged = staged.pin_memory()
         marks.clear()
-        tensors.clear()
         # NOTE: the staging tensor may be freed as soon as the copy is queued:
         # torch's pinned-memory allocator reuses its block only after the copy ran.
-        indices, values = staged.to(self.device, non_blocking=True).unbind()
+        indices, values = staged.to(self.device, non_blocking=True, copy=True).unbind()
         self.tensor.index_copy_(0, indices, values)
 
-    def _pull(self) -> None:
-        marks = self._device_marks
-        indices = marks[0] if len(marks) == 1 else torch.cat(marks)
-        marks.clear()
-        indices, values = torch.stack((indices, self.tensor[indices])).cpu().unbind()  # waits for the device
-        self.host_tensor.index_copy_(0, indices, values)
+    def _replay(self) -> None:
+        replays = self._replays
+        if not replays:
+            return
+        uploads: dict[int, torch.Tensor] = {}  # every tensor argument once (two writes often share the ids)
+        for r in replays:
+            for a in r.args:
+                if isinstance(a, torch.Tensor):
+                    uploads.setdefault(id(a), a)
+        on_device: dict[int, torch.Tensor] = {}
+        if uploads:
+            tensors = list(uploads.values())
+            staged = torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+            if self._pin:
+                staged = staged.pin_memory()
+            parts = torch.split(staged.to(self.device, non_blocking=True, copy=True), [t.numel() for t in tensors])
+            on_device = dict(zip(uploads, parts))
+        for r in replays:
+            args = [
+                on_device[id(a)] if isinstance(a, torch.Tensor)
+                else self._ones_of(a.k, "device") if isinstance(a, Ones)
+                else a
+                for a in r.args
+            ]
+            getattr(r.view, r.method)(*args, **r.kwargs)
+        replays.clear()
+        self._num_replayed = 0
 
     def upload(self, start: int, end: int) -> None:
         """Copy entries [start, end) of the host face to the device face (an initial state built on the host)."""
         if not self.is_shared:
             self.tensor[start:end].copy_(self.host_tensor[start:end])
 
-    def to_device(self, values: Sequence[int]) -> torch.Tensor:
-        """Ints from the host as an int64 tensor on the device, in one torch call (two on CUDA, neither waits).
+    # --- ids between the host and the device (the only other copies) -----------------------------------
+
+    def to_device(self, values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Ints from the host (a list, or a CPU int64 tensor) as an int64 tensor on the device; no wait.
+
+        Shared: the list in one torch call (`frombuffer`), the tensor itself. Two memories: staged (in
+        pinned memory on CUDA) and copied asynchronously.
 
         Raises:
             OverflowError: a value is beyond int64.
         """
+        if isinstance(values, torch.Tensor):
+            if self.is_shared:
+                return values
+            return (values.pin_memory() if self._pin else values).to(self.device, non_blocking=True, copy=True)
         if not values:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        if self.device.type == "cpu":
+        if self.is_shared:
             return torch.frombuffer(array.array("q", values), dtype=torch.int64)
         return torch.tensor(values, dtype=torch.int64, pin_memory=self._pin).to(self.device, non_blocking=True)
+
+    def to_host(self, values: torch.Tensor) -> torch.Tensor:
+        """An int64 tensor of the device (or any device) as a CPU tensor: with two memories, a copy that
+        waits for the device (the one wait a call with device ids in pays: its ids must be read before
+        anything changes)."""
+        host = values.cpu()
+        if host is values and not self.is_shared:  # two memories on the CPU: a copy, as a device's would be
+            host = host.clone()
+        return host if host.dtype == torch.int64 else host.to(torch.int64)
 
     # --- checking -----------------------------------------------------------------------------------------
 
     def representation_errors(self) -> list[str]:
-        """Where the two faces differ once the device face is read, or device writes were left on the device
-        (for check_invariants). Cost: O(length)."""
+        """Where the two faces differ once the device face is brought up to date (for check_invariants).
+        Cost: O(length)."""
         errors: list[str] = []
         self.device_face()  # a check reads the device face: the host's waiting writes go across first
-        if self._device_marks:
-            errors.append("entries written on the device were not copied back to the host face")
         if not self.is_shared:
             differ = torch.nonzero(self.host_tensor != self.tensor.cpu()).squeeze(1)
             if differ.numel():

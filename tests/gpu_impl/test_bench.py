@@ -40,9 +40,9 @@ def test_a_small_grid_measures_every_cell_for_both_implementations():
 
 
 def test_both_paths_of_gpu_impl_are_measured_against_the_same_reference():
-    for host_path_max in (0, 1000):  # every batch as kernels; every batch on the host face
+    for python_path_max in (0, 1000):  # every batch through the tensor path; every batch through the Python path
         results = measure(pools=(300,), batches=(16, 100), seconds_per_cell=0.001, max_rounds=3,
-                          host_path_max=host_path_max)
+                          python_path_max=python_path_max)
         assert {m.batch for m in results} == {16, 100}
 
 
@@ -90,7 +90,7 @@ def test_a_block_that_reads_back_other_kv_fails_the_run(monkeypatch, capsys):
 
 def test_main_prints_the_tables_and_refuses_bad_arguments(capsys):
     args = ["--pools", "40", "--batches", "1", "8", "--seconds", "0.001", "--no-hash-map", "--content-blocks", "8"]
-    assert main([*args, "--host-path-max", "0"]) == 0
+    assert main([*args, "--python-path-max", "0"]) == 0
     out = capsys.readouterr().out
     assert "get_new_blocks" in out and "free_blocks" in out and "touch" in out
     assert "ratio" in out and "KV content check" in out and "intact" in out
@@ -112,8 +112,24 @@ def test_auto_content_layers_fit_the_free_memory():
 def test_with_events_both_pools_publish_and_their_events_are_compared(profile, capsys):
     # measure() drains and compares both pools' events after every round (and the snapshots at the end)
     results = measure(pools=(300,), batches=(1, 100), seconds_per_cell=0.001, max_rounds=3, profile=profile,
-                      host_path_max=16, events=True)
+                      python_path_max=16, events=True)
     assert {m.batch for m in results} == {1, 100}  # 100 blocks: gpu_impl's long path publishes too
     args = ["--pools", "40", "--batches", "1", "--seconds", "0.001", "--no-hash-map", "--no-content", "--events"]
     assert main([*args, "--profile", profile]) == 0
     assert f"profile {profile}, KV cache events on:" in capsys.readouterr().out
+
+
+def test_with_two_memories_each_row_carries_the_device_face_and_the_torch_calls(capsys):
+    # The path CUDA takes, on the CPU: a long call's writes wait on the host and go across when the device
+    # face is read; the table carries that time and the counts of tests/gpu_impl/test_operator_calls.py.
+    results = measure(pools=(3000,), batches=(1, 1000), seconds_per_cell=0.001, max_rounds=3, two_memories=True)
+    by_cell = {(m.batch, m.operation): m for m in results}
+    assert all(m.device_face > 0 for m in results)
+    assert by_cell[1, "free_blocks"].calls == (0, 0, 0)  # a short call: Python over the host face
+    long_free = by_cell[1000, "free_blocks"]
+    assert long_free.calls.device == 0 and long_free.tensor_calls.waits == 1  # lists: none; device ids: read once
+    args = ["--pools", "3000", "--batches", "1", "1000", "--seconds", "0.001", "--no-hash-map", "--no-content"]
+    assert main([*args, "--two-memories"]) == 0
+    out = capsys.readouterr().out
+    assert "device face" in out and "calls" in out and "(tensors)" in out
+    assert "the floor of a long call with lists, 1,000 ids" in out

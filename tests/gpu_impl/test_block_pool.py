@@ -201,7 +201,7 @@ def test_long_batches_are_checked_on_the_device_with_the_spec_errors(mistake, as
 def test_a_long_batch_longer_than_the_pool_is_refused_as_a_repeat(op):
     # Found by the manager lock-step (evict_blocks([1, 1, 1]) in a 2-block pool, every batch on the
     # device face): the duplicate check scatters one position per block and raised IndexError.
-    p = pool(2, host_path_max=0)
+    p = pool(2, python_path_max=0)
     before = p.snapshot()
     with pytest.raises(InvalidRequest, match=rf"^{op}: block_ids=\[1, 1, 1\] names a block twice$"):
         getattr(p, op)([1, 1, 1])

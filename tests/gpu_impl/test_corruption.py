@@ -169,15 +169,17 @@ def test_bit_flip_arguments_are_checked():
 
 
 POOL_PATHS = pytest.mark.parametrize(
-    ("host_path_max", "share_host_memory"),
+    ("python_path_max", "share_host_memory"),
     [(None, None), (0, None), (None, False), (0, False)],
-    ids=["default", "device-face-only", "two-faces", "device-face-two-faces"],
+    ids=["default", "tensor-path-only", "two-faces", "tensor-path-two-faces"],
 )
 
 
 @POOL_PATHS
-def test_quarantine_of_free_and_held_blocks_at_the_pool_level(host_path_max, share_host_memory):
-    pool = TensorBlockPool(6, device=pick_device(), host_path_max=host_path_max, share_host_memory=share_host_memory)
+def test_quarantine_of_free_and_held_blocks_at_the_pool_level(python_path_max, share_host_memory):
+    pool = TensorBlockPool(
+        6, device=pick_device(), python_path_max=python_path_max, share_host_memory=share_host_memory
+    )
     held = pool.get_new_blocks(3)  # [1, 2, 3]
     pool.cache_full_blocks(held[:2], [BlockHash(b"x"), BlockHash(b"y")])
     pool.quarantine_blocks([2, 4])  # 2 is held and hashed, 4 is free
@@ -199,8 +201,10 @@ def test_quarantine_of_free_and_held_blocks_at_the_pool_level(host_path_max, sha
 
 
 @POOL_PATHS
-def test_quarantine_of_every_block_leaves_an_empty_pool(host_path_max, share_host_memory):
-    pool = TensorBlockPool(4, device=pick_device(), host_path_max=host_path_max, share_host_memory=share_host_memory)
+def test_quarantine_of_every_block_leaves_an_empty_pool(python_path_max, share_host_memory):
+    pool = TensorBlockPool(
+        4, device=pick_device(), python_path_max=python_path_max, share_host_memory=share_host_memory
+    )
     pool.quarantine_blocks([1, 2, 3])
     assert pool.get_num_free_blocks() == 0 and pool.get_usage() == 0.0
     assert pool.snapshot().quarantined == (1, 2, 3)
@@ -217,12 +221,12 @@ class CorruptionMachine(RuleBasedStateMachine):
     a quarantined block is never handed out, and every invariant holds.
     """
 
-    @initialize(num_gpu_blocks=st.integers(2, 12), on_the_device_face=st.booleans())
-    def build(self, num_gpu_blocks: int, on_the_device_face: bool) -> None:
+    @initialize(num_gpu_blocks=st.integers(2, 12), on_the_tensor_path=st.booleans())
+    def build(self, num_gpu_blocks: int, on_the_tensor_path: bool) -> None:
         self.m = TensorKVCacheManager(num_gpu_blocks, 2, device=pick_device(), enable_kv_cache_events=True)
         self.mirror = EventMirror()  # what a router holds from the stream so far
-        if on_the_device_face:
-            self.m.block_pool.host_path_max = 0  # every batch as kernels: their quarantine path
+        if on_the_tensor_path:
+            self.m.block_pool.python_path_max = 0  # every batch through the tensor path: its quarantine
         self.running: dict[str, Request] = {}
         self.prompts: list[tuple[int, ...]] = []
         self.num_requests = 0

@@ -25,11 +25,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("host_path_max", [None, 0, 64], ids=["default", "device-face-only", "both-paths"])
-def test_the_pool_on_cuda_matches_the_reference_on_long_batches(host_path_max):
+@pytest.mark.parametrize("python_path_max", [None, 0, 64], ids=["default", "tensor-path-only", "both-paths"])
+def test_the_pool_on_cuda_matches_the_reference_on_long_batches(python_path_max):
     rng = random.Random(11)
     n = 5000
-    gpu, ref = TensorBlockPool(n, device="cuda", host_path_max=host_path_max), BlockPool(n)
+    gpu, ref = TensorBlockPool(n, device="cuda", python_path_max=python_path_max), BlockPool(n)
     assert gpu.ref_cnt.is_cuda and gpu.free_block_queue.key_to_block.is_cuda
     held: list[list[int]] = []
     for _ in range(200):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,9 @@ def test_quick_cpu_mode_passes_every_step_and_prints_the_table(tmp_path):
         assert "pass" in row(lines, step), step
     # Quick mode checks the pool level (caching on and off); the same seed gave the same campaign.
     assert "2 rows equal: pool on conforms, pool off conforms" in " ".join(row(lines, "same verdict"))
-    assert any("get_new_blocks" in line for line in lines)
+    largest = lines[lines.index(next(line for line in lines if line.startswith("benchmark, the largest batch"))) + 1 :]
+    assert "calls" in largest[0] and "(tensors)" in largest[0]  # the counts, beside the timings
+    assert any("get_new_blocks" in line and re.search(r" \d+/\d+/\d+ +\d+/\d+/\d+$", line) for line in largest)
     assert any(line.startswith("CPU target") for line in lines)
     assert any("every hit block read back: intact" in line for line in lines)
     assert {"check-cpu.log", "check-device.log", "benchmark.log"} <= {p.name for p in tmp_path.iterdir()}

@@ -38,15 +38,15 @@ from kvspec.spec.stats import CacheCounters, PrefixCacheStats
 H, H2 = BlockHash(b"h" * 8), BlockHash(b"i" * 8)
 
 PATHS = pytest.mark.parametrize(
-    ("profile", "host_path_max"),
+    ("profile", "python_path_max"),
     [("vllm-v1", None), ("vllm-v1", 0), ("lru-timestamp", None), ("lru-timestamp", 0)],
-    ids=["queue-host-face", "queue-device-face", "keyed-host-face", "keyed-device-face"],
+    ids=["queue-python-path", "queue-tensor-path", "keyed-python-path", "keyed-tensor-path"],
 )
 
 
-def events_pool(n: int, profile: str = "vllm-v1", host_path_max: int | None = None) -> TensorBlockPool:
+def events_pool(n: int, profile: str = "vllm-v1", python_path_max: int | None = None) -> TensorBlockPool:
     return TensorBlockPool(
-        n, True, profile, pick_device(), host_path_max=host_path_max, enable_kv_cache_events=True
+        n, True, profile, pick_device(), python_path_max=python_path_max, enable_kv_cache_events=True
     )
 
 
@@ -58,8 +58,8 @@ def events_manager(n: int, block_size: int, groups: str = "full") -> TensorKVCac
 
 
 @PATHS
-def test_a_key_held_by_two_blocks_is_removed_twice_when_both_are_taken(profile, host_path_max):
-    pool = events_pool(6, profile, host_path_max)
+def test_a_key_held_by_two_blocks_is_removed_twice_when_both_are_taken(profile, python_path_max):
+    pool = events_pool(6, profile, python_path_max)
     assert pool.get_new_blocks(2) == [1, 2]
     assert pool.take_events() == []  # nothing was cached: taking evicts nothing
     pool.cache_full_blocks([1, 2], [H, H])  # identical full blocks are kept apart
@@ -77,8 +77,8 @@ def test_a_key_held_by_two_blocks_is_removed_twice_when_both_are_taken(profile, 
 
 
 @PATHS
-def test_eviction_by_id_removes_each_cached_key_in_the_order_named(profile, host_path_max):
-    pool = events_pool(6, profile, host_path_max)
+def test_eviction_by_id_removes_each_cached_key_in_the_order_named(profile, python_path_max):
+    pool = events_pool(6, profile, python_path_max)
     held = pool.get_new_blocks(4)
     pool.cache_full_blocks(held[:3], [H, H, H2])
     pool.free_blocks([held[1]])  # one of them free, the others held: both kinds lose their key

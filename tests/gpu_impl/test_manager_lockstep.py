@@ -64,7 +64,7 @@ class ManagerLockstep(RuleBasedStateMachine):
 
     factory: Callable[[AdapterConfig], Any] = staticmethod(make_adapter)  # the memory mutants' tests swap it
     check_resident_tokens = True  # False: check memory only where the harness does, on prefix hits
-    host_path_max: int | None = None  # the pool's longest host-face batch (None: its default)
+    python_path_max: int | None = None  # the pool's longest host-face batch (None: its default)
     skipping_groups = False  # True: every layout has a sliding-window or chunked group
 
     def __init__(self) -> None:
@@ -97,8 +97,8 @@ class ManagerLockstep(RuleBasedStateMachine):
         self.gpu = self.factory(config)
         self.events = events
         self.mirror = EventMirror()  # what a router holds from gpu_impl's stream so far
-        if self.host_path_max is not None:
-            self.gpu.block_pool.host_path_max = self.host_path_max
+        if self.python_path_max is not None:
+            self.gpu.block_pool.python_path_max = self.python_path_max
         self.gpu.set_kv_source(prefix_kv_source)
 
     # --- rules --------------------------------------------------------------------------------
@@ -391,14 +391,14 @@ ManagerLockstep.TestCase.settings = settings(max_examples=150, stateful_step_cou
 test_manager_lockstep = ManagerLockstep.TestCase
 
 
-class ManagerLockstepOnTheDeviceFace(ManagerLockstep):
-    """The same machine with every pool batch and writability check run as kernels (host_path_max=0)."""
+class ManagerLockstepOnTheTensorPath(ManagerLockstep):
+    """The same machine with every pool batch and writability check run through the tensor path (python_path_max=0)."""
 
-    host_path_max = 0
+    python_path_max = 0
 
 
-ManagerLockstepOnTheDeviceFace.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
-test_manager_lockstep_on_the_device_face = ManagerLockstepOnTheDeviceFace.TestCase
+ManagerLockstepOnTheTensorPath.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+test_manager_lockstep_on_the_tensor_path = ManagerLockstepOnTheTensorPath.TestCase
 
 
 class ManagerLockstepWithSkippingGroups(ManagerLockstep):

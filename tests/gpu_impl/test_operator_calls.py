@@ -1,13 +1,15 @@
-"""What a call costs in torch calls: a short one none, a long one a fixed number whatever its length.
+"""What a call costs in torch calls: a short one none, a long one a fixed number whatever its length, and
+none of them on the device.
 
 gpu_impl.block_pool's docstring tabulates these counts; this module keeps
-the table true. Where the faces are two memories (`share_host_memory=False`
-on the CPU runs the path CUDA takes) a short call's writes wait on the host
-and go to the device face in one copy when it is next read (gpu_impl.mirror).
-A TorchFunctionMode sees every torch function and tensor method a call makes
-(but not `torch.frombuffer`, a constructor outside the override protocol);
-metadata reads (`dim`, `numel`, `dtype`) run no operator and are not counted.
-No time is measured here: `kvspec bench gpu` does that.
+the table true. Every decision is made on the host face (gpu_impl.mirror);
+where the faces are two memories (`share_host_memory=False` on the CPU runs
+the path CUDA takes) a call's writes wait on the host and go to the device
+face in one copy when it is next read.
+
+The counts come from kvspec.benchmarks.torch_calls (which `kvspec bench gpu`
+prints beside its timings): torch calls on the host, on the device, and the
+waits for the device. No time is measured here: `kvspec bench gpu` does that.
 """
 
 from __future__ import annotations
@@ -16,33 +18,21 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
+from kvspec.benchmarks.torch_calls import Costs, calls_of, on_the_device
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import cuda_available
 from kvspec.gpu_impl.mirror import MirroredState
 from kvspec.spec.state import BlockHash
 
-_METADATA = {"dim", "numel", "size", "__get__", "is_floating_point"}
-SYNC = ["tensor", "to", "unbind", "index_copy_"]  # one synchronisation of the two faces, host to device
+# The device face brought up to date: the entries Python wrote, staged (a few from a list, `tensor`; more
+# gathered, `__getitem__` and `stack`), copied host to device (`to`), split and scattered.
+SYNC_FEW = ["tensor", "to", "unbind", "index_copy_"]
+SYNC = ["__getitem__", "stack", "to", "unbind", "index_copy_"]
 
 
-class _Calls(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = getattr(func, "__name__", repr(func))
-        if name not in _METADATA:
-            self.names.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-def torch_calls(call: Callable[[], object]) -> list[str]:
-    with _Calls() as calls:
-        call()
-    return calls.names
+def torch_calls(call: Callable[[], object], pool: TensorBlockPool | None = None) -> list[str]:
+    return calls_of(call, pool).names
 
 
 def warm_pool(device: str, share_host_memory: bool | None = None) -> tuple[TensorBlockPool, list[int], list[int]]:
@@ -97,6 +87,8 @@ def test_with_two_faces_a_short_call_makes_no_torch_call_and_the_next_read_of_th
     assert torch_calls(lambda: p.has_hash) == SYNC  # eight calls' writes, one copy
     assert torch.equal(state.tensor, state.host_tensor) and p.snapshot() == snapshot
     assert torch_calls(lambda: p.ref_cnt) == []  # nothing left to copy
+    p.free_blocks(p.get_new_blocks(1))  # a few entries: staged from a list
+    assert torch_calls(p.sync_device) == SYNC_FEW
     p.check_invariants()
 
 
@@ -113,43 +105,88 @@ def test_the_writes_waiting_on_the_host_stay_bounded():
     p.check_invariants()
 
 
-# What a synchronisation of the faces and a hand-back of ids cost, by torch function: a wait for the device
-# (on CUDA: the host stops until the device has run everything queued), and a copy between the faces.
-WAITS = {"cpu", "tolist", "item", "__bool__", "__int__", "__index__", "equal", "any", "all", "nonzero", "unique"}
-COPIES = {"to", "cpu", "copy_", "pin_memory"}
-
-# torch calls (waits, copies) per operation and batch, faces in two memories, nothing waiting on the host:
-# none for a short batch, the same for 1,000 and 100,000 blocks. A change here is a change of
-# gpu_impl.block_pool's cost table (issue 29 sets the targets: one wait at most on a long call).
+# Per long operation, faces in two memories, nothing waiting on the host: torch calls on the host, on the
+# device, and waits for the device; the same for 1,000 and 100,000 blocks. With ids in a list nothing runs
+# on the device. With ids on the device, one wait (`cpu`: the ids are read before anything changes, so a bad
+# id raises at the call that passed it, with nothing changed); ids handed back on the device, one upload
+# (`to`) and no wait. A change here is a change of gpu_impl.block_pool's cost table (issue 29).
 LONG_CALL_COSTS = {
-    "get_new_blocks": (17, 2, 1),
-    "cache_full_blocks": (23, 6, 1),
-    "free_blocks": (30, 5, 1),
-    "touch": (26, 5, 1),
+    "get_new_blocks": Costs(6, 0, 0),
+    "cache_full_blocks": Costs(16, 0, 0),
+    "free_blocks": Costs(20, 0, 0),
+    "touch": Costs(17, 0, 0),
+    "get_new_blocks_tensor": Costs(11, 1, 0),  # the queue has gaps (the hits): the taken slots found
+    "free_blocks, ids on the device": Costs(19, 1, 1),
+    "touch, ids on the device": Costs(17, 1, 1),
 }
+# The kernels each long call leaves for the device face's next read: its tensor writes, replayed there.
+LONG_CALL_KERNELS = {
+    "get_new_blocks": 3,  # ref counts, hash flags, the queue's slots
+    "cache_full_blocks": 1,  # hash flags
+    "free_blocks": 3,  # ref counts, the queue's keys and slots
+    "touch": 2,  # ref counts, the queue's slots
+    "get_new_blocks_tensor": 3,
+    "free_blocks, ids on the device": 3,
+    "touch, ids on the device": 2,
+}
+# The device face brought up to date (SYNC) after short calls: staged on the host, copied, scattered.
+PUSH = Costs(2, 3, 0)
+
+
+def replayed(p: TensorBlockPool) -> int:
+    return len(p._state._replays)
 
 
 @pytest.mark.parametrize("batch", [1, 16, 1000, 100_000])
-def test_each_operation_costs_the_torch_calls_waits_and_copies_its_batch_length_says(batch: int):
-    p = TensorBlockPool(2 * batch + 10, device="cpu", share_host_memory=False)
+def test_each_operation_costs_the_torch_calls_and_waits_its_batch_length_says(batch: int):
+    p = TensorBlockPool(4 * batch + 10, device="cpu", share_host_memory=False)
     p.sync_device()
     blocks: list[int] = []
+    taken: list[torch.Tensor] = []
+    kernels: dict[str, int] = {}
+
+    def counted(op: str, call: Callable[[], object]) -> Costs:
+        before = replayed(p)
+        costs = calls_of(call, p)
+        kernels[op] = replayed(p) - before
+        return costs
+
     calls = {
-        "get_new_blocks": torch_calls(lambda: blocks.extend(p.get_new_blocks(batch))),
-        "cache_full_blocks": torch_calls(
-            lambda: p.cache_full_blocks(blocks, [BlockHash(b.to_bytes(4, "little")) for b in blocks])
+        "get_new_blocks": counted("get_new_blocks", lambda: blocks.extend(p.get_new_blocks(batch))),
+        "cache_full_blocks": counted(
+            "cache_full_blocks",
+            lambda: p.cache_full_blocks(blocks, [BlockHash(b.to_bytes(4, "little")) for b in blocks]),
         ),
-        "free_blocks": torch_calls(lambda: p.free_blocks(blocks[::-1])),
-        "touch": torch_calls(lambda: p.touch(blocks)),
+        "free_blocks": counted("free_blocks", lambda: p.free_blocks(blocks[::-1])),
+        "touch": counted("touch", lambda: p.touch(blocks)),
     }
-    costs = {
-        op: (len(names), sum(n in WAITS for n in names), sum(n in COPIES for n in names))
-        for op, names in calls.items()
-    }
-    if batch <= p.host_path_max:
-        assert costs == dict.fromkeys(calls, (0, 0, 0)), calls
+    p.free_blocks(blocks[::-1])  # cached and free again, for the same touch with the ids on the device
+    hits = on_the_device(p, blocks)
+    calls["touch, ids on the device"] = counted("touch, ids on the device", lambda: p.touch(hits))
+    calls["get_new_blocks_tensor"] = counted(
+        "get_new_blocks_tensor", lambda: taken.append(p.get_new_blocks_tensor(batch))
+    )
+    reversed_taken = on_the_device(p, taken[0].tolist()[::-1])
+    calls["free_blocks, ids on the device"] = counted(
+        "free_blocks, ids on the device", lambda: p.free_blocks(reversed_taken)
+    )
+    costs = {op: c.costs() for op, c in calls.items()}
+    names = {op: (c.names, c.on_device) for op, c in calls.items()}
+    if batch <= p.python_path_max:
+        short = dict.fromkeys(calls, Costs(0, 0, 0))
+        short["get_new_blocks_tensor"] = Costs(1, 1, 0)  # the ids staged and uploaded (`tensor`, `to`)
+        for op in ("touch, ids on the device", "free_blocks, ids on the device"):
+            short[op] = Costs(0, 1, 1)  # one `tolist` (a wait)
+        assert costs == short, names
+        assert kernels == dict.fromkeys(calls, 0)  # Python's writes: marks, not kernels
+        assert calls_of(p.sync_device, p).costs() == PUSH
     else:
-        assert costs == LONG_CALL_COSTS, calls
+        assert costs == LONG_CALL_COSTS, names
+        assert kernels == LONG_CALL_KERNELS
+        # The push: the replayed writes' arguments in one upload (`to`, then `split`), one kernel each, no wait.
+        waiting = replayed(p)
+        push = calls_of(p.sync_device, p)
+        assert (push.costs().device, push.costs().waits) == (2 + waiting, 0), push.names
     p.check_invariants()
 
 
@@ -178,11 +215,23 @@ def test_two_faces_are_only_for_a_device_with_its_own_memory():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="needs a CUDA device; this machine has none")
-def test_on_cuda_a_short_call_makes_no_torch_call_and_never_waits():
+def test_on_cuda_a_short_call_makes_no_torch_call_and_a_long_one_waits_only_to_read_ids_on_the_device():
     p, cached, held = warm_pool("cuda")
     p.sync_device()
     for name, call in short_calls(p, cached, held).items():
         assert torch_calls(call) == [], name
     assert torch_calls(lambda: p.get_new_blocks_tensor(1)) == ["tensor", "to"]
     assert torch_calls(p.sync_device) == SYNC  # their writes, in one copy, when asked (or the device face read)
+    p = TensorBlockPool(5000, device="cuda")
+    blocks = p.get_new_blocks(2000)  # long batches: nothing on the device but the ids handed back, no wait
+    taken: list[torch.Tensor] = []
+    calls = {
+        "free_blocks": calls_of(lambda: p.free_blocks(blocks[::-1]), p),
+        "get_new_blocks_tensor": calls_of(lambda: taken.append(p.get_new_blocks_tensor(2000)), p),
+    }
+    calls["free_blocks, ids on the device"] = calls_of(lambda: p.free_blocks(taken[0]), p)
+    costs = {op: c.costs()[1:] for op, c in calls.items()}  # on the device (the host's calls add pinning)
+    assert costs == {op: LONG_CALL_COSTS[op][1:] for op in costs}, {op: c.names for op, c in calls.items()}
+    waiting = replayed(p)
+    assert calls_of(p.sync_device, p).costs()[1:] == (2 + waiting, 0)  # one upload, one kernel a write, no wait
     p.check_invariants()

@@ -5,12 +5,12 @@ same error type, then the same snapshot (block ids, free-queue order, hash
 table), every spec invariant, and gpu_impl's own representation checks.
 Pools are small so that every corner is reached; the key index is sometimes
 at its minimum length so that relabels happen all the time. Each pool runs
-its batches on the host face, on the device face, or on both by length
-(`host_path_max`), with the two faces in one memory or in two kept equal
-(`share_host_memory=False`: what CUDA does), so each path and the
-synchronisation are checked alone; the device face is read (and the faces
-compared) when a rule does, so a short call's writes may wait on the host
-across calls, as on CUDA. Half the pools publish KV cache events:
+its batches as Python loops, as tensor operations, or either by length
+(`python_path_max`), all on the host face, with the device face in the same
+memory or in its own kept equal (`share_host_memory=False`: what CUDA does),
+so each path and the synchronisation are checked alone; the device face is
+read (and the faces compared) when a rule does, so a call's writes may wait
+on the host across calls, as on CUDA. Half the pools publish KV cache events:
 after every step both must have published the same events in the same
 order (none with events off), and a router's mirror of gpu_impl's stream
 must hold exactly its hash table's keys (the spec's event rules).
@@ -57,7 +57,7 @@ class PoolLockstep(RuleBasedStateMachine):
         enable_caching=st.booleans(),
         profile=st.sampled_from([*sorted(PROFILES), "lru-lfu:0.5"]),  # every policy, one weighted
         tight_keys=st.booleans(),
-        host_path_max=st.sampled_from([None, 0, 3]),
+        python_path_max=st.sampled_from([None, 0, 3]),
         two_faces=st.booleans(),
         events=st.booleans(),
     )
@@ -67,7 +67,7 @@ class PoolLockstep(RuleBasedStateMachine):
         enable_caching: bool,
         profile: str,
         tight_keys: bool,
-        host_path_max: int | None,
+        python_path_max: int | None,
         two_faces: bool,
         events: bool,
     ) -> None:
@@ -76,7 +76,7 @@ class PoolLockstep(RuleBasedStateMachine):
         capacity = 2 * num_gpu_blocks if tight_keys else None
         self.gpu = TensorBlockPool(
             num_gpu_blocks, enable_caching, profile, pick_device(), key_capacity=capacity,
-            host_path_max=host_path_max, share_host_memory=False if two_faces else None,
+            python_path_max=python_path_max, share_host_memory=False if two_faces else None,
             enable_kv_cache_events=events,
         )
         self.events = events
@@ -174,8 +174,8 @@ class PoolLockstep(RuleBasedStateMachine):
     @rule()
     def read_the_device_face(self) -> None:
         # check_invariants reads the device face (and requires both faces equal): a rule, not an invariant,
-        # so runs of calls also go by with a short call's writes still waiting on the host (gpu_impl.mirror)
-        # until a long batch or this read needs the device face.
+        # so runs of calls also go by with their writes still waiting on the host (gpu_impl.mirror) until
+        # this read needs the device face.
         self.gpu.check_invariants()
 
     @invariant()
@@ -202,11 +202,11 @@ test_pool_lockstep = PoolLockstep.TestCase
 
 @pytest.mark.parametrize("profile", [*sorted(PROFILES), "lru-lfu:0.5"])
 @pytest.mark.parametrize(
-    ("host_path_max", "two_faces"),
+    ("python_path_max", "two_faces"),
     [(None, False), (0, False), (40, True)],
-    ids=["default", "device-face-only", "both-paths-two-faces"],
+    ids=["default", "tensor-path-only", "both-paths-two-faces"],
 )
-def test_large_pool_random_batches_match_reference(profile: str, host_path_max: int | None, two_faces: bool) -> None:
+def test_large_pool_random_batches_match_reference(profile: str, python_path_max: int | None, two_faces: bool) -> None:
     """Whole-request batches of hundreds of blocks (the device-side checks and gap scans), seeded.
 
     Events on: a long take or eviction picks its hashed blocks on the device; every step's
@@ -217,7 +217,7 @@ def test_large_pool_random_batches_match_reference(profile: str, host_path_max: 
     ref = BlockPool(n, True, profile, enable_kv_cache_events=True)
     gpu = TensorBlockPool(
         n, True, profile, pick_device(), key_capacity=2 * n,
-        host_path_max=host_path_max, share_host_memory=False if two_faces else None, enable_kv_cache_events=True,
+        python_path_max=python_path_max, share_host_memory=False if two_faces else None, enable_kv_cache_events=True,
     )
     num_removed = 0
     requests: list[list[int]] = []

@@ -57,9 +57,9 @@ def test_a_request_life_leaves_the_free_blocks_in_the_policy_order(profile, free
     assert gpu.snapshot().free_queue == free_queue
 
 
-@pytest.mark.parametrize("host_path_max", [None, 0])
-def test_a_take_uses_first_fit_before_it_evicts_and_evicts_by_key(host_path_max):
-    gpu = _both("lfu", LIFE, host_path_max=host_path_max)
+@pytest.mark.parametrize("python_path_max", [None, 0])
+def test_a_take_uses_first_fit_before_it_evicts_and_evicts_by_key(python_path_max):
+    gpu = _both("lfu", LIFE, python_path_max=python_path_max)
     # the five free blocks without a hash by id, then 2 (one access) before 1 (two)
     assert gpu.get_new_blocks(6) == [3, 4, 5, 6, 7, 2]
     assert gpu.get_cached_block(H[0]) == 1 and gpu.get_cached_block(H[1]) is None
