@@ -75,8 +75,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvspec.benchmarks.torch_calls import Costs, calls_of, on_the_device
-from kvspec.conformance.tools.commands._arguments import OneLineParser, json_output, profile_name
+from kvspec.conformance.tools.commands._arguments import OneLineParser, integer, json_output, profile_name
 from kvspec.conformance.tools.commands._check_output import write_json
+from kvspec.conformance.tools.simulate import available_memory
 from kvspec.gpu_impl.block_pool import TensorBlockPool, ids_as_tensor
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.kv_cache import PagedKVCache
@@ -113,6 +114,9 @@ CONTENT_REQUEST_BLOCKS = 1_000  # blocks per request in the content check: 16k t
 OPERATIONS = ("get_new_blocks", "free_blocks", "touch")
 SINGLE_REQUEST_MAX_BLOCKS = 1_000  # a request's blocks: up to 16k tokens at 16 tokens per block
 CPU_TARGET = 1 / 3  # on the CPU: no slower than 3x the reference
+# The memory one pool size takes, measured with the peak resident set at 1e6 blocks on the CPU: both pools
+# full of cached blocks about 1,080 bytes a block, the hash-map comparison 400 more; rounded up.
+BYTES_PER_POOL_BLOCK = 1_600
 LIST_FLOOR_MIN = 1_000  # the list-to-tensor floor is printed for a largest batch of at least this many blocks
 # On CUDA (issue 29): batches of 1 and 16 within 1.5x of the reference's time; 1e5-block batches at least
 # 10x faster with lists, 50x with device ids.
@@ -618,18 +622,26 @@ class _ContentCheck:
 def content_layers_that_fit(num_blocks: int, device: str | None = None, fraction: float = 0.4) -> int:
     """As many layers of KV per block (1 to 16) as fit num_blocks blocks in `fraction` of the free memory.
 
-    The free memory is the CUDA device's, or on the CPU the free physical memory (without the page cache).
+    The free memory is the CUDA device's, or on the CPU what the machine can still give (Linux's MemAvailable).
+    """
+    per_layer = num_blocks * KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=16).block_bytes
+    return max(1, min(16, int(_free_bytes(device) * fraction) // per_layer))
+
+
+def _free_bytes(device: str | None) -> int:
+    """The free memory of gpu_impl's device: the CUDA device's, or on the CPU what the machine can still give.
+
+    Raises:
+        BlockManagerError: the device is not one torch knows (pick_device).
     """
     # optional dependency (the gpu extra): torch is imported only when a device is asked for
     from kvspec.gpu_impl.sizing import device_free_memory
 
     dev = pick_device(device)
     if dev.type == "cuda":
-        free, _ = device_free_memory(str(dev))
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    per_layer = num_blocks * KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, block_size=16).block_bytes
-    return max(1, min(16, int(free * fraction) // per_layer))
+        return device_free_memory(str(dev))[0]
+    available = available_memory()
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if available is None else available
 
 
 def _us(seconds: float) -> str:
@@ -769,7 +781,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         content_layers = _content_layers(args.content_layers, content_blocks, args.device)
     except BlockManagerError as e:
         return _cannot_run(e)
-    problem = _bad_arguments(args, pools, batches, content_blocks, content_layers)
+    try:
+        problem = _bad_arguments(args, pools, batches, content_blocks, content_layers)
+    except BlockManagerError as e:
+        return _cannot_run(e)
     if problem is not None:
         return _cannot_run(problem)
     try:
@@ -795,8 +810,8 @@ def _parser() -> OneLineParser:
     parser = OneLineParser(
         prog="kvspec bench gpu", description=(__doc__ or "").splitlines()[0],
     )
-    parser.add_argument("--pools", type=int, nargs="+", default=None, help="pool sizes (default 1e4 1e6)")
-    parser.add_argument("--batches", type=int, nargs="+", default=None, help="blocks per call (default 1 16 1e3)")
+    parser.add_argument("--pools", type=integer, nargs="+", default=None, help="pool sizes (default 1e4 1e6)")
+    parser.add_argument("--batches", type=integer, nargs="+", default=None, help="blocks per call (default 1 16 1e3)")
     parser.add_argument(
         "--device", default=None, help="gpu_impl's device: cpu, cuda, cuda:1 (default: CUDA if present)"
     )
@@ -810,7 +825,7 @@ def _parser() -> OneLineParser:
     parser.add_argument("--no-hash-map", action="store_true", help="skip the hash-map comparison")
     parser.add_argument("--no-content", action="store_true", help="skip the KV content check")
     parser.add_argument(
-        "--content-blocks", type=int, default=None,
+        "--content-blocks", type=integer, default=None,
         help=f"blocks in the content check (default {DEFAULT_CONTENT_BLOCKS:,}; {FULL_CONTENT_BLOCKS:,} with --full)",
     )
     parser.add_argument(
@@ -819,7 +834,7 @@ def _parser() -> OneLineParser:
         "or auto: as many (up to 16) as fit in 40%% of the free memory",
     )
     parser.add_argument(
-        "--python-path-max", type=int, default=None,
+        "--python-path-max", type=integer, default=None,
         help="gpu_impl's longest batch run as a Python loop (default: its own; 0: every batch as tensor operations)",
     )
     parser.add_argument(
@@ -828,10 +843,10 @@ def _parser() -> OneLineParser:
         "and the counts of its device calls) without a GPU",
     )
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads", type=integer, default=1,
         help="torch threads on the CPU (default 1: the reference runs on one core too)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument(
         "--profile", type=profile_name, default="vllm-v1",
         help="the eviction policy both pools run (default vllm-v1; a keyed one such as lru-timestamp or lfu "
@@ -861,7 +876,11 @@ def _content_layers(content_layers: str, content_blocks: int, device: str | None
 def _bad_arguments(
     args: argparse.Namespace, pools: Sequence[int], batches: Sequence[int], content_blocks: int, content_layers: int
 ) -> str | None:
-    """What is wrong with the grid or the counts, the grid first; None when nothing is."""
+    """What is wrong with the grid or the counts, the grid first, then the memory they need; None when nothing is.
+
+    Raises:
+        BlockManagerError: the device is not one torch knows (pick_device).
+    """
     if min(pools) < 2 or min(batches) < 1 or args.seconds <= 0:
         return (
             f"pools must be >= 2, batches >= 1, seconds > 0; got pools={list(pools)} "
@@ -872,6 +891,38 @@ def _bad_arguments(
             f"threads, content blocks and content layers must be >= 1 (layers: or auto); got "
             f"threads={args.threads} content_blocks={content_blocks} content_layers={args.content_layers}"
         )
+    unfit = [batch for batch in batches if batch > max(pools) - 1]
+    if unfit:
+        return (
+            f"batches {unfit} fit no pool: a batch takes at most a pool's free blocks (pool - 1, "
+            f"{max(pools) - 1:,} here); give larger --pools or smaller --batches"
+        )
+    return _memory_refusal(args, pools, content_blocks, content_layers)
+
+
+def _memory_refusal(
+    args: argparse.Namespace, pools: Sequence[int], content_blocks: int, content_layers: int
+) -> str | None:
+    """Why the largest pool, or the content check's KV, would not fit in the memory free now; None when they do.
+
+    Raises:
+        BlockManagerError: the device is not one torch knows (pick_device).
+    """
+    need, free = BYTES_PER_POOL_BLOCK * max(pools), _free_bytes("cpu")  # the pools' bookkeeping is on the host
+    if need > free:
+        return (
+            f"a pool of {max(pools):,} blocks needs about {format_size(need)} here (both pools and the hash map); "
+            f"{format_size(free)} is free"
+        )
+    if not args.no_content:
+        layout = KVLayout(num_layers=content_layers, num_kv_heads=8, head_dim=128, block_size=16)
+        need, free = content_blocks * layout.block_bytes, _free_bytes(args.device)
+        if need > free:
+            return (
+                f"the content check's KV, {content_blocks:,} blocks of {content_layers} layers, needs "
+                f"{format_size(need)}; {format_size(free)} is free on {pick_device(args.device)} "
+                "(fewer --content-blocks or --content-layers, or --no-content)"
+            )
     return None
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvspec.conformance.core.results import Verdict
 from kvspec.conformance.runner.run import run_check
-from kvspec.conformance.tools.commands._arguments import OneLineParser, group_layout, positive_int
+from kvspec.conformance.tools.commands._arguments import OneLineParser, group_layout, integer, positive_int
 
 __all__ = ["DEFAULT_JOBS", "DEFAULT_LAYOUTS", "TARGET_STEPS_PER_S", "LayoutSpeed", "main", "measure"]
 
@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jobs", type=positive_int, nargs="+", default=list(DEFAULT_JOBS), metavar="N",
                         help="the job counts to time each layout with (default: %(default)s)")  # fmt: skip
     parser.add_argument("--max-examples", type=positive_int, default=100, help="examples per layout (default 100)")
-    parser.add_argument("--seed", type=int, default=0, help="the campaigns' seed (default 0)")
+    parser.add_argument("--seed", type=integer, default=0, help="the campaigns' seed (default 0)")
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:

@@ -113,6 +113,35 @@ def test_simulated_pools_that_do_not_fit_in_memory_together(monkeypatch, answers
     answers_in_one_line(["simulate", "--pool", "9000000", "8000000", "--jobs", "2"], "need about 3.2 GiB")
 
 
+_TINY_GPU_BENCH = ["--seconds", "0.001", "--no-hash-map", "--device", "cpu"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["bench", "gpu", "--pools", "100", "--batches", "1", "1e12", *_TINY_GPU_BENCH],
+         "batches [1000000000000] fit no pool"),
+        (["bench", "gpu", "--pools", "1e12", "--batches", "1", *_TINY_GPU_BENCH],
+         "a pool of 1,000,000,000,000 blocks needs about"),
+        (["bench", "gpu", "--pools", "1e400", "--batches", "1", *_TINY_GPU_BENCH], "needs about"),
+        (["bench", "gpu", "--pools", "100", "--batches", "1", "--content-blocks", "1e9", *_TINY_GPU_BENCH],
+         "the content check's KV, 1,000,000,000 blocks of 1 layers, needs"),
+        (["bench", "gpu", "--pools", "1.5e2.5", *_TINY_GPU_BENCH], "'1.5e2.5' is not an integer"),
+        (["bench", "gpu", "--batches", "1e-3", *_TINY_GPU_BENCH], "'1e-3' is not an integer"),
+        (["bench", "reference", "--sizes", "1e12"], "a pool of 1,000,000,000,000 blocks needs about"),
+        (["check", "--max-examples", "1e999999999"], "'1e999999999' is not an integer"),
+    ],
+)  # fmt: skip
+def test_a_benchmark_of_sizes_no_machine_holds_is_refused_before_it_builds(argv, says, answers_in_one_line) -> None:
+    answers_in_one_line(argv, says)
+
+
+def test_a_size_may_be_written_as_the_help_writes_it(capsys: pytest.CaptureFixture[str]) -> None:
+    # --help says "default 1e4 1e6": the same spelling is accepted wherever an integer is asked for.
+    assert main(["bench", "gpu", "--pools", "1e2", "--batches", "1e0", *_TINY_GPU_BENCH, "--no-content"]) == 0
+    assert "       100        1  get_new_blocks" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("command", [["mutants", "--list"], ["invariants"]])
 def test_a_reader_that_stops_early_gets_no_traceback(tmp_path: Path, command: list[str]) -> None:
     # `kvspec mutants --list | head -1`: the pipe closes while kvspec still writes. `true` reads nothing and
