@@ -124,7 +124,8 @@ class KeyedFreeQueue:
             key_index_at: where the key index's key_capacity entries start in the state.
 
         Raises:
-            ValueError: key_capacity is below the minimum.
+            ValueError: key_capacity is below the minimum, or a block's key does not lie in
+                the state's row of that block (free_key_at's step is not the row width).
 
         Cost: O(num_gpu_blocks).
         """
@@ -152,6 +153,9 @@ class KeyedFreeQueue:
     ) -> None:
         """Where the keys live in the state: `free_key` and `key_to_block` as views of both faces."""
         fk_start, fk_step = free_key_at
+        if fk_step != state.row_width or not 0 <= fk_start < fk_step:
+            raise ValueError(f"free_key_at={free_key_at}: block b's key must lie in the state's row b (width "
+                             f"{state.row_width}), so marking the row marks the key")
         fk_end, k2b_end = fk_start + fk_step * num_gpu_blocks, key_index_at + self.key_capacity
         self._state = state  # fixed: where the keys live (shared with the pool)
         self._track = not state.is_shared  # fixed: mark writes, so the two faces can be made equal
@@ -372,9 +376,8 @@ class KeyedFreeQueue:
             for key, b in enumerate(block_ids, first):
                 fk[b] = key
         if self._track:
-            start, step = self._fk_start, self._fk_step
             self._state.wrote_host_range(self._k2b_base + first, self._k2b_base + first + k)
-            self._state.wrote_host([start + step * b for b in block_ids])
+            self._state.wrote_rows(block_ids)  # free_key[b] is in row b
         self.num_free_blocks += k
 
     def prepend_n(self, block_ids: torch.Tensor) -> None:

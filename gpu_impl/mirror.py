@@ -29,8 +29,10 @@ what the host wrote waits there until the device face is next read
 Then it goes across with no wait for the device: the tensor operations
 (`apply`) are replayed on the device face in their order, their tensor
 arguments uploaded in one asynchronous copy for all of them, one kernel
-each; the entries Python wrote (`wrote_host`) follow as one pinned staging
-tensor of (indices, values), one copy and one `index_copy_`. Past
+each; the entries Python wrote follow as one pinned staging tensor of
+(indices, values), one copy and one `index_copy_`. Python marks a block it
+wrote as one row (`wrote_rows`: a block's fields are a row of the array,
+and the push expands it), any other entry by its index (`wrote_host`). Past
 `_LAZY_HOST_MAX` entries, `_LAZY_REPLAYS_MAX` operations, or as many
 replayed entries as the state has, they go at once, so what waits stays
 bounded. Nothing is ever copied back: the device face is written by
@@ -90,7 +92,9 @@ class _Replay(NamedTuple):
 class MirroredState:
     """A flat int64 array on the host and its copy on the device (the same memory on the CPU)."""
 
-    def __init__(self, length: int, device: torch.device, share_host_memory: bool | None = None) -> None:
+    def __init__(
+        self, length: int, device: torch.device, share_host_memory: bool | None = None, row_width: int = 1
+    ) -> None:
         """Zero `length` entries on both faces.
 
         Args:
@@ -98,6 +102,8 @@ class MirroredState:
             device: where the device face lives.
             share_host_memory: one memory for both faces; None for the default (the CPU
                 shares, CUDA cannot). False on the CPU keeps two, as on CUDA (for tests).
+            row_width: entries [w * r, w * r + w) are row r (a block's fields), which
+                `wrote_rows` marks as one; 1: every entry is a row.
 
         Raises:
             ValueError: share_host_memory=True on a device other than the CPU.
@@ -109,6 +115,8 @@ class MirroredState:
             raise ValueError(f"share_host_memory=True but device={device} has its own memory; only the CPU shares")
         self.device = device  # fixed
         self.is_shared = shared  # fixed: one memory, nothing to synchronise
+        self.row_width = row_width  # fixed: see wrote_rows
+        self._length = length  # fixed
         self._buffer = array.array("q", [0]) * length  # the host face's memory (never resized: torch views it)
         self.host = memoryview(self._buffer)  # Python reads and writes here, O(1) each
         # The host face as a CPU tensor over the same memory, for tensor operations on the host.
@@ -119,6 +127,8 @@ class MirroredState:
         self.tensor = self.host_tensor if shared else torch.zeros(length, dtype=torch.int64, device=device)
         self._pin = device.type == "cuda"  # staging in pinned memory: the copy to the device needs no wait
         self._host_marks: list[int] = []  # entries Python wrote since the last push (values read at the push)
+        self._row_marks: list[int] = []  # rows Python wrote since the last push (every entry of each goes)
+        self._row_offsets = torch.arange(row_width, dtype=torch.int64)  # a row's entries past its first
         self._replays: list[_Replay] = []  # tensor writes since the last push, to run again on the device face
         self._num_replayed = 0  # entries the replays' tensor arguments hold
         self._ones = {"host": torch.ones(0, dtype=torch.int64), "device": torch.ones(0, dtype=torch.int64)}
@@ -129,6 +139,15 @@ class MirroredState:
         """Entries Python wrote through the host face (`host`): their values go across at the next push."""
         if not self.is_shared:
             self._host_marks.extend(indices)
+
+    def wrote_rows(self, rows: Iterable[int]) -> None:
+        """Rows Python wrote through the host face: every entry of each goes across at the next push.
+
+        The cheap mark of a short call: one per block it wrote, with no index arithmetic in Python (a row is
+        a block's fields; the push expands it). An entry that did not change goes across unchanged.
+        """
+        if not self.is_shared:
+            self._row_marks.extend(rows)
 
     def wrote_host_range(self, start: int, end: int) -> None:
         """Entries [start, end) Python wrote through the host face."""
@@ -173,34 +192,42 @@ class MirroredState:
         than `_LAZY_HOST_MAX` entries in Python, `_LAZY_REPLAYS_MAX` tensor writes, or as many entries in
         their arguments as the state has; then they go at once."""
         if (
-            len(self._host_marks) > _LAZY_HOST_MAX
+            len(self._host_marks) + self.row_width * len(self._row_marks) > _LAZY_HOST_MAX
             or len(self._replays) > _LAZY_REPLAYS_MAX
-            or self._num_replayed > self.host_tensor.numel()
+            or self._num_replayed > self._length
         ):
             self._push()
 
     def device_face(self) -> None:
         """Bring the device face up to date before it is read: the host's waiting writes go across, in one
         copy. Every reader of the device face calls it first. O(1) when nothing waits (and when shared)."""
-        if self._host_marks or self._replays:
+        if self._host_marks or self._row_marks or self._replays:
             self._push()
 
     def _push(self) -> None:
         """The waiting writes onto the device face: the tensor writes replayed in their order, then the
         entries Python wrote, with their values now (the host's: so an entry written both ways ends equal)."""
         self._replay()
-        marks = self._host_marks
-        if not marks:
+        marks, rows, width = self._host_marks, self._row_marks, self.row_width
+        if not marks and not rows:
             return
-        if len(marks) <= _LIST_PUSH_MAX:
+        if len(marks) + width * len(rows) <= _LIST_PUSH_MAX:
             host = self.host
+            marks += [width * r + j for r in rows for j in range(width)]
             staged = torch.tensor((marks, [host[i] for i in marks]), dtype=torch.int64, pin_memory=self._pin)
         else:  # the indices through an array (a C loop), the values gathered by one tensor operation
-            indices = torch.frombuffer(array.array("q", marks), dtype=torch.int64)
+            parts = []
+            if rows:  # each row's entries
+                first = torch.frombuffer(array.array("q", rows), dtype=torch.int64)
+                parts.append(first if width == 1 else (first[:, None] * width + self._row_offsets).view(-1))
+            if marks:
+                parts.append(torch.frombuffer(array.array("q", marks), dtype=torch.int64))
+            indices = torch.cat(parts) if len(parts) > 1 else parts[0]
             staged = torch.stack((indices, self.host_tensor[indices]))
             if self._pin:
                 staged = staged.pin_memory()
         marks.clear()
+        rows.clear()
         # NOTE: the staging tensor may be freed as soon as the copy is queued:
         # torch's pinned-memory allocator reuses its block only after the copy ran.
         indices, values = staged.to(self.device, non_blocking=True, copy=True).unbind()
