@@ -33,7 +33,8 @@ apart: on the CPU the faces share memory and it is nothing; with
 `calls` / `(tensors)` count the call's torch calls as host/device/waits
 (kvspec.benchmarks.torch_calls), with lists and with device ids. With
 batches of 1e3 blocks or more it also prints the floor a list pays before
-any kernel: turning a list of that many ints into a tensor.
+any kernel: turning a list of that many ints into a tensor (and, with
+`--events`, building that many events).
 `--events` builds both pools with KV cache events on (vLLM's
 `enable_kv_cache_events`): each take of cached blocks then publishes a
 `BlockRemoved` per key and each registration a `BlockStored`, which the
@@ -84,6 +85,7 @@ from kvspec.gpu_impl.kv_cache import PagedKVCache
 from kvspec.gpu_impl.sizing import KVLayout, format_size
 from kvspec.reference import BlockPool
 from kvspec.spec.errors import BlockManagerError, InvalidRequest
+from kvspec.spec.events import BlockRemoved
 from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = [
@@ -117,7 +119,7 @@ CPU_TARGET = 1 / 3  # on the CPU: no slower than 3x the reference
 # The memory one pool size takes, measured with the peak resident set at 1e6 blocks on the CPU: both pools
 # full of cached blocks about 1,080 bytes a block, the hash-map comparison 400 more; rounded up.
 BYTES_PER_POOL_BLOCK = 1_600
-LIST_FLOOR_MIN = 1_000  # the list-to-tensor floor is printed for a largest batch of at least this many blocks
+LIST_FLOOR_MIN = 1_000  # the floors are printed for a largest batch of at least this many blocks
 # On CUDA (issue 29): batches of 1 and 16 within 1.5x of the reference's time; 1e5-block batches at least
 # 10x faster with lists, 50x with device ids.
 CUDA_SHORT_BATCHES, CUDA_SHORT_TARGET = (1, 16), 1 / 1.5
@@ -153,25 +155,46 @@ class Measurement:
 
 
 @dataclass(frozen=True)
-class ListFloor:
-    """What turning a long Python list of ids into a tensor costs, and back: paid by any long call with lists."""
+class Floors:
+    """What Python itself costs a long call, whatever the pool does with it: the floor under its time."""
 
-    length: int
-    to_tensor: float  # seconds: gpu_impl's ids_as_tensor (every id a plain int, then one copy into a tensor)
+    length: int  # ids (and events) in the call
+    # seconds: gpu_impl's ids_as_tensor (every id checked to be a plain int, then one copy into a tensor), for
+    # a list as the pool hands ids out (its ints laid out in order in memory) and for the same ints shuffled
+    # (a block table built over many steps); the second pays a cache miss per id
+    to_tensor: float
+    to_tensor_shuffled: float
     to_list: float  # seconds: an int64 tensor back to a Python list (what get_new_blocks hands back)
+    events: float | None = None  # seconds to build `length` BlockRemoved events (--events); None: not measured
 
 
-def measure_list_floor(length: int, repeats: int = 5) -> ListFloor:
-    """Time the list-to-tensor conversion gpu_impl makes for a long batch of ids in a list, and the way back."""
-    ids = random.Random(0).sample(range(1, 2 * length + 1), length)
+def measure_floors(length: int, events: bool = False, repeats: int = 5) -> Floors:
+    """Time the list-to-tensor conversion gpu_impl makes for a long batch of ids in a list, the way back, and,
+    with `events`, building the KV cache events a take of that many cached blocks publishes."""
+    tensor = torch.randperm(2 * length, generator=torch.Generator().manual_seed(0))[:length].add_(1)
+    in_order = tensor.tolist()
+    shuffled = list(in_order)
+    random.Random(0).shuffle(shuffled)  # the same positions' values, the objects visited out of memory order
     clock = _Clock(torch.device("cpu"))
 
     def best(call: Callable[[], object]) -> float:
         return min(clock.time(call) for _ in range(repeats))
 
-    tensor = ids_as_tensor(ids)
-    assert tensor is not None
-    return ListFloor(length=length, to_tensor=best(lambda: ids_as_tensor(ids)), to_list=best(tensor.tolist))
+    keys = [BlockHash(b.to_bytes(8, "little")) for b in in_order]
+    gc.collect()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # as in the timed cells (_measure_cell)
+    try:
+            return Floors(
+            length=length,
+            to_tensor=best(lambda: ids_as_tensor(in_order)),
+            to_tensor_shuffled=best(lambda: ids_as_tensor(shuffled)),
+            to_list=best(tensor.tolist),
+            events=best(lambda: [BlockRemoved((key,)) for key in keys]) if events else None,
+        )
+    finally:
+        if gc_was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -655,7 +678,7 @@ def render(
     content: ContentTiming | None = None,
     profile: str = "vllm-v1",
     events: bool = False,
-    floor: ListFloor | None = None,
+    floor: Floors | None = None,
 ) -> str:
     """The comparison table, the hash-map table, the content check, and where the targets are met or missed."""
     lines = [
@@ -683,9 +706,14 @@ def render(
     if floor is not None:
         lines.append(
             f"the floor of a long call with lists, {floor.length:,} ids: to a tensor {_us(floor.to_tensor)} "
-            f"(checked to be ints, copied), a tensor back to a list {_us(floor.to_list)}; the rest of the "
-            "call is the pool's work"
+            f"(checked to be ints, copied; {_us(floor.to_tensor_shuffled)} with the ints out of memory order), "
+            f"a tensor back to a list {_us(floor.to_list)}; the rest of the call is the pool's work"
         )
+        if floor.events is not None:
+            lines.append(
+                f"the floor of events, {floor.length:,} BlockRemoved built: {_us(floor.events)}, paid by a take "
+                "of that many cached blocks with events on; the rest is the pool's work"
+            )
     if hash_map is not None:
         hm = hash_map
         lines += [
@@ -791,11 +819,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         device, results, hash_map, content = _measure_all(args, pools, batches, content_blocks, content_layers)
     except BlockManagerError as e:
         return _cannot_run(e)
-    floor = measure_list_floor(max(batches)) if max(batches) >= LIST_FLOOR_MIN else None
+    floor = measure_floors(max(batches), args.events) if max(batches) >= LIST_FLOOR_MIN else None
     print(render(results, device, hash_map, content, args.profile, args.events, floor))
     if args.json is not None:
         document = _document(results, device, hash_map, content, args.threads, args.profile, args.events)
-        write_json({**document, "list_floor": None if floor is None else asdict(floor)}, args.json)
+        write_json({**document, "floors": None if floor is None else asdict(floor)}, args.json)
     return 1 if content is not None and not content.is_intact else 0
 
 

@@ -133,3 +133,6 @@ def test_with_two_memories_each_row_carries_the_device_face_and_the_torch_calls(
     out = capsys.readouterr().out
     assert "device face" in out and "calls" in out and "(tensors)" in out
     assert "the floor of a long call with lists, 1,000 ids" in out
+    assert "the floor of events" not in out  # measured with --events only
+    assert main([*args, "--events"]) == 0
+    assert "the floor of events, 1,000 BlockRemoved built" in capsys.readouterr().out
