@@ -132,6 +132,9 @@ def test_with_two_memories_each_row_carries_the_device_face_and_the_torch_calls(
     assert main([*args, "--two-memories"]) == 0
     out = capsys.readouterr().out
     assert "device face" in out and "calls" in out and "(tensors)" in out
+    # CUDA's path is held to CUDA's targets, said to be measured on the CPU; the CPU's own are for one memory
+    assert "CUDA's targets against CUDA's path on the CPU" in out and "CUDA target, batch     1:" in out
+    assert "CPU target" not in out
     assert "the floor of a long call with lists, 1,000 ids" in out
     assert "the floor of events" not in out  # measured with --events only
     assert main([*args, "--events"]) == 0
