@@ -163,10 +163,11 @@ class Floors:
 
     length: int  # ids (and events) in the call
     # seconds: gpu_impl's ids_as_tensor (every id checked to be a plain int, then one copy into a tensor), for
-    # a list as the pool hands ids out (its ints laid out in order in memory) and for the same ints shuffled
-    # (a block table built over many steps); the second pays a cache miss per id
+    # a list as the pool hands ids out (`tolist`: its ints made in one go, side by side in memory) and for one
+    # drawn as the benchmark draws its hits (`random.sample`: each int made among other objects); reading the
+    # second's ints misses the cache far more often
     to_tensor: float
-    to_tensor_shuffled: float
+    to_tensor_drawn: float
     to_list: float  # seconds: an int64 tensor back to a Python list (what get_new_blocks hands back)
     events: float | None = None  # seconds to build `length` BlockRemoved events (--events); None: not measured
 
@@ -176,8 +177,7 @@ def measure_floors(length: int, events: bool = False, repeats: int = 5) -> Floor
     with `events`, building the KV cache events a take of that many cached blocks publishes."""
     tensor = torch.randperm(2 * length, generator=torch.Generator().manual_seed(0))[:length].add_(1)
     in_order = tensor.tolist()
-    shuffled = list(in_order)
-    random.Random(0).shuffle(shuffled)  # the same positions' values, the objects visited out of memory order
+    drawn = random.Random(0).sample(range(1, 2 * length + 1), length)  # as _Pair.round draws its hits
     clock = _Clock(torch.device("cpu"))
 
     def best(call: Callable[[], object]) -> float:
@@ -191,7 +191,7 @@ def measure_floors(length: int, events: bool = False, repeats: int = 5) -> Floor
             return Floors(
             length=length,
             to_tensor=best(lambda: ids_as_tensor(in_order)),
-            to_tensor_shuffled=best(lambda: ids_as_tensor(shuffled)),
+            to_tensor_drawn=best(lambda: ids_as_tensor(drawn)),
             to_list=best(tensor.tolist),
             events=best(lambda: [BlockRemoved((key,)) for key in keys]) if events else None,
         )
@@ -713,8 +713,9 @@ def render(
     if floor is not None:
         lines.append(
             f"the floor of a long call with lists, {floor.length:,} ids: to a tensor {_us(floor.to_tensor)} "
-            f"(checked to be ints, copied; {_us(floor.to_tensor_shuffled)} with the ints out of memory order), "
-            f"a tensor back to a list {_us(floor.to_list)}; the rest of the call is the pool's work"
+            f"(checked to be ints, copied) as the pool hands them out, {_us(floor.to_tensor_drawn)} drawn as the "
+            f"hits are (random.sample: ints scattered in memory), a tensor back to a list {_us(floor.to_list)}; "
+            "the rest of the call is the pool's work"
         )
         if floor.events is not None:
             lines.append(
