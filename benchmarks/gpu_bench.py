@@ -711,17 +711,7 @@ def render(
             "(kvspec.benchmarks.torch_calls)",
         ]
     if floor is not None:
-        lines.append(
-            f"the floor of a long call with lists, {floor.length:,} ids: to a tensor {_us(floor.to_tensor)} "
-            f"(checked to be ints, copied) as the pool hands them out, {_us(floor.to_tensor_drawn)} drawn as the "
-            f"hits are (random.sample: ints scattered in memory), a tensor back to a list {_us(floor.to_list)}; "
-            "the rest of the call is the pool's work"
-        )
-        if floor.events is not None:
-            lines.append(
-                f"the floor of events, {floor.length:,} BlockRemoved built: {_us(floor.events)}, paid by a take "
-                "of that many cached blocks with events on; the rest is the pool's work"
-            )
+        lines += _floor_lines(floor)
     if hash_map is not None:
         hm = hash_map
         lines += [
@@ -753,6 +743,22 @@ def _render_content(c: ContentTiming) -> list[str]:
         f"  every hit block read back: {'intact' if c.is_intact else 'MISMATCH (a block read back other KV)'}; "
         f"a whole hit costs {_us(c.per_hit_block)} a block",
     ]
+
+
+def _floor_lines(floor: Floors) -> list[str]:
+    """What Python itself costs a long call, under the pool's own work."""
+    lines = [
+        f"the floor of a long call with lists, {floor.length:,} ids: to a tensor {_us(floor.to_tensor)} "
+        f"(checked to be ints, copied) as the pool hands them out, {_us(floor.to_tensor_drawn)} drawn as the "
+        f"hits are (random.sample: ints scattered in memory), a tensor back to a list {_us(floor.to_list)}; "
+        "the rest of the call is the pool's work"
+    ]
+    if floor.events is not None:
+        lines.append(
+            f"the floor of events, {floor.length:,} BlockRemoved built: {_us(floor.events)}, paid by a take "
+            "of that many cached blocks with events on; the rest is the pool's work"
+        )
+    return lines
 
 
 def _verdicts(results: Sequence[Measurement], device: str, two_memories: bool = False) -> list[str]:

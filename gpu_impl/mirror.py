@@ -128,7 +128,7 @@ class MirroredState:
         self._pin = device.type == "cuda"  # staging in pinned memory: the copy to the device needs no wait
         self._host_marks: list[int] = []  # entries Python wrote since the last push (values read at the push)
         self._row_marks: list[int] = []  # rows Python wrote since the last push (every entry of each goes)
-        self._row_offsets = torch.arange(row_width, dtype=torch.int64)  # a row's entries past its first
+        self._row_offsets = torch.arange(row_width, dtype=torch.int64)  # each entry's place in its row
         self._replays: list[_Replay] = []  # tensor writes since the last push, to run again on the device face
         self._num_replayed = 0  # entries the replays' tensor arguments hold
         self._ones = {"host": torch.ones(0, dtype=torch.int64), "device": torch.ones(0, dtype=torch.int64)}
