@@ -188,7 +188,7 @@ def measure_floors(length: int, events: bool = False, repeats: int = 5) -> Floor
     gc_was_enabled = gc.isenabled()
     gc.disable()  # as in the timed cells (_measure_cell)
     try:
-            return Floors(
+        return Floors(
             length=length,
             to_tensor=best(lambda: ids_as_tensor(in_order)),
             to_tensor_drawn=best(lambda: ids_as_tensor(drawn)),

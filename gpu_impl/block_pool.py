@@ -314,6 +314,7 @@ class TensorBlockPool:
             InvalidRequest: share_host_memory is asked for a device with its own memory.
         """
         try:
+            # A block's fields are its row of the state: a short call marks the block (wrote_rows), not each field.
             state = MirroredState(length, self.device, share_host_memory, row_width=_NUM_FIELDS)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
@@ -475,10 +476,6 @@ class TensorBlockPool:
     has_hash = DeviceFaceView("Whether each block is registered in the hash table (1) or not (0) (the device face).")
     is_corrupt = DeviceFaceView("Held blocks found corrupt, quarantined on free (1) (the device face).")
 
-    def _wrote_blocks(self, block_ids: list[int]) -> None:
-        """Blocks whose fields Python wrote through the host face (every field of each goes at the push)."""
-        self._state.wrote_rows(block_ids)
-
     def _apply(self, field: int, method: str, *args: object, **kwargs: Any) -> None:
         """A long batch's tensor write of one field through the host face, replayed on the device face at the
         next push (gpu_impl.mirror): `method(*args, **kwargs)` on the field's view of each face."""
@@ -563,7 +560,7 @@ class TensorBlockPool:
             # its memory is actually needed. Its dict entry goes stale (see above).
             flags[b] = 0
         if self._track:
-            self._wrote_blocks(taken)
+            self._state.wrote_rows(taken)
             self._state.host_written()
         return taken
 
@@ -615,7 +612,7 @@ class TensorBlockPool:
         else:
             self.free_block_queue.remove_list(was_free)
         if self._track:
-            self._wrote_blocks(cast("list[int]", ids))
+            self._state.wrote_rows(cast("list[int]", ids))
             self._state.host_written()
         return None
 
@@ -724,7 +721,7 @@ class TensorBlockPool:
             if right:
                 queue.append_list(right)
         if self._track:
-            self._wrote_blocks(cast("list[int]", ids))
+            self._state.wrote_rows(cast("list[int]", ids))
             self._state.host_written()
         return None
 
@@ -754,7 +751,7 @@ class TensorBlockPool:
             self.quarantined[b] = None
         self._num_corrupt_held -= len(retired)
         if self._track:
-            self._wrote_blocks(retired)
+            self._state.wrote_rows(retired)
 
     def _free_long(self, ids: torch.Tensor, evict_first: bool) -> None:
         ref_cnt = self._ref_host.index_select(0, ids)
@@ -853,7 +850,7 @@ class TensorBlockPool:
         if self._stamped is not None:  # block-age reads when the content was registered
             self._stamped.registered_list(cast("list[int]", ids))
         if self._track:
-            self._wrote_blocks(cast("list[int]", ids))
+            self._state.wrote_rows(cast("list[int]", ids))
             self._state.host_written()
         self._register(cast("list[int]", ids), block_hashes, stored)
         return None
@@ -1019,7 +1016,7 @@ class TensorBlockPool:
         if self._stamped is not None:  # a free block that loses its hash joins first fit
             self._stamped.lost_hash(cast("list[int]", ids))
         if self._track:
-            self._wrote_blocks(cast("list[int]", ids))
+            self._state.wrote_rows(cast("list[int]", ids))
             self._state.host_written()
 
     def reset_prefix_cache(self) -> bool:
@@ -1105,7 +1102,7 @@ class TensorBlockPool:
         for b in retired:
             self.quarantined[b] = None
         if self._track:
-            self._wrote_blocks(ids)
+            self._state.wrote_rows(ids)
             self._state.host_written()
 
     # --- observation ----------------------------------------------------------------------
