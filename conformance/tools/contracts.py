@@ -5,6 +5,14 @@ precondition holds but a postcondition fails, or where it raises an error its
 docstring does not declare (`raises:`; a declared error is a caller mistake
 rejected on purpose). Finding none within the time budget is reported as
 exactly that, "no counterexample found within budget": a search, not a proof.
+A search in which no generated input got past the preconditions searched
+nothing (CrossHair's `pre_unsat`): it is reported as that, never as a
+condition that holds, and never as a counterexample either.
+
+A budget is given in CPU seconds per condition, and may also be given in
+paths (`max_paths`): CrossHair's path order is seeded, so a budget in paths
+explores the same inputs on every machine, where one in seconds explores
+fewer on a slower or busier one.
 
 Design choice: the pool and manager states CrossHair feeds the operations are
 drawn from a corpus of reachable states (built by the spec's own operations
@@ -46,6 +54,7 @@ from kvspec.spec.state import BlockHash, BlockId, PoolState
 
 __all__ = [
     "ANALYSIS_ERROR",
+    "SEARCHED_NOTHING",
     "DEFAULT_MODULES",
     "NO_COUNTEREXAMPLE",
     "ConditionResult",
@@ -61,6 +70,9 @@ __all__ = [
 DEFAULT_MODULES = ("kvspec.spec.ops", "kvspec.spec.manager", "kvspec.spec.ordering")
 NO_COUNTEREXAMPLE = "no counterexample found within budget"
 ANALYSIS_ERROR = "analysis_error"  # CrossHair could not analyse the function at all
+SEARCHED_NOTHING = "pre_unsat"  # CrossHair's name: no generated input got past the preconditions
+# CrossHair's kinds of counterexample: a postcondition false, or raising, or the body raising what it does not declare
+COUNTEREXAMPLE_KINDS = ("post_fail", "post_err", "exec_err")
 
 
 # --- the state corpora ----------------------------------------------------------------------------
@@ -315,7 +327,7 @@ class ConditionResult:
     """What CrossHair found for one postcondition of one function."""
 
     condition: str  # the postcondition's source text
-    status: str  # "no counterexample found within budget", or CrossHair's failure kind
+    status: str  # NO_COUNTEREXAMPLE, one of COUNTEREXAMPLE_KINDS, SEARCHED_NOTHING, or why it could not be analysed
     exhausted: bool  # every path of the generated inputs was explored before the budget ran out
     message: str  # the counterexample as CrossHair prints it ("" when none)
     num_paths: int  # paths explored
@@ -323,8 +335,13 @@ class ConditionResult:
 
     @property
     def ok(self) -> bool:
-        """Whether no counterexample was found."""
+        """Whether inputs were searched and no counterexample was found."""
         return self.status == NO_COUNTEREXAMPLE
+
+    @property
+    def found(self) -> bool:
+        """Whether the search found a counterexample."""
+        return self.status in COUNTEREXAMPLE_KINDS
 
 
 @dataclass(frozen=True)
@@ -336,13 +353,18 @@ class FunctionReport:
 
     @property
     def ok(self) -> bool:
-        """Whether no counterexample was found."""
+        """Whether every condition was searched and none had a counterexample."""
         return all(c.ok for c in self.conditions)
 
     @property
     def failures(self) -> tuple[ConditionResult, ...]:
         """The conditions with a counterexample."""
-        return tuple(c for c in self.conditions if not c.ok)
+        return tuple(c for c in self.conditions if c.found)
+
+    @property
+    def not_searched(self) -> tuple[ConditionResult, ...]:
+        """The conditions whose search never got past the preconditions, or could not be analysed."""
+        return tuple(c for c in self.conditions if not c.ok and not c.found)
 
     @property
     def seconds(self) -> float:
@@ -360,6 +382,15 @@ class FunctionReport:
         if self.failures:
             first = self.failures[0]
             return f"counterexample ({first.status}): {first.message}"
+        if self.not_searched:
+            first = self.not_searched[0]
+            if first.status != SEARCHED_NOTHING:
+                return f"could not be analysed ({first.status}): {first.message}"
+            return (
+                f"searched nothing in {len(self.not_searched)} of {len(self.conditions)} conditions: "
+                f"no generated input met the preconditions ({first.num_paths} "
+                f"{'path' if first.num_paths == 1 else 'paths'} tried); give a larger budget"
+            )
         exhausted = bool(self.conditions) and all(c.exhausted for c in self.conditions)
         return NO_COUNTEREXAMPLE + (" (every generated path explored)" if exhausted else "")
 
@@ -372,16 +403,22 @@ class ContractsReport:
     per_condition_timeout: float  # CrossHair's budget per postcondition (CPU seconds)
     seconds: float  # wall time of the run
     crosshair_version: str = field(default="")
+    max_paths: int | None = None  # CrossHair's budget per postcondition in paths, if one was given
 
     @property
     def ok(self) -> bool:
-        """Whether no function had a counterexample."""
+        """Whether every condition was searched and none had a counterexample."""
         return all(f.ok for f in self.functions)
 
     @property
+    def found(self) -> bool:
+        """Whether some condition had a counterexample."""
+        return any(f.failures for f in self.functions)
+
+    @property
     def could_not_run(self) -> bool:
-        """Whether CrossHair failed to analyse some function."""
-        return any(c.status == ANALYSIS_ERROR for f in self.functions for c in f.conditions)
+        """Whether some condition was not searched: CrossHair failed on it, or met no precondition."""
+        return any(f.not_searched for f in self.functions)
 
 
 def contract_functions(module_names: Sequence[str] = DEFAULT_MODULES) -> list[Callable[..., object]]:
@@ -474,8 +511,12 @@ def check_modules(
     per_condition_timeout: float = 3.0,
     per_path_timeout: float = 1.0,
     only: Sequence[str] = (),
+    max_paths: int | None = None,
 ) -> ContractsReport:
-    """CrossHair over every contract-carrying function of `module_names` (or those named in `only`)."""
+    """CrossHair over every contract-carrying function of `module_names` (or those named in `only`).
+
+    `max_paths` also ends each postcondition's search after that many paths (see check_function).
+    """
     # optional dependency (the proofs extra): CrossHair is imported only when contracts are checked
     import crosshair
 
@@ -484,13 +525,17 @@ def check_modules(
     for fn in _selected(contract_functions(module_names), only):
         began = time.perf_counter()
         try:
-            reports.append(check_function(fn, per_condition_timeout, per_path_timeout))
+            reports.append(check_function(fn, per_condition_timeout, per_path_timeout, max_paths=max_paths))
         except Exception as e:  # CrossHair or icontract failing on this function: report it, go on
             error = f"{type(e).__name__}: {e}"
             failed = ConditionResult("", ANALYSIS_ERROR, False, error, 0, time.perf_counter() - began)
             reports.append(FunctionReport(f"{fn.__module__}.{fn.__name__}", (failed,)))
     return ContractsReport(
-        tuple(reports), per_condition_timeout, time.perf_counter() - start, getattr(crosshair, "__version__", "")
+        tuple(reports),
+        per_condition_timeout,
+        time.perf_counter() - start,
+        getattr(crosshair, "__version__", ""),
+        max_paths,
     )
 
 

@@ -5,9 +5,11 @@ spec.manager, spec.ordering's helpers) has every postcondition searched for a
 counterexample: arguments where the preconditions hold but the postcondition
 fails, or an error the function does not declare is raised. The report says
 "no counterexample found within budget" or prints the counterexample; it never
-says "verified". Exit 0 when nothing was found, 1 when something was, 2 when
-CrossHair is not installed, a name is unknown, or CrossHair could not analyse
-a function.
+says "verified". A condition whose search met no precondition within the
+budget searched nothing, and is reported as such. Exit 0 when every condition
+was searched and nothing was found, 1 when a counterexample was, 2 when
+CrossHair is not installed, a name is unknown, or a condition was not searched
+(CrossHair could not analyse it, or no input met its preconditions).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
-from kvspec.conformance.tools.commands._arguments import positive_float
+from kvspec.conformance.tools.commands._arguments import positive_float, positive_int
 from kvspec.conformance.tools.contracts import DEFAULT_MODULES, check_modules, contract_functions
 
 if TYPE_CHECKING:
@@ -49,6 +51,13 @@ def register(subparsers: Any) -> None:
         help="CrossHair's budget per path (default 1)",
     )
     p.add_argument(
+        "--max-paths",
+        type=positive_int,
+        metavar="N",
+        help="also end each postcondition's search after N paths: the same inputs on every machine, "
+        "where a budget in seconds searches fewer on a slower one",
+    )
+    p.add_argument(
         "--function",
         action="append",
         metavar="NAME",
@@ -62,22 +71,34 @@ def render_text(report: ContractsReport) -> str:
     """The report as a table, counterexamples under their function."""
     lines = [
         f"kvspec contracts: CrossHair {report.crosshair_version} over the spec's contracts, "
-        f"{report.per_condition_timeout:g} CPU s per postcondition",
+        f"{report.per_condition_timeout:g} CPU s per postcondition"
+        + (f", at most {report.max_paths} paths" if report.max_paths else ""),
         "  inputs: pool and manager states from a corpus of reachable states; every other argument symbolic",
         "",
         f"{'function':<44} {'conds':>5} {'paths':>6} {'seconds':>8}  result",
     ]
     for f in report.functions:
-        result = f.summary if f.ok else f"COUNTEREXAMPLE in {len(f.failures)} of {len(f.conditions)} conditions"
+        if f.failures:
+            result = f"COUNTEREXAMPLE in {len(f.failures)} of {len(f.conditions)} conditions"
+        elif f.not_searched:
+            result = f"NOT SEARCHED: {f.summary}"
+        else:
+            result = f.summary
         lines.append(f"{f.name:<44} {len(f.conditions):>5} {f.num_paths:>6} {f.seconds:>8.1f}  {result}")
         for c in f.failures:
             lines.append(f"    condition: {c.condition}")
             lines.append(textwrap.indent(textwrap.fill(f"{c.status}: {c.message}", 110), "      "))
-    found = [f for f in report.functions if not f.ok]
+    found = [f for f in report.functions if f.failures]
+    unsearched = [f for f in report.functions if f.not_searched and not f.failures]
     lines.append("")
     if found:
         lines.append(f"counterexamples in {len(found)} of {len(report.functions)} functions ({report.seconds:.1f} s)")
-    else:
+    if unsearched:
+        lines.append(
+            f"{len(unsearched)} of {len(report.functions)} functions not searched in full (NOT SEARCHED above): "
+            "nothing is said about those conditions"
+        )
+    if not found and not unsearched:
         lines.append(
             f"no counterexample found within budget in any of {len(report.functions)} functions "
             f"({sum(len(f.conditions) for f in report.functions)} postconditions, {report.seconds:.1f} s); "
@@ -90,6 +111,7 @@ def _as_json(report: ContractsReport) -> dict[str, object]:
     return {
         "crosshair_version": report.crosshair_version,
         "per_condition_timeout": report.per_condition_timeout,
+        "max_paths": report.max_paths,
         "ok": report.ok,
         "seconds": round(report.seconds, 3),
         "functions": [
@@ -115,7 +137,7 @@ def _as_json(report: ContractsReport) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run CrossHair over the spec; exit 0 iff no counterexample was found."""
+    """Run CrossHair over the spec; exit 0 iff every condition was searched and none had a counterexample."""
     try:
         import crosshair  # noqa: F401 - an optional dependency (the `proofs` extra): say so before any work
 
@@ -136,8 +158,8 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-    report = check_modules(DEFAULT_MODULES, args.per_condition_timeout, args.per_path_timeout, only)
+    report = check_modules(DEFAULT_MODULES, args.per_condition_timeout, args.per_path_timeout, only, args.max_paths)
     print(json.dumps(_as_json(report), indent=2) if args.json else render_text(report))
-    if report.could_not_run:
-        return 2
-    return 0 if report.ok else 1
+    if report.found:
+        return 1
+    return 2 if report.could_not_run else 0
