@@ -29,13 +29,21 @@ the reference's 36 us, and, on a device, a wait for every answer anyway.
 
 Cost: a take, a hit and a free O(log n) amortized per block; a registration
 O(1) per block; `ordered` (the snapshot only) O(n log n). Long batches come
-in as tensors and are read once into lists.
+in as tensors: their stamps go in one scatter each (the stamp arrays are
+shared with CPU tensors), and the keys of the blocks a long free makes free
+are computed column by column, by `eviction_key` itself on int64 tensors,
+then pushed (a fresh key is the largest, so a push is O(1) comparisons). A
+weight whose score could pass int64 falls back to Python's ints. Measured
+side by side (`kvspec bench gpu --profile lru-timestamp --pools 1e6
+--batches 1e5`, CPU, one run): a 1e5-block free 360 -> 191 ms, a touch with
+ids in a tensor 98.6 -> 32.3 ms; a take still pops its blocks one by one.
 """
 
 from __future__ import annotations
 
 import array
 import heapq
+import itertools
 from collections.abc import Sequence
 from typing import cast
 
@@ -79,6 +87,12 @@ class StampedFreeBlocks:
         self.registered_at = array.array("q", [0]) * n
         self.is_evict_first = bytearray(n)  # 1 for a block whose last free asked to evict it first
         self._free = bytearray(n)  # 1 for a free block
+        # The same arrays as CPU tensors sharing their memory, for the long batches' stamps (one scatter each).
+        self._last_access_t = _shared_tensor(self.last_access, torch.int64)
+        self._num_accesses_t = _shared_tensor(self.num_accesses, torch.int64)
+        self._registered_at_t = _shared_tensor(self.registered_at, torch.int64)
+        self._is_evict_first_t = _shared_tensor(self.is_evict_first, torch.uint8)
+        self._free_t = _shared_tensor(self._free, torch.uint8)
         for b in range(1, n):
             self._free[b] = 1
         self.num_free_blocks = max(n - 1, 0)
@@ -108,6 +122,45 @@ class StampedFreeBlocks:
         for i, b in enumerate(block_ids):
             stamps[b] = clock + i
         self.clock += len(block_ids)
+
+    def _stamp_tensor(self, stamps: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """`_stamp` for a batch in a tensor: one scatter (ids are distinct: the pool checked them)."""
+        k = block_ids.numel()
+        stamps.index_copy_(0, block_ids, torch.arange(self.clock, self.clock + k, dtype=torch.int64))
+        self.clock += k
+
+    def _add_cached_batch(self, block_ids: torch.Tensor, evict_first: bool) -> None:
+        """`_add` for many free hashed blocks at once: their keys computed column by column, then pushed.
+
+        The key is still `eviction_key`'s, evaluated on int64 tensors of stamps (its arithmetic is
+        the same on ints and tensors); the tier is one value, since every block of a free shares it.
+        A weight whose score could pass int64 (`lru-lfu:W` with a fine W) takes Python's ints, block
+        by block: stamps and access counts are below the clock, so the score is below (p + q) * clock.
+        """
+        weight = self._rule.weight
+        if (weight.numerator + weight.denominator) * max(self.clock, 1) >= 2**63:
+            for b in cast("list[int]", block_ids.tolist()):
+                self._add(b)
+            return
+        key = eviction_key(
+            self._rule,
+            block_ids,
+            self._last_access_t.index_select(0, block_ids),
+            self._num_accesses_t.index_select(0, block_ids),
+            self._registered_at_t.index_select(0, block_ids),
+            evict_first,
+            PY,
+        )
+        columns = [c.tolist() if isinstance(c, torch.Tensor) else itertools.repeat(c) for c in key]
+        keys = cast("list[Key]", list(zip(*columns)))
+        ids = cast("list[int]", block_ids.tolist())
+        self._live.update(zip(ids, keys))
+        cached, push = self._cached, heapq.heappush
+        for entry in zip(keys, ids):  # fresh stamps are the largest: each push is O(1) comparisons
+            push(cached, entry)
+        if len(cached) > 2 * len(self._live) + 64:  # stale entries dominate: drop them
+            self._cached = [(k, block) for block, k in self._live.items()]
+            heapq.heapify(self._cached)
 
     # --- the order ------------------------------------------------------------------------------
 
@@ -192,16 +245,32 @@ class StampedFreeBlocks:
     # --- the same for long batches (ids as device tensors) --------------------------------------
 
     def hit(self, block_ids: torch.Tensor, was_free: torch.Tensor) -> None:
-        """`hit_list` for a batch in a tensor."""
-        self.hit_list(block_ids.tolist(), was_free.tolist())
+        """`hit_list` for a batch in a tensor: the stamps in two scatters."""
+        self._num_accesses_t.index_add_(0, block_ids, torch.ones(1, dtype=torch.int64).expand(block_ids.numel()))
+        self._stamp_tensor(self._last_access_t, block_ids)
+        self.remove_list(was_free.tolist())
 
     def freed(self, block_ids: torch.Tensor, newly_free: torch.Tensor, evict_first: bool) -> None:
-        """`freed_list` for a batch in a tensor."""
-        self.freed_list(block_ids.tolist(), newly_free.tolist(), evict_first)
+        """`freed_list` for a batch in a tensor: the stamps in scatters, the cached blocks' keys by column."""
+        self._stamp_tensor(self._last_access_t, block_ids)
+        self._is_evict_first_t.index_fill_(0, block_ids, int(evict_first))
+        if newly_free.numel() == 0:
+            return
+        self._free_t.index_fill_(0, newly_free, 1)
+        flags = self._hash_flags
+        hashed = [b for b in newly_free.tolist() if flags[b]]
+        if len(hashed) < newly_free.numel():
+            first_fit, push = self._first_fit, heapq.heappush
+            for b in newly_free.tolist():
+                if not flags[b]:
+                    push(first_fit, b)
+        if hashed:
+            self._add_cached_batch(torch.tensor(hashed, dtype=torch.int64), evict_first)
+        self.num_free_blocks += newly_free.numel()
 
     def registered(self, block_ids: torch.Tensor) -> None:
-        """`registered_list` for a batch in a tensor."""
-        self.registered_list(block_ids.tolist())
+        """`registered_list` for a batch in a tensor: one scatter."""
+        self._stamp_tensor(self._registered_at_t, block_ids)
 
     # --- checking -------------------------------------------------------------------------------
 
@@ -226,3 +295,8 @@ class StampedFreeBlocks:
         if any(s != 0 and s >= self.clock for s in stamps):
             errors.append(f"a stamp is not below the clock ({self.clock})")
         return errors
+
+
+def _shared_tensor(buffer: array.array[int] | bytearray, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor over `buffer`'s memory: a write through either is seen by the other."""
+    return torch.frombuffer(buffer, dtype=dtype) if len(buffer) else torch.empty(0, dtype=dtype)

@@ -69,12 +69,35 @@ def test_a_take_uses_first_fit_before_it_evicts_and_evicts_by_key(python_path_ma
     gpu.check_invariants()
 
 
-def test_a_weight_finer_than_int64_is_exact():
-    # W = 10^-19: q = 10^19 is beyond int64; the heaps compare the spec's keys as Python ints
+@pytest.mark.parametrize("python_path_max", [None, 0])
+def test_a_weight_finer_than_int64_is_exact(python_path_max):
+    # W = 10^-19: q = 10^19 is beyond int64; the heaps compare the spec's keys as Python ints, and a
+    # long batch, whose keys are otherwise computed on int64 tensors, computes them as ints too
     fine = "lru-lfu:0.0000000000000000001"
     calls = [*LIFE, ("get_new_blocks", (7,))]
-    gpu = _both(fine, calls)
+    gpu = _both(fine, calls, python_path_max=python_path_max)
     assert gpu.get_num_free_blocks() == 0
+
+
+@pytest.mark.parametrize("profile", ["lru-timestamp", "block-age", "lfu", "lru-lfu:0.5"])
+@pytest.mark.parametrize("evict_first", [False, True])
+def test_a_long_free_places_its_blocks_by_the_specs_keys(profile, evict_first):
+    # Every batch through the tensor path: the stamps in scatters, the keys computed by column. Blocks
+    # 1 and 2 are freed first with two accesses each, the rest later with one: recency and frequency
+    # disagree, so a hit that stamps or counts wrong changes the order.
+    n = 12
+    calls = [
+        ("get_new_blocks", (10,)),
+        ("cache_full_blocks", ([1, 2, 3, 4, 5, 6], [BlockHash(bytes([i]) * 8) for i in range(1, 7)])),
+        ("touch", ([1, 2],)),
+        ("free_blocks", ([1, 2], False)),
+        ("free_blocks", ([2, 1], evict_first)),
+        ("free_blocks", ([6, 5, 4, 3, 10, 9], False)),
+        ("touch", ([3, 5],)),  # hits on free blocks: they leave the free blocks
+        ("free_blocks", ([5, 3, 8, 7], True)),
+        ("get_new_blocks", (n - 2,)),
+    ]
+    _both(profile, calls, n=n, python_path_max=0)
 
 
 def test_two_faces_stay_equal_under_a_keyed_policy():
