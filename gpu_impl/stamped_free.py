@@ -12,8 +12,12 @@ gpu_impl.block_pool): every take's answer is needed on the host (it becomes a
 request's block table), and a free block's key never changes while it is
 free (only held blocks are stamped; a hit takes the block out), so two binary
 heaps keep the order at O(log n) a block: the ids of the free blocks without
-a hash, and `(eviction_key, id)` of the free hashed ones (the key opens
-with the tier a free with `evict_first` gives). Removals (a hit, a
+a hash, and the `eviction_key` of the free hashed ones (it opens with the
+tier a free with `evict_first` gives and ends with the block id), each
+packed into one int, its components side by side in fixed-width fields: the
+ints compare as the tuples do, and a heap of ints pops about 10x faster than
+one of tuples (1e5 pops from 1e6 entries, measured: 0.08 s against 0.74).
+Removals (a hit, a
 quarantine, a block losing its hash) are lazy: an entry is live while its
 block is free and its key is the one recorded in `_live`; stale entries are
 skipped when they reach the top, and the cached heap is rebuilt when they
@@ -32,7 +36,7 @@ O(1) per block; `ordered` (the snapshot only) O(n log n). Long batches come
 in as tensors: their stamps go in one scatter each (the stamp arrays are
 shared with CPU tensors), and the keys of the blocks a long free makes free
 are computed column by column, by `eviction_key` itself on int64 tensors,
-then pushed (a fresh key is the largest, so a push is O(1) comparisons). A
+then packed and pushed. A
 weight whose score could pass int64 falls back to Python's ints. Measured
 side by side (`kvspec bench gpu --profile lru-timestamp --pools 1e6
 --batches 1e5`, CPU, one run): a 1e5-block free 360 -> 191 ms, a touch with
@@ -44,7 +48,8 @@ from __future__ import annotations
 import array
 import heapq
 import itertools
-from collections.abc import Sequence
+import operator
+from collections.abc import Iterable, Sequence
 from typing import cast
 
 import torch
@@ -54,6 +59,9 @@ from kvspec.spec.ordering import PY, ProfileRule, eviction_key
 __all__ = ["StampedFreeBlocks"]
 
 Key = tuple[int, ...]
+# Bits per component of a packed key, beyond the weight's: stamps, access counts and block ids are
+# int64 (the stamp arrays' type), and a score q * last_access + p * accesses is below (p + q) * 2**63.
+_FIELD_BITS = 64
 
 
 class StampedFreeBlocks:
@@ -97,22 +105,46 @@ class StampedFreeBlocks:
             self._free[b] = 1
         self.num_free_blocks = max(n - 1, 0)
         self._first_fit = list(range(1, n))  # ids of free blocks without a hash (sorted: already a heap)
-        self._cached: list[tuple[Key, int]] = []  # (key, id) of free hashed blocks, lazily deleted
-        self._live: dict[int, Key] = {}  # free hashed block -> the key of its live entry in _cached
+        weight = rule.weight
+        self._width = _FIELD_BITS + (weight.numerator + weight.denominator).bit_length()  # fixed
+        self._id_mask = (1 << self._width) - 1  # a packed key's last field: the block id
+        self._cached: list[int] = []  # the packed keys of free hashed blocks, lazily deleted
+        self._live: dict[int, int] = {}  # free hashed block -> the packed key of its live entry in _cached
         self.key_capacity = 0  # no key index in the pool's state
 
-    def _key(self, b: int) -> Key:
+    def _spec_key(self, b: int) -> Key:
+        """Block b's eviction key, the spec's tuple."""
         stamps = self.last_access[b], self.num_accesses[b], self.registered_at[b], bool(self.is_evict_first[b])
         return cast(Key, eviction_key(self._rule, b, *stamps, PY))
+
+    def _key(self, b: int) -> int:
+        """Block b's eviction key, packed."""
+        return self._pack(self._spec_key(b))
+
+    def _pack(self, key: Key) -> int:
+        """A key as one int that orders as the key does: each component (a non-negative int below
+        2**width, see _FIELD_BITS) in a field of `width` bits, the first in the highest."""
+        packed, width = 0, self._width
+        for component in key:
+            packed = (packed << width) | int(component)
+        return packed
+
+    def _pack_columns(self, columns: Sequence[Iterable[int]]) -> list[int]:
+        """`_pack` for many keys given component by component, in C-level maps (no Python frame a key)."""
+        shift = itertools.repeat(self._width)
+        packed: Iterable[int] = columns[0]
+        for column in columns[1:]:
+            packed = map(operator.or_, map(operator.lshift, packed, shift), column)
+        return list(packed)
 
     def _add(self, b: int) -> None:
         """A block that just became free (or lost its hash while free) takes its place."""
         if self._hash_flags[b]:
             key = self._key(b)
             self._live[b] = key
-            heapq.heappush(self._cached, (key, b))
+            heapq.heappush(self._cached, key)
             if len(self._cached) > 2 * len(self._live) + 64:  # stale entries dominate: drop them
-                self._cached = [(k, block) for block, k in self._live.items()]
+                self._cached = list(self._live.values())
                 heapq.heapify(self._cached)
         else:
             heapq.heappush(self._first_fit, b)
@@ -151,35 +183,42 @@ class StampedFreeBlocks:
             evict_first,
             PY,
         )
-        columns = [c.tolist() if isinstance(c, torch.Tensor) else itertools.repeat(c) for c in key]
-        keys = cast("list[Key]", list(zip(*columns)))
-        ids = cast("list[int]", block_ids.tolist())
-        self._live.update(zip(ids, keys))
+        k = block_ids.numel()
+        columns = [
+            cast("list[int]", c.tolist()) if isinstance(c, torch.Tensor) else itertools.repeat(cast(int, c), k)
+            for c in key
+        ]
+        keys = self._pack_columns(columns)
+        self._live.update(zip(cast("list[int]", block_ids.tolist()), keys))
         cached, push = self._cached, heapq.heappush
-        for entry in zip(keys, ids):  # fresh stamps are the largest: each push is O(1) comparisons
-            push(cached, entry)
+        for packed in keys:  # O(1) comparisons where the fresh last access leads the key (lru-timestamp)
+            push(cached, packed)
         if len(cached) > 2 * len(self._live) + 64:  # stale entries dominate: drop them
-            self._cached = [(k, block) for block, k in self._live.items()]
+            self._cached = list(self._live.values())
             heapq.heapify(self._cached)
 
     # --- the order ------------------------------------------------------------------------------
 
-    def _pop(self) -> int:
-        """The free block the policy gives out next (first fit, then the smallest key), out of the heaps."""
-        free, flags = self._free, self._hash_flags
-        while self._first_fit:
-            b = heapq.heappop(self._first_fit)
+    def _pop(self, n: int) -> list[int]:
+        """The n free blocks the policy gives out next (first fit, then the smallest keys), out of the heaps."""
+        taken: list[int] = []
+        free, flags, first_fit, pop = self._free, self._hash_flags, self._first_fit, heapq.heappop
+        while first_fit and len(taken) < n:
+            b = pop(first_fit)
             if free[b] and not flags[b]:  # else quarantined, or re-added under its hash
-                return b
-        while True:
-            key, b = heapq.heappop(self._cached)
-            if self._live.get(b) == key:
-                del self._live[b]
-                return b
+                taken.append(b)
+        cached, live, id_mask = self._cached, self._live, self._id_mask
+        while len(taken) < n:
+            key = pop(cached)
+            b = key & id_mask
+            if live.get(b) == key:  # else stale: the block left, or its key changed
+                del live[b]
+                taken.append(b)
+        return taken
 
     def take(self, n: int) -> list[int]:
         """Take the n blocks the policy gives out first, in order, stamped as allocated (one access each)."""
-        taken = [self._pop() for _ in range(n)]
+        taken = self._pop(n)
         free, accesses = self._free, self.num_accesses
         for b in taken:
             free[b] = 0
@@ -192,7 +231,7 @@ class StampedFreeBlocks:
         """Every free block in the policy's order (for the snapshot). Cost: O(n log n)."""
         free, flags = self._free, self._hash_flags
         first_fit = sorted(b for b in set(self._first_fit) if free[b] and not flags[b])
-        cached = [b for _, b in sorted((key, b) for b, key in self._live.items())]
+        cached = [key & self._id_mask for key in sorted(self._live.values())]
         return torch.tensor(first_fit + cached, dtype=torch.int64, device=self._device)
 
     def is_free(self, block_id: int) -> bool:
@@ -288,7 +327,7 @@ class StampedFreeBlocks:
             if free[b] and not flags[b] and b not in first_fit:
                 errors.append(f"free block {b} has no hash but no first-fit entry")
             if free[b] and flags[b] and self._live.get(b) != self._key(b):
-                errors.append(f"free block {b} has a hash but no live entry under its key {self._key(b)}")
+                errors.append(f"free block {b} has a hash but no live entry under its key {self._spec_key(b)}")
         if any(not (free[b] and flags[b]) for b in self._live):
             errors.append("a live cached entry names a block that is not free with a hash")
         stamps = [*self.last_access, *self.registered_at]

@@ -8,10 +8,15 @@ order outright and check what only the stamped free blocks have.
 from __future__ import annotations
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
+from kvspec.gpu_impl.stamped_free import StampedFreeBlocks
 from kvspec.spec import ops
+from kvspec.spec.ordering import PY, eviction_key, profile_rule
 from kvspec.spec.state import BlockHash
 
 H = [BlockHash(bytes([i]) * 8) for i in range(8)]
@@ -109,3 +114,18 @@ def test_check_invariants_notices_a_miscounted_free_block():
     gpu.free_block_queue.num_free_blocks += 1
     with pytest.raises(AssertionError, match=r"free queue: 7 blocks are flagged free but num_free_blocks=8"):
         gpu.check_invariants()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    weight=st.sampled_from(["lfu", "lru-timestamp", "lru-lfu:0.5", "lru-lfu:123456789.000000000000000000001"]),
+    stamps=st.lists(st.tuples(*[st.integers(0, 2**63 - 1)] * 3, st.booleans()), min_size=2, max_size=2),
+    ids=st.lists(st.integers(1, 2**63 - 1), min_size=2, max_size=2, unique=True),
+)
+def test_packed_keys_order_as_the_specs_keys(weight, stamps, ids):
+    """The heaps compare packed ints; they must order exactly as eviction_key's tuples, at int64's bounds too."""
+    free = StampedFreeBlocks(2, profile_rule(weight), memoryview(bytearray(2)), torch.device("cpu"))
+    keys = [eviction_key(profile_rule(weight), b, *s, PY) for b, s in zip(ids, stamps)]
+    packed = [free._pack(k) for k in keys]
+    assert (keys[0] < keys[1]) == (packed[0] < packed[1])
+    assert [p & free._id_mask for p in packed] == ids  # the block id is the packed key's last field
