@@ -89,6 +89,7 @@ from kvspec.gpu_impl.sizing import KVLayout, format_size
 from kvspec.reference import BlockPool
 from kvspec.spec.errors import BlockManagerError, InvalidRequest
 from kvspec.spec.events import BlockRemoved
+from kvspec.spec.ordering import profile_rule
 from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = [
@@ -725,7 +726,7 @@ def render(
         ]
     if content is not None:
         lines += ["", *_render_content(content)]
-    lines += ["", *_verdicts(results, device, two_memories)]
+    lines += ["", *_verdicts(results, device, two_memories, profile_rule(profile).keyed)]
     return "\n".join(lines)
 
 
@@ -761,9 +762,12 @@ def _floor_lines(floor: Floors) -> list[str]:
     return lines
 
 
-def _verdicts(results: Sequence[Measurement], device: str, two_memories: bool = False) -> list[str]:
+def _verdicts(
+    results: Sequence[Measurement], device: str, two_memories: bool = False, keyed: bool = False
+) -> list[str]:
     """The issue's targets, stated against what was measured: CUDA's on CUDA, and on the CPU with two memories
-    (CUDA's path: its host work is CUDA's, its device work runs on the CPU too), the CPU's otherwise."""
+    (CUDA's path: its host work is CUDA's, its device work runs on the CPU too), the CPU's otherwise. A keyed
+    policy's 1e5-block target is its own: take and free 10x, lists or device ids alike."""
     out: list[str] = []
     if device.startswith("cuda") or two_memories:
         out += [] if device.startswith("cuda") else [
@@ -780,6 +784,8 @@ def _verdicts(results: Sequence[Measurement], device: str, two_memories: bool = 
         big = [m for m in results if m.batch >= CUDA_TARGET_BATCH]
         if not big:
             return [*out, f"CUDA target, 1e5-block batches: not measured (no batch of {CUDA_TARGET_BATCH:,})"]
+        if keyed:
+            return [*out, _keyed_verdict(big)]
         worst = min(big, key=lambda m: m.ratio)
         out.append(
             f"CUDA target, 1e5-block batches >= {CUDA_TARGET:g}x faster with lists: "
@@ -793,6 +799,27 @@ def _verdicts(results: Sequence[Measurement], device: str, two_memories: bool = 
             f"{worst.operation}, pool {worst.num_gpu_blocks:,})"
         )
         return out
+    return _cpu_verdicts(results)
+
+
+def _keyed_verdict(big: Sequence[Measurement]) -> str:
+    """A keyed policy's 1e5-block target: its take and its free at least CUDA_TARGET times the reference's speed."""
+    timed = [
+        (ratio, m.operation, how, m.num_gpu_blocks)
+        for m in big
+        if m.operation in ("get_new_blocks", "free_blocks")
+        for ratio, how in ((m.ratio, "lists"), (m.tensor_ratio, "device ids"))
+    ]
+    ratio, operation, how, pool = min(timed)
+    return (
+        f"CUDA target, keyed policy, 1e5-block take and free >= {CUDA_TARGET:g}x faster: "
+        f"{'met' if ratio >= CUDA_TARGET else 'MISSED'} (worst {ratio:.1f}x: {operation} with {how}, pool {pool:,})"
+    )
+
+
+def _cpu_verdicts(results: Sequence[Measurement]) -> list[str]:
+    """The CPU's target: single-request batches no slower than CPU_TARGET's inverse times the reference."""
+    out: list[str] = []
     single = [m for m in results if m.batch <= SINGLE_REQUEST_MAX_BLOCKS]
     for batch in sorted({m.batch for m in single}):
         worst = min((m for m in single if m.batch == batch), key=lambda m: m.ratio)

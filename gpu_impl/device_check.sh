@@ -16,6 +16,9 @@
 #      a short call makes, the device's free memory);
 #   4. the benchmark: the full grid (batches of 1 to 1e5 blocks in pools of 1e4
 #      to 1e6, against the reference) and the KV content check at 1e5 blocks;
+#      then batches of 1, 16 and 1e5 in a 1e6-block pool under a keyed policy
+#      (lru-timestamp: its own target, take and free 10x) and with KV cache
+#      events on (the cost of building the events printed as the floor);
 # then prints the benchmark and one short table, and under it the largest
 # batch's rows of the benchmark: each operation's times beside its torch
 # calls (host/device/waits, with lists and with device ids). Exit 0 when every step
@@ -144,12 +147,14 @@ if [ "$quick" = "1" ]; then
     check_args+=(--level pool --max-examples 100)
     corruption_args=(-k "not machine")
     bench_args=(--quick --seconds 0.05 --no-hash-map --content-blocks 200)
+    policy_args=(--pools 3000 --batches 1 1000 --seconds 0.05)
 else
     step conformance conformance 170 "$pytest_summary" "$PY" -m pytest "${pytest_args[@]}" "$tests" \
         --ignore="$tests/test_corruption.py" --ignore="$tests/test_cuda.py" \
         --ignore="$tests/test_bench.py" --ignore="$tests/test_device_check.py"
     corruption_args=()
     bench_args=(--full --seconds 0.2 --content-layers auto)
+    policy_args=(--pools 1e6 --batches 1 16 1e5 --seconds 0.2)
 fi
 
 # The harness with the same seed on the CPU and on the device: the same campaign, so the same rows.
@@ -181,6 +186,11 @@ if [[ "$device" == cuda* ]]; then
 fi
 step benchmark benchmark 240 'every hit block read back' \
     "$PY" -m kvspec.benchmarks.gpu_bench --device "$device" "${bench_args[@]}"
+step "benchmark, keyed policy" benchmark-keyed 150 'keyed policy|CPU target' \
+    "$PY" -m kvspec.benchmarks.gpu_bench --device "$device" "${policy_args[@]}" --no-hash-map --no-content \
+    --profile lru-timestamp
+step "benchmark, events" benchmark-events 150 'the floor of events' \
+    "$PY" -m kvspec.benchmarks.gpu_bench --device "$device" "${policy_args[@]}" --no-hash-map --no-content --events
 
 echo
 [ -f "$logs/benchmark.log" ] && cat "$logs/benchmark.log" || touch "$logs/benchmark.log"
@@ -191,17 +201,22 @@ for r in "${rows[@]}"; do echo "$r"; done
 printf '%-30s %-8s %5ss\n' "all" "$([ "$status" -eq 0 ] && echo pass || echo FAIL)" "$(($(date +%s) - started))"
 echo
 echo "benchmark, the largest batch in the largest pool (ratio = reference / gpu_impl; above 1x gpu_impl is faster):"
-"$PY" - "$logs/benchmark.log" <<'EOF' || true
+for log in benchmark benchmark-keyed benchmark-events; do
+    [ -f "$logs/$log.log" ] || continue
+    "$PY" - "$logs/$log.log" <<'EOF' || true
 import re, sys
 
 lines = open(sys.argv[1]).readlines()
+title = next((line for line in lines if line.startswith("gpu_impl on ")), "").split(":")[0]
 header = next((line for line in lines if re.match(r" +pool +batch +operation ", line)), "")
 rows = [line for line in lines if re.match(r" +[0-9,]+ +[0-9,]+  [a-z_]+ ", line)]
 size = lambda line: tuple(int(cell.replace(",", "")) for cell in line.split()[:2])
 largest = max(map(size, rows), key=lambda s: (s[1], s[0]), default=None)
-print(header + "".join(line for line in rows if size(line) == largest), end="")
+print(title + "\n" + header + "".join(line for line in rows if size(line) == largest), end="")
 EOF
+done
 grep -E '^KV content check|^  hit: |every hit block read back|target' "$logs/benchmark.log" || true
+grep -hE 'keyed policy|the floor of events' "$logs/benchmark-keyed.log" "$logs/benchmark-events.log" 2>/dev/null || true
 if [ "$status" -ne 0 ]; then
     echo "logs: $logs"
 elif [ "$keep_logs" = "0" ]; then

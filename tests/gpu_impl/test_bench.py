@@ -13,6 +13,7 @@ import pytest
 
 from kvspec.benchmarks.gpu_bench import (
     OPERATIONS,
+    Measurement,
     content_layers_that_fit,
     main,
     measure,
@@ -139,3 +140,21 @@ def test_with_two_memories_each_row_carries_the_device_face_and_the_torch_calls(
     assert "the floor of events" not in out  # measured with --events only
     assert main([*args, "--events"]) == 0
     assert "the floor of events, 1,000 BlockRemoved built" in capsys.readouterr().out
+
+
+def test_a_keyed_policy_is_held_to_its_own_1e5_target(capsys):
+    # Seed 002's policies: take and free 10x, lists or device ids alike (touch and the 50x are the queue's).
+    def row(operation: str, lists: float, ids: float) -> Measurement:
+        return Measurement(1_000_000, 100_000, operation, 1.0, 1.0 / lists, 1.0 / ids, 3)
+
+    results = [row("get_new_blocks", 12.0, 4.0), row("free_blocks", 15.0, 20.0), row("touch", 1.0, 1.0)]
+    out = render(results, "cpu", None, None, "lru-timestamp", False, None, True)
+    assert "CUDA target, keyed policy, 1e5-block take and free >= 10x faster: MISSED" in out
+    assert "(worst 4.0x: get_new_blocks with device ids, pool 1,000,000)" in out
+    assert "50x" not in out
+    results = [row("get_new_blocks", 12.0, 11.0), row("free_blocks", 15.0, 20.0), row("touch", 1.0, 1.0)]
+    assert "take and free >= 10x faster: met (worst 11.0x" in render(
+        results, "cuda:0", None, None, "lfu", False, None, False
+    )
+    queue = render(results, "cuda:0", None, None, "vllm-v1", False, None, False)
+    assert "keyed" not in queue and "50x faster with device ids: MISSED" in queue

@@ -30,14 +30,20 @@ def test_quick_cpu_mode_passes_every_step_and_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert any(line.startswith("gpu_impl device check on cpu (") and line.endswith(", quick") for line in lines)
-    for step in ("conformance", "kvspec check, cpu", "same verdict, cpu and cpu", "corruption", "benchmark", "all"):
+    steps = ["conformance", "kvspec check, cpu", "same verdict, cpu and cpu", "corruption", "benchmark"]
+    for step in [*steps, "benchmark, keyed policy", "benchmark, events", "all"]:
         assert "pass" in row(lines, step), step
     # Quick mode checks the pool level (caching on and off); the same seed gave the same campaign.
     assert "2 rows equal: pool on conforms, pool off conforms" in " ".join(row(lines, "same verdict"))
     largest = lines[lines.index(next(line for line in lines if line.startswith("benchmark, the largest batch"))) + 1 :]
-    assert "calls" in largest[0] and "(tensors)" in largest[0]  # the counts, beside the timings
+    assert largest[0] == "gpu_impl on cpu against the reference, profile vllm-v1"  # each run's title, its header
+    assert "calls" in largest[1] and "(tensors)" in largest[1]  # the counts, beside the timings
     assert any("get_new_blocks" in line and re.search(r" \d+/\d+/\d+ +\d+/\d+/\d+$", line) for line in largest)
     assert any(line.startswith("CPU target") for line in lines)
+    # the keyed policy's and the events' largest batch too, each under its run's title
+    assert any(line.startswith("gpu_impl on cpu against the reference, profile lru-timestamp") for line in largest)
+    assert any(line.endswith("profile vllm-v1, KV cache events on") for line in largest)
+    assert any(line.startswith("the floor of events, 1,000 BlockRemoved built") for line in lines)
     assert any("every hit block read back: intact" in line for line in lines)
     assert {"check-cpu.log", "check-device.log", "benchmark.log"} <= {p.name for p in tmp_path.iterdir()}
 
