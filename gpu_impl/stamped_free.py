@@ -17,11 +17,11 @@ tier a free with `evict_first` gives and ends with the block id), each
 packed into one int, its components side by side in fixed-width fields: the
 ints compare as the tuples do, and a heap of ints pops about 10x faster than
 one of tuples (1e5 pops from 1e6 entries, measured: 0.08 s against 0.74).
-Removals (a hit, a
-quarantine, a block losing its hash) are lazy: an entry is live while its
-block is free and its key is the one recorded in `_live`; stale entries are
-skipped when they reach the top, and the cached heap is rebuilt when they
-outnumber the live ones. Stamps are three host arrays beside it.
+Removals (a hit, a quarantine, a block losing its hash) are lazy: an entry
+is live while its block is free and its key is the one recorded in `_live`;
+stale entries are skipped when they reach the top, and the cached heap is
+rebuilt when they outnumber the live ones. Stamps are three host arrays
+beside it.
 
 The rejected alternative, built and measured (`kvspec bench gpu --profile
 lru-timestamp`, one CPU thread, torch 2.13): the stamps in the pool's
@@ -36,14 +36,13 @@ O(1) per block; `ordered` (the snapshot only) O(n log n). Long batches come
 in as tensors: their stamps go in one scatter each (the stamp arrays are
 shared with CPU tensors), and the keys of the blocks a long free makes free
 are computed column by column, by `eviction_key` itself on int64 tensors,
-then packed and pushed. A
-weight whose score could pass int64 falls back to Python's ints. Measured
-side by side (`kvspec bench gpu --profile lru-timestamp --pools 1e6
---batches 1e5`, CPU, two runs each, reference / gpu_impl, lists / ids in a
-tensor): a take 1.70-2.44x / 1.38-1.44x before, 4.42-5.38x / 3.38-4.10x
-after; a free 1.46-1.48x / 1.08-1.16x before, 3.26-3.44x / 2.74-3.45x
-after; a touch 1.80-2.35x / 2.97-3.58x before, 2.44-2.65x / 8.20-8.70x
-after.
+then packed and pushed; a weight whose score could pass int64 falls back to
+Python's ints. Measured side by side (`kvspec bench gpu --profile
+lru-timestamp --pools 1e6 --batches 1e5`, CPU, two runs each, reference /
+gpu_impl, lists / ids in a tensor): a take 1.70-2.44x / 1.38-1.44x before,
+4.42-5.38x / 3.38-4.10x after; a free 1.46-1.48x / 1.08-1.16x before,
+3.26-3.44x / 2.74-3.45x after; a touch 1.80-2.35x / 2.97-3.58x before,
+2.44-2.65x / 8.20-8.70x after.
 """
 
 from __future__ import annotations
@@ -299,11 +298,11 @@ class StampedFreeBlocks:
         if newly_free.numel() == 0:
             return
         self._free_t.index_fill_(0, newly_free, 1)
-        flags = self._hash_flags
-        hashed = [b for b in newly_free.tolist() if flags[b]]
-        if len(hashed) < newly_free.numel():
+        flags, blocks = self._hash_flags, cast("list[int]", newly_free.tolist())
+        hashed = [b for b in blocks if flags[b]]
+        if len(hashed) < len(blocks):
             first_fit, push = self._first_fit, heapq.heappush
-            for b in newly_free.tolist():
+            for b in blocks:
                 if not flags[b]:
                     push(first_fit, b)
         if hashed:
