@@ -54,9 +54,9 @@ from kvspec.spec.state import BlockHash, BlockId, PoolState
 
 __all__ = [
     "ANALYSIS_ERROR",
-    "SEARCHED_NOTHING",
     "DEFAULT_MODULES",
     "NO_COUNTEREXAMPLE",
+    "SEARCHED_NOTHING",
     "ConditionResult",
     "ContractsReport",
     "FunctionReport",
