@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,11 +33,7 @@ from kvspec.conformance.tools.view import trace_to_page_data, write_page, write_
 from kvspec.conformance.tools.walkthrough import load_golden
 from kvspec.mutants import all_mutants
 from tests.conformance.chromium import Browser, chromium_session
-from tests.conformance.test_view import content_failure_trace, fifty_step_trace
-
-# How long a served page may take to stop after Ctrl-C: well under a second idle; a machine busy with
-# several other processes has taken over 10 s (seen once, both tests at once), so the bound is loose.
-STOP_TIMEOUT_S = 60
+from tests.conformance.test_view import content_failure_trace, fifty_step_trace, start_serving
 
 FILE = ("file://",)
 
@@ -333,10 +327,7 @@ def test_the_served_page_is_the_same_page_and_asks_only_for_itself(browser: Brow
     result = replay(trace, make_free_head_first, trace_dir=source, isolate=False)
     assert result.failure is not None and result.failure.trace_path is not None
     assert read_trace(result.failure.trace_path).failure is not None
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvspec", "view", result.failure.trace_path, "--serve", "--no-open"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    proc = start_serving(result.failure.trace_path)
     try:
         assert proc.stdout is not None
         m = re.match(r"serving the page at (http://127\.0\.0\.1:\d+/) ", proc.stdout.readline())
@@ -346,7 +337,7 @@ def test_the_served_page_is_the_same_page_and_asks_only_for_itself(browser: Brow
         assert side(browser, "impl")["differs"] == ["free_queue"]
         browser.assert_clean((m.group(1),))
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=STOP_TIMEOUT_S)
+        proc.communicate(timeout=10)
         assert proc.returncode == 0
     finally:
         if proc.poll() is None:
