@@ -108,7 +108,8 @@ class StampedFreeBlocks:
         self.num_free_blocks = max(n - 1, 0)
         self._first_fit = list(range(1, n))  # ids of free blocks without a hash (sorted: already a heap)
         weight = rule.weight
-        self._width = _FIELD_BITS + (weight.numerator + weight.denominator).bit_length()  # fixed
+        self._weight_terms = weight.numerator + weight.denominator  # fixed: a score is below this times 2**63
+        self._width = _FIELD_BITS + self._weight_terms.bit_length()  # fixed
         self._id_mask = (1 << self._width) - 1  # a packed key's last field: the block id
         self._cached: list[int] = []  # the packed keys of free hashed blocks, lazily deleted
         self._live: dict[int, int] = {}  # free hashed block -> the packed key of its live entry in _cached
@@ -145,9 +146,7 @@ class StampedFreeBlocks:
             key = self._key(b)
             self._live[b] = key
             heapq.heappush(self._cached, key)
-            if len(self._cached) > 2 * len(self._live) + 64:  # stale entries dominate: drop them
-                self._cached = list(self._live.values())
-                heapq.heapify(self._cached)
+            self._compact()
         else:
             heapq.heappush(self._first_fit, b)
 
@@ -171,8 +170,7 @@ class StampedFreeBlocks:
         A weight whose score could pass int64 (`lru-lfu:W` with a fine W) takes Python's ints, block
         by block: stamps and access counts are below the clock, so the score is below (p + q) * clock.
         """
-        weight = self._rule.weight
-        if (weight.numerator + weight.denominator) * max(self.clock, 1) >= 2**63:
+        if self._weight_terms * max(self.clock, 1) >= 2**63:
             for b in cast("list[int]", block_ids.tolist()):
                 self._add(b)
             return
@@ -195,7 +193,11 @@ class StampedFreeBlocks:
         cached, push = self._cached, heapq.heappush
         for packed in keys:  # O(1) comparisons where the fresh last access leads the key (lru-timestamp)
             push(cached, packed)
-        if len(cached) > 2 * len(self._live) + 64:  # stale entries dominate: drop them
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rebuild the cached heap from the live entries when stale ones dominate it. Cost: O(n) when it does."""
+        if len(self._cached) > 2 * len(self._live) + 64:
             self._cached = list(self._live.values())
             heapq.heapify(self._cached)
 
