@@ -213,8 +213,9 @@ class TensorBlockPool:
 
         Raises:
             InvalidRequest: num_gpu_blocks is not an integer >= 1, the profile is unknown,
-                the device cannot be used, python_path_max is not an integer >= 0, or
-                share_host_memory is asked for a device with its own memory.
+                the device cannot be used, python_path_max is not an integer >= 0,
+                share_host_memory is asked for a device with its own memory, or key_capacity
+                is below 2 * num_gpu_blocks.
 
         Cost: O(num_gpu_blocks).
         """
@@ -314,7 +315,8 @@ class TensorBlockPool:
             InvalidRequest: share_host_memory is asked for a device with its own memory.
         """
         try:
-            # A block's fields are its row of the state: a short call marks the block (wrote_rows), not each field.
+            # A block's fields are its row of the state: a short call marks the block (host_written's rows), not
+            # each field.
             state = MirroredState(length, self.device, share_host_memory, row_width=_NUM_FIELDS)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
@@ -349,15 +351,19 @@ class TensorBlockPool:
         field stays 0).
         """
         n, dev = self.num_gpu_blocks, self.device
-        self._stamped: StampedFreeBlocks | None = None  # the keyed policy's free blocks, when it is one
+        # Exactly one of the two is set, typed, so that a call reaches its own with no cast.
+        self._stamped: StampedFreeBlocks | None = None  # a keyed policy's free blocks
+        self._queue: KeyedFreeQueue | None = None  # a queue policy's free queue
         self.free_block_queue: KeyedFreeQueue | StampedFreeBlocks
         if rule.keyed:
-            self._stamped = StampedFreeBlocks(n, rule, self._hash_flags, dev)
-            self.free_block_queue = self._stamped
+            self.free_block_queue = self._stamped = StampedFreeBlocks(n, rule, self._hash_flags, dev)
         else:
-            self.free_block_queue = KeyedFreeQueue(
-                n, dev, key_capacity, self._state, (_FREE_KEY, _NUM_FIELDS), _NUM_FIELDS * n
-            )
+            try:
+                self.free_block_queue = self._queue = KeyedFreeQueue(
+                    n, dev, key_capacity, self._state, (_FREE_KEY, _NUM_FIELDS), _NUM_FIELDS * n
+                )
+            except ValueError as e:  # a key index too short for the pool
+                raise InvalidRequest(str(e)) from None
 
     def _init_host_maps(self) -> None:
         """The host-only bookkeeping: the hash map and the quarantine."""
@@ -485,10 +491,6 @@ class TensorBlockPool:
         next push (gpu_impl.mirror): `method(*args, **kwargs)` on the field's view of each face."""
         self._state.apply(*self._field_views[field], method, *args, **kwargs)
 
-    def _queue(self) -> KeyedFreeQueue:
-        """The free queue of a queue policy (called only under one: a keyed policy has `_stamped`)."""
-        return cast(KeyedFreeQueue, self.free_block_queue)
-
     # --- operations -----------------------------------------------------------------------
 
     def get_block_hash(self, block_id: int) -> BlockHash | None:
@@ -553,8 +555,12 @@ class TensorBlockPool:
             )
 
     def _take_short(self, num_blocks: int) -> list[int]:
-        stamped = self._stamped
-        taken = stamped.take(num_blocks) if stamped is not None else self._queue().popleft_list(num_blocks)
+        queue = self._queue
+        if queue is not None:
+            taken = queue.popleft_list(num_blocks)
+        else:
+            assert self._stamped is not None
+            taken = self._stamped.take(num_blocks)
         if self.kv_event_queue is not None:
             self._publish_removed(taken)  # before the loop below clears the flags it reads
         ref, flags = self._ref, self._hash_flags
@@ -564,21 +570,21 @@ class TensorBlockPool:
             # its memory is actually needed. Its dict entry goes stale (see above).
             flags[b] = 0
         if self._track:
-            self._state.wrote_rows(taken)
-            self._state.host_written()
+            self._state.host_written(taken)
         return taken
 
     def _take_long(self, num_blocks: int) -> torch.Tensor:
         """Take a long batch on the host face; the taken ids as a CPU tensor."""
-        if self._stamped is not None:  # the keyed order lives in host heaps
+        if self._queue is not None:
+            taken = self._queue.popleft_n(num_blocks)
+            if self.kv_event_queue is not None:
+                self._publish_removed_long(taken)
+        else:  # the keyed order lives in host heaps
+            assert self._stamped is not None
             host_ids = self._stamped.take(num_blocks)
             if self.kv_event_queue is not None:
                 self._publish_removed(host_ids)
             taken = torch.frombuffer(array.array("q", host_ids), dtype=torch.int64)
-        else:
-            taken = self._queue().popleft_n(num_blocks)
-            if self.kv_event_queue is not None:
-                self._publish_removed_long(taken)
         self._apply(_REF, "index_fill_", 0, taken, 1)
         self._apply(_HASH, "index_fill_", 0, taken, 0)  # evicted, as above
         self._state.host_written()
@@ -604,20 +610,21 @@ class TensorBlockPool:
                 break
         if len(ids) > 1 and len(set(ids)) != len(ids):
             self._check_ids(ids, "touch")
-        ref = self._ref
+        ref, hits = self._ref, cast("list[int]", ids)
         was_free: list[int] = []
-        for b in cast("list[int]", ids):
+        for b in hits:
             r = ref[b]
             if r == 0:
                 was_free.append(b)
             ref[b] = r + 1
-        if self._stamped is not None:  # a hit is an access
-            self._stamped.hit_list(cast("list[int]", ids), was_free)
-        else:
-            self.free_block_queue.remove_list(was_free)
+        queue = self._queue
+        if queue is not None:
+            queue.remove_list(was_free)
+        else:  # a hit is an access
+            assert self._stamped is not None
+            self._stamped.hit_list(hits, was_free)
         if self._track:
-            self._state.wrote_rows(cast("list[int]", ids))
-            self._state.host_written()
+            self._state.host_written(hits)
         return None
 
     def _refuse_touch(self, block_ids: Sequence[object]) -> list[int]:
@@ -644,10 +651,11 @@ class TensorBlockPool:
                 "so no request can have hit it; stale block table?"
             )
         was_free = self._ref_host.index_select(0, ids) == 0
-        if self._stamped is not None:
-            self._stamped.hit(ids, ids[was_free])
+        if self._queue is not None:
+            self._queue.remove(ids[was_free])
         else:
-            self._queue().remove(ids[was_free])
+            assert self._stamped is not None
+            self._stamped.hit(ids, ids[was_free])
         self._apply(_REF, "index_add_", 0, ids, Ones(ids.numel()))
         self._state.host_written()
 
@@ -692,8 +700,8 @@ class TensorBlockPool:
         # its reference at once; the queue changes only after every id passed.
         # Anything the pass does not accept hands back the references it
         # dropped and goes to the spec's diagnosis.
-        n, ref, flags, corrupt = self.num_gpu_blocks, self._ref, self._hash_flags, self._corrupt
-        to_left = self._unhashed_to_left
+        n, ref, flags, to_left = self.num_gpu_blocks, self._ref, self._hash_flags, self._unhashed_to_left
+        corrupt = self._corrupt if self._num_corrupt_held else None  # None: no held block is corrupt (usually)
         left: list[int] = []  # newly free without a hash: reused first
         right: list[int] = []  # newly free with a hash: kept longest (LRU)
         retired: list[int] = []  # newly free but corrupt: quarantined
@@ -705,7 +713,7 @@ class TensorBlockPool:
             ref[b] = r - 1
             dropped += 1
             if r == 1:
-                if corrupt[b]:
+                if corrupt is not None and corrupt[b]:
                     retired.append(b)
                 elif evict_first or (to_left and not flags[b]):
                     left.append(b)
@@ -716,17 +724,17 @@ class TensorBlockPool:
             self._check_ids(ids, "free_blocks")
         if retired:
             self._retire(retired)
-        if self._stamped is not None:  # every block named is stamped; the newly free take their keys' places
-            self._stamped.freed_list(cast("list[int]", ids), left + right, evict_first)
-        else:
-            queue = self._queue()
+        queue = self._queue
+        if queue is not None:
             if left:
                 queue.prepend_list(left)
             if right:
                 queue.append_list(right)
+        else:  # every block named is stamped; the newly free take their keys' places
+            assert self._stamped is not None
+            self._stamped.freed_list(cast("list[int]", ids), left + right, evict_first)
         if self._track:
-            self._state.wrote_rows(cast("list[int]", ids))
-            self._state.host_written()
+            self._state.host_written(ids)
         return None
 
     def _undrop(self, block_ids: Sequence[object], dropped: int) -> None:
@@ -748,14 +756,12 @@ class TensorBlockPool:
         return ids
 
     def _retire(self, retired: list[int]) -> None:
-        """Quarantine corrupt blocks whose last holder just freed them (host face)."""
+        """Quarantine corrupt blocks whose last holder just freed them (host face; the free marks their rows)."""
         corrupt = self._corrupt
         for b in retired:
             corrupt[b] = 0
             self.quarantined[b] = None
         self._num_corrupt_held -= len(retired)
-        if self._track:
-            self._state.wrote_rows(retired)
 
     def _free_long(self, ids: torch.Tensor, evict_first: bool) -> None:
         ref_cnt = self._ref_host.index_select(0, ids)
@@ -778,7 +784,8 @@ class TensorBlockPool:
 
     def _queue_long(self, newly_free: torch.Tensor, evict_first: bool) -> None:
         """Send blocks whose ref_cnt reached 0 to their ends of the queue (host face, tensors)."""
-        queue = self._queue()
+        queue = self._queue
+        assert queue is not None
         if evict_first:  # every one to the left end, as one batch in the given order
             queue.prepend_n(newly_free)
             return
@@ -854,8 +861,7 @@ class TensorBlockPool:
         if self._stamped is not None:  # block-age reads when the content was registered
             self._stamped.registered_list(cast("list[int]", ids))
         if self._track:
-            self._state.wrote_rows(cast("list[int]", ids))
-            self._state.host_written()
+            self._state.host_written(cast("list[int]", ids))
         self._register(cast("list[int]", ids), block_hashes, stored)
         return None
 
@@ -1020,8 +1026,7 @@ class TensorBlockPool:
         if self._stamped is not None:  # a free block that loses its hash joins first fit
             self._stamped.lost_hash(cast("list[int]", ids))
         if self._track:
-            self._state.wrote_rows(cast("list[int]", ids))
-            self._state.host_written()
+            self._state.host_written(cast("list[int]", ids))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash if no block is held; refuse (False, nothing changes) otherwise.
@@ -1106,8 +1111,7 @@ class TensorBlockPool:
         for b in retired:
             self.quarantined[b] = None
         if self._track:
-            self._state.wrote_rows(ids)
-            self._state.host_written()
+            self._state.host_written(ids)
 
     # --- observation ----------------------------------------------------------------------
 

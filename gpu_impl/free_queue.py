@@ -51,8 +51,9 @@ than it is worth scanning one by one (`_HOST_SCAN_MAX`), or a batch forces a
 relabel; those run as tensor operations over the host face. The tensor
 methods (`popleft_n`, `remove`, `prepend_n`, `append_n`) are tensor
 operations over the host face, for long batches, on CPU tensors. Each marks
-what it wrote; the device face follows when it is next read (`free_key` and
-`key_to_block` are its views).
+what it wrote (the list methods the key index, the pool the blocks' rows); the
+device face follows when it is next read (`free_key` and `key_to_block` are
+its views).
 """
 
 from __future__ import annotations
@@ -94,20 +95,22 @@ def _min_key_capacity(num_gpu_blocks: int) -> int:
 class KeyedFreeQueue:
     """The free blocks of one pool, in eviction order, as keys with a host and a device face.
 
-    The pool owns this queue and calls it only with blocks in the right state:
-    `prepend_*`/`append_*` with blocks that are not free, `remove*` with blocks
-    that are. It never sees ref counts or hashes. After a call that changed
-    it, the pool calls `sync` on the shared state.
+    The pool owns this queue and its state, and calls it only with blocks in
+    the right state: `prepend_*`/`append_*` with blocks that are not free,
+    `remove*` with blocks that are. It never sees ref counts or hashes. With
+    two memories, each list method marks the key index entries it writes; a
+    block's key lies in the block's row, which the pool marks once for every
+    block a call names (`host_written`), whichever of its fields the call wrote.
     """
 
     def __init__(
         self,
         num_gpu_blocks: int,
         device: torch.device,
-        key_capacity: int | None = None,
-        state: MirroredState | None = None,
-        free_key_at: tuple[int, int] = (0, 1),
-        key_index_at: int | None = None,
+        key_capacity: int | None,
+        state: MirroredState,
+        free_key_at: tuple[int, int],
+        key_index_at: int,
     ) -> None:
         """Queue blocks 1..num_gpu_blocks-1 in id order (block 0 is the null block and never queued).
 
@@ -117,10 +120,9 @@ class KeyedFreeQueue:
             key_capacity: the length of the key index; None for the default. A
                 smaller one (at least 2 x num_gpu_blocks) relabels more often,
                 which is what tests want.
-            state: the pool's mirrored state, which holds the keys; None for a
-                state of the queue's own (then the two places below are its own too).
+            state: the pool's mirrored state, which holds the keys (the pool uploads it).
             free_key_at: (start, step): block b's key is state entry start + step * b
-                (the pool interleaves it with the block's other fields).
+                (the pool interleaves it with the block's other fields: row b).
             key_index_at: where the key index's key_capacity entries start in the state.
 
         Raises:
@@ -135,17 +137,11 @@ class KeyedFreeQueue:
                 f"key_capacity={cap} is below the minimum 2 * num_gpu_blocks={_min_key_capacity(num_gpu_blocks)}"
             )
         n = num_gpu_blocks
-        owns_state = state is None
-        if state is None:
-            state, free_key_at, key_index_at = MirroredState(n + cap, device), (0, 1), n
-        assert key_index_at is not None, "a shared state needs key_index_at"
         self.device = device  # fixed
         self.key_capacity = cap  # fixed: keys are 0..cap-1
         self._init_views(n, state, free_key_at, key_index_at)
         self._keys = torch.arange(cap, dtype=torch.int64)  # every key (host): a batch's keys are a slice
         self._queue_every_block(n)
-        if owns_state:
-            state.upload(0, n + cap)  # else the owner uploads its whole state once
         self.num_relabels = 0  # how many times the keys were renumbered (for benchmarks and tests)
 
     def _init_views(
@@ -375,9 +371,8 @@ class KeyedFreeQueue:
             self._k2b[first : first + k] = array.array("q", block_ids)
             for key, b in enumerate(block_ids, first):
                 fk[b] = key
-        if self._track:
+        if self._track:  # free_key[b] is in row b, which the pool marks
             self._state.wrote_host_range(self._k2b_base + first, self._k2b_base + first + k)
-            self._state.wrote_rows(block_ids)  # free_key[b] is in row b
         self.num_free_blocks += k
 
     def prepend_n(self, block_ids: torch.Tensor) -> None:

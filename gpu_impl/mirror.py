@@ -31,8 +31,9 @@ Then it goes across with no wait for the device: the tensor operations
 arguments uploaded in one asynchronous copy for all of them, one kernel
 each; the entries Python wrote follow as one pinned staging tensor of
 (indices, values), one copy and one `index_copy_`. Python marks a block it
-wrote as one row (`wrote_rows`: a block's fields are a row of the array,
-and the push expands it), any other entry by its index (`wrote_host`). Past
+wrote as one row (the rows an operation hands `host_written` at its end: a
+block's fields are a row of the array, and the push expands it), any other
+entry by its index (`wrote_host`). Past
 `_LAZY_HOST_MAX` entries, `_LAZY_REPLAYS_MAX` operations, or as many
 replayed entries as the state has, they go at once, so what waits stays
 bounded. Nothing is ever copied back: the device face is written by
@@ -103,7 +104,7 @@ class MirroredState:
             share_host_memory: one memory for both faces; None for the default (the CPU
                 shares, CUDA cannot). False on the CPU keeps two, as on CUDA (for tests).
             row_width: entries [w * r, w * r + w) are row r (a block's fields), which
-                `wrote_rows` marks as one; 1: every entry is a row.
+                `host_written` marks as one; 1: every entry is a row.
 
         Raises:
             ValueError: share_host_memory=True on a device other than the CPU.
@@ -115,7 +116,7 @@ class MirroredState:
             raise ValueError(f"share_host_memory=True but device={device} has its own memory; only the CPU shares")
         self.device = device  # fixed
         self.is_shared = shared  # fixed: one memory, nothing to synchronise
-        self.row_width = row_width  # fixed: see wrote_rows
+        self.row_width = row_width  # fixed: see host_written
         self._length = length  # fixed
         self._buffer = array.array("q", [0]) * length  # the host face's memory (never resized: torch views it)
         self.host = memoryview(self._buffer)  # Python reads and writes here, O(1) each
@@ -139,15 +140,6 @@ class MirroredState:
         """Entries Python wrote through the host face (`host`): their values go across at the next push."""
         if not self.is_shared:
             self._host_marks.extend(indices)
-
-    def wrote_rows(self, rows: Iterable[int]) -> None:
-        """Rows Python wrote through the host face: every entry of each goes across at the next push.
-
-        The cheap mark of a short call: one per block it wrote, with no index arithmetic in Python (a row is
-        a block's fields; the push expands it). An entry that did not change goes across unchanged.
-        """
-        if not self.is_shared:
-            self._row_marks.extend(rows)
 
     def wrote_host_range(self, start: int, end: int) -> None:
         """Entries [start, end) Python wrote through the host face."""
@@ -187,10 +179,20 @@ class MirroredState:
 
     # --- copying ------------------------------------------------------------------------------------------
 
-    def host_written(self) -> None:
-        """The end of an operation: its writes wait for `device_face` (no device work now), unless more wait
-        than `_LAZY_HOST_MAX` entries in Python, `_LAZY_REPLAYS_MAX` tensor writes, or as many entries in
-        their arguments as the state has; then they go at once."""
+    def host_written(self, rows: Iterable[int] = ()) -> None:
+        """The end of an operation, with the rows Python wrote through the host face in it.
+
+        The rows are a short call's one mark: every entry of each goes across at the next push, one row per
+        block the call wrote, with no index arithmetic in Python (a row is a block's fields; the push
+        expands it), and an entry that did not change goes across unchanged.
+
+        The operation's writes wait for `device_face` (no device work now), unless more wait than
+        `_LAZY_HOST_MAX` entries in Python, `_LAZY_REPLAYS_MAX` tensor writes, or as many entries in their
+        arguments as the state has; then they go at once.
+        """
+        if self.is_shared:
+            return
+        self._row_marks.extend(rows)
         if (
             len(self._host_marks) + self.row_width * len(self._row_marks) > _LAZY_HOST_MAX
             or len(self._replays) > _LAZY_REPLAYS_MAX

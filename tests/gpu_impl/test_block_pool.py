@@ -16,7 +16,6 @@ import torch
 
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
-from kvspec.gpu_impl.free_queue import KeyedFreeQueue
 from kvspec.gpu_impl.sizing import KVLayout
 from kvspec.reference import BlockPool
 from kvspec.spec.errors import (
@@ -154,8 +153,8 @@ def test_bad_constructor_arguments():
         TensorBlockPool(0)
     with pytest.raises(InvalidRequest, match=r"^unknown profile='mru'"):
         TensorBlockPool(4, profile="mru")
-    with pytest.raises(ValueError, match=r"^key_capacity=7 is below the minimum 2 \* num_gpu_blocks=8$"):
-        KeyedFreeQueue(4, pick_device(), key_capacity=7)
+    with pytest.raises(InvalidRequest, match=r"^key_capacity=7 is below the minimum 2 \* num_gpu_blocks=8$"):
+        TensorBlockPool(4, key_capacity=7)
 
 
 LONG = 400  # more ids than the host checks take: the device checks run

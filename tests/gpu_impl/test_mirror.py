@@ -37,11 +37,12 @@ def test_the_device_face_equals_the_host_face_at_every_read(run: list[tuple]) ->
     host = state.host
     for write in run:
         kind = write[0]
+        rows_written: list[int] = []
         if kind == "rows":
             _, marked, v = write
             for r in marked:
                 host[WIDTH * r + v % WIDTH] = v  # one field of the block; the row is marked
-            state.wrote_rows(marked)
+            rows_written = marked
         elif kind == "entries":
             _, marked, v = write
             for i in marked:
@@ -60,7 +61,7 @@ def test_the_device_face_equals_the_host_face_at_every_read(run: list[tuple]) ->
         else:
             state.device_face()
             assert torch.equal(state.tensor, state.host_tensor)
-        state.host_written()  # the end of an operation: may push at once past the bounds
+        state.host_written(rows_written)  # the end of an operation: may push at once past the bounds
     state.device_face()
     assert torch.equal(state.tensor, state.host_tensor)
     assert state.representation_errors() == []
