@@ -164,9 +164,10 @@ class Floors:
 
     length: int  # ids (and events) in the call
     # seconds: gpu_impl's ids_as_tensor (every id checked to be a plain int, then one copy into a tensor), for
-    # a list as the pool hands ids out (`tolist`: its ints made in one go, side by side in memory) and for one
-    # drawn as the benchmark draws its hits (`random.sample`: each int made among other objects); reading the
-    # second's ints misses the cache far more often
+    # a list of ints made in one go (`tolist` in a fresh heap: side by side in memory) and for one drawn as
+    # the benchmark draws its hits (`random.sample`: each int made among other objects); reading the second's
+    # ints misses the cache far more often, and so do those of any list a process makes once it has run a
+    # while (the ids the pool hands out in the benchmark's later rounds too)
     to_tensor: float
     to_tensor_drawn: float
     to_list: float  # seconds: an int64 tensor back to a Python list (what get_new_blocks hands back)
@@ -750,8 +751,9 @@ def _floor_lines(floor: Floors) -> list[str]:
     """What Python itself costs a long call, under the pool's own work."""
     lines = [
         f"the floor of a long call with lists, {floor.length:,} ids: to a tensor {_us(floor.to_tensor)} "
-        f"(checked to be ints, copied) as the pool hands them out, {_us(floor.to_tensor_drawn)} drawn as the "
-        f"hits are (random.sample: ints scattered in memory), a tensor back to a list {_us(floor.to_list)}; "
+        f"(checked to be ints, copied) made side by side in memory, {_us(floor.to_tensor_drawn)} drawn as the "
+        f"hits are (random.sample: ints scattered in memory, as a process that has run a while makes them), "
+        f"a tensor back to a list {_us(floor.to_list)}; "
         "the rest of the call is the pool's work"
     ]
     if floor.events is not None:

@@ -161,6 +161,12 @@ _NUM_FIELDS = 4
 _REF, _HASH, _CORRUPT, _FREE_KEY = range(_NUM_FIELDS)  # block b's field f is state entry 4 * b + f
 
 
+# Ids `ids_as_tensor` converts at a time: 8 KB of pointers and at most 1,024 objects (64 KB of cache
+# lines), within the second-level cache and its TLB. Measured, 1e5 ids: chunks of 512, 1,024 and 2,048
+# ids 9.8, 9.3 and 11.4 ms.
+_IDS_CHUNK = 1024
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -169,16 +175,25 @@ def ids_as_tensor(block_ids: Sequence[object]) -> torch.Tensor | None:
     """Block ids from a list as an int64 CPU tensor (one torch call over an array's memory), or None unless
     every one is a plain int (bools, floats, int subclasses: the caller's checks say what they are).
 
-    The floor of any long call with ids in a list: `kvspec bench gpu` times it.
+    The floor of any long call with ids in a list: `kvspec bench gpu` times it. Each id is an int object
+    somewhere in the heap, and in a process that has run a while they lie scattered, one cache miss
+    each; so the ids are read in chunks that stay in cache from the type check to the copy (one miss an
+    id, not two: 1e5 ids a pool handed out, 9.3 ms against 20.1).
 
     Raises:
         OverflowError: a value is beyond int64.
     """
     if not block_ids:
         return torch.empty(0, dtype=torch.int64)
-    if set(map(type, block_ids)) != {int}:
-        return None
-    return torch.frombuffer(array.array("q", cast("Sequence[int]", block_ids)), dtype=torch.int64)
+    if not isinstance(block_ids, list | tuple):  # a sequence that may not slice
+        block_ids = list(block_ids)
+    values = array.array("q")
+    for start in range(0, len(block_ids), _IDS_CHUNK):
+        chunk = block_ids[start : start + _IDS_CHUNK]
+        if set(map(type, chunk)) != {int}:
+            return None
+        values.extend(cast("Sequence[int]", chunk))
+    return torch.frombuffer(values, dtype=torch.int64)
 
 
 class TensorBlockPool:

@@ -10,11 +10,12 @@ checked on the device, the lazily kept hash map, and the key index.
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 import torch
 
-from kvspec.gpu_impl.block_pool import TensorBlockPool
+from kvspec.gpu_impl.block_pool import TensorBlockPool, ids_as_tensor
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.sizing import KVLayout
 from kvspec.reference import BlockPool
@@ -194,6 +195,41 @@ def test_long_batches_are_checked_on_the_device_with_the_spec_errors(mistake, as
     with pytest.raises(ref_error.type):
         p.free_blocks(argument)
     assert p.snapshot() == before == ref.snapshot()
+
+
+class _Id(int):
+    """An int subclass: the spec accepts it as a block id, the fast conversion does not."""
+
+
+@pytest.mark.parametrize("length", [1, 1023, 1024, 1025, 3000])
+@pytest.mark.parametrize("kind", [list, tuple, deque])
+def test_ids_as_tensor_reads_every_chunk(length, kind):
+    ids = list(range(7, 7 + length))
+    converted = ids_as_tensor(kind(ids))
+    assert converted is not None and converted.dtype == torch.int64 and converted.tolist() == ids
+    for at in sorted({0, length // 2, length - 1, min(1024, length - 1)}):  # first, middle, last, chunk edge
+        for odd in (True, 7.0, _Id(7)):
+            assert ids_as_tensor(kind(ids[:at] + [odd] + ids[at + 1 :])) is None, (at, odd)
+
+
+def test_a_bad_id_past_the_first_chunk_is_the_spec_error_with_nothing_changed():
+    n = 3000
+    p, ref = pool(n), BlockPool(n)
+    held = p.get_new_blocks(2500)
+    assert ref.get_new_blocks(2500) == held
+    before = p.snapshot()
+    for bad_id in (True, 2.0, n):
+        bad = list(held)
+        bad[2100] = bad_id
+        with pytest.raises(BlockManagerError) as ref_error:
+            ref.free_blocks(bad)
+        with pytest.raises(ref_error.type, match="block_id="):
+            p.free_blocks(bad)
+        assert p.snapshot() == before == ref.snapshot()
+    subclassed = [_Id(b) if i == 2100 else b for i, b in enumerate(held)]  # valid ids, one an int subclass
+    ref.free_blocks(subclassed)
+    p.free_blocks(subclassed)
+    assert p.snapshot() == ref.snapshot()
 
 
 @pytest.mark.parametrize("op", ["touch", "free_blocks", "evict_blocks"])
