@@ -371,7 +371,9 @@ class TensorBlockPool:
         self._queue: KeyedFreeQueue | None = None  # a queue policy's free queue
         self.free_block_queue: KeyedFreeQueue | StampedFreeBlocks
         if rule.keyed:
-            self.free_block_queue = self._stamped = StampedFreeBlocks(n, rule, self._hash_flags, dev)
+            self.free_block_queue = self._stamped = StampedFreeBlocks(
+                n, rule, self._hash_flags, self._has_hash_host, dev
+            )
         else:
             try:
                 self.free_block_queue = self._queue = KeyedFreeQueue(
@@ -596,10 +598,9 @@ class TensorBlockPool:
                 self._publish_removed_long(taken)
         else:  # the keyed order lives in host heaps
             assert self._stamped is not None
-            host_ids = self._stamped.take(num_blocks)
+            host_ids, taken = self._stamped.take_long(num_blocks)
             if self.kv_event_queue is not None:
                 self._publish_removed(host_ids)
-            taken = torch.frombuffer(array.array("q", host_ids), dtype=torch.int64)
         self._apply(_REF, "index_fill_", 0, taken, 1)
         self._apply(_HASH, "index_fill_", 0, taken, 0)  # evicted, as above
         self._state.host_written()

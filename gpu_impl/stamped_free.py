@@ -18,10 +18,11 @@ packed into one int, its components side by side in fixed-width fields: the
 ints compare as the tuples do, and a heap of ints pops about 10x faster than
 one of tuples (1e5 pops from 1e6 entries, measured: 0.08 s against 0.74).
 Removals (a hit, a quarantine, a block losing its hash) are lazy: an entry
-is live while its block is free and its key is the one recorded in `_live`;
-stale entries are skipped when they reach the top, and the cached heap is
-rebuilt when they outnumber the live ones. Stamps are three host arrays
-beside it.
+is live while its block is free and its key is the one recorded in `_live`
+(a list indexed by block, as the pool's block -> hash map is: a long free
+sets 1e5 scattered entries of it, a long take clears them); stale entries
+are skipped when they reach the top, and the cached heap is rebuilt when
+they outnumber the live ones. Stamps are three host arrays beside it.
 
 The rejected alternative, built and measured (`kvspec bench gpu --profile
 lru-timestamp`, one CPU thread, torch 2.13): the stamps in the pool's
@@ -42,7 +43,17 @@ lru-timestamp --pools 1e6 --batches 1e5`, CPU, two runs each, reference /
 gpu_impl, lists / ids in a tensor): a take 1.70-2.44x / 1.38-1.44x before,
 4.42-5.38x / 3.38-4.10x after; a free 1.46-1.48x / 1.08-1.16x before,
 3.26-3.44x / 2.74-3.45x after; a touch 1.80-2.35x / 2.97-3.58x before,
-2.44-2.65x / 8.20-8.70x after.
+2.44-2.65x / 8.20-8.70x after. Then (2026-12-07) `_live` became a list (a
+1e5-entry `dict.update` into a 1e6-entry dict took 144 ms of a 358 ms
+free), a long free finds its hashed blocks by one gather of the pool's
+flags instead of a Python loop, and a long take stamps in three scatters;
+the same benchmark, two runs each, gpu_impl's time with lists (ratio) /
+with ids in a tensor: a take 195-201 ms (4.24-4.67x) / 219-268 ms before,
+106-110 ms (7.31-7.32x) / 143-159 ms after; a free 149-186 ms
+(2.83-3.11x) / 138-175 ms before, 103-104 ms (3.39-3.40x) / 87-88 ms
+after; a touch 102-141 ms (2.46-2.97x) / 56-75 ms before, 82-84 ms (3.34x)
+/ 48-53 ms after. What is left is a pop per block: 1e5 `heappop`s from a
+1e6-entry heap and the Python loop around them, about 0.1 s.
 """
 
 from __future__ import annotations
@@ -75,13 +86,21 @@ class StampedFreeBlocks:
     (host face) to place a newly free block.
     """
 
-    def __init__(self, num_gpu_blocks: int, rule: ProfileRule, hash_flags: memoryview, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        rule: ProfileRule,
+        hash_flags: memoryview,
+        hash_flags_tensor: torch.Tensor,
+        device: torch.device,
+    ) -> None:
         """Blocks 1..num_gpu_blocks-1 free, never stamped (block 0 is the null block and never free).
 
         Args:
             num_gpu_blocks: the pool size, the null block included.
             rule: the keyed policy.
             hash_flags: the pool's hash flags (host face): 1 for a block with a hash.
+            hash_flags_tensor: the same flags as a CPU tensor over the same memory, for long batches.
             device: where `ordered` puts its tensor.
 
         Cost: O(num_gpu_blocks).
@@ -90,6 +109,7 @@ class StampedFreeBlocks:
         n = num_gpu_blocks
         self._rule = rule  # fixed
         self._hash_flags = hash_flags
+        self._hash_flags_t = hash_flags_tensor
         self._device = device  # fixed
         self.clock = 0  # the next stamp
         self.last_access = array.array("q", [0]) * n
@@ -112,7 +132,11 @@ class StampedFreeBlocks:
         self._width = _FIELD_BITS + self._weight_terms.bit_length()  # fixed
         self._id_mask = (1 << self._width) - 1  # a packed key's last field: the block id
         self._cached: list[int] = []  # the packed keys of free hashed blocks, lazily deleted
-        self._live: dict[int, int] = {}  # free hashed block -> the packed key of its live entry in _cached
+        # Block -> the packed key of its live entry in _cached, 0 for none (a packed key ends with the block
+        # id, so it is never 0); a list, not a dict: a long free sets 1e5 scattered entries of a 1e6-entry map
+        # (measured: see _add_cached_batch).
+        self._live = [0] * n
+        self._num_live = 0  # the nonzero entries of _live
         self.key_capacity = 0  # no key index in the pool's state
 
     def _spec_key(self, b: int) -> Key:
@@ -141,10 +165,11 @@ class StampedFreeBlocks:
         return list(packed)
 
     def _add(self, b: int) -> None:
-        """A block that just became free (or lost its hash while free) takes its place."""
+        """A block that just became free takes its place (it has no live entry: only free blocks have one)."""
         if self._hash_flags[b]:
             key = self._key(b)
             self._live[b] = key
+            self._num_live += 1
             heapq.heappush(self._cached, key)
             self._compact()
         else:
@@ -189,7 +214,10 @@ class StampedFreeBlocks:
             for c in key
         ]
         keys = self._pack_columns(columns)
-        self._live.update(zip(cast("list[int]", block_ids.tolist()), keys))
+        live = self._live  # none of the blocks has a live entry: they were not free
+        for b, packed in zip(cast("list[int]", block_ids.tolist()), keys):
+            live[b] = packed
+        self._num_live += len(keys)
         cached, push = self._cached, heapq.heappush
         for packed in keys:  # O(1) comparisons where the fresh last access leads the key (lru-timestamp)
             push(cached, packed)
@@ -197,8 +225,9 @@ class StampedFreeBlocks:
 
     def _compact(self) -> None:
         """Rebuild the cached heap from the live entries when stale ones dominate it. Cost: O(n) when it does."""
-        if len(self._cached) > 2 * len(self._live) + 64:
-            self._cached = list(self._live.values())
+        if len(self._cached) > 2 * self._num_live + 64:  # the scan is paid for by the stale entries it drops
+            live, id_mask = self._live, self._id_mask
+            self._cached = [key for key in self._cached if live[key & id_mask] == key]
             heapq.heapify(self._cached)
 
     # --- the order ------------------------------------------------------------------------------
@@ -211,13 +240,14 @@ class StampedFreeBlocks:
             b = pop(first_fit)
             if free[b] and not flags[b]:  # else quarantined, or re-added under its hash
                 taken.append(b)
-        cached, live, id_mask = self._cached, self._live, self._id_mask
+        cached, live, id_mask, first_fit_taken = self._cached, self._live, self._id_mask, len(taken)
         while len(taken) < n:
             key = pop(cached)
             b = key & id_mask
-            if live.get(b) == key:  # else stale: the block left, or its key changed
-                del live[b]
+            if live[b] == key:  # else stale: the block left, or its key changed
+                live[b] = 0
                 taken.append(b)
+        self._num_live -= len(taken) - first_fit_taken
         return taken
 
     def take(self, n: int) -> list[int]:
@@ -231,11 +261,21 @@ class StampedFreeBlocks:
         self.num_free_blocks -= n
         return taken
 
+    def take_long(self, n: int) -> tuple[list[int], torch.Tensor]:
+        """`take` for a long batch: the ids as a list and as a CPU tensor, the stamps in three scatters."""
+        taken = self._pop(n)
+        ids = _shared_tensor(array.array("q", taken), torch.int64)
+        self._free_t.index_fill_(0, ids, 0)
+        self._num_accesses_t.index_fill_(0, ids, 1)
+        self._stamp_tensor(self._last_access_t, ids)
+        self.num_free_blocks -= n
+        return taken, ids
+
     def ordered(self) -> torch.Tensor:
         """Every free block in the policy's order (for the snapshot). Cost: O(n log n)."""
         free, flags = self._free, self._hash_flags
         first_fit = sorted(b for b in set(self._first_fit) if free[b] and not flags[b])
-        cached = [key & self._id_mask for key in sorted(self._live.values())]
+        cached = [key & self._id_mask for key in sorted(key for key in self._live if key)]
         return torch.tensor(first_fit + cached, dtype=torch.int64, device=self._device)
 
     def is_free(self, block_id: int) -> bool:
@@ -269,21 +309,28 @@ class StampedFreeBlocks:
 
     def remove_list(self, block_ids: Sequence[int]) -> None:
         """Free blocks that stop being free (a hit, a quarantine); their entries go stale."""
+        free, live, num_live = self._free, self._live, self._num_live
         for b in block_ids:
-            self._free[b] = 0
-            self._live.pop(b, None)
+            free[b] = 0
+            if live[b]:
+                live[b] = 0
+                num_live -= 1
+        self._num_live = num_live
         self.num_free_blocks -= len(block_ids)
 
     def lost_hash(self, block_ids: Sequence[int]) -> None:
         """Blocks whose hash was just dropped (`evict_blocks`): the free ones among them join first fit."""
+        free, live = self._free, self._live
         for b in block_ids:
-            if self._free[b] and self._live.pop(b, None) is not None:
+            if free[b] and live[b]:
+                live[b] = 0
+                self._num_live -= 1
                 heapq.heappush(self._first_fit, b)
 
     def reset(self) -> None:
         """Every hash was dropped (`reset_prefix_cache`): every free block is first fit now. Cost: O(n)."""
         self._first_fit = [b for b in range(len(self._free)) if self._free[b]]
-        self._cached, self._live = [], {}
+        self._cached, self._live, self._num_live = [], [0] * len(self._free), 0
 
     # --- the same for long batches (ids as device tensors) --------------------------------------
 
@@ -300,15 +347,14 @@ class StampedFreeBlocks:
         if newly_free.numel() == 0:
             return
         self._free_t.index_fill_(0, newly_free, 1)
-        flags, blocks = self._hash_flags, cast("list[int]", newly_free.tolist())
-        hashed = [b for b in blocks if flags[b]]
-        if len(hashed) < len(blocks):
+        is_hashed = self._hash_flags_t.index_select(0, newly_free) != 0
+        hashed = newly_free[is_hashed]
+        if hashed.numel() < newly_free.numel():
             first_fit, push = self._first_fit, heapq.heappush
-            for b in blocks:
-                if not flags[b]:
-                    push(first_fit, b)
-        if hashed:
-            self._add_cached_batch(torch.tensor(hashed, dtype=torch.int64), evict_first)
+            for b in cast("list[int]", newly_free[~is_hashed].tolist()):
+                push(first_fit, b)
+        if hashed.numel():
+            self._add_cached_batch(hashed, evict_first)
         self.num_free_blocks += newly_free.numel()
 
     def registered(self, block_ids: torch.Tensor) -> None:
@@ -330,10 +376,12 @@ class StampedFreeBlocks:
         for b in range(1, len(free)):
             if free[b] and not flags[b] and b not in first_fit:
                 errors.append(f"free block {b} has no hash but no first-fit entry")
-            if free[b] and flags[b] and self._live.get(b) != self._key(b):
+            if free[b] and flags[b] and self._live[b] != self._key(b):
                 errors.append(f"free block {b} has a hash but no live entry under its key {self._spec_key(b)}")
-        if any(not (free[b] and flags[b]) for b in self._live):
+        if any(key and not (free[b] and flags[b]) for b, key in enumerate(self._live)):
             errors.append("a live cached entry names a block that is not free with a hash")
+        if sum(key != 0 for key in self._live) != self._num_live:
+            errors.append(f"{sum(key != 0 for key in self._live)} live cached entries but _num_live={self._num_live}")
         stamps = [*self.last_access, *self.registered_at]
         if any(s != 0 and s >= self.clock for s in stamps):
             errors.append(f"a stamp is not below the clock ({self.clock})")

@@ -124,7 +124,9 @@ def test_check_invariants_notices_a_miscounted_free_block():
 )
 def test_packed_keys_order_as_the_specs_keys(weight, stamps, ids):
     """The heaps compare packed ints; they must order exactly as eviction_key's tuples, at int64's bounds too."""
-    free = StampedFreeBlocks(2, profile_rule(weight), memoryview(bytearray(2)), torch.device("cpu"))
+    free = StampedFreeBlocks(
+        2, profile_rule(weight), memoryview(bytearray(2)), torch.zeros(2, dtype=torch.uint8), torch.device("cpu")
+    )
     keys = [eviction_key(profile_rule(weight), b, *s, PY) for b, s in zip(ids, stamps)]
     packed = [free._pack(k) for k in keys]
     assert (keys[0] < keys[1]) == (packed[0] < packed[1])
