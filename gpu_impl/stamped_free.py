@@ -227,7 +227,9 @@ class StampedFreeBlocks:
         """Rebuild the cached heap from the live entries when stale ones dominate it. Cost: O(n) when it does."""
         if len(self._cached) > 2 * self._num_live + 64:  # the scan is paid for by the stale entries it drops
             live, id_mask = self._live, self._id_mask
-            self._cached = [key for key in self._cached if live[key & id_mask] == key]
+            # A set: a block that left and came back under the same key (block-age: a hit, then a free) has a
+            # stale entry equal to its live one, and only one of them may stay.
+            self._cached = list({key for key in self._cached if live[key & id_mask] == key})
             heapq.heapify(self._cached)
 
     # --- the order ------------------------------------------------------------------------------

@@ -131,3 +131,20 @@ def test_packed_keys_order_as_the_specs_keys(weight, stamps, ids):
     packed = [free._pack(k) for k in keys]
     assert (keys[0] < keys[1]) == (packed[0] < packed[1])
     assert [p & free._id_mask for p in packed] == ids  # the block id is the packed key's last field
+
+
+def test_the_cached_heap_stays_bounded_when_a_free_block_comes_back_under_the_same_key():
+    """block-age keys a block by its registration: a hit on a free block and its free again give the block the
+    same key as its stale entry, so the compaction must keep one entry per live key, not every matching one."""
+    p = TensorBlockPool(4, profile="block-age", device=pick_device())
+    (b,) = p.get_new_blocks(1)
+    p.cache_full_blocks([b], [BlockHash(b"a")])
+    p.free_blocks([b])
+    for _ in range(500):
+        p.touch([b])
+        p.free_blocks([b])
+    stamped = p._stamped
+    assert stamped is not None
+    assert len(stamped._cached) <= 2 * stamped._num_live + 64
+    p.check_invariants()
+    assert p.get_new_blocks(3)[-1] == b  # first fit first, then the one cached block
