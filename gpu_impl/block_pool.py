@@ -5,7 +5,7 @@ block ids in the same order, the same error type for the same bad input,
 state unchanged after an error). Under the queue policies (`vllm-v1`,
 `vllm-v1-tail`) `get_new_blocks(n)` is a selection of the n smallest free keys
 (gpu_impl.free_queue; lemma 6, the key encoding, is why that is vLLM's order);
-under seed 002's keyed policies it comes from two host heaps over per-block
+under seed 002's keyed policies it comes from host structures over per-block
 stamps (gpu_impl.stamped_free: first fit, then the policy's key). `free_blocks` and
 `touch` of a whole request are a gather, a scatter and a batch of free
 blocks each.
@@ -362,7 +362,7 @@ class TensorBlockPool:
         """The eviction order, every usable block free in id order.
 
         Queue policies: each block's key in its fourth field, the key index
-        after the fields. Keyed policies: stamps and heaps on the host (the
+        after the fields. Keyed policies: stamps and the order on the host (the
         field stays 0).
         """
         n, dev = self.num_gpu_blocks, self.device
@@ -372,7 +372,7 @@ class TensorBlockPool:
         self.free_block_queue: KeyedFreeQueue | StampedFreeBlocks
         if rule.keyed:
             self.free_block_queue = self._stamped = StampedFreeBlocks(
-                n, rule, self._hash_flags, self._has_hash_host, dev
+                n, rule, self._hash_flags, self._has_hash_host, dev, self.python_path_max
             )
         else:
             try:
@@ -596,7 +596,7 @@ class TensorBlockPool:
             taken = self._queue.popleft_n(num_blocks)
             if self.kv_event_queue is not None:
                 self._publish_removed_long(taken)
-        else:  # the keyed order lives in host heaps
+        else:  # the keyed order lives on the host
             assert self._stamped is not None
             host_ids, taken = self._stamped.take_long(num_blocks)
             if self.kv_event_queue is not None:

@@ -10,19 +10,27 @@ registration stamps `registered_at`).
 Design choice, the order is host metadata, as the hash map is (see
 gpu_impl.block_pool): every take's answer is needed on the host (it becomes a
 request's block table), and a free block's key never changes while it is
-free (only held blocks are stamped; a hit takes the block out), so two binary
-heaps keep the order at O(log n) a block: the ids of the free blocks without
-a hash, and the `eviction_key` of the free hashed ones (it opens with the
-tier a free with `evict_first` gives and ends with the block id), each
-packed into one int, its components side by side in fixed-width fields: the
-ints compare as the tuples do, and a heap of ints pops about 10x faster than
-one of tuples (1e5 pops from 1e6 entries, measured: 0.08 s against 0.74).
-Removals (a hit, a quarantine, a block losing its hash) are lazy: an entry
-is live while its block is free and its key is the one recorded in `_live`
-(a list indexed by block, as the pool's block -> hash map is: a long free
-sets 1e5 scattered entries of it, a long take clears them); stale entries
-are skipped when they reach the top, and the cached heap is rebuilt when
-they outnumber the live ones. Stamps are three host arrays beside it.
+free (only held blocks are stamped; a hit takes the block out). The free
+blocks without a hash are a binary heap of ids. The free hashed ones are
+ordered by their `eviction_key` (it opens with the tier a free with
+`evict_first` gives and ends with the block id), packed into one int, its
+components in fields just wide enough for the pool's ids and the stamps so
+far (`field_widths`; widened, and every entry repacked, when the clock passes
+them): the ints compare as the tuples do, and under lru-timestamp or
+block-age a key fits in int64 (1 + 32 + 20 bits for a 1e6-block pool), so a
+long free packs and sorts its keys in tensor operations. Those keys live in
+two parts: a run in ascending order and a heap for the rest. A free stamps
+the blocks it names with fresh stamps, so under lru-timestamp every key it
+adds is the largest yet and extends the run at once; a take reads the run
+from its head in slices, up to the heap's smallest, a Python step or (a long
+take) a few tensor operations a slice instead of a heap pop a block. Under
+the other policies keys come out of order too and go through the heap at
+O(log n). Removals (a hit, a quarantine, a block losing its hash) are lazy:
+an entry is live while its block is free and its key is the one recorded in
+`_live` (indexed by block; int64 with a tensor over it while the keys fit,
+so a long free writes it in one scatter and a long hit only clears free
+flags); stale entries are skipped when reached, and dropped when they
+outnumber the live ones. Stamps are three host arrays beside it.
 
 The rejected alternative, built and measured (`kvspec bench gpu --profile
 lru-timestamp`, one CPU thread, torch 2.13): the stamps in the pool's
@@ -32,33 +40,21 @@ a constant number of kernels, but O(num_gpu_blocks log num_gpu_blocks) work
 for every take that evicts, 97 ms for one block in a 1e6-block pool against
 the reference's 36 us, and, on a device, a wait for every answer anyway.
 
-Cost: a take, a hit and a free O(log n) amortized per block; a registration
-O(1) per block; `ordered` (the snapshot only) O(n log n). Long batches come
-in as tensors: their stamps go in one scatter each (the stamp arrays are
-shared with CPU tensors), and the keys of the blocks a long free makes free
-are computed column by column, by `eviction_key` itself on int64 tensors,
-then packed and pushed; a weight whose score could pass int64 falls back to
-Python's ints. Measured side by side (`kvspec bench gpu --profile
-lru-timestamp --pools 1e6 --batches 1e5`, CPU, two runs each, reference /
-gpu_impl, lists / ids in a tensor): a take 1.70-2.44x / 1.38-1.44x before,
-4.42-5.38x / 3.38-4.10x after; a free 1.46-1.48x / 1.08-1.16x before,
-3.26-3.44x / 2.74-3.45x after; a touch 1.80-2.35x / 2.97-3.58x before,
-2.44-2.65x / 8.20-8.70x after. Then (2026-12-07) `_live` became a list (a
-1e5-entry `dict.update` into a 1e6-entry dict took 144 ms of a 358 ms
-free), a long free finds its hashed blocks by one gather of the pool's
-flags instead of a Python loop, and a long take stamps in three scatters;
-the same benchmark, two runs each, gpu_impl's time with lists (ratio) /
-with ids in a tensor: a take 195-201 ms (4.24-4.67x) / 219-268 ms before,
-106-110 ms (7.31-7.32x) / 143-159 ms after; a free 149-186 ms
-(2.83-3.11x) / 138-175 ms before, 103-104 ms (3.39-3.40x) / 87-88 ms
-after; a touch 102-141 ms (2.46-2.97x) / 56-75 ms before, 82-84 ms (3.34x)
-/ 48-53 ms after. What is left is a pop per block: 1e5 `heappop`s from a
-1e6-entry heap and the Python loop around them, about 0.1 s.
+Cost: a take, a hit and a free O(log n) amortized per block, O(1) for a key
+that extends the run; a registration O(1) per block; `ordered` (the snapshot
+only) O(n log n); a widening O(n log n), once per 2**16 times as many stamps. Long
+batches come in as tensors: their stamps go in one scatter each (the stamp
+arrays are shared with CPU tensors), and the keys of the blocks a long free
+makes free are computed column by column, by `eviction_key` itself on int64
+tensors, and packed by groups of fields that fit in int64; a field wider
+than that (a fine `lru-lfu:W`) falls back to Python's ints block by block.
+The measurements behind each step are in docs/reference/gpu-impl.md.
 """
 
 from __future__ import annotations
 
 import array
+import bisect
 import heapq
 import itertools
 import operator
@@ -69,12 +65,45 @@ import torch
 
 from kvspec.spec.ordering import PY, ProfileRule, eviction_key
 
-__all__ = ["StampedFreeBlocks"]
+__all__ = ["StampedFreeBlocks", "field_offsets", "field_widths", "pack"]
 
 Key = tuple[int, ...]
-# Bits per component of a packed key, beyond the weight's: stamps, access counts and block ids are
-# int64 (the stamp arrays' type), and a score q * last_access + p * accesses is below (p + q) * 2**63.
-_FIELD_BITS = 64
+# Packed keys' stamp fields start this wide: lru-timestamp's and block-age's keys of a pool up to 2**30
+# blocks then fit in int64 (1 + 32 + 30 bits) and a long free packs them in tensor operations.
+_FIRST_STAMP_BITS = 32
+_STAMP_BITS_STEP = 16  # a widening makes room for 2**16 times as many stamps: repacks are rare
+_INT64_BITS = 63  # the bits of a non-negative int64
+
+
+def field_widths(rule: ProfileRule, max_block_id: int, stamp_bound: int) -> tuple[int, ...]:
+    """The bits of each component of a packed key, for block ids up to `max_block_id` and stamps and access
+    counts up to `stamp_bound`: the widest key's, since `eviction_key` never decreases in its arguments.
+
+    >>> from kvspec.spec.ordering import profile_rule
+    >>> field_widths(profile_rule("lru-timestamp"), 1023, 2**32 - 1)  # tier, last access, block id
+    (1, 32, 10)
+    """
+    widest = eviction_key(rule, max_block_id, stamp_bound, stamp_bound, stamp_bound, False, PY)
+    return tuple(int(cast(int, c)).bit_length() for c in widest)
+
+
+def field_offsets(widths: Sequence[int]) -> tuple[int, ...]:
+    """Where each field of a packed key starts, its lowest bit: the first field in the highest bits.
+
+    >>> field_offsets((1, 4, 2))
+    (6, 2, 0)
+    """
+    return tuple(sum(widths[i + 1 :]) for i in range(len(widths)))
+
+
+def pack(key: Key, offsets: Sequence[int]) -> int:
+    """A key as one int that orders as the key does: each component shifted to its field (`field_offsets`;
+    every component must fit its field, so the fields do not overlap and adding them is or-ing them).
+
+    >>> pack((1, 5, 3), field_offsets((1, 4, 2)))  # 1 | 0101 | 11
+    87
+    """
+    return sum(map(operator.lshift, key, offsets))
 
 
 class StampedFreeBlocks:
@@ -93,6 +122,7 @@ class StampedFreeBlocks:
         hash_flags: memoryview,
         hash_flags_tensor: torch.Tensor,
         device: torch.device,
+        python_path_max: int,
     ) -> None:
         """Blocks 1..num_gpu_blocks-1 free, never stamped (block 0 is the null block and never free).
 
@@ -102,6 +132,8 @@ class StampedFreeBlocks:
             hash_flags: the pool's hash flags (host face): 1 for a block with a hash.
             hash_flags_tensor: the same flags as a CPU tensor over the same memory, for long batches.
             device: where `ordered` puts its tensor.
+            python_path_max: the pool's longest Python loop; a long take reads a longer slice of the
+                order in tensor operations (a shorter one costs less as a loop).
 
         Cost: O(num_gpu_blocks).
         """
@@ -111,6 +143,7 @@ class StampedFreeBlocks:
         self._hash_flags = hash_flags
         self._hash_flags_t = hash_flags_tensor
         self._device = device  # fixed
+        self._python_path_max = python_path_max  # fixed
         self.clock = 0  # the next stamp
         self.last_access = array.array("q", [0]) * n
         self.num_accesses = array.array("q", [0]) * n
@@ -127,17 +160,55 @@ class StampedFreeBlocks:
             self._free[b] = 1
         self.num_free_blocks = max(n - 1, 0)
         self._first_fit = list(range(1, n))  # ids of free blocks without a hash (sorted: already a heap)
-        weight = rule.weight
-        self._weight_terms = weight.numerator + weight.denominator  # fixed: a score is below this times 2**63
-        self._width = _FIELD_BITS + self._weight_terms.bit_length()  # fixed
-        self._id_mask = (1 << self._width) - 1  # a packed key's last field: the block id
-        self._cached: list[int] = []  # the packed keys of free hashed blocks, lazily deleted
-        # Block -> the packed key of its live entry in _cached, 0 for none (a packed key ends with the block
-        # id, so it is never 0); a list, not a dict: a long free sets 1e5 scattered entries of a 1e6-entry map
-        # (measured: see _add_cached_batch).
-        self._live = [0] * n
-        self._num_live = 0  # the nonzero entries of _live
-        self.key_capacity = 0  # no key index in the pool's state
+        self._max_block_id = max(n - 1, 0)  # fixed
+        self._stamp_bits_step = _STAMP_BITS_STEP  # fixed (tests narrow it to widen often)
+        self._set_widths(_FIRST_STAMP_BITS)
+        # The packed keys of the free hashed blocks, in two parts whose union is the order, with stale
+        # entries skipped when they are reached: a run in ascending order read from _run_head on (a free
+        # stamps its blocks with fresh stamps, so under lru-timestamp every key it adds is the largest yet
+        # and goes on the run's end), and a heap of the keys that came in below the run's last.
+        self._run: list[int] = []
+        self._run_head = 0
+        self._heap: list[int] = []
+        # Block -> the packed key of its latest entry, 0 for none. An entry is live while its block is free
+        # and its key is this one (a long hit leaves the blocks' keys here: the free flag is cleared in one
+        # scatter instead); a free block without a hash has 0. Indexed by block, not a dict: a long free
+        # sets 1e5 scattered entries of a 1e6-entry map, in one scatter while the keys fit in int64.
+        self._live, self._live_t = self._empty_live()
+        self._num_live = 0  # the free hashed blocks: the live entries
+
+    def _set_widths(self, stamp_bits: int) -> None:
+        """Pack keys for stamps and access counts below 2**stamp_bits."""
+        self._stamp_bits = stamp_bits
+        self._stamp_bound = (1 << stamp_bits) - 1  # no stamp or access count above this may be packed
+        self._widths = field_widths(self._rule, self._max_block_id, self._stamp_bound)
+        self._offsets = field_offsets(self._widths)
+        self._id_mask = (1 << self._widths[-1]) - 1  # a packed key's last field: the block id
+        self._groups = _int64_groups(self._widths)
+
+    def _empty_live(self) -> tuple[array.array[int] | list[int], torch.Tensor | None]:
+        """A block -> key map with no entry: int64, with a CPU tensor over it, while keys fit; else Python's ints."""
+        n = len(self._free)
+        if self._groups is not None and len(self._groups) == 1:
+            live = array.array("q", [0]) * n
+            return live, _shared_tensor(live, torch.int64)
+        return [0] * n, None
+
+    def _widen(self) -> None:
+        """Widen the stamp fields until the clock fits, and repack every entry. Called when the clock passes
+        them (access counts are at most the clock too: one stamp each), before packing a key and before
+        flagging newly free blocks (they have no entry yet). Cost: O(n log n), once per 2**16 times as many
+        stamps."""
+        bits = self._stamp_bits
+        while (1 << bits) - 1 < self.clock and bits < _INT64_BITS:
+            bits = min(bits + self._stamp_bits_step, _INT64_BITS)  # stamps are int64: 63 bits hold them all
+        self._set_widths(bits)
+        self._live, self._live_t = self._empty_live()
+        live, free, hashed = self._live, self._free, self._hash_flags
+        for b in range(len(live)):
+            if free[b] and hashed[b]:
+                live[b] = self._key(b)
+        self._run, self._run_head, self._heap = sorted(key for key in live if key), 0, []
 
     def _spec_key(self, b: int) -> Key:
         """Block b's eviction key, the spec's tuple."""
@@ -146,34 +217,63 @@ class StampedFreeBlocks:
 
     def _key(self, b: int) -> int:
         """Block b's eviction key, packed."""
-        return self._pack(self._spec_key(b))
+        return pack(self._spec_key(b), self._offsets)
 
-    def _pack(self, key: Key) -> int:
-        """A key as one int that orders as the key does: each component (a non-negative int below
-        2**width, see _FIELD_BITS) in a field of `width` bits, the first in the highest."""
-        packed, width = 0, self._width
-        for component in key:
-            packed = (packed << width) | int(component)
-        return packed
+    def _pack_groups(self, columns: Sequence[torch.Tensor | int], k: int) -> list[torch.Tensor]:
+        """`pack` for k keys given component by component: each group of fields (`_int64_groups`) packed
+        into an int64 tensor in tensor operations, the group in the highest bits first."""
+        assert self._groups is not None
+        parts = []
+        for start, stop in self._groups:
+            packed = torch.zeros(k, dtype=torch.int64)
+            for column, width in zip(columns[start:stop], self._widths[start:stop]):
+                packed = packed.bitwise_left_shift_(width).bitwise_or_(column)
+            parts.append(packed)
+        return parts
 
-    def _pack_columns(self, columns: Sequence[Iterable[int]]) -> list[int]:
-        """`_pack` for many keys given component by component, in C-level maps (no Python frame a key)."""
-        shift = itertools.repeat(self._width)
-        packed: Iterable[int] = columns[0]
-        for column in columns[1:]:
-            packed = map(operator.or_, map(operator.lshift, packed, shift), column)
+    def _join_groups(self, parts: Sequence[torch.Tensor]) -> list[int]:
+        """Packed keys as Python ints from their groups' tensors, in C-level maps (no Python frame a key)."""
+        assert self._groups is not None
+        packed: Iterable[int] = cast("list[int]", parts[0].tolist())
+        for part, (start, stop) in zip(parts[1:], self._groups[1:]):
+            shift = itertools.repeat(sum(self._widths[start:stop]))
+            packed = map(operator.or_, map(operator.lshift, packed, shift), cast("list[int]", part.tolist()))
         return list(packed)
 
-    def _add(self, b: int) -> None:
-        """A block that just became free takes its place (it has no live entry: only free blocks have one)."""
-        if self._hash_flags[b]:
-            key = self._key(b)
-            self._live[b] = key
+    def _add_list(self, block_ids: Sequence[int]) -> None:
+        """Blocks that just became free take their places, a Python step each (none has a live entry: they
+        were not free): first fit for those without a hash, the order for the others."""
+        free, hashed, run = self._free, self._hash_flags, self._run
+        for b in block_ids:
+            free[b] = 1
+            if not hashed[b]:
+                heapq.heappush(self._first_fit, b)
+                continue
+            self._live[b] = key = self._key(b)
             self._num_live += 1
-            heapq.heappush(self._cached, key)
-            self._compact()
-        else:
-            heapq.heappush(self._first_fit, b)
+            if run and key < run[-1]:  # `_push`, written out: most frees free one block
+                heapq.heappush(self._heap, key)
+            else:
+                run.append(key)
+        self._compact()
+
+    def _push(self, keys: Iterable[int]) -> None:
+        """Entries into the order, each onto the run's end when none there is larger, else into the heap."""
+        run, heap, push = self._run, self._heap, heapq.heappush
+        for key in keys:
+            if not run or key >= run[-1]:
+                run.append(key)
+            else:
+                push(heap, key)
+
+    def _push_sorted(self, keys: list[int]) -> None:
+        """`_push` for entries in ascending order: those not below the run's last extend it at once."""
+        run = self._run
+        split = bisect.bisect_left(keys, run[-1]) if run else 0
+        heap, push = self._heap, heapq.heappush
+        for key in keys[:split]:
+            push(heap, key)
+        run.extend(keys[split:] if split else keys)
 
     def _stamp(self, stamps: array.array[int], block_ids: Sequence[int]) -> None:
         clock = self.clock
@@ -188,16 +288,16 @@ class StampedFreeBlocks:
         self.clock += k
 
     def _add_cached_batch(self, block_ids: torch.Tensor, evict_first: bool) -> None:
-        """`_add` for many free hashed blocks at once: their keys computed column by column, then pushed.
+        """`_add_list` for many free hashed blocks at once: their keys computed column by column, then pushed.
 
         The key is still `eviction_key`'s, evaluated on int64 tensors of stamps (its arithmetic is
         the same on ints and tensors); the tier is one value, since every block of a free shares it.
-        A weight whose score could pass int64 (`lru-lfu:W` with a fine W) takes Python's ints, block
-        by block: stamps and access counts are below the clock, so the score is below (p + q) * clock.
+        Packed keys that fit in int64 are packed and sorted in tensor operations; wider ones are packed
+        by groups of fields that do, joined in Python's ints. A field wider than int64 (`lru-lfu:W`
+        with a fine W: a score up to (p + q) times a stamp) takes Python's ints block by block.
         """
-        if self._weight_terms * max(self.clock, 1) >= 2**63:
-            for b in cast("list[int]", block_ids.tolist()):
-                self._add(b)
+        if self._groups is None:
+            self._add_list(cast("list[int]", block_ids.tolist()))
             return
         key = eviction_key(
             self._rule,
@@ -209,48 +309,99 @@ class StampedFreeBlocks:
             PY,
         )
         k = block_ids.numel()
-        columns = [
-            cast("list[int]", c.tolist()) if isinstance(c, torch.Tensor) else itertools.repeat(cast(int, c), k)
-            for c in key
-        ]
-        keys = self._pack_columns(columns)
-        live = self._live  # none of the blocks has a live entry: they were not free
-        for b, packed in zip(cast("list[int]", block_ids.tolist()), keys):
-            live[b] = packed
-        self._num_live += len(keys)
-        cached, push = self._cached, heapq.heappush
-        for packed in keys:  # O(1) comparisons where the fresh last access leads the key (lru-timestamp)
-            push(cached, packed)
+        # None of the blocks has a live entry (they were not free): their keys go in as they are.
+        parts = self._pack_groups(cast("list[torch.Tensor | int]", list(key)), k)
+        if self._live_t is not None:
+            (packed,) = parts
+            if k > 1 and not bool((packed[1:] > packed[:-1]).all()):  # a free's fresh stamps usually sort them
+                packed = packed.sort().values
+            self._live_t.index_copy_(0, packed & self._id_mask, packed)
+            self._push_sorted(cast("list[int]", packed.tolist()))
+        else:
+            keys, live = self._join_groups(parts), self._live
+            for b, packed_key in zip(cast("list[int]", block_ids.tolist()), keys):
+                live[b] = packed_key
+            self._push(keys)
+        self._num_live += k
         self._compact()
 
     def _compact(self) -> None:
-        """Rebuild the cached heap from the live entries when stale ones dominate it. Cost: O(n) when it does."""
-        if len(self._cached) > 2 * self._num_live + 64:  # the scan is paid for by the stale entries it drops
-            live, id_mask = self._live, self._id_mask
-            # A set: a block that left and came back under the same key (block-age: a hit, then a free) has a
-            # stale entry equal to its live one, and only one of them may stay.
-            self._cached = list({key for key in self._cached if live[key & id_mask] == key})
-            heapq.heapify(self._cached)
+        """Drop the stale entries when they outnumber the live ones (the scan is paid for by the stale
+        entries it drops). Cost: O(n) when it does."""
+        if len(self._run) - self._run_head + len(self._heap) <= 2 * self._num_live + 64:
+            return
+        free, live, id_mask = self._free, self._live, self._id_mask
+        # One entry per live key: a block that left and came back under the same key (block-age: a hit, then
+        # a free) has a stale entry equal to its live one. The run stays in order (a dict keeps it).
+        run = dict.fromkeys([key for key in self._run[self._run_head :] if free[b := key & id_mask] and live[b] == key])
+        heap = [key for key in set(self._heap) if key not in run and free[b := key & id_mask] and live[b] == key]
+        heapq.heapify(heap)
+        self._run, self._run_head, self._heap = list(run), 0, heap
 
     # --- the order ------------------------------------------------------------------------------
 
-    def _pop(self, n: int) -> list[int]:
-        """The n free blocks the policy gives out next (first fit, then the smallest keys), out of the heaps."""
+    def _pop(self, n: int, in_tensors: bool = False) -> list[int]:
+        """The n free blocks the policy gives out next (first fit, then the smallest keys), out of the order;
+        `in_tensors` (a long batch) reads the run's slices in tensor operations."""
         taken: list[int] = []
         free, flags, first_fit, pop = self._free, self._hash_flags, self._first_fit, heapq.heappop
         while first_fit and len(taken) < n:
             b = pop(first_fit)
             if free[b] and not flags[b]:  # else quarantined, or re-added under its hash
                 taken.append(b)
-        cached, live, id_mask, first_fit_taken = self._cached, self._live, self._id_mask, len(taken)
-        while len(taken) < n:
-            key = pop(cached)
-            b = key & id_mask
-            if live[b] == key:  # else stale: the block left, or its key changed
-                live[b] = 0
-                taken.append(b)
+        first_fit_taken = len(taken)
+        self._pop_cached(n, taken, in_tensors)
         self._num_live -= len(taken) - first_fit_taken
         return taken
+
+    def _pop_cached(self, n: int, taken: list[int], in_tensors: bool) -> None:
+        """Append the free hashed blocks with the smallest keys to `taken` until it holds n: the run's
+        entries below the heap's smallest go in slices, a Python step each instead of a heap pop, or a
+        few tensor operations a slice when `in_tensors`, the keys fit in int64 and the slice is longer than
+        a Python loop should be (run and heap can interleave finely: block-age's hit blocks come back
+        below the run's last)."""
+        run, heap, live, free, id_mask = self._run, self._heap, self._live, self._free, self._id_mask
+        head = self._run_head
+        while len(taken) < n:
+            if heap and (head == len(run) or heap[0] < run[head]):
+                key = heapq.heappop(heap)
+                b = key & id_mask
+                if free[b] and live[b] == key:  # else stale: the block left, or its key changed
+                    live[b] = 0
+                    taken.append(b)
+                continue
+            end = min(len(run), head + n - len(taken))
+            if heap:
+                end = bisect.bisect_right(run, heap[0], head, end)
+            assert end > head, "the order ran out of entries before it ran out of free hashed blocks"
+            if in_tensors and self._live_t is not None and end - head > self._python_path_max:
+                taken += self._take_live_tensor(run[head:end])
+            else:
+                for key in run[head:end]:  # a slice: islice would step over the `head` entries before it
+                    b = key & id_mask
+                    if free[b] and live[b] == key:
+                        live[b] = 0
+                        taken.append(b)
+            head = end
+        if head == len(run):
+            run.clear()
+            head = 0
+        elif head > 4096 and 2 * head > len(run):  # the read part outgrew the rest: drop it, O(1) amortized
+            del run[:head]
+            head = 0
+        self._run_head = head
+
+    def _take_live_tensor(self, keys: list[int]) -> list[int]:
+        """The blocks of the live entries among `keys` (ascending, int64 keys), taken in tensor operations: the
+        loop of `_pop_cached` on a long slice, each of its reads and writes one gather or scatter."""
+        assert self._live_t is not None
+        keys_t = torch.tensor(keys, dtype=torch.int64)
+        ids = keys_t & self._id_mask
+        is_live = (self._free_t.index_select(0, ids) != 0) & (self._live_t.index_select(0, ids) == keys_t)
+        is_live[1:] &= keys_t[1:] != keys_t[:-1]  # a key twice (block-age: left and came back) is taken once
+        taken = ids[is_live]
+        self._live_t.index_fill_(0, taken, 0)
+        return cast("list[int]", taken.tolist())
 
     def take(self, n: int) -> list[int]:
         """Take the n blocks the policy gives out first, in order, stamped as allocated (one access each)."""
@@ -265,7 +416,7 @@ class StampedFreeBlocks:
 
     def take_long(self, n: int) -> tuple[list[int], torch.Tensor]:
         """`take` for a long batch: the ids as a list and as a CPU tensor, the stamps in three scatters."""
-        taken = self._pop(n)
+        taken = self._pop(n, in_tensors=True)
         ids = _shared_tensor(array.array("q", taken), torch.int64)
         self._free_t.index_fill_(0, ids, 0)
         self._num_accesses_t.index_fill_(0, ids, 1)
@@ -277,7 +428,7 @@ class StampedFreeBlocks:
         """Every free block in the policy's order (for the snapshot). Cost: O(n log n)."""
         free, flags = self._free, self._hash_flags
         first_fit = sorted(b for b in set(self._first_fit) if free[b] and not flags[b])
-        cached = [key & self._id_mask for key in sorted(key for key in self._live if key)]
+        cached = [key & self._id_mask for key in sorted(key for key, f in zip(self._live, free) if f and key)]
         return torch.tensor(first_fit + cached, dtype=torch.int64, device=self._device)
 
     def is_free(self, block_id: int) -> bool:
@@ -297,12 +448,12 @@ class StampedFreeBlocks:
     def freed_list(self, block_ids: Sequence[int], newly_free: Sequence[int], evict_first: bool) -> None:
         """A free naming `block_ids` (every one stamped, in order, and tiered); `newly_free` join the free blocks."""
         self._stamp(self.last_access, block_ids)
+        if self.clock > self._stamp_bound:
+            self._widen()
         tier = self.is_evict_first
         for b in block_ids:
             tier[b] = evict_first
-        for b in newly_free:
-            self._free[b] = 1
-            self._add(b)
+        self._add_list(newly_free)
         self.num_free_blocks += len(newly_free)
 
     def registered_list(self, block_ids: Sequence[int]) -> None:
@@ -325,26 +476,32 @@ class StampedFreeBlocks:
         free, live = self._free, self._live
         for b in block_ids:
             if free[b] and live[b]:
-                live[b] = 0
                 self._num_live -= 1
                 heapq.heappush(self._first_fit, b)
+            live[b] = 0  # a held block's key, left by a long hit, must not outlive its hash
 
     def reset(self) -> None:
         """Every hash was dropped (`reset_prefix_cache`): every free block is first fit now. Cost: O(n)."""
         self._first_fit = [b for b in range(len(self._free)) if self._free[b]]
-        self._cached, self._live, self._num_live = [], [0] * len(self._free), 0
+        self._run, self._run_head, self._heap = [], 0, []
+        (self._live, self._live_t), self._num_live = self._empty_live(), 0
 
     # --- the same for long batches (ids as device tensors) --------------------------------------
 
     def hit(self, block_ids: torch.Tensor, was_free: torch.Tensor) -> None:
-        """`hit_list` for a batch in a tensor: the stamps in two scatters."""
+        """`hit_list` for a batch in a tensor: the stamps in two scatters, the free ones leave in one (their
+        entries go stale by the free flag; `_live` keeps their keys until they are free again)."""
         self._num_accesses_t.index_add_(0, block_ids, torch.ones(1, dtype=torch.int64).expand(block_ids.numel()))
         self._stamp_tensor(self._last_access_t, block_ids)
-        self.remove_list(was_free.tolist())
+        self._free_t.index_fill_(0, was_free, 0)
+        self._num_live -= int(self._hash_flags_t.index_select(0, was_free).count_nonzero())
+        self.num_free_blocks -= was_free.numel()
 
     def freed(self, block_ids: torch.Tensor, newly_free: torch.Tensor, evict_first: bool) -> None:
         """`freed_list` for a batch in a tensor: the stamps in scatters, the cached blocks' keys by column."""
         self._stamp_tensor(self._last_access_t, block_ids)
+        if self.clock > self._stamp_bound:
+            self._widen()
         self._is_evict_first_t.index_fill_(0, block_ids, int(evict_first))
         if newly_free.numel() == 0:
             return
@@ -366,28 +523,62 @@ class StampedFreeBlocks:
     # --- checking -------------------------------------------------------------------------------
 
     def representation_errors(self) -> list[str]:
-        """Where the heaps, the free flags and the stamps disagree (for check_invariants). Cost: O(n log n)."""
+        """Where the order, the free flags and the stamps disagree (for check_invariants). Cost: O(n log n)."""
         errors: list[str] = []
-        free, flags = self._free, self._hash_flags
+        free, flags, live = self._free, self._hash_flags, self._live
         if free and free[0]:
             errors.append("the null block is flagged free")
         counted = sum(free)
         if counted != self.num_free_blocks:
             errors.append(f"{counted} blocks are flagged free but num_free_blocks={self.num_free_blocks}")
         first_fit = {b for b in self._first_fit if free[b] and not flags[b]}
+        entries = {*itertools.islice(self._run, self._run_head, None), *self._heap}
         for b in range(1, len(free)):
-            if free[b] and not flags[b] and b not in first_fit:
+            if not free[b]:
+                continue
+            if not flags[b] and b not in first_fit:
                 errors.append(f"free block {b} has no hash but no first-fit entry")
-            if free[b] and flags[b] and self._live[b] != self._key(b):
+            if not flags[b] and live[b]:
+                errors.append(f"free block {b} has no hash but a key in the cached order")
+            if flags[b] and (live[b] != self._key(b) or live[b] not in entries):
                 errors.append(f"free block {b} has a hash but no live entry under its key {self._spec_key(b)}")
-        if any(key and not (free[b] and flags[b]) for b, key in enumerate(self._live)):
-            errors.append("a live cached entry names a block that is not free with a hash")
-        if sum(key != 0 for key in self._live) != self._num_live:
-            errors.append(f"{sum(key != 0 for key in self._live)} live cached entries but _num_live={self._num_live}")
+            if flags[b] and max(self.last_access[b], self.num_accesses[b], self.registered_at[b]) > self._stamp_bound:
+                errors.append(f"free block {b}'s stamps pass the packed keys' fields ({self._stamp_bound})")
+        num_cached = sum(1 for f, h in zip(free, flags) if f and h)
+        if num_cached != self._num_live:
+            errors.append(f"{num_cached} free blocks have a hash but _num_live={self._num_live}")
+        run = self._run[self._run_head :]
+        if any(a > b for a, b in zip(run, run[1:])):
+            errors.append("the cached order's run is not in ascending order")
+        heap = self._heap
+        if any(heap[(i - 1) // 2] > heap[i] for i in range(1, len(heap))):
+            errors.append("the cached order's heap is not a heap")
         stamps = [*self.last_access, *self.registered_at]
         if any(s != 0 and s >= self.clock for s in stamps):
             errors.append(f"a stamp is not below the clock ({self.clock})")
         return errors
+
+
+def _int64_groups(widths: Sequence[int]) -> list[tuple[int, int]] | None:
+    """The fields of a packed key in runs (start, stop) of at most 63 bits each, the first fields first,
+    grouped from the last field up; None when one field alone is wider (it cannot be an int64).
+
+    >>> _int64_groups((1, 32, 20)), _int64_groups((1, 32, 32, 20)), _int64_groups((1, 97, 32, 20))
+    ([(0, 3)], [(0, 2), (2, 4)], None)
+    >>> _int64_groups((31, 32)), _int64_groups((32, 32))  # 63 bits fit one int64, 64 do not
+    ([(0, 2)], [(0, 1), (1, 2)])
+    """
+    if max(widths, default=0) > _INT64_BITS:
+        return None
+    groups: list[tuple[int, int]] = []
+    stop, bits = len(widths), 0
+    for i in range(len(widths) - 1, -1, -1):
+        if bits + widths[i] > _INT64_BITS:
+            groups.append((i + 1, stop))
+            stop, bits = i + 1, 0
+        bits += widths[i]
+    groups.append((0, stop))
+    return groups[::-1]
 
 
 def _shared_tensor(buffer: array.array[int] | bytearray, dtype: torch.dtype) -> torch.Tensor:

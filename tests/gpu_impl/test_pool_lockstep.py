@@ -4,7 +4,8 @@ Every step runs one operation on both and requires the same result or the
 same error type, then the same snapshot (block ids, free-queue order, hash
 table), every spec invariant, and gpu_impl's own representation checks.
 Pools are small so that every corner is reached; the key index is sometimes
-at its minimum length so that relabels happen all the time. Each pool runs
+at its minimum length so that relabels happen all the time (and a keyed
+policy's packed keys start narrow, so that they are repacked all the time). Each pool runs
 its batches as Python loops, as tensor operations, or either by length
 (`python_path_max`), all on the host face, with the device face in the same
 memory or in its own kept equal (`share_host_memory=False`: what CUDA does),
@@ -79,6 +80,11 @@ class PoolLockstep(RuleBasedStateMachine):
             python_path_max=python_path_max, share_host_memory=False if two_faces else None,
             enable_kv_cache_events=events,
         )
+        if tight_keys and self.gpu._stamped is not None:
+            # A keyed policy's packed keys start with one-bit stamp fields, widened a bit at a time: the keys
+            # are repacked all the time, as the key index is relabelled all the time above.
+            self.gpu._stamped._stamp_bits_step = 1
+            self.gpu._stamped._set_widths(1)
         self.events = events
         self.mirror = EventMirror()  # what a router holds from gpu_impl's stream so far
 

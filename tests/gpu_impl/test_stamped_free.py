@@ -7,14 +7,16 @@ order outright and check what only the stamped free blocks have.
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvspec.gpu_impl import stamped_free
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
-from kvspec.gpu_impl.stamped_free import StampedFreeBlocks
+from kvspec.gpu_impl.stamped_free import StampedFreeBlocks, field_offsets, field_widths, pack
 from kvspec.spec import ops
 from kvspec.spec.ordering import PY, eviction_key, profile_rule
 from kvspec.spec.state import BlockHash
@@ -118,19 +120,57 @@ def test_check_invariants_notices_a_miscounted_free_block():
 
 @settings(max_examples=300, deadline=None)
 @given(
-    weight=st.sampled_from(["lfu", "lru-timestamp", "lru-lfu:0.5", "lru-lfu:123456789.000000000000000000001"]),
+    weight=st.sampled_from(
+        ["lfu", "lru-timestamp", "block-age", "lru-lfu:0.5", "lru-lfu:123456789.000000000000000000001"]
+    ),
     stamps=st.lists(st.tuples(*[st.integers(0, 2**63 - 1)] * 3, st.booleans()), min_size=2, max_size=2),
     ids=st.lists(st.integers(1, 2**63 - 1), min_size=2, max_size=2, unique=True),
 )
 def test_packed_keys_order_as_the_specs_keys(weight, stamps, ids):
-    """The heaps compare packed ints; they must order exactly as eviction_key's tuples, at int64's bounds too."""
-    free = StampedFreeBlocks(
-        2, profile_rule(weight), memoryview(bytearray(2)), torch.zeros(2, dtype=torch.uint8), torch.device("cpu")
-    )
-    keys = [eviction_key(profile_rule(weight), b, *s, PY) for b, s in zip(ids, stamps)]
-    packed = [free._pack(k) for k in keys]
+    """The order compares packed ints; they must order exactly as eviction_key's tuples, at int64's bounds too."""
+    rule = profile_rule(weight)
+    widths = field_widths(rule, 2**63 - 1, 2**63 - 1)
+    keys = [eviction_key(rule, b, *s, PY) for b, s in zip(ids, stamps)]
+    packed = [pack(k, field_offsets(widths)) for k in keys]
     assert (keys[0] < keys[1]) == (packed[0] < packed[1])
-    assert [p & free._id_mask for p in packed] == ids  # the block id is the packed key's last field
+    assert [p & ((1 << widths[-1]) - 1) for p in packed] == ids  # the block id is the packed key's last field
+
+
+@pytest.mark.parametrize("profile", ["lru-timestamp", "block-age", "lfu", "lru-lfu:0.5"])
+@pytest.mark.parametrize("python_path_max", [None, 0])
+def test_keys_are_repacked_when_the_clock_passes_their_stamp_fields(profile, python_path_max):
+    """Stamp fields one bit wide, widened a bit at a time: every free crosses them, and the order must hold."""
+    gpu = TensorBlockPool(12, profile=profile, device=pick_device(), python_path_max=python_path_max)
+    stamped = gpu._stamped
+    assert stamped is not None
+    stamped._stamp_bits_step = 1
+    stamped._set_widths(1)
+    state = ops.new_pool(12, True, profile)
+    calls = [
+        ("get_new_blocks", (8,)),
+        ("cache_full_blocks", ([1, 2, 3, 4, 5], [BlockHash(bytes([i]) * 8) for i in range(1, 6)])),
+        ("free_blocks", ([5, 4, 3], False)),
+        ("touch", ([4],)),
+        ("free_blocks", ([4, 2, 1], True)),
+        ("free_blocks", ([8, 7, 6], False)),
+        *[("touch", ([3],)), ("free_blocks", ([3],))] * 40,  # the clock passes 31 and 63 with cached blocks free
+        ("get_new_blocks", (9,)),
+    ]
+    widths = [stamped._widths]
+    for op, args in calls:
+        got = getattr(gpu, op)(*args)
+        step = getattr(ops, op)(state, *args)
+        state = step.state
+        assert got == (list(step.result) if isinstance(step.result, tuple) else step.result), (op, args)
+        assert gpu.snapshot() == state.snapshot(), (op, args)
+        gpu.check_invariants()
+        widths.append(stamped._widths)
+    assert len(set(widths)) >= 4  # it widened three times at least
+
+
+def _entries(stamped: StampedFreeBlocks) -> int:
+    """The entries of the cached order, stale ones included."""
+    return len(stamped._run) - stamped._run_head + len(stamped._heap)
 
 
 def test_the_cached_heap_stays_bounded_when_a_free_block_comes_back_under_the_same_key():
@@ -145,6 +185,35 @@ def test_the_cached_heap_stays_bounded_when_a_free_block_comes_back_under_the_sa
         p.free_blocks([b])
     stamped = p._stamped
     assert stamped is not None
-    assert len(stamped._cached) <= 2 * stamped._num_live + 64
+    assert _entries(stamped) <= 2 * stamped._num_live + 64
     p.check_invariants()
     assert p.get_new_blocks(3)[-1] == b  # first fit first, then the one cached block
+
+
+def test_a_rebuild_keeps_one_entry_per_live_key_across_the_run_and_the_heap():
+    """block-age: a block hit and freed again comes back under its old key, below the run's last, so into the
+    heap while its old entry is still on the run. A rebuild must keep one of the two, or the stale entries
+    left after it soon pass the bound again and every few pushes rebuild the whole order."""
+    p = TensorBlockPool(70, profile="block-age", device=pick_device())
+    blocks = p.get_new_blocks(60)
+    p.cache_full_blocks(blocks, [BlockHash(b.to_bytes(8, "little")) for b in blocks])
+    p.free_blocks(blocks)  # registration order: every key the largest yet, all on the run
+    stamped = p._stamped
+    assert stamped is not None
+    rebuilds = 0
+    for _ in range(20):
+        for b in blocks[:30]:
+            p.touch([b])
+            before = _entries(stamped)
+            p.free_blocks([b])
+            if _entries(stamped) < before:
+                rebuilds += 1
+                assert _entries(stamped) == stamped._num_live == 60
+    assert rebuilds > 0
+    p.check_invariants()
+
+
+def test_the_modules_examples_hold():
+    """The packing helpers' examples (field widths and offsets, int64 groups at their 63-bit edge) are tests."""
+    result = doctest.testmod(stamped_free, verbose=False)
+    assert result.failed == 0 and result.attempted >= 5
