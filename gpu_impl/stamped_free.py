@@ -42,7 +42,7 @@ the reference's 36 us, and, on a device, a wait for every answer anyway.
 
 Cost: a take, a hit and a free O(log n) amortized per block, O(1) for a key
 that extends the run; a registration O(1) per block; `ordered` (the snapshot
-only) O(n log n); a widening O(n log n), once per 2**16 times as many stamps. Long
+only) O(n log n); a widening O(n log n), once per doubling of the clock. Long
 batches come in as tensors: their stamps go in one scatter each (the stamp
 arrays are shared with CPU tensors), and the keys of the blocks a long free
 makes free are computed column by column, by `eviction_key` itself on int64
@@ -68,10 +68,11 @@ from kvspec.spec.ordering import PY, ProfileRule, eviction_key
 __all__ = ["StampedFreeBlocks", "field_offsets", "field_widths", "pack"]
 
 Key = tuple[int, ...]
-# Packed keys' stamp fields start this wide: lru-timestamp's and block-age's keys of a pool up to 2**30
-# blocks then fit in int64 (1 + 32 + 30 bits) and a long free packs them in tensor operations.
+# Packed keys' stamp fields start this wide, and widen a bit at a time (a widening repacks every entry, so
+# it is paid once per doubling of the clock, past 2**32 stamps). lru-timestamp's and block-age's keys of a
+# 1e6-block pool fit in int64 (1 + stamp bits + 20) until 2**42 stamps, and a long free packs them in
+# tensor operations.
 _FIRST_STAMP_BITS = 32
-_STAMP_BITS_STEP = 16  # a widening makes room for 2**16 times as many stamps: repacks are rare
 _INT64_BITS = 63  # the bits of a non-negative int64
 
 
@@ -161,7 +162,6 @@ class StampedFreeBlocks:
         self.num_free_blocks = max(n - 1, 0)
         self._first_fit = list(range(1, n))  # ids of free blocks without a hash (sorted: already a heap)
         self._max_block_id = max(n - 1, 0)  # fixed
-        self._stamp_bits_step = _STAMP_BITS_STEP  # fixed (tests narrow it to widen often)
         self._set_widths(_FIRST_STAMP_BITS)
         # The packed keys of the free hashed blocks, in two parts whose union is the order, with stale
         # entries skipped when they are reached: a run in ascending order read from _run_head on (a free
@@ -197,12 +197,8 @@ class StampedFreeBlocks:
     def _widen(self) -> None:
         """Widen the stamp fields until the clock fits, and repack every entry. Called when the clock passes
         them (access counts are at most the clock too: one stamp each), before packing a key and before
-        flagging newly free blocks (they have no entry yet). Cost: O(n log n), once per 2**16 times as many
-        stamps."""
-        bits = self._stamp_bits
-        while (1 << bits) - 1 < self.clock and bits < _INT64_BITS:
-            bits = min(bits + self._stamp_bits_step, _INT64_BITS)  # stamps are int64: 63 bits hold them all
-        self._set_widths(bits)
+        flagging newly free blocks (they have no entry yet). Cost: O(n log n), once per doubling of the clock."""
+        self._set_widths(min(self.clock.bit_length(), _INT64_BITS))  # stamps are int64: 63 bits hold them all
         self._live, self._live_t = self._empty_live()
         live, free, hashed = self._live, self._free, self._hash_flags
         for b in range(len(live)):

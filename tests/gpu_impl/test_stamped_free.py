@@ -143,7 +143,6 @@ def test_keys_are_repacked_when_the_clock_passes_their_stamp_fields(profile, pyt
     gpu = TensorBlockPool(12, profile=profile, device=pick_device(), python_path_max=python_path_max)
     stamped = gpu._stamped
     assert stamped is not None
-    stamped._stamp_bits_step = 1
     stamped._set_widths(1)
     state = ops.new_pool(12, True, profile)
     calls = [
@@ -217,3 +216,20 @@ def test_the_modules_examples_hold():
     """The packing helpers' examples (field widths and offsets, int64 groups at their 63-bit edge) are tests."""
     result = doctest.testmod(stamped_free, verbose=False)
     assert result.failed == 0 and result.attempted >= 5
+
+
+@pytest.mark.parametrize("python_path_max", [None, 0])
+def test_a_clock_past_32_bits_widens_the_stamp_field_by_what_it_needs_and_keeps_int64_keys(python_path_max):
+    """lru-timestamp's keys stay int64 (one scatter a long free) until the stamps need more than 63 - 1 - id bits."""
+    p = TensorBlockPool(8, profile="lru-timestamp", device=pick_device(), python_path_max=python_path_max)
+    stamped = p._stamped
+    assert stamped is not None
+    blocks = p.get_new_blocks(4)
+    p.cache_full_blocks(blocks, [BlockHash(bytes([b]) * 8) for b in blocks])
+    p.free_blocks(blocks[:2])
+    assert stamped._widths == (1, 32, 3) and stamped._live_t is not None
+    stamped.clock = 2**40 + 3  # as after a long life: the free below widens the field and repacks the two above
+    p.free_blocks(blocks[2:])
+    assert stamped._widths == (1, 41, 3) and stamped._live_t is not None
+    p.check_invariants()
+    assert p.get_new_blocks(7)[-4:] == blocks  # first fit, then the cached blocks, least recently used first
