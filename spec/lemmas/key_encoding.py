@@ -24,9 +24,9 @@ largest free key, and a tie does not order the queue.
 Under a keyed policy (seed 002) gpu_impl keeps no queue keys: it takes
 (gpu_impl.stamped_free) from a heap of the ids of the free blocks without a
 hash, then the free hashed ones in the order of the spec's `eviction_key`
-(which ends with the id), packed into ints (an ascending run and a heap). The obligation: that order ranks any
-two free blocks as the spec's `keyed_rank` does. The false twin takes first
-fit by descending id.
+(which ends with the id), packed into ints (an ascending run and a heap).
+The obligation: that order ranks any two free blocks as the spec's
+`keyed_rank` does. The false twin takes first fit by descending id.
 """
 
 from __future__ import annotations
