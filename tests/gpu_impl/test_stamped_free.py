@@ -8,6 +8,7 @@ order outright and check what only the stamped free blocks have.
 from __future__ import annotations
 
 import doctest
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -24,9 +25,18 @@ from kvspec.spec.state import BlockHash
 H = [BlockHash(bytes([i]) * 8) for i in range(8)]
 
 
-def _both(profile: str, calls: list[tuple[str, tuple]], n: int = 8, **kwargs: object) -> TensorBlockPool:
-    """Apply calls to gpu_impl and the spec; gpu_impl after checking the two snapshots are equal."""
+def _both(
+    profile: str,
+    calls: list[tuple[str, tuple]],
+    n: int = 8,
+    prepare: Callable[[TensorBlockPool], None] | None = None,
+    **kwargs: object,
+) -> TensorBlockPool:
+    """Apply calls to gpu_impl (after `prepare`, if given) and the spec; gpu_impl after checking, at every
+    step, the same result, the same snapshot and gpu_impl's own invariants."""
     gpu = TensorBlockPool(n, profile=profile, device=pick_device(), **kwargs)  # type: ignore[arg-type]
+    if prepare is not None:
+        prepare(gpu)
     state = ops.new_pool(n, True, profile)
     for op, args in calls:
         got = getattr(gpu, op)(*args)
@@ -34,7 +44,7 @@ def _both(profile: str, calls: list[tuple[str, tuple]], n: int = 8, **kwargs: ob
         state = step.state
         assert got == (list(step.result) if isinstance(step.result, tuple) else step.result), (op, args)
         assert gpu.snapshot() == state.snapshot(), (op, args)
-    gpu.check_invariants()
+        gpu.check_invariants()
     return gpu
 
 
@@ -140,11 +150,20 @@ def test_packed_keys_order_as_the_specs_keys(weight, stamps, ids):
 @pytest.mark.parametrize("python_path_max", [None, 0])
 def test_keys_are_repacked_when_the_clock_passes_their_stamp_fields(profile, python_path_max):
     """Stamp fields one bit wide, widened a bit at a time: every free crosses them, and the order must hold."""
-    gpu = TensorBlockPool(12, profile=profile, device=pick_device(), python_path_max=python_path_max)
-    stamped = gpu._stamped
-    assert stamped is not None
-    stamped._set_widths(1)
-    state = ops.new_pool(12, True, profile)
+    widenings: list[int] = []
+
+    def narrow(gpu: TensorBlockPool) -> None:
+        stamped = gpu._stamped
+        assert stamped is not None
+        stamped._set_widths(1)
+        widen = stamped._widen
+
+        def counted() -> None:
+            widenings.append(stamped.clock)
+            widen()
+
+        stamped._widen = counted  # type: ignore[method-assign]
+
     calls = [
         ("get_new_blocks", (8,)),
         ("cache_full_blocks", ([1, 2, 3, 4, 5], [BlockHash(bytes([i]) * 8) for i in range(1, 6)])),
@@ -155,16 +174,8 @@ def test_keys_are_repacked_when_the_clock_passes_their_stamp_fields(profile, pyt
         *[("touch", ([3],)), ("free_blocks", ([3],))] * 40,  # the clock passes 31 and 63 with cached blocks free
         ("get_new_blocks", (9,)),
     ]
-    widths = [stamped._widths]
-    for op, args in calls:
-        got = getattr(gpu, op)(*args)
-        step = getattr(ops, op)(state, *args)
-        state = step.state
-        assert got == (list(step.result) if isinstance(step.result, tuple) else step.result), (op, args)
-        assert gpu.snapshot() == state.snapshot(), (op, args)
-        gpu.check_invariants()
-        widths.append(stamped._widths)
-    assert len(set(widths)) >= 4  # it widened three times at least
+    _both(profile, calls, n=12, prepare=narrow, python_path_max=python_path_max)
+    assert len(widenings) >= 3
 
 
 def _entries(stamped: StampedFreeBlocks) -> int:
