@@ -163,17 +163,14 @@ class StampedFreeBlocks:
         self._first_fit = list(range(1, n))  # ids of free blocks without a hash (sorted: already a heap)
         self._max_block_id = max(n - 1, 0)  # fixed
         self._set_widths(_FIRST_STAMP_BITS)
-        # The packed keys of the free hashed blocks, in two parts whose union is the order, with stale
-        # entries skipped when they are reached: a run in ascending order read from _run_head on (a free
-        # stamps its blocks with fresh stamps, so under lru-timestamp every key it adds is the largest yet
-        # and goes on the run's end), and a heap of the keys that came in below the run's last.
+        # The packed keys of the free hashed blocks (the module docstring), stale entries skipped when reached:
+        # a run in ascending order, read from _run_head on, and a heap of the keys that came in below its last.
         self._run: list[int] = []
         self._run_head = 0
         self._heap: list[int] = []
-        # Block -> the packed key of its latest entry, 0 for none. An entry is live while its block is free
-        # and its key is this one (a long hit leaves the blocks' keys here: the free flag is cleared in one
-        # scatter instead); a free block without a hash has 0. Indexed by block, not a dict: a long free
-        # sets 1e5 scattered entries of a 1e6-entry map, in one scatter while the keys fit in int64.
+        # Block -> the packed key of its latest entry, 0 for none; an entry is live while its block is free
+        # and its key is this one (a long hit leaves the keys here and clears the free flags in one scatter).
+        # A free block without a hash has 0. Indexed by block: a long free sets 1e5 scattered entries.
         self._live, self._live_t = self._empty_live()
         self._num_live = 0  # the free hashed blocks: the live entries
 
