@@ -248,7 +248,8 @@ class StampedFreeBlocks:
                 heapq.heappush(self._heap, key)
             else:
                 run.append(key)
-        self._compact()
+        if len(run) - self._run_head + len(self._heap) > 2 * self._num_live + 64:  # `_compact`'s test, inline
+            self._compact()
 
     def _push(self, keys: Iterable[int]) -> None:
         """Entries into the order, each onto the run's end when none there is larger, else into the heap."""
