@@ -1,54 +1,59 @@
 """The free blocks of a keyed policy (seed 002): first fit, then the key, as host metadata.
 
-The spec derives a keyed policy's free queue (kvspec.spec.ordering): the free
-blocks without a hash by id (first fit), then the hashed ones by
+The spec derives a keyed policy's free queue (kvspec.spec.ordering): the
+free blocks without a hash by id (first fit), then the hashed ones by
 `eviction_key`, every key read from stamps a logical clock writes
 (kvspec.spec.ops: an allocation and a hit stamp the last access and count an
 access, a free stamps the last access of every block it names, a
 registration stamps `registered_at`).
 
 Design choice, the order is host metadata, as the hash map is (see
-gpu_impl.block_pool): every take's answer is needed on the host (it becomes a
-request's block table), and a free block's key never changes while it is
+gpu_impl.block_pool): every take's answer is needed on the host (it becomes
+a request's block table), and a free block's key never changes while it is
 free (only held blocks are stamped; a hit takes the block out). The free
 blocks without a hash are a binary heap of ids. The free hashed ones are
 ordered by their `eviction_key` (it opens with the tier a free with
 `evict_first` gives and ends with the block id), packed into one int, its
-components in fields just wide enough for the pool's ids and the stamps so
-far (`field_widths`; widened, and every entry repacked, when the clock passes
-them): the ints compare as the tuples do, and under lru-timestamp or
-block-age a key fits in int64 (1 + 32 + 20 bits for a 1e6-block pool), so a
-long free packs and sorts its keys in tensor operations. Those keys live in
-two parts: a run in ascending order and a heap for the rest. A free stamps
-the blocks it names with fresh stamps, so under lru-timestamp every key it
-adds is the largest yet and extends the run at once; a take reads the run
-from its head in slices, up to the heap's smallest, a Python step or (a long
-take) a few tensor operations a slice instead of a heap pop a block. Under
-the other policies keys come out of order too and go through the heap at
-O(log n). Removals (a hit, a quarantine, a block losing its hash) are lazy:
-an entry is live while its block is free and its key is the one recorded in
-`_live` (indexed by block; int64 with a tensor over it while the keys fit,
-so a long free writes it in one scatter and a long hit only clears free
-flags); stale entries are skipped when reached, and dropped when they
-outnumber the live ones. Stamps are three host arrays beside it.
+components in fields just wide enough for the pool's ids, the stamps and the
+access counts so far (`field_widths`; widened, and every entry repacked,
+when the clock or a hit's count passes them): the ints compare as the tuples
+do, and under lru-timestamp, block-age or lfu a key fits in int64 (1 + 32 +
+20 bits for a 1e6-block pool, lfu's 8 more for the count), so a long free
+packs and sorts its keys in tensor operations. Those keys live in two parts:
+a run in ascending order and a heap for the rest. A free stamps the blocks
+it names with fresh stamps, so under lru-timestamp every key it adds is the
+largest yet and extends the run at once, and under lfu a long free's blocks
+with the same count fall together into one gap of the run and go in as one
+slice; a take reads the run from its head in slices, up to the heap's
+smallest, a Python step or (a long take) a few tensor operations a slice
+instead of a heap pop a block. Keys that come out of order one by one
+(block-age's, lru-lfu's) go through the heap at O(log n). Removals (a hit, a
+quarantine, a block losing its hash) are lazy: an entry is live while its
+block is free and its key is the one recorded in `_live` (indexed by block;
+int64 with a tensor over it while the keys fit, so a long free writes it in
+one scatter and a long hit only clears free flags); stale entries are
+skipped when reached, and dropped when they outnumber the live ones. Stamps
+are three host arrays beside it.
 
 The rejected alternative, built and measured (`kvspec bench gpu --profile
 lru-timestamp`, one CPU thread, torch 2.13): the stamps in the pool's
 mirrored state and a selection per take over the device face (one `nonzero`
-for first fit, a stable sort of the free hashed blocks' keys when it evicts):
-a constant number of kernels, but O(num_gpu_blocks log num_gpu_blocks) work
-for every take that evicts, 97 ms for one block in a 1e6-block pool against
-the reference's 36 us, and, on a device, a wait for every answer anyway.
+for first fit, a stable sort of the free hashed blocks' keys when it
+evicts): a constant number of kernels, but O(num_gpu_blocks log
+num_gpu_blocks) work for every take that evicts, 97 ms for one block in a
+1e6-block pool against the reference's 36 us, and, on a device, a wait for
+every answer anyway.
 
 Cost: a take, a hit and a free O(log n) amortized per block, O(1) for a key
 that extends the run; a registration O(1) per block; `ordered` (the snapshot
-only) O(n log n); a widening O(n log n), once per doubling of the clock. Long
-batches come in as tensors: their stamps go in one scatter each (the stamp
-arrays are shared with CPU tensors), and the keys of the blocks a long free
-makes free are computed column by column, by `eviction_key` itself on int64
-tensors, and packed by groups of fields that fit in int64; a field wider
-than that (a fine `lru-lfu:W`) falls back to Python's ints block by block.
-The measurements behind each step are in docs/reference/gpu-impl.md.
+only) O(n log n); a widening O(n log n), once per doubling of the clock or
+of the largest access count. Long batches come in as tensors: their stamps
+go in one scatter each (the stamp arrays are shared with CPU tensors), and
+the keys of the blocks a long free makes free are computed column by column,
+by `eviction_key` itself on int64 tensors, and packed by groups of fields
+that fit in int64; a field wider than that (a fine `lru-lfu:W`) falls back
+to Python's ints block by block. The measurements behind each step are in
+docs/reference/gpu-impl.md.
 """
 
 from __future__ import annotations
@@ -73,18 +78,30 @@ Key = tuple[int, ...]
 # 1e6-block pool fit in int64 (1 + stamp bits + 20) until 2**42 stamps, and a long free packs them in
 # tensor operations.
 _FIRST_STAMP_BITS = 32
+# An access count restarts at 1 whenever its block is allocated and only a hit adds to it, so its field
+# starts far narrower than a stamp's (and widens the same way, when a hit counts past it): lfu's keys of a
+# 1e6-block pool are 1 + 8 + 32 + 20 = 61 bits, an int64, while no block is hit 255 times in one stay.
+_FIRST_ACCESS_BITS = 8
 _INT64_BITS = 63  # the bits of a non-negative int64
+# A long free's keys that fall in one gap of the run go in there when that moves at most this many of the
+# run's entries a key: a heap push and its pop cost about 360 ns, moving an entry about 5 (measured on a
+# 1e6-entry run, docs/reference/gpu-impl.md); and at most this many such slices a call.
+_TAIL_MOVES_PER_PUSH = 64
+_MAX_SLICES = 8
 
 
-def field_widths(rule: ProfileRule, max_block_id: int, stamp_bound: int) -> tuple[int, ...]:
-    """The bits of each component of a packed key, for block ids up to `max_block_id` and stamps and access
-    counts up to `stamp_bound`: the widest key's, since `eviction_key` never decreases in its arguments.
+def field_widths(rule: ProfileRule, max_block_id: int, stamp_bound: int, access_bound: int) -> tuple[int, ...]:
+    """The bits of each component of a packed key, for block ids up to `max_block_id`, stamps up to
+    `stamp_bound` and access counts up to `access_bound`: the widest key's, since `eviction_key` never
+    decreases in its arguments.
 
     >>> from kvspec.spec.ordering import profile_rule
-    >>> field_widths(profile_rule("lru-timestamp"), 1023, 2**32 - 1)  # tier, last access, block id
+    >>> field_widths(profile_rule("lru-timestamp"), 1023, 2**32 - 1, 2**8 - 1)  # tier, last access, block id
     (1, 32, 10)
+    >>> field_widths(profile_rule("lfu"), 1023, 2**32 - 1, 2**8 - 1)  # tier, accesses, last access, block id
+    (1, 8, 32, 10)
     """
-    widest = eviction_key(rule, max_block_id, stamp_bound, stamp_bound, stamp_bound, False, PY)
+    widest = eviction_key(rule, max_block_id, stamp_bound, access_bound, stamp_bound, False, PY)
     return tuple(int(cast(int, c)).bit_length() for c in widest)
 
 
@@ -162,7 +179,9 @@ class StampedFreeBlocks:
         self.num_free_blocks = max(n - 1, 0)
         self._first_fit = list(range(1, n))  # ids of free blocks without a hash (sorted: already a heap)
         self._max_block_id = max(n - 1, 0)  # fixed
-        self._set_widths(_FIRST_STAMP_BITS)
+        # Whether the key reads the access count (lfu, lru-lfu): only then must a hit's counts fit their field.
+        self._reads_accesses = eviction_key(rule, 0, 0, 1, 0, False, PY) != eviction_key(rule, 0, 0, 0, 0, False, PY)
+        self._set_widths(_FIRST_STAMP_BITS, _FIRST_ACCESS_BITS)
         # The packed keys of the free hashed blocks (the module docstring), stale entries skipped when reached:
         # a run in ascending order, read from _run_head on, and a heap of the keys that came in below its last.
         self._run: list[int] = []
@@ -174,11 +193,12 @@ class StampedFreeBlocks:
         self._live, self._live_t = self._empty_live()
         self._num_live = 0  # the free hashed blocks: the live entries
 
-    def _set_widths(self, stamp_bits: int) -> None:
-        """Pack keys for stamps and access counts below 2**stamp_bits."""
-        self._stamp_bits = stamp_bits
-        self._stamp_bound = (1 << stamp_bits) - 1  # no stamp or access count above this may be packed
-        self._widths = field_widths(self._rule, self._max_block_id, self._stamp_bound)
+    def _set_widths(self, stamp_bits: int, access_bits: int) -> None:
+        """Pack keys for stamps below 2**stamp_bits and access counts below 2**access_bits."""
+        self._stamp_bits, self._access_bits = stamp_bits, access_bits
+        self._stamp_bound = (1 << stamp_bits) - 1  # no stamp above this may be packed
+        self._access_bound = (1 << access_bits) - 1  # nor an access count above this one
+        self._widths = field_widths(self._rule, self._max_block_id, self._stamp_bound, self._access_bound)
         self._offsets = field_offsets(self._widths)
         self._id_mask = (1 << self._widths[-1]) - 1  # a packed key's last field: the block id
         self._groups = _int64_groups(self._widths)
@@ -191,11 +211,15 @@ class StampedFreeBlocks:
             return live, _shared_tensor(live, torch.int64)
         return [0] * n, None
 
-    def _widen(self) -> None:
-        """Widen the stamp fields until the clock fits, and repack every entry. Called when the clock passes
-        them (access counts are at most the clock too: one stamp each), before packing a key and before
-        flagging newly free blocks (they have no entry yet). Cost: O(n log n), once per doubling of the clock."""
-        self._set_widths(min(self.clock.bit_length(), _INT64_BITS))  # stamps are int64: 63 bits hold them all
+    def _widen(self, accesses: int = 0) -> None:
+        """Widen the fields until the clock and `accesses` fit them, and repack every entry. Called when the
+        clock passes the stamp fields, before packing a key and before flagging newly free blocks (they have
+        no entry yet), and when a hit counts `accesses` past the access field (after the blocks it hit left
+        the order). Cost: O(n log n), once per doubling of the clock or of the largest access count."""
+        self._set_widths(  # stamps and counts are int64: 63 bits hold them all
+            min(max(self._stamp_bits, self.clock.bit_length()), _INT64_BITS),
+            min(max(self._access_bits, accesses.bit_length()), _INT64_BITS),
+        )
         self._live, self._live_t = self._empty_live()
         live, free, hashed = self._live, self._free, self._hash_flags
         for b in range(len(live)):
@@ -261,11 +285,27 @@ class StampedFreeBlocks:
                 push(heap, key)
 
     def _push_sorted(self, keys: list[int]) -> None:
-        """`_push` for entries in ascending order: those not below the run's last extend it at once."""
-        run = self._run
+        """`_push` for entries in ascending order, by slices: those not below the run's last extend it at once;
+        those that fall between the same two of the run's entries go in there at once, when moving the run's
+        tail costs less than pushing each into the heap and popping it later (under lfu, a free's blocks
+        counted as often fall together: the fresh stamps put them after all the others with their count); the
+        rest go into the heap. At most `_MAX_SLICES` slices a call, so keys scattered through the run
+        (block-age's) cost two searches more, not two a key."""
+        run, heap, push, head = self._run, self._heap, heapq.heappush, self._run_head
         split = bisect.bisect_left(keys, run[-1]) if run else 0
-        heap, push = self._heap, heapq.heappush
-        for key in keys[:split]:
+        start = 0
+        for _ in range(_MAX_SLICES):
+            if start == split:
+                break
+            at = bisect.bisect_right(run, keys[start], head)  # keys[start] < run[-1], so at < len(run)
+            stop = bisect.bisect_right(keys, run[at], start, split)  # run[at - 1] <= keys[start:stop] <= run[at]
+            if (stop - start) * _TAIL_MOVES_PER_PUSH >= len(run) - at:
+                run[at:at] = keys[start:stop]
+            else:
+                for key in keys[start:stop]:
+                    push(heap, key)
+            start = stop
+        for key in keys[start:split]:
             push(heap, key)
         run.extend(keys[split:] if split else keys)
 
@@ -438,6 +478,10 @@ class StampedFreeBlocks:
             accesses[b] += 1
         self._stamp(self.last_access, block_ids)
         self.remove_list(was_free)
+        if self._reads_accesses and block_ids:
+            most = max(map(accesses.__getitem__, block_ids))
+            if most > self._access_bound:
+                self._widen(most)
 
     def freed_list(self, block_ids: Sequence[int], newly_free: Sequence[int], evict_first: bool) -> None:
         """A free naming `block_ids` (every one stamped, in order, and tiered); `newly_free` join the free blocks."""
@@ -490,6 +534,10 @@ class StampedFreeBlocks:
         self._free_t.index_fill_(0, was_free, 0)
         self._num_live -= int(self._hash_flags_t.index_select(0, was_free).count_nonzero())
         self.num_free_blocks -= was_free.numel()
+        if self._reads_accesses and block_ids.numel():
+            most = int(self._num_accesses_t.index_select(0, block_ids).max())
+            if most > self._access_bound:
+                self._widen(most)
 
     def freed(self, block_ids: torch.Tensor, newly_free: torch.Tensor, evict_first: bool) -> None:
         """`freed_list` for a batch in a tensor: the stamps in scatters, the cached blocks' keys by column."""
@@ -536,8 +584,10 @@ class StampedFreeBlocks:
                 errors.append(f"free block {b} has no hash but a key in the cached order")
             if flags[b] and (live[b] != self._key(b) or live[b] not in entries):
                 errors.append(f"free block {b} has a hash but no live entry under its key {self._spec_key(b)}")
-            if flags[b] and max(self.last_access[b], self.num_accesses[b], self.registered_at[b]) > self._stamp_bound:
+            if flags[b] and max(self.last_access[b], self.registered_at[b]) > self._stamp_bound:
                 errors.append(f"free block {b}'s stamps pass the packed keys' fields ({self._stamp_bound})")
+            if flags[b] and self._reads_accesses and self.num_accesses[b] > self._access_bound:
+                errors.append(f"free block {b}'s access count passes the packed keys' field ({self._access_bound})")
         num_cached = sum(1 for f, h in zip(free, flags) if f and h)
         if num_cached != self._num_live:
             errors.append(f"{num_cached} free blocks have a hash but _num_live={self._num_live}")

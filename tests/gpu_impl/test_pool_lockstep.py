@@ -81,9 +81,9 @@ class PoolLockstep(RuleBasedStateMachine):
             enable_kv_cache_events=events,
         )
         if tight_keys and self.gpu._stamped is not None:
-            # A keyed policy's packed keys start with one-bit stamp fields (widened a bit at a time): the keys
-            # are repacked all the time, as the key index is relabelled all the time above.
-            self.gpu._stamped._set_widths(1)
+            # A keyed policy's packed keys start with one-bit stamp and access fields (widened a bit at a time):
+            # the keys are repacked all the time, as the key index is relabelled all the time above.
+            self.gpu._stamped._set_widths(1, 1)
         self.events = events
         self.mirror = EventMirror()  # what a router holds from gpu_impl's stream so far
 

@@ -139,7 +139,7 @@ def test_check_invariants_notices_a_miscounted_free_block():
 def test_packed_keys_order_as_the_specs_keys(weight, stamps, ids):
     """The order compares packed ints; they must order exactly as eviction_key's tuples, at int64's bounds too."""
     rule = profile_rule(weight)
-    widths = field_widths(rule, 2**63 - 1, 2**63 - 1)
+    widths = field_widths(rule, 2**63 - 1, 2**63 - 1, 2**63 - 1)
     keys = [eviction_key(rule, b, *s, PY) for b, s in zip(ids, stamps)]
     packed = [pack(k, field_offsets(widths)) for k in keys]
     assert (keys[0] < keys[1]) == (packed[0] < packed[1])
@@ -148,19 +148,20 @@ def test_packed_keys_order_as_the_specs_keys(weight, stamps, ids):
 
 @pytest.mark.parametrize("profile", ["lru-timestamp", "block-age", "lfu", "lru-lfu:0.5"])
 @pytest.mark.parametrize("python_path_max", [None, 0])
-def test_keys_are_repacked_when_the_clock_passes_their_stamp_fields(profile, python_path_max):
-    """Stamp fields one bit wide, widened a bit at a time: every free crosses them, and the order must hold."""
-    widenings: list[int] = []
+def test_keys_are_repacked_when_the_clock_or_a_count_passes_their_fields(profile, python_path_max):
+    """Stamp and access fields one bit wide, widened a bit at a time: every free crosses the stamps', the
+    hits on block 3 cross the counts' (lfu and lru-lfu read them), and the order must hold."""
+    widenings: list[tuple[int, int]] = []
 
     def narrow(gpu: TensorBlockPool) -> None:
         stamped = gpu._stamped
         assert stamped is not None
-        stamped._set_widths(1)
+        stamped._set_widths(1, 1)
         widen = stamped._widen
 
-        def counted() -> None:
-            widenings.append(stamped.clock)
-            widen()
+        def counted(accesses: int = 0) -> None:
+            widenings.append((stamped.clock, accesses))
+            widen(accesses)
 
         stamped._widen = counted  # type: ignore[method-assign]
 
@@ -175,7 +176,9 @@ def test_keys_are_repacked_when_the_clock_passes_their_stamp_fields(profile, pyt
         ("get_new_blocks", (9,)),
     ]
     _both(profile, calls, n=12, prepare=narrow, python_path_max=python_path_max)
-    assert len(widenings) >= 3
+    assert len([clock for clock, accesses in widenings if not accesses]) >= 3
+    if profile in ("lfu", "lru-lfu:0.5"):  # block 3's count passes 1, 3, 7, 15 and 31
+        assert [accesses for clock, accesses in widenings if accesses] == [2, 4, 8, 16, 32]
 
 
 def _entries(stamped: StampedFreeBlocks) -> int:
@@ -244,3 +247,42 @@ def test_a_clock_past_32_bits_widens_the_stamp_field_by_what_it_needs_and_keeps_
     assert stamped._widths == (1, 41, 3) and stamped._live_t is not None
     p.check_invariants()
     assert p.get_new_blocks(7)[-4:] == blocks  # first fit, then the cached blocks, least recently used first
+
+
+def _hashes_of(blocks: list[int]) -> list[BlockHash]:
+    return [BlockHash(b.to_bytes(8, "little")) for b in blocks]
+
+
+def test_a_long_free_below_the_runs_last_goes_in_by_slices_or_into_the_heap():
+    """block-age: blocks hit and freed again come back under their registration keys, one into each gap of
+    the run: the gaps far from its end go into the heap, those near it into the run, and past `_MAX_SLICES`
+    gaps the rest into the heap. lfu: blocks counted once, freed after blocks counted twice, fall together
+    into one gap (after every other block counted once), one slice into the run."""
+    n = 200
+    blocks = list(range(1, n))
+    hit = blocks[::2]
+    calls = [
+        ("get_new_blocks", (n - 1,)),
+        ("cache_full_blocks", (blocks, _hashes_of(blocks))),
+        ("free_blocks", (blocks,)),  # registration order, then the same ids: every key extends the run
+        ("touch", (hit,)),
+        ("free_blocks", (hit,)),
+    ]
+    gpu = _both("block-age", calls, n=n, python_path_max=0)
+    stamped = gpu._stamped
+    assert stamped is not None and len(stamped._heap) > 0
+    assert len(stamped._run) - stamped._run_head > n - 1 - len(hit)  # some went into the run
+    _both("block-age", [*calls, ("get_new_blocks", (n - 1,))], n=n, python_path_max=0)
+
+    once = [b for b in blocks if b not in hit]
+    calls = [
+        *calls[:2],
+        ("touch", (hit,)),  # held twice, counted twice
+        ("free_blocks", (hit,)),
+        ("free_blocks", (hit,)),  # free now, at the run's end
+        ("free_blocks", (once,)),  # counted once: every key below the run's first
+    ]
+    gpu = _both("lfu", calls, n=n, python_path_max=0)
+    stamped = gpu._stamped
+    assert stamped is not None and stamped._heap == [] and len(stamped._run) - stamped._run_head == n - 1
+    _both("lfu", [*calls, ("get_new_blocks", (n - 1,))], n=n, python_path_max=0)
