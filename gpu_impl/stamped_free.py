@@ -268,29 +268,20 @@ class StampedFreeBlocks:
                 continue
             self._live[b] = key = self._key(b)
             self._num_live += 1
-            if run and key < run[-1]:  # `_push`, written out: most frees free one block
+            if run and key < run[-1]:  # onto the run when none there is larger, else into the heap
                 heapq.heappush(self._heap, key)
             else:
                 run.append(key)
         if len(run) - self._run_head + len(self._heap) > 2 * self._num_live + 64:  # `_compact`'s test, inline
             self._compact()
 
-    def _push(self, keys: Iterable[int]) -> None:
-        """Entries into the order, each onto the run's end when none there is larger, else into the heap."""
-        run, heap, push = self._run, self._heap, heapq.heappush
-        for key in keys:
-            if not run or key >= run[-1]:
-                run.append(key)
-            else:
-                push(heap, key)
-
     def _push_sorted(self, keys: list[int]) -> None:
-        """`_push` for entries in ascending order, by slices: those not below the run's last extend it at once;
-        those that fall between the same two of the run's entries go in there at once, when moving the run's
-        tail costs less than pushing each into the heap and popping it later (under lfu, a free's blocks
+        """Entries in ascending order into the order, by slices: those not below the run's last extend it at
+        once; those that fall between the same two of the run's entries go in there at once, when moving the
+        run's tail costs less than pushing each into the heap and popping it later (under lfu, a free's blocks
         counted as often fall together: the fresh stamps put them after all the others with their count); the
         rest go into the heap. At most `_MAX_SLICES` slices a call, so keys scattered through the run
-        (block-age's) cost two searches more, not two a key."""
+        (block-age's) cost a few searches more, not two a key."""
         run, heap, push, head = self._run, self._heap, heapq.heappush, self._run_head
         split = bisect.bisect_left(keys, run[-1]) if run else 0
         start = 0
@@ -355,7 +346,8 @@ class StampedFreeBlocks:
             keys, live = self._join_groups(parts), self._live
             for b, packed_key in zip(cast("list[int]", block_ids.tolist()), keys):
                 live[b] = packed_key
-            self._push(keys)
+            keys.sort()  # near-linear: a free's fresh stamps put most of them in order already
+            self._push_sorted(keys)
         self._num_live += k
         self._compact()
 
