@@ -27,7 +27,7 @@ with the same count fall together into one gap of the run and go in as one
 slice; a take reads the run from its head in slices, up to the heap's
 smallest, a Python step or (a long take) a few tensor operations a slice
 instead of a heap pop a block. Keys that come out of order one by one
-(block-age's, lru-lfu's) go through the heap at O(log n). Removals (a hit, a
+(block-age's) go through the heap at O(log n). Removals (a hit, a
 quarantine, a block losing its hash) are lazy: an entry is live while its
 block is free and its key is the one recorded in `_live` (indexed by block;
 int64 with a tensor over it while the keys fit, so a long free writes it in
