@@ -3,7 +3,6 @@ facts are set beside declared ones (a measurement made by hand from the table, n
 
 from __future__ import annotations
 
-import doctest
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ import pytest
 from kvspec.conformance.targets.vllm import releases
 from kvspec.conformance.targets.vllm.measure import FACT_FIELDS, MeasuredFacts
 from kvspec.conformance.targets.vllm.releases import RELEASES, facts_for
-from kvspec.conformance.tools import vllm_facts
 from kvspec.conformance.tools.cli import main
 from kvspec.conformance.tools.vllm_facts import beside_release, compare, entry_literal, format_table
 
@@ -47,8 +45,6 @@ def test_a_missing_name_is_refused_by_the_parser_in_one_line(capsys) -> None:
 
 
 def test_the_release_beside_is_the_newest_declared_at_or_below_the_version() -> None:
-    result = doctest.testmod(vllm_facts, verbose=False)  # beside_release's examples
-    assert result.attempted > 0 and result.failed == 0
     assert beside_release("0.8.5.post2") == "0.8.5.post1"
     assert beside_release("0.7.3") == RELEASES[0]  # below the table: its oldest
 

@@ -7,14 +7,12 @@ order outright and check what only the stamped free blocks have.
 
 from __future__ import annotations
 
-import doctest
 from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvspec.gpu_impl import stamped_free
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
 from kvspec.gpu_impl.stamped_free import StampedFreeBlocks, field_offsets, field_widths, pack
@@ -224,12 +222,6 @@ def test_a_rebuild_keeps_one_entry_per_live_key_across_the_run_and_the_heap():
                 assert _entries(stamped) == stamped._num_live == 60
     assert rebuilds > 0
     p.check_invariants()
-
-
-def test_the_modules_examples_hold():
-    """The packing helpers' examples (field widths and offsets, int64 groups at their 63-bit edge) are tests."""
-    result = doctest.testmod(stamped_free, verbose=False)
-    assert result.failed == 0 and result.attempted >= 5
 
 
 @pytest.mark.parametrize("python_path_max", [None, 0])

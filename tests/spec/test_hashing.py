@@ -6,12 +6,9 @@ spec's docstrings stay true.
 
 from __future__ import annotations
 
-import doctest
 import hashlib
-import importlib
 import json
 import os
-import pkgutil
 import subprocess
 import sys
 
@@ -20,7 +17,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kvspec.spec
 from kvspec.spec import manager
 from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.hashing import (
@@ -214,23 +210,3 @@ def test_builtin_chains_agree_only_under_the_same_pythonhashseed(chains_by_seed)
     assert len(first["builtin"]) == 3
     assert first["builtin"] == second["builtin"]
     assert not set(first["builtin"]) & set(other["builtin"])
-
-
-# --- doctests of the spec -----------------------------------------------------------------------
-
-SPEC_MODULES = sorted(
-    info.name for info in pkgutil.walk_packages(kvspec.spec.__path__, "kvspec.spec.")
-    if not info.name.startswith("kvspec.spec.lemmas")  # the lemmas import z3; their own tests run them
-)
-
-
-@pytest.mark.parametrize("name", SPEC_MODULES)
-def test_spec_doctests(name: str) -> None:
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS, verbose=False)
-    assert result.failed == 0
-
-
-def test_the_small_helpers_carry_doctests() -> None:
-    attempted = {name: doctest.testmod(importlib.import_module(name), verbose=False).attempted for name in SPEC_MODULES}
-    for name in ("kvspec.spec.state", "kvspec.spec.ops", "kvspec.spec.ordering", "kvspec.spec.hashing"):
-        assert attempted[name] > 0, name
