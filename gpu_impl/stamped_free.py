@@ -29,11 +29,15 @@ smallest, a Python step or (a long take) a few tensor operations a slice
 instead of a heap pop a block. Keys that come out of order one by one
 (block-age's) go through the heap at O(log n). Removals (a hit, a
 quarantine, a block losing its hash) are lazy: an entry is live while its
-block is free and its key is the one recorded in `_live` (indexed by block;
-int64 with a tensor over it while the keys fit, so a long free writes it in
-one scatter and a long hit only clears free flags); stale entries are
-skipped when reached, and dropped when they outnumber the live ones. Stamps
-are three host arrays beside it.
+block is free and its key has the tag recorded in `_live` (indexed by block:
+the key itself, or, for a key wider than int64 whose lowest int64 group
+holds the last access, that group, which no other entry of the block shares,
+since only a free makes an entry and every free stamps the last access
+afresh; int64 with a tensor over it while the tags fit, so a long free
+writes it in one scatter, a long take checks its slices in gathers and a
+long hit only clears free flags); stale entries are skipped when reached,
+and dropped when they outnumber the live ones. Stamps are three host arrays
+beside it.
 
 The rejected alternative, built and measured (`kvspec bench gpu --profile
 lru-timestamp`, one CPU thread, torch 2.13): the stamps in the pool's
@@ -181,15 +185,15 @@ class StampedFreeBlocks:
         self._max_block_id = max(n - 1, 0)  # fixed
         # Whether the key reads the access count (lfu, lru-lfu): only then must a hit's counts fit their field.
         self._reads_accesses = eviction_key(rule, 0, 0, 1, 0, False, PY) != eviction_key(rule, 0, 0, 0, 0, False, PY)
+        self._last_access_field = _last_access_field(rule)
         self._set_widths(_FIRST_STAMP_BITS, _FIRST_ACCESS_BITS)
         # The packed keys of the free hashed blocks (the module docstring), stale entries skipped when reached:
         # a run in ascending order, read from _run_head on, and a heap of the keys that came in below its last.
         self._run: list[int] = []
         self._run_head = 0
         self._heap: list[int] = []
-        # Block -> the packed key of its latest entry, 0 for none; an entry is live while its block is free
-        # and its key is this one (a long hit leaves the keys here and clears the free flags in one scatter).
-        # A free block without a hash has 0. Indexed by block: a long free sets 1e5 scattered entries.
+        # Block -> the tag (`_tag_mask`) of its latest entry, 0 for none: the entry is live while its block is
+        # free and its key has this tag. Indexed by block: a long free sets 1e5 scattered entries.
         self._live, self._live_t = self._empty_live()
         self._num_live = 0  # the free hashed blocks: the live entries
 
@@ -202,11 +206,19 @@ class StampedFreeBlocks:
         self._offsets = field_offsets(self._widths)
         self._id_mask = (1 << self._widths[-1]) - 1  # a packed key's last field: the block id
         self._groups = _int64_groups(self._widths)
+        self._int64_keys = self._groups is not None and len(self._groups) == 1
+        # An entry's tag, what `_live` records of its key: the key itself, unless the key spans int64 groups and
+        # the lowest holds the last access: then that group (-1 keeps every bit). A free stamps the last access
+        # of every block it names afresh, and only a free makes an entry, so no two entries of a block share a
+        # last access, nor a tag; and a tag that fits in int64 goes into `_live` in one scatter.
+        low = self._groups[-1][0] if self._groups is not None else len(self._widths)
+        tag_is_low = not self._int64_keys and self._last_access_field is not None and self._last_access_field >= low
+        self._tag_mask = (1 << sum(self._widths[low:])) - 1 if tag_is_low else -1
 
     def _empty_live(self) -> tuple[array.array[int] | list[int], torch.Tensor | None]:
-        """A block -> key map with no entry: int64, with a CPU tensor over it, while keys fit; else Python's ints."""
+        """A block -> tag map with no entry: int64, with a CPU tensor over it, while tags fit; else Python's ints."""
         n = len(self._free)
-        if self._groups is not None and len(self._groups) == 1:
+        if self._int64_keys or self._tag_mask != -1:
             live = array.array("q", [0]) * n
             return live, _shared_tensor(live, torch.int64)
         return [0] * n, None
@@ -221,11 +233,11 @@ class StampedFreeBlocks:
             min(max(self._access_bits, accesses.bit_length()), _INT64_BITS),
         )
         self._live, self._live_t = self._empty_live()
-        live, free, hashed = self._live, self._free, self._hash_flags
-        for b in range(len(live)):
-            if free[b] and hashed[b]:
-                live[b] = self._key(b)
-        self._run, self._run_head, self._heap = sorted(key for key in live if key), 0, []
+        live, free, hashed, tag_mask = self._live, self._free, self._hash_flags, self._tag_mask
+        keys = [(b, self._key(b)) for b in range(len(live)) if free[b] and hashed[b]]
+        for b, key in keys:
+            live[b] = key & tag_mask
+        self._run, self._run_head, self._heap = sorted(key for _, key in keys), 0, []
 
     def _spec_key(self, b: int) -> Key:
         """Block b's eviction key, the spec's tuple."""
@@ -266,7 +278,8 @@ class StampedFreeBlocks:
             if not hashed[b]:
                 heapq.heappush(self._first_fit, b)
                 continue
-            self._live[b] = key = self._key(b)
+            key = self._key(b)
+            self._live[b] = key & self._tag_mask
             self._num_live += 1
             if run and key < run[-1]:  # onto the run when none there is larger, else into the heap
                 heapq.heappush(self._heap, key)
@@ -336,16 +349,20 @@ class StampedFreeBlocks:
         k = block_ids.numel()
         # None of the blocks has a live entry (they were not free): their keys go in as they are.
         parts = self._pack_groups(cast("list[torch.Tensor | int]", list(key)), k)
-        if self._live_t is not None:
+        if self._int64_keys:
             (packed,) = parts
             if k > 1 and not bool((packed[1:] > packed[:-1]).all()):  # a free's fresh stamps usually sort them
                 packed = packed.sort().values
-            self._live_t.index_copy_(0, packed & self._id_mask, packed)
+            cast(torch.Tensor, self._live_t).index_copy_(0, packed & self._id_mask, packed)
             self._push_sorted(cast("list[int]", packed.tolist()))
         else:
-            keys, live = self._join_groups(parts), self._live
-            for b, packed_key in zip(cast("list[int]", block_ids.tolist()), keys):
-                live[b] = packed_key
+            keys = self._join_groups(parts)
+            if self._live_t is not None:  # the tags are the lowest group (`_set_widths`)
+                self._live_t.index_copy_(0, block_ids, parts[-1])
+            else:
+                live = self._live
+                for b, packed_key in zip(cast("list[int]", block_ids.tolist()), keys):
+                    live[b] = packed_key
             keys.sort()  # near-linear: a free's fresh stamps put most of them in order already
             self._push_sorted(keys)
         self._num_live += k
@@ -356,11 +373,13 @@ class StampedFreeBlocks:
         entries it drops). Cost: O(n) when it does."""
         if len(self._run) - self._run_head + len(self._heap) <= 2 * self._num_live + 64:
             return
-        free, live, id_mask = self._free, self._live, self._id_mask
+        free, live, id_mask, tag = self._free, self._live, self._id_mask, self._tag_mask
         # One entry per live key: a block that left and came back under the same key (block-age: a hit, then
         # a free) has a stale entry equal to its live one. The run stays in order (a dict keeps it).
-        run = dict.fromkeys([key for key in self._run[self._run_head :] if free[b := key & id_mask] and live[b] == key])
-        heap = [key for key in set(self._heap) if key not in run and free[b := key & id_mask] and live[b] == key]
+        run = dict.fromkeys(
+            [key for key in self._run[self._run_head :] if free[b := key & id_mask] and live[b] == key & tag]
+        )
+        heap = [key for key in set(self._heap) if key not in run and free[b := key & id_mask] and live[b] == key & tag]
         heapq.heapify(heap)
         self._run, self._run_head, self._heap = list(run), 0, heap
 
@@ -387,12 +406,13 @@ class StampedFreeBlocks:
         a Python loop should be (run and heap can interleave finely: block-age's hit blocks come back
         below the run's last)."""
         run, heap, live, free, id_mask = self._run, self._heap, self._live, self._free, self._id_mask
+        tag = self._tag_mask
         head = self._run_head
         while len(taken) < n:
             if heap and (head == len(run) or heap[0] < run[head]):
-                key = heapq.heappop(heap)
-                b = key & id_mask
-                if free[b] and live[b] == key:  # else stale: the block left, or its key changed
+                tagged = heapq.heappop(heap) & tag  # the tag holds the id (one int op on a wide key, not two)
+                b = tagged & id_mask
+                if free[b] and live[b] == tagged:  # else stale: the block left, or its key changed
                     live[b] = 0
                     taken.append(b)
                 continue
@@ -404,8 +424,9 @@ class StampedFreeBlocks:
                 taken += self._take_live_tensor(run[head:end])
             else:
                 for key in run[head:end]:  # a slice: islice would step over the `head` entries before it
-                    b = key & id_mask
-                    if free[b] and live[b] == key:
+                    tagged = key & tag
+                    b = tagged & id_mask
+                    if free[b] and live[b] == tagged:
                         live[b] = 0
                         taken.append(b)
             head = end
@@ -418,13 +439,15 @@ class StampedFreeBlocks:
         self._run_head = head
 
     def _take_live_tensor(self, keys: list[int]) -> list[int]:
-        """The blocks of the live entries among `keys` (ascending, int64 keys), taken in tensor operations: the
-        loop of `_pop_cached` on a long slice, each of its reads and writes one gather or scatter."""
+        """The blocks of the live entries among `keys` (ascending), taken in tensor operations: the loop of
+        `_pop_cached` on a long slice, each of its reads and writes one gather or scatter, over the keys'
+        tags (int64: `_live_t` exists)."""
         assert self._live_t is not None
-        keys_t = torch.tensor(keys, dtype=torch.int64)
-        ids = keys_t & self._id_mask
-        is_live = (self._free_t.index_select(0, ids) != 0) & (self._live_t.index_select(0, ids) == keys_t)
-        is_live[1:] &= keys_t[1:] != keys_t[:-1]  # a key twice (block-age: left and came back) is taken once
+        tag = self._tag_mask
+        tags = torch.tensor(keys if tag == -1 else [key & tag for key in keys], dtype=torch.int64)
+        ids = tags & self._id_mask
+        is_live = (self._free_t.index_select(0, ids) != 0) & (self._live_t.index_select(0, ids) == tags)
+        is_live[1:] &= tags[1:] != tags[:-1]  # a key twice (block-age: left and came back) is taken once
         taken = ids[is_live]
         self._live_t.index_fill_(0, taken, 0)
         return cast("list[int]", taken.tolist())
@@ -454,7 +477,10 @@ class StampedFreeBlocks:
         """Every free block in the policy's order (for the snapshot). Cost: O(n log n)."""
         free, flags = self._free, self._hash_flags
         first_fit = sorted(b for b in set(self._first_fit) if free[b] and not flags[b])
-        cached = [key & self._id_mask for key in sorted(key for key, f in zip(self._live, free) if f and key)]
+        live, tag, id_mask = self._live, self._tag_mask, self._id_mask
+        entries = {*itertools.islice(self._run, self._run_head, None), *self._heap}  # one of each key
+        cached = sorted(key for key in entries if free[b := key & id_mask] and live[b] == key & tag)
+        cached = [key & id_mask for key in cached]
         return torch.tensor(first_fit + cached, dtype=torch.int64, device=self._device)
 
     def is_free(self, block_id: int) -> bool:
@@ -574,7 +600,7 @@ class StampedFreeBlocks:
                 errors.append(f"free block {b} has no hash but no first-fit entry")
             if not flags[b] and live[b]:
                 errors.append(f"free block {b} has no hash but a key in the cached order")
-            if flags[b] and (live[b] != self._key(b) or live[b] not in entries):
+            if flags[b] and (live[b] != self._key(b) & self._tag_mask or self._key(b) not in entries):
                 errors.append(f"free block {b} has a hash but no live entry under its key {self._spec_key(b)}")
             if flags[b] and max(self.last_access[b], self.registered_at[b]) > self._stamp_bound:
                 errors.append(f"free block {b}'s stamps pass the packed keys' fields ({self._stamp_bound})")
@@ -615,6 +641,18 @@ def _int64_groups(widths: Sequence[int]) -> list[tuple[int, int]] | None:
         bits += widths[i]
     groups.append((0, stop))
     return groups[::-1]
+
+
+def _last_access_field(rule: ProfileRule) -> int | None:
+    """Which component of the rule's `eviction_key` is the block's last access itself, if one is.
+
+    >>> from kvspec.spec.ordering import profile_rule
+    >>> [_last_access_field(profile_rule(p)) for p in ("lru-timestamp", "lfu", "lru-lfu:0.5", "block-age")]
+    [1, 2, 2, None]
+    """
+    probes = [eviction_key(rule, 3, last, 1, 7, False, PY) for last in (11, 13)]
+    found = [i for i, pair in enumerate(zip(*probes)) if pair == (11, 13)]
+    return found[0] if found else None
 
 
 def _shared_tensor(buffer: array.array[int] | bytearray, dtype: torch.dtype) -> torch.Tensor:

@@ -241,6 +241,32 @@ def test_a_clock_past_32_bits_widens_the_stamp_field_by_what_it_needs_and_keeps_
     assert p.get_new_blocks(7)[-4:] == blocks  # first fit, then the cached blocks, least recently used first
 
 
+@pytest.mark.parametrize("python_path_max", [None, 0])
+def test_keys_wider_than_int64_are_recorded_by_their_lowest_group(python_path_max):
+    """lru-lfu:0.5's keys span two int64 groups (tier and score; last access and id): `_live` records the lowest,
+    which holds the last access, an int64 (one scatter a long free). The clock starts just below 2**32, so the
+    stamps use the field's top bit, then pass it (a widening); block 2 is hit 260 times, so its count passes
+    its field's 255 (another): every step against the spec (stamps shifted alike order alike)."""
+
+    def late(gpu: TensorBlockPool) -> None:
+        assert gpu._stamped is not None
+        gpu._stamped.clock = 2**32 - 6
+
+    calls = [
+        ("get_new_blocks", (6,)),
+        ("cache_full_blocks", ([1, 2, 3, 4], H[:4])),
+        ("free_blocks", ([4, 3, 2, 1],)),
+        *[("touch", ([2],)), ("free_blocks", ([2],))] * 260,
+        ("free_blocks", ([6, 5],)),
+        ("get_new_blocks", (7,)),
+    ]
+    gpu = _both("lru-lfu:0.5", calls, prepare=late, python_path_max=python_path_max)
+    stamped = gpu._stamped
+    assert stamped is not None and stamped._live_t is not None
+    assert (stamped._stamp_bits, stamped._access_bits) == (33, 9)
+    assert len(stamped._groups or ()) == 2 and stamped._tag_mask == (1 << (33 + 3)) - 1  # last access, id
+
+
 def _hashes_of(blocks: list[int]) -> list[BlockHash]:
     return [BlockHash(b.to_bytes(8, "little")) for b in blocks]
 
