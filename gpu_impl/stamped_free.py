@@ -407,7 +407,7 @@ class StampedFreeBlocks:
         below the run's last)."""
         run, heap, live, free, id_mask = self._run, self._heap, self._live, self._free, self._id_mask
         tag = self._tag_mask
-        head = self._run_head
+        head, per_live = self._run_head, 1.0
         while len(taken) < n:
             if heap and (head == len(run) or heap[0] < run[head]):
                 tagged = heapq.heappop(heap) & tag  # the tag holds the id (one int op on a wide key, not two)
@@ -416,13 +416,20 @@ class StampedFreeBlocks:
                     live[b] = 0
                     taken.append(b)
                 continue
-            end = min(len(run), head + n - len(taken))
+            need = n - len(taken)
+            # A slice read in tensors is as long as the entries read per live one so far say the need takes (its
+            # live entries past the need are left): the stale ones met (hit blocks) cost one slice more, not a
+            # slice a halving of the need.
+            end = min(len(run), head + (int(need * per_live) + 64 if in_tensors and self._live_t is not None else need))
             if heap:
                 end = bisect.bisect_right(run, heap[0], head, end)
             assert end > head, "the order ran out of entries before it ran out of free hashed blocks"
             if in_tensors and self._live_t is not None and end - head > self._python_path_max:
-                taken += self._take_live_tensor(run[head:end])
+                got, read = self._take_live_tensor(run[head:end], need)
+                taken += got
+                per_live, end = min(max(per_live, read / max(len(got), 1)), 4.0), head + read  # 4: a bound on a read
             else:
+                end = min(end, head + need)
                 for key in run[head:end]:  # a slice: islice would step over the `head` entries before it
                     tagged = key & tag
                     b = tagged & id_mask
@@ -438,19 +445,20 @@ class StampedFreeBlocks:
             head = 0
         self._run_head = head
 
-    def _take_live_tensor(self, keys: list[int]) -> list[int]:
-        """The blocks of the live entries among `keys` (ascending), taken in tensor operations: the loop of
-        `_pop_cached` on a long slice, each of its reads and writes one gather or scatter, over the keys'
-        tags (int64: `_live_t` exists)."""
+    def _take_live_tensor(self, keys: list[int], need: int) -> tuple[list[int], int]:
+        """The blocks of the first `need` live entries among `keys` (ascending), taken in tensor operations,
+        and how many of the keys that read (up to the next live one): the loop of `_pop_cached` on a long
+        slice, each of its reads and writes one gather or scatter, over the keys' tags (int64: `_live_t`)."""
         assert self._live_t is not None
         tag = self._tag_mask
         tags = torch.tensor(keys if tag == -1 else [key & tag for key in keys], dtype=torch.int64)
         ids = tags & self._id_mask
         is_live = (self._free_t.index_select(0, ids) != 0) & (self._live_t.index_select(0, ids) == tags)
         is_live[1:] &= tags[1:] != tags[:-1]  # a key twice (block-age: left and came back) is taken once
-        taken = ids[is_live]
+        wanted = is_live.cumsum(0) <= need  # the keys read: all but those from the (need + 1)-th live one on
+        taken = ids[is_live & wanted]
         self._live_t.index_fill_(0, taken, 0)
-        return cast("list[int]", taken.tolist())
+        return cast("list[int]", taken.tolist()), int(wanted.count_nonzero())
 
     def take(self, n: int) -> list[int]:
         """Take the n blocks the policy gives out first, in order, stamped as allocated (one access each)."""

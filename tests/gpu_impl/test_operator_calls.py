@@ -210,6 +210,37 @@ def test_a_long_batch_runs_a_bounded_number_of_torch_calls_whatever_its_length()
         assert max(counts.values()) <= 22, counts
 
 
+def keyed_round_costs(profile: str, k: int) -> dict[str, Costs]:
+    """The costs of one round of k-block calls under a keyed policy, the faces in two memories; the evicting
+    take meets a stale entry for every block hit since its free (half of the cached ones)."""
+    p = TensorBlockPool(3 * k + 10, profile=profile, device="cpu", share_host_memory=False)
+    p.sync_device()
+    blocks: list[int] = []
+    hashes = [BlockHash(b.to_bytes(4, "little")) for b in range(1, k + 1)]
+    calls = {
+        "get_new_blocks": lambda: blocks.extend(p.get_new_blocks(k)),
+        "cache_full_blocks": lambda: p.cache_full_blocks(blocks, hashes),
+        "free_blocks": lambda: p.free_blocks(blocks[::-1]),
+        "touch": lambda: p.touch(blocks[::2]),
+        "free_blocks of hit blocks": lambda: p.free_blocks(blocks[::2][::-1]),
+        "get_new_blocks that evicts": lambda: p.get_new_blocks(2 * k + 9 + k // 2),
+    }
+    costs = {op: calls_of(call, p).costs() for op, call in calls.items()}
+    p.check_invariants()
+    return costs
+
+
+@pytest.mark.parametrize("profile", ["lru-timestamp", "block-age", "lfu", "lru-lfu:0.5"])
+def test_under_a_keyed_policy_a_long_call_costs_the_same_at_any_length_and_nothing_on_the_device(profile):
+    """A keyed order is host metadata (gpu_impl.stamped_free): a long call's stamps, keys and selection are
+    torch calls on the host, as many at 1,000 blocks as at 10,000, none on the device and no wait. The
+    evicting take's first slice counts the stale entries it meets and sizes the next by them: two slices at
+    any length, not one a halving of the need."""
+    short, long = keyed_round_costs(profile, 1000), keyed_round_costs(profile, 10_000)
+    assert short == long
+    assert all((c.device, c.waits) == (0, 0) for c in short.values()), short
+
+
 def test_two_faces_are_only_for_a_device_with_its_own_memory():
     with pytest.raises(ValueError, match=r"^share_host_memory=True but device=meta has its own memory"):
         MirroredState(4, torch.device("meta"), share_host_memory=True)
