@@ -130,6 +130,7 @@ from kvspec.spec.errors import (
     InvalidBlock,
     InvalidRequest,
     PoolExhausted,
+    is_int,
 )
 from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvspec.spec.invariants import check_all
@@ -165,10 +166,6 @@ _REF, _HASH, _CORRUPT, _FREE_KEY = range(_NUM_FIELDS)  # block b's field f is st
 # lines), within the second-level cache and its TLB. Measured, 1e5 ids: chunks of 512, 1,024 and 2,048
 # ids 9.8, 9.3 and 11.4 ms.
 _IDS_CHUNK = 1024
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def ids_as_tensor(block_ids: Sequence[object]) -> torch.Tensor | None:
@@ -301,7 +298,7 @@ class TensorBlockPool:
         Raises:
             InvalidRequest: as `__init__`.
         """
-        if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
+        if not is_int(num_gpu_blocks) or num_gpu_blocks < 1:
             raise InvalidRequest(
                 "num_gpu_blocks must be an integer >= 1 (block 0 is the null block); "
                 f"got num_gpu_blocks={num_gpu_blocks!r}"
@@ -310,7 +307,7 @@ class TensorBlockPool:
             rule = profile_rule(profile)
         except ValueError as e:
             raise InvalidRequest(str(e)) from None
-        if python_path_max is not None and (not _is_int(python_path_max) or python_path_max < 0):
+        if python_path_max is not None and (not is_int(python_path_max) or python_path_max < 0):
             raise InvalidRequest(f"python_path_max must be an integer >= 0; got python_path_max={python_path_max!r}")
         return rule
 
@@ -473,7 +470,7 @@ class TensorBlockPool:
             InvalidRequest: an id is named twice.
         """
         for b in block_ids:
-            if not _is_int(b) or not 0 <= cast(int, b) < self.num_gpu_blocks:
+            if not is_int(b) or not 0 <= cast(int, b) < self.num_gpu_blocks:
                 raise InvalidBlock(
                     f"{op}: block_id={b!r} is not a block of this pool (ids 0..{self.num_gpu_blocks - 1})"
                 )
@@ -559,7 +556,7 @@ class TensorBlockPool:
         return self._state.to_device(self._take_long(num_blocks))
 
     def _check_take(self, num_blocks: int) -> None:
-        if not _is_int(num_blocks) or num_blocks < 0:
+        if not is_int(num_blocks) or num_blocks < 0:
             raise InvalidRequest(
                 f"get_new_blocks: num_blocks must be a non-negative integer; got num_blocks={num_blocks!r}"
             )
@@ -1072,7 +1069,7 @@ class TensorBlockPool:
 
         Cost: O(1), host only.
         """
-        if not _is_int(block_id) or not 0 <= block_id < self.num_gpu_blocks:
+        if not is_int(block_id) or not 0 <= block_id < self.num_gpu_blocks:
             raise InvalidBlock(
                 f"is_block_writable: block_id={block_id!r} is not a block of this pool "
                 f"(ids 0..{self.num_gpu_blocks - 1})"

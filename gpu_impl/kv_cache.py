@@ -44,7 +44,7 @@ import torch
 
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.sizing import KVLayout
-from kvspec.spec.errors import InvalidBlock, InvalidRequest, NotWritable
+from kvspec.spec.errors import InvalidBlock, InvalidRequest, NotWritable, is_int
 from kvspec.spec.state import NULL_BLOCK_ID, BlockId
 
 __all__ = ["GroupedKVCache", "PagedKVCache"]
@@ -63,10 +63,6 @@ _TORCH_DTYPES = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
     "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
 }
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class PagedKVCache:
@@ -93,9 +89,9 @@ class PagedKVCache:
 
         Cost: O(num_gpu_blocks * block_size * prod(slot_shape)) memory.
         """
-        if not _is_int(block_size) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
-        if not all(_is_int(d) and d >= 1 for d in slot_shape):
+        if not all(is_int(d) and d >= 1 for d in slot_shape):
             raise InvalidRequest(
                 f"slot_shape dimensions must be positive integers; got slot_shape={tuple(slot_shape)!r}"
             )
@@ -205,7 +201,7 @@ class PagedKVCache:
         else:
             n = self.block_pool.num_gpu_blocks
             for b in block_ids:
-                if not _is_int(b) or not 0 <= b < n:
+                if not is_int(b) or not 0 <= b < n:
                     raise InvalidBlock(f"read_kv: block_id={b!r} is not a block of this pool (ids 0..{n - 1})")
             ids = torch.tensor(list(block_ids), dtype=torch.int64, device=self.kv.device)
         return self.kv[ids]
@@ -254,12 +250,12 @@ class PagedKVCache:
             InvalidRequest: byte_offset or bit is out of range.
         """
         n = self.block_pool.num_gpu_blocks
-        if not _is_int(block_id) or not 0 <= block_id < n:
+        if not is_int(block_id) or not 0 <= block_id < n:
             raise InvalidBlock(f"inject_bit_flip: block_id={block_id!r} is not a block of this pool (ids 0..{n - 1})")
         page = self.kv[block_id].view(-1).view(torch.uint8)
-        if not _is_int(byte_offset) or not 0 <= byte_offset < page.numel():
+        if not is_int(byte_offset) or not 0 <= byte_offset < page.numel():
             raise InvalidRequest(f"inject_bit_flip: byte_offset={byte_offset!r} not in 0..{page.numel() - 1}")
-        if not _is_int(bit) or not 0 <= bit < 8:
+        if not is_int(bit) or not 0 <= bit < 8:
             raise InvalidRequest(f"inject_bit_flip: bit={bit!r} not in 0..7")
         page[byte_offset] ^= 1 << bit
 
@@ -282,7 +278,7 @@ class GroupedKVCache:
 
         Cost: O(num_groups * num_gpu_blocks * block_size * prod(slot_shape)) memory.
         """
-        if not _is_int(num_groups) or num_groups < 1:
+        if not is_int(num_groups) or num_groups < 1:
             raise InvalidRequest(f"num_groups must be a positive integer; got num_groups={num_groups!r}")
         # fixed: group g's store is stores[g]
         self.stores = tuple(PagedKVCache(block_pool, block_size, slot_shape, dtype) for _ in range(num_groups))

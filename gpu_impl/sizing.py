@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.errors import InvalidRequest, is_int
 
 __all__ = [
     "DEFAULT_MARGIN",
@@ -53,10 +53,6 @@ _UNITS: dict[str, int] = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_size(text: str | int, name: str = "size") -> int:
@@ -113,7 +109,7 @@ class KVLayout:
     def __post_init__(self) -> None:
         for field in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, field)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise InvalidRequest(f"{field} must be a positive integer; got {field}={value!r}")
         if self.dtype not in DTYPE_SIZES:
             known = ", ".join(sorted(DTYPE_SIZES))
@@ -190,7 +186,7 @@ def plan_capacity(
     50380
     """
     for name, value in (("gpu_mem", memory_bytes), ("weights", weights_bytes), ("overhead", overhead_bytes)):
-        if not _is_int(value) or value < 0:
+        if not is_int(value) or value < 0:
             raise InvalidRequest(f"{name} must be a non-negative number of bytes; got {name}={value!r}")
     if memory_bytes == 0:
         raise InvalidRequest("gpu_mem=0 bytes: there is no memory to size a KV cache in")

@@ -20,12 +20,7 @@ from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.targets.builtin import ReferencePoolAdapter
 from kvspec.reference.free_queue import KVCacheBlock
 
-__all__ = ["ListFreeKVCacheBlockQueue", "ListQueuePool", "is_count"]
-
-
-def is_count(value: object) -> bool:
-    """Whether `value` is a valid block count (a non-negative int, not a bool), as the reference checks it."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+__all__ = ["ListFreeKVCacheBlockQueue", "ListQueuePool"]
 
 
 class ListFreeKVCacheBlockQueue:

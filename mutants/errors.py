@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.targets.builtin import ReferencePoolAdapter
 from kvspec.conformance.tools.mutants import Mutant
-from kvspec.mutants._base import ListQueuePool, is_count
+from kvspec.mutants._base import ListQueuePool
 from kvspec.reference.free_queue import KVCacheBlock
-from kvspec.spec.errors import InvalidBlock
+from kvspec.spec.errors import InvalidBlock, is_count
 from kvspec.spec.state import BlockId
 
 __all__ = ["MUTANTS"]

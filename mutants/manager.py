@@ -13,9 +13,9 @@ from dataclasses import replace
 
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter
 from kvspec.conformance.tools.mutants import Mutant
-from kvspec.reference.kv_cache_manager import _AllocationStep, _check_request, _GroupManager
+from kvspec.reference.kv_cache_manager import _AllocationStep, _GroupManager
 from kvspec.spec.hashing import block_extra_keys, hash_block_tokens, none_hash
-from kvspec.spec.manager import Request
+from kvspec.spec.manager import Request, check_request
 from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = ["MUTANTS"]
@@ -29,7 +29,7 @@ class HitCapOffByOne(ReferenceManagerAdapter):
     """
 
     def get_computed_blocks(self, request: Request) -> tuple[list[BlockId], int]:
-        _check_request(request, "get_computed_blocks")  # the reference's own request checks
+        check_request(request, "get_computed_blocks")  # the request checks the reference runs (the spec's)
         if request.request_id in self.num_computed_tokens or not self.enable_caching:
             return super().get_computed_blocks(request)  # the already-running refusal, and the caching-off answer
         max_hit_blocks = len(request.token_ids) // self.block_size  # MUTANT: `len - 1`

@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.conformance.tools.mutants import Mutant
-from kvspec.mutants._base import is_count
 from kvspec.reference.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 from kvspec.reference.kv_cache_manager import _GroupManager
+from kvspec.spec.errors import is_count
 from kvspec.spec.state import NULL_BLOCK_ID, BlockId
 
 __all__ = ["MUTANTS"]

@@ -33,6 +33,7 @@ from kvspec.spec.errors import (
     InvalidBlock,
     InvalidRequest,
     PoolExhausted,
+    is_int,
 )
 from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvspec.spec.invariants import check_all
@@ -40,10 +41,6 @@ from kvspec.spec.ordering import profile_rule
 from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
 __all__ = ["BlockPool"]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class BlockPool:
@@ -63,7 +60,7 @@ class BlockPool:
 
         Cost: O(num_gpu_blocks).
         """
-        if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
+        if not is_int(num_gpu_blocks) or num_gpu_blocks < 1:
             raise InvalidRequest(
                 "num_gpu_blocks must be an integer >= 1 (block 0 is the null block); "
                 f"got num_gpu_blocks={num_gpu_blocks!r}"
@@ -116,9 +113,9 @@ class BlockPool:
 
     def _check_block_id_slowly(self, b: object, op: str) -> None:
         """The full check for ids the fast path did not accept (an int subclass is still an id)."""
-        if _is_int(b) and 0 < b < self.num_gpu_blocks:  # type: ignore[operator]
+        if is_int(b) and 0 < b < self.num_gpu_blocks:  # type: ignore[operator]
             return
-        if _is_int(b) and b == 0:
+        if is_int(b) and b == 0:
             raise InvalidBlock(f"{op}: block_id=0 is the null block, whose ref_cnt is never maintained")
         raise InvalidBlock(f"{op}: block_id={b!r} is not a block of this pool (ids 0..{self.num_gpu_blocks - 1})")
 
@@ -144,7 +141,7 @@ class BlockPool:
 
         Cost: O(num_blocks).
         """
-        if not _is_int(num_blocks) or num_blocks < 0:
+        if not is_int(num_blocks) or num_blocks < 0:
             raise InvalidRequest(
                 f"get_new_blocks: num_blocks must be a non-negative integer; got num_blocks={num_blocks!r}"
             )
@@ -397,7 +394,7 @@ class BlockPool:
 
         Cost: O(1).
         """
-        if not _is_int(block_id) or not 0 <= block_id < self.num_gpu_blocks:
+        if not is_int(block_id) or not 0 <= block_id < self.num_gpu_blocks:
             raise InvalidBlock(
                 f"is_block_writable: block_id={block_id!r} is not a block of this pool "
                 f"(ids 0..{self.num_gpu_blocks - 1})"

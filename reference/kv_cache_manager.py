@@ -25,75 +25,15 @@ from dataclasses import dataclass
 
 from kvspec.reference.block_pool import BlockPool
 from kvspec.spec.attention import FULL, KVGroup
-from kvspec.spec.errors import InvalidBlock, InvalidRequest
+from kvspec.spec.errors import InvalidBlock, InvalidRequest, is_count
 from kvspec.spec.events import BlockStored, KVCacheEvent, event_extra_keys
-from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, hash_request_blocks
 from kvspec.spec.invariants import check_all
-from kvspec.spec.manager import Request, check_groups
+from kvspec.spec.manager import Request, check_groups, check_request, check_step_counts
 from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
 from kvspec.spec.stats import PrefixCacheStats
 
 __all__ = ["KVCacheManager"]
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_request(request: Request, op: str) -> None:
-    if not isinstance(request.request_id, str) or not request.request_id:
-        raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
-    if len(request.token_ids) == 0:
-        raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
-    if not _is_count(request.num_preemptions):
-        raise InvalidRequest(
-            f"{op}: request_id={request.request_id!r} has num_preemptions={request.num_preemptions!r}; "
-            "it counts the times the scheduler preempted it, a non-negative integer"
-        )
-    if request.prefix_cache_hit_limit is not None and not _is_count(request.prefix_cache_hit_limit):
-        raise InvalidRequest(
-            f"{op}: request_id={request.request_id!r} has prefix_cache_hit_limit={request.prefix_cache_hit_limit!r}; "
-            "it is None or the tokens the prefix cache may serve, a non-negative integer"
-        )
-    end = 0  # where the previous multimodal input ends
-    for mm in request.mm_inputs:
-        if not (
-            isinstance(mm, MultiModalInput)
-            and _is_count(mm.offset)
-            and _is_count(mm.length)
-            and mm.length > 0
-            and end <= mm.offset
-            and mm.offset + mm.length <= len(request.token_ids)
-        ):
-            raise InvalidRequest(
-                f"{op}: request_id={request.request_id!r} has mm_inputs={list(request.mm_inputs)!r}; each must "
-                f"cover one or more of its {len(request.token_ids)} token positions, in offset order, without "
-                "overlapping another (as vLLM's input processor places them)"
-            )
-        end = mm.offset + mm.length
-
-
-def _check_step_counts(
-    num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int, delay_cache_blocks: bool
-) -> None:
-    """Every count of a step is a non-negative integer; it schedules a token unless it loads asynchronously."""
-    for name, value in (
-        ("num_new_tokens", num_new_tokens),
-        ("num_new_computed_tokens", num_new_computed_tokens),
-        ("num_external_computed_tokens", num_external_computed_tokens),
-    ):
-        if not _is_count(value):
-            raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
-    if not isinstance(delay_cache_blocks, bool):
-        raise InvalidRequest(f"allocate_slots: delay_cache_blocks must be a bool; got {delay_cache_blocks!r}")
-    if delay_cache_blocks and num_external_computed_tokens == 0:
-        raise InvalidRequest(
-            "allocate_slots: delay_cache_blocks=True but num_external_computed_tokens=0; only a step that loads "
-            "external tokens asynchronously delays their registration"
-        )
-    if num_new_tokens == 0 and not delay_cache_blocks:
-        raise InvalidRequest("allocate_slots: num_new_tokens=0; a step must schedule at least one token")
-
 
 
 class _GroupManager:
@@ -295,7 +235,7 @@ class KVCacheManager:
         )
 
     def _check_request(self, request: Request, op: str) -> None:
-        _check_request(request, op)
+        check_request(request, op)
         if len(self.groups) > 1 and TABLE_GROUP_MARK in request.request_id:
             raise InvalidRequest(
                 f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
@@ -315,7 +255,7 @@ class KVCacheManager:
         Cost: O(tokens) for the hashes, O(1) per position looked up.
         """
         self._check_request(request, "get_computed_blocks")
-        if max_cache_hit_length is not None and not _is_count(max_cache_hit_length):
+        if max_cache_hit_length is not None and not is_count(max_cache_hit_length):
             raise InvalidRequest(
                 f"get_computed_blocks: max_cache_hit_length={max_cache_hit_length!r} must be None or a non-negative "
                 "integer (tokens the local cache may serve)"
@@ -502,7 +442,7 @@ class KVCacheManager:
         Cost: O(tokens) to hash the request, O(1) per hit block.
         """
         self._check_request(request, "allocate_slots")
-        _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
+        check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
         rid = request.request_id
         running = rid in self.num_computed_tokens
         if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
@@ -608,7 +548,7 @@ class KVCacheManager:
             raise InvalidRequest(f"cache_blocks: request_id={rid!r} is not running")
         computed = self.num_computed_tokens[rid]
         low = max(m.num_cached_block.get(rid, 0) for m in self.managers) * self.block_size
-        if not _is_count(num_computed_tokens) or not low <= num_computed_tokens <= computed:
+        if not is_count(num_computed_tokens) or not low <= num_computed_tokens <= computed:
             raise InvalidRequest(
                 f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={rid!r} has "
                 f"{computed} computed tokens, {low} of them registered"

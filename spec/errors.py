@@ -18,7 +18,28 @@ __all__ = [
     "InvariantViolation",
     "NotWritable",
     "PoolExhausted",
+    "is_count",
+    "is_int",
 ]
+
+
+def is_int(value: object) -> bool:
+    """Whether an argument is an integer: an int that is not a bool (True is an int to Python, but names no
+    block and counts nothing). Every check of an id, a count or a size reads this.
+
+    >>> is_int(3), is_int(True), is_int(3.0)
+    (True, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_count(value: object) -> bool:
+    """Whether an argument is a count: a non-negative `is_int` (tokens, blocks, preemptions).
+
+    >>> is_count(0), is_count(-1), is_count(False)
+    (True, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class BlockManagerError(Exception):

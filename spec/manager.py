@@ -48,7 +48,7 @@ import icontract
 
 from kvspec.spec import ops
 from kvspec.spec.attention import FULL, KVGroup, format_groups, num_skipped_blocks, parse_groups, window_hit_blocks
-from kvspec.spec.errors import InvalidBlock, InvalidRequest
+from kvspec.spec.errors import InvalidBlock, InvalidRequest, is_count
 from kvspec.spec.events import BlockStored, EventMirror, KVCacheEvent, event_extra_keys, table_counts
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import all_hold, check_hit, event_mirror_exact
@@ -72,6 +72,8 @@ __all__ = [
     "RequestBlocks",
     "allocate_slots",
     "cache_blocks",
+    "check_request",
+    "check_step_counts",
     "evict_blocks",
     "free",
     "get_computed_blocks",
@@ -198,17 +200,23 @@ def _with_request(state: ManagerState, request_id: str, entry: RequestBlocks | N
     return replace(state, requests=others)
 
 
-def _check_request(request: Request, op: str) -> None:
+def check_request(request: Request, op: str) -> None:
+    """A request is well formed: a non-empty id and prompt, counts that are counts, multimodal inputs over
+    its tokens in order. The one definition: the reference's and gpu_impl's managers run it too.
+
+    Raises:
+        InvalidRequest: the first of these that does not hold, named with `op`.
+    """
     if not isinstance(request.request_id, str) or not request.request_id:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} must be a non-empty string")
     if len(request.token_ids) == 0:
         raise InvalidRequest(f"{op}: request_id={request.request_id!r} has no tokens; a request needs a prompt")
-    if not _is_count(request.num_preemptions):
+    if not is_count(request.num_preemptions):
         raise InvalidRequest(
             f"{op}: request_id={request.request_id!r} has num_preemptions={request.num_preemptions!r}; "
             "it counts the times the scheduler preempted it, a non-negative integer"
         )
-    if request.prefix_cache_hit_limit is not None and not _is_count(request.prefix_cache_hit_limit):
+    if request.prefix_cache_hit_limit is not None and not is_count(request.prefix_cache_hit_limit):
         raise InvalidRequest(
             f"{op}: request_id={request.request_id!r} has prefix_cache_hit_limit={request.prefix_cache_hit_limit!r}; "
             "it is None or the tokens the prefix cache may serve, a non-negative integer"
@@ -217,8 +225,8 @@ def _check_request(request: Request, op: str) -> None:
     for mm in request.mm_inputs:
         if not (
             isinstance(mm, MultiModalInput)
-            and _is_count(mm.offset)
-            and _is_count(mm.length)
+            and is_count(mm.offset)
+            and is_count(mm.length)
             and mm.length > 0
             and end <= mm.offset
             and mm.offset + mm.length <= len(request.token_ids)
@@ -229,10 +237,6 @@ def _check_request(request: Request, op: str) -> None:
                 "overlapping another (as vLLM's input processor places them)"
             )
         end = mm.offset + mm.length
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def new_manager(
@@ -289,7 +293,7 @@ def request_block_hashes(state: ManagerState, request: Request) -> tuple[BlockHa
 
 
 def _check_request_id(state: ManagerState, request: Request, op: str) -> None:
-    _check_request(request, op)
+    check_request(request, op)
     if len(state.config.groups) > 1 and TABLE_GROUP_MARK in request.request_id:
         raise InvalidRequest(
             f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
@@ -338,7 +342,7 @@ def get_computed_blocks(
     raises: InvalidRequest  # the errors above, as CrossHair reads them
     """
     _check_request_id(state, request, "get_computed_blocks")
-    if max_cache_hit_length is not None and not _is_count(max_cache_hit_length):
+    if max_cache_hit_length is not None and not is_count(max_cache_hit_length):
         raise InvalidRequest(
             f"get_computed_blocks: max_cache_hit_length={max_cache_hit_length!r} must be None or a non-negative "
             "integer (tokens the local cache may serve)"
@@ -602,7 +606,7 @@ def _validate_allocation(
         InvalidRequest, InvalidBlock: as `allocate_slots`.
     """
     _check_request_id(state, request, "allocate_slots")
-    _check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
+    check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
     entry = state.request(request.request_id)
     if entry is not None and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
         raise InvalidRequest(
@@ -634,17 +638,22 @@ def _validate_allocation(
     )
 
 
-def _check_step_counts(
+def check_step_counts(
     num_new_tokens: int, num_new_computed_tokens: int, num_external_computed_tokens: int, delay_cache_blocks: bool
 ) -> None:
     """Every count is a non-negative integer, and the step schedules at least one token (an asynchronous
-    load aside: it schedules none until the load is done); only a step that loads tokens delays their registration."""
+    load aside: it schedules none until the load is done); only a step that loads tokens delays their registration.
+    The one definition, as `check_request`.
+
+    Raises:
+        InvalidRequest: the first of these that does not hold.
+    """
     for name, value in (
         ("num_new_tokens", num_new_tokens),
         ("num_new_computed_tokens", num_new_computed_tokens),
         ("num_external_computed_tokens", num_external_computed_tokens),
     ):
-        if not _is_count(value):
+        if not is_count(value):
             raise InvalidRequest(f"allocate_slots: {name} must be a non-negative integer; got {name}={value!r}")
     if not isinstance(delay_cache_blocks, bool):
         raise InvalidRequest(f"allocate_slots: delay_cache_blocks must be a bool; got {delay_cache_blocks!r}")
@@ -1060,7 +1069,7 @@ def cache_blocks(state: ManagerState, request: Request, num_computed_tokens: int
         raise InvalidRequest(f"cache_blocks: request_id={request.request_id!r} is not running")
     cfg = state.config
     low = max(entry.num_cached_blocks, default=0) * cfg.block_size
-    if not _is_count(num_computed_tokens) or not low <= num_computed_tokens <= entry.num_computed_tokens:
+    if not is_count(num_computed_tokens) or not low <= num_computed_tokens <= entry.num_computed_tokens:
         raise InvalidRequest(
             f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={request.request_id!r} has "
             f"{entry.num_computed_tokens} computed tokens, {low} of them registered"

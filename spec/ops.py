@@ -25,6 +25,7 @@ from kvspec.spec.errors import (
     InvalidBlock,
     InvalidRequest,
     PoolExhausted,
+    is_int,
 )
 from kvspec.spec.events import AllBlocksCleared, BlockRemoved, BlockStored, EventMirror, KVCacheEvent, table_counts
 from kvspec.spec.invariants import all_hold, event_mirror_exact
@@ -147,10 +148,6 @@ def _reordered(state: PoolState) -> PoolState:
 # --- argument checks (shared by every operation) --------------------------------------------
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_block_ids(state: PoolState, block_ids: Sequence[BlockId], op: str) -> None:
     """Every id is an int in range, not the null block, and named once.
 
@@ -161,7 +158,7 @@ def _check_block_ids(state: PoolState, block_ids: Sequence[BlockId], op: str) ->
     """
     for b in block_ids:
         out_of_range = f"{op}: block_id={b!r} is not a block of this pool (ids 0..{state.num_gpu_blocks - 1})"
-        if not _is_int(b):
+        if not is_int(b):
             raise InvalidBlock(out_of_range)
         if b < 0:
             raise InvalidBlock(out_of_range)
@@ -195,7 +192,7 @@ def new_pool(num_gpu_blocks: int, enable_caching: bool = True, profile: str = "v
     >>> new_pool(4).free_queue
     (1, 2, 3)
     """
-    if not _is_int(num_gpu_blocks) or num_gpu_blocks < 1:
+    if not is_int(num_gpu_blocks) or num_gpu_blocks < 1:
         raise InvalidRequest(
             f"num_gpu_blocks must be an integer >= 1 (block 0 is the null block); got num_gpu_blocks={num_gpu_blocks!r}"
         )
@@ -237,7 +234,7 @@ def get_new_blocks(state: PoolState, num_blocks: int) -> Step[PoolState, tuple[B
 
     raises: InvalidRequest, PoolExhausted  # the errors above, as CrossHair reads them
     """
-    if not _is_int(num_blocks) or num_blocks < 0:
+    if not is_int(num_blocks) or num_blocks < 0:
         raise InvalidRequest(
             f"get_new_blocks: num_blocks must be a non-negative integer; got num_blocks={num_blocks!r}"
         )
@@ -570,7 +567,7 @@ def is_block_writable(state: PoolState, block_id: BlockId) -> Step[PoolState, bo
 
     raises: InvalidBlock  # the errors above, as CrossHair reads them
     """
-    if not _is_int(block_id) or not 0 <= block_id < state.num_gpu_blocks:
+    if not is_int(block_id) or not 0 <= block_id < state.num_gpu_blocks:
         raise InvalidBlock(
             f"is_block_writable: block_id={block_id!r} is not a block of this pool (ids 0..{state.num_gpu_blocks - 1})"
         )

@@ -36,7 +36,7 @@ from kvspec.conformance.core.operations import OPERATIONS
 from kvspec.conformance.core.results import Failure, Outcome, Verdict
 from kvspec.spec import errors as spec_errors
 from kvspec.spec.attention import format_groups
-from kvspec.spec.errors import InvalidRequest
+from kvspec.spec.errors import InvalidRequest, is_int
 from kvspec.spec.hashing import HASH_FUNCTIONS, MultiModalInput
 from kvspec.spec.manager import Request, check_groups
 from kvspec.spec.ordering import is_profile, known_profiles
@@ -169,15 +169,15 @@ def _decode_request(r: dict[str, Any]) -> Request:
         raise ValueError(
             f"a request has the keys {sorted(keys)} (and num_preemptions, prefix_cache_hit_limit); got {sorted(r)}"
         )
-    if not _is_int(r.get("num_preemptions", 0)):
+    if not is_int(r.get("num_preemptions", 0)):
         raise ValueError("request num_preemptions must be an integer")
-    if r.get("prefix_cache_hit_limit") is not None and not _is_int(r["prefix_cache_hit_limit"]):
+    if r.get("prefix_cache_hit_limit") is not None and not is_int(r["prefix_cache_hit_limit"]):
         raise ValueError("request prefix_cache_hit_limit must be an integer or null")
-    if not isinstance(r["token_ids"], list) or not all(_is_int(t) for t in r["token_ids"]):
+    if not isinstance(r["token_ids"], list) or not all(is_int(t) for t in r["token_ids"]):
         raise ValueError("request token_ids must be a list of integers")
     mm = r["mm_inputs"]
     if not isinstance(mm, list) or not all(
-        isinstance(m, list) and len(m) == 3 and isinstance(m[0], str) and _is_int(m[1]) and _is_int(m[2]) for m in mm
+        isinstance(m, list) and len(m) == 3 and isinstance(m[0], str) and is_int(m[1]) and is_int(m[2]) for m in mm
     ):
         raise ValueError("request mm_inputs must be a list of [identifier, offset, length]")
     for name in ("lora_name", "cache_salt"):
@@ -192,10 +192,6 @@ def _decode_request(r: dict[str, Any]) -> Request:
         num_preemptions=r.get("num_preemptions", 0),
         prefix_cache_hit_limit=r.get("prefix_cache_hit_limit"),
     )
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 # --- snapshots ----------------------------------------------------------------------------
@@ -243,7 +239,7 @@ def snapshot_from_json(obj: Any) -> Snapshot:
         raise ValueError("snapshot kv_groups must be a list of group names")
 
     def ids(v: Any, what: str) -> tuple[BlockId, ...]:
-        if not isinstance(v, list) or not all(_is_int(b) for b in v):
+        if not isinstance(v, list) or not all(is_int(b) for b in v):
             raise ValueError(f"snapshot {what} must be a list of block ids")
         return tuple(BlockId(b) for b in v)
 
@@ -252,7 +248,7 @@ def snapshot_from_json(obj: Any) -> Snapshot:
             raise ValueError(f"snapshot {what} must be hex strings")
         return BlockHash(bytes.fromhex(v))
 
-    if not _is_int(obj["num_gpu_blocks"]) or not isinstance(obj["enable_caching"], bool):
+    if not is_int(obj["num_gpu_blocks"]) or not isinstance(obj["enable_caching"], bool):
         raise ValueError("snapshot num_gpu_blocks must be an integer and enable_caching a boolean")
     if not isinstance(obj["block_hash"], list) or not isinstance(obj["hash_to_blocks"], list):
         raise ValueError("snapshot block_hash and hash_to_blocks must be lists")
@@ -392,8 +388,8 @@ def _check_header_config(cfg: dict[str, Any]) -> None:
     if missing:
         raise ValueError(f"header config lacks {sorted(missing)}")
     if (
-        not _is_int(cfg["num_gpu_blocks"])
-        or not _is_int(cfg["block_size"])
+        not is_int(cfg["num_gpu_blocks"])
+        or not is_int(cfg["block_size"])
         or not isinstance(cfg["enable_caching"], bool)
     ):
         raise ValueError("header config num_gpu_blocks and block_size must be integers, enable_caching a boolean")
