@@ -54,10 +54,11 @@ only) O(n log n); a widening O(n log n), once per doubling of the clock or
 of the largest access count. Long batches come in as tensors: their stamps
 go in one scatter each (the stamp arrays are shared with CPU tensors), and
 the keys of the blocks a long free makes free are computed column by column,
-by `eviction_key` itself on int64 tensors, and packed by groups of fields
-that fit in int64; a field wider than that (a fine `lru-lfu:W`) falls back
-to Python's ints block by block. The measurements behind each step are in
-docs/reference/gpu-impl.md.
+by `eviction_key` itself on int64 tensors, packed by groups of fields that
+fit in int64 and sorted there, a key wider than int64 made a Python int from
+its groups' bytes in one C loop (`join_int64_groups`); a field wider than
+int64 (a fine `lru-lfu:W`) falls back to Python's ints block by block. The
+measurements behind each step are in docs/reference/gpu-impl.md.
 """
 
 from __future__ import annotations
@@ -67,14 +68,15 @@ import bisect
 import heapq
 import itertools
 import operator
-from collections.abc import Iterable, Sequence
+import pickle
+from collections.abc import Sequence
 from typing import cast
 
 import torch
 
 from kvspec.spec.ordering import PY, ProfileRule, eviction_key
 
-__all__ = ["StampedFreeBlocks", "field_offsets", "field_widths", "pack"]
+__all__ = ["StampedFreeBlocks", "field_offsets", "field_widths", "join_int64_groups", "pack"]
 
 Key = tuple[int, ...]
 # Packed keys' stamp fields start this wide, and widen a bit at a time (a widening repacks every entry, so
@@ -87,6 +89,7 @@ _FIRST_STAMP_BITS = 32
 # 1e6-block pool are 1 + 8 + 32 + 20 = 61 bits, an int64, while no block is hit 255 times in one stay.
 _FIRST_ACCESS_BITS = 8
 _INT64_BITS = 63  # the bits of a non-negative int64
+_PICKLE_LONG1 = 0x8A  # pickle's opcode for an int given by a length byte and its bytes (pickletools: LONG1)
 # A long free's keys that fall in one gap of the run go in there when that moves at most this many of the
 # run's entries a key: a heap push and its pop cost about 360 ns, moving an entry about 5 (measured on a
 # 1e6-entry run, docs/reference/gpu-impl.md); and at most this many such slices a call.
@@ -107,6 +110,53 @@ def field_widths(rule: ProfileRule, max_block_id: int, stamp_bound: int, access_
     """
     widest = eviction_key(rule, max_block_id, stamp_bound, access_bound, stamp_bound, False, PY)
     return tuple(int(cast(int, c)).bit_length() for c in widest)
+
+
+def join_int64_groups(parts: Sequence[torch.Tensor], offsets: Sequence[int], bits: int) -> list[int]:
+    """Python ints `sum(part << offset)` from non-negative int64 tensors whose bits do not overlap (the
+    groups of a packed key wider than int64), `bits` wide in all.
+
+    Made in one C loop: the ints' bytes are written in tensor operations as a pickle of a list of LONG1
+    ints (pickle's documented opcode: a length byte, then the bytes of the int's two's complement, the
+    lowest first) and unpickled. Joining the groups in Python's ints costs a shift and an or a key, two
+    ints made and dropped: 1e5 keys of 87 bits in 15-19 ms against 7-9 (docs/reference/gpu-impl.md).
+
+    >>> join_int64_groups([torch.tensor([1, 2]), torch.tensor([5, 0])], [60, 0], 62)
+    [1152921504606846981, 2305843009213693952]
+    """
+    k = parts[0].numel()
+    width = bits // 8 + 1  # whole bytes, and a sign bit (0) above the key's
+    buffer = bytearray(1 + k * (2 + width) + 2)
+    buffer[0], buffer[-2:] = ord("("), b"l."  # MARK, the ints, LIST and STOP
+    records = torch.frombuffer(buffer, dtype=torch.uint8)[1:-2].view(k, 2 + width)
+    records[:, 0], records[:, 1] = _PICKLE_LONG1, width
+    bytes_ = torch.zeros((k, width), dtype=torch.int64)
+    first_bits = 8 * torch.arange(width)  # byte j holds the key's bits 8j .. 8j + 7
+    for part, offset in zip(parts, offsets):
+        # The group's bits in each byte's lowest 8: shifted down to it (the bytes from the group's lowest bit
+        # up; by 63, nothing of a non-negative int64 is left) or up (the byte its lowest bit falls in; by 8, a
+        # byte wholly below the group gets none). The bits above the lowest 8 are dropped as uint8 takes them.
+        down, up = (first_bits - offset).clamp(0, _INT64_BITS), (offset - first_bits).clamp(0, 8)
+        bytes_ |= part[:, None] >> down << up
+    records[:, 2:] = bytes_  # int64 to uint8: modulo 256
+    return cast("list[int]", pickle.loads(buffer))  # our own bytes: nothing but ints to load
+
+
+def _ascending(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Distinct keys given by int64 groups (the highest first), in ascending order: as they come when they
+    already are (a free's fresh stamps usually put them so: one check), else by stable sorts, the lowest
+    group first."""
+    later_larger = parts[-1][1:] > parts[-1][:-1]
+    for part in reversed(parts[:-1]):
+        later_larger = (part[1:] > part[:-1]) | ((part[1:] == part[:-1]) & later_larger)
+    if bool(later_larger.all()):
+        return parts
+    if len(parts) == 1:
+        return [parts[0].sort().values]
+    order = torch.arange(parts[0].numel())
+    for part in reversed(parts):
+        order = order[part[order].argsort(stable=True)]
+    return [part[order] for part in parts]
 
 
 def field_offsets(widths: Sequence[int]) -> tuple[int, ...]:
@@ -261,13 +311,10 @@ class StampedFreeBlocks:
         return parts
 
     def _join_groups(self, parts: Sequence[torch.Tensor]) -> list[int]:
-        """Packed keys as Python ints from their groups' tensors, in C-level maps (no Python frame a key)."""
+        """Packed keys as Python ints from their groups' tensors (`join_int64_groups`)."""
         assert self._groups is not None
-        packed: Iterable[int] = cast("list[int]", parts[0].tolist())
-        for part, (start, stop) in zip(parts[1:], self._groups[1:]):
-            shift = itertools.repeat(sum(self._widths[start:stop]))
-            packed = map(operator.or_, map(operator.lshift, packed, shift), cast("list[int]", part.tolist()))
-        return list(packed)
+        offsets = [self._offsets[stop - 1] for _, stop in self._groups]  # a group's lowest bit: its last field's
+        return join_int64_groups(parts, offsets, sum(self._widths))
 
     def _add_list(self, block_ids: Sequence[int]) -> None:
         """Blocks that just became free take their places, a Python step each (none has a live entry: they
@@ -330,9 +377,10 @@ class StampedFreeBlocks:
 
         The key is still `eviction_key`'s, evaluated on int64 tensors of stamps (its arithmetic is
         the same on ints and tensors); the tier is one value, since every block of a free shares it.
-        Packed keys that fit in int64 are packed and sorted in tensor operations; wider ones are packed
-        by groups of fields that do, joined in Python's ints. A field wider than int64 (`lru-lfu:W`
-        with a fine W: a score up to (p + q) times a stamp) takes Python's ints block by block.
+        Keys are packed by groups of fields that fit in int64 and sorted in tensor operations (one group
+        while the key fits in int64); wider ones are then made Python's ints at once (`join_int64_groups`).
+        A field wider than int64 (`lru-lfu:W` with a fine W: a score up to (p + q) times a stamp) takes
+        Python's ints block by block.
         """
         if self._groups is None:
             self._add_list(cast("list[int]", block_ids.tolist()))
@@ -348,22 +396,20 @@ class StampedFreeBlocks:
         )
         k = block_ids.numel()
         # None of the blocks has a live entry (they were not free): their keys go in as they are.
-        parts = self._pack_groups(cast("list[torch.Tensor | int]", list(key)), k)
+        parts = _ascending(self._pack_groups(cast("list[torch.Tensor | int]", list(key)), k))
+        id_mask = self._id_mask
         if self._int64_keys:
             (packed,) = parts
-            if k > 1 and not bool((packed[1:] > packed[:-1]).all()):  # a free's fresh stamps usually sort them
-                packed = packed.sort().values
-            cast(torch.Tensor, self._live_t).index_copy_(0, packed & self._id_mask, packed)
+            cast(torch.Tensor, self._live_t).index_copy_(0, packed & id_mask, packed)
             self._push_sorted(cast("list[int]", packed.tolist()))
         else:
             keys = self._join_groups(parts)
-            if self._live_t is not None:  # the tags are the lowest group (`_set_widths`)
-                self._live_t.index_copy_(0, block_ids, parts[-1])
+            if self._live_t is not None:  # the tags are the lowest group (`_set_widths`), which ends with the id
+                self._live_t.index_copy_(0, parts[-1] & id_mask, parts[-1])
             else:
                 live = self._live
-                for b, packed_key in zip(cast("list[int]", block_ids.tolist()), keys):
-                    live[b] = packed_key
-            keys.sort()  # near-linear: a free's fresh stamps put most of them in order already
+                for packed_key in keys:
+                    live[packed_key & id_mask] = packed_key
             self._push_sorted(keys)
         self._num_live += k
         self._compact()

@@ -10,12 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.device import pick_device
-from kvspec.gpu_impl.stamped_free import StampedFreeBlocks, field_offsets, field_widths, pack
+from kvspec.gpu_impl.stamped_free import (
+    StampedFreeBlocks,
+    _ascending,
+    field_offsets,
+    field_widths,
+    join_int64_groups,
+    pack,
+)
 from kvspec.spec import ops
 from kvspec.spec.ordering import PY, eviction_key, profile_rule
 from kvspec.spec.state import BlockHash
@@ -142,6 +150,46 @@ def test_packed_keys_order_as_the_specs_keys(weight, stamps, ids):
     packed = [pack(k, field_offsets(widths)) for k in keys]
     assert (keys[0] < keys[1]) == (packed[0] < packed[1])
     assert [p & ((1 << widths[-1]) - 1) for p in packed] == ids  # the block id is the packed key's last field
+
+
+@given(
+    widths=st.lists(st.integers(1, 63), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_joined_groups_are_the_ints_the_groups_pack(widths, data):
+    """`join_int64_groups` writes pickle's bytes by hand: every group width and offset (a byte's edge or not,
+    the sign bit's neighbour, int64's last bit), no key at all, and groups at their largest give the ints
+    the shifts and ors give."""
+    offsets = field_offsets(widths)
+    k = data.draw(st.integers(0, 5))
+    columns = [data.draw(st.lists(st.integers(0, 2**w - 1), min_size=k, max_size=k)) for w in widths]
+    parts = [torch.tensor(c, dtype=torch.int64) for c in columns]
+    expected = [sum(c[i] << o for c, o in zip(columns, offsets)) for i in range(k)]
+    assert join_int64_groups(parts, offsets, sum(widths)) == expected
+
+
+@given(
+    groups=st.lists(
+        st.tuples(st.integers(0, 2), st.integers(0, 2), st.integers(0, 2**62)), min_size=0, max_size=300, unique=True
+    )
+)
+def test_groups_come_out_in_the_order_of_their_keys(groups):
+    """`_ascending`: keys given by groups (many ties in the higher ones) come out sorted as the joined ints
+    would be, the lowest group's order among equal higher ones included."""
+    parts = [torch.tensor([g[i] for g in groups], dtype=torch.int64) for i in range(3)]
+    offsets = field_offsets((2, 2, 63))
+    assert join_int64_groups(_ascending(parts), offsets, 67) == sorted(join_int64_groups(parts, offsets, 67))
+
+
+@pytest.mark.parametrize("widths", [(63, 63, 1), (63, 2), (1, 63), (8, 8), (63,)])
+def test_joined_groups_at_their_largest(widths):
+    """Each group all ones, and each alone: every bit of int64 a group can hold, wherever the group starts
+    (a group's bit 62 can be the lowest bit of a byte), and a key that fills whole bytes (its sign byte 0)."""
+    offsets = field_offsets(widths)
+    for ones in range(len(widths) + 1):  # group `ones` all ones, the others 0; last, every group all ones
+        columns = [2**w - 1 if ones in (g, len(widths)) else 0 for g, w in enumerate(widths)]
+        parts = [torch.tensor([c]) for c in columns]
+        assert join_int64_groups(parts, offsets, sum(widths)) == [sum(c << o for c, o in zip(columns, offsets))]
 
 
 @pytest.mark.parametrize("profile", ["lru-timestamp", "block-age", "lfu", "lru-lfu:0.5"])
