@@ -470,7 +470,7 @@ class TensorBlockPool:
             InvalidRequest: an id is named twice.
         """
         for b in block_ids:
-            if not is_int(b) or not 0 <= cast(int, b) < self.num_gpu_blocks:
+            if not is_int(b) or not 0 <= b < self.num_gpu_blocks:
                 raise InvalidBlock(
                     f"{op}: block_id={b!r} is not a block of this pool (ids 0..{self.num_gpu_blocks - 1})"
                 )

@@ -151,7 +151,7 @@ def _ascending(parts: list[torch.Tensor]) -> list[torch.Tensor]:
         later_larger = (part[1:] > part[:-1]) | ((part[1:] == part[:-1]) & later_larger)
     if bool(later_larger.all()):
         return parts
-    if len(parts) == 1:
+    if len(parts) == 1:  # one sort, not an argsort and a gather (block-age's unsorted frees pay it)
         return [parts[0].sort().values]
     order = torch.arange(parts[0].numel())
     for part in reversed(parts):

@@ -87,7 +87,7 @@ class NullBlockAccepted(ReferencePoolAdapter):
     """
 
     def _check_block_id_slowly(self, b: object, op: str) -> None:
-        if not is_count(b) or not b < self.num_gpu_blocks:  # type: ignore[operator]
+        if not is_count(b) or not b < self.num_gpu_blocks:
             raise InvalidBlock(f"{op}: block_id={b!r} is not a block of this pool (ids 0..{self.num_gpu_blocks - 1})")
         # MUTANT: the `b == 0 -> InvalidBlock (null block)` check is missing
 

@@ -113,7 +113,7 @@ class BlockPool:
 
     def _check_block_id_slowly(self, b: object, op: str) -> None:
         """The full check for ids the fast path did not accept (an int subclass is still an id)."""
-        if is_int(b) and 0 < b < self.num_gpu_blocks:  # type: ignore[operator]
+        if is_int(b) and 0 < b < self.num_gpu_blocks:
             return
         if is_int(b) and b == 0:
             raise InvalidBlock(f"{op}: block_id=0 is the null block, whose ref_cnt is never maintained")

@@ -9,6 +9,8 @@ conformance harness checks both.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 __all__ = [
     "AlreadyCached",
     "BlockManagerError",
@@ -23,7 +25,7 @@ __all__ = [
 ]
 
 
-def is_int(value: object) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """Whether an argument is an integer: an int that is not a bool (True is an int to Python, but names no
     block and counts nothing). Every check of an id, a count or a size reads this.
 
@@ -33,13 +35,13 @@ def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_count(value: object) -> bool:
+def is_count(value: object) -> TypeGuard[int]:
     """Whether an argument is a count: a non-negative `is_int` (tokens, blocks, preemptions).
 
     >>> is_count(0), is_count(-1), is_count(False)
     (True, False, False)
     """
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 class BlockManagerError(Exception):
