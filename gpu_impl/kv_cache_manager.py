@@ -74,7 +74,6 @@ from __future__ import annotations
 import array
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -82,12 +81,20 @@ import torch
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.kv_cache import GroupedKVCache, PagedKVCache
 from kvspec.spec.attention import FULL, KVGroup
-from kvspec.spec.errors import InvalidBlock, InvalidRequest, is_count
+from kvspec.spec.errors import InvalidRequest, is_count
 from kvspec.spec.events import BlockStored, KVCacheEvent, event_extra_keys
-from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, hash_request_blocks
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.invariants import check_all
-from kvspec.spec.manager import Request, check_groups, check_request, check_step_counts
-from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
+from kvspec.spec.manager import (
+    AllocationStep,
+    ManagerView,
+    Request,
+    check_allocation,
+    check_lookup,
+    check_request,
+    manager_config,
+)
+from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, group_key, table_name
 from kvspec.spec.stats import CacheCounters, PrefixCacheStats
 
 __all__ = ["KVSource", "TensorKVCacheManager", "prefix_kv_source"]
@@ -202,20 +209,6 @@ class _Group:
         return group_key(block_hash, self.group_id)
 
 
-@dataclass(frozen=True, slots=True)
-class _AllocationStep:
-    """A validated `allocate_slots` call, as the phases after validation read it."""
-
-    request: Request  # the request being scheduled
-    running: bool  # whether it ran before this step (else this is its first step)
-    hits: tuple[Sequence[BlockId], ...]  # per group, its prefix hit (first step only), null where skipped
-    hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
-    num_computed: int  # tokens computed before the new ones: earlier steps, or the hit and external tokens
-    write_start: int  # the first token position the step writes: its KV follows the prefix hit
-    num_tokens: int  # tokens resident once the step has run: hit, external and new included
-    delay_cache_blocks: bool = False  # an asynchronous external load: written now, registered by cache_blocks
-
-
 class TensorKVCacheManager:
     """Block tables of running requests, one per KV cache group, over one `TensorBlockPool`, and their KV memory."""
 
@@ -247,10 +240,8 @@ class TensorKVCacheManager:
 
         Cost: O(num_groups * num_gpu_blocks * block_size).
         """
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
-        hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
-        kv_groups = check_groups(groups, block_size)
+        self.config = manager_config(block_size, hash_fn, seed, groups)  # fixed: the spec's checks and chain
+        kv_groups = self.config.groups
         # The pool owns the blocks; the KV memory is one int64 per token slot, per group.
         self.block_pool = TensorBlockPool(
             num_gpu_blocks, enable_caching, profile, device, key_capacity, enable_kv_cache_events=enable_kv_cache_events
@@ -262,6 +253,9 @@ class TensorKVCacheManager:
         self.hash_fn = hash_fn  # fixed
         self.seed = seed  # fixed
         self.groups = kv_groups  # fixed
+        # What allocate_slots' checks read (spec.manager.check_allocation).
+        config, pool = self.config, self.block_pool
+        self._view = ManagerView(config, num_gpu_blocks, self.enable_caching, pool.get_block_hash, config.block_hashes)
         self._groups = [_Group(g, i, self.kv_memory[i], block_size) for i, g in enumerate(kv_groups)]  # fixed
         self._single_full = kv_groups == (FULL,)  # fixed: one table, no null positions, no coordinator
         self._skips = any(g.skips for g in kv_groups)  # fixed: some group frees blocks it no longer reads
@@ -295,24 +289,13 @@ class TensorKVCacheManager:
             raise InvalidRequest(f"request_id={request_id!r} is not running")
         return list(table)
 
-    def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
-        return hash_request_blocks(
-            request.token_ids, self.block_size, request.lora_name, request.mm_inputs,
-            request.cache_salt, self.hash_fn, self.seed,
-        )
-
     def _table(self, block_ids: Sequence[int]) -> torch.Tensor:
         if not block_ids:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         return torch.frombuffer(array.array("q", block_ids), dtype=torch.int64).to(self.device)
 
     def _check_request(self, request: Request, op: str) -> None:
-        check_request(request, op)
-        if len(self._groups) > 1 and TABLE_GROUP_MARK in request.request_id:
-            raise InvalidRequest(
-                f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
-                "group's block table in snapshots"
-            )
+        check_request(request, op, len(self._groups))
 
     # --- the KV content protocol --------------------------------------------------------------
 
@@ -364,22 +347,9 @@ class TensorKVCacheManager:
         Cost: O(tokens) for the hashes, O(1) host work per position looked up, one checksum
         pass over the hit per group.
         """
-        self._check_request(request, "get_computed_blocks")
-        if max_cache_hit_length is not None and not is_count(max_cache_hit_length):
-            raise InvalidRequest(
-                f"get_computed_blocks: max_cache_hit_length={max_cache_hit_length!r} must be None or a non-negative "
-                "integer (tokens the local cache may serve)"
-            )
-        if request.request_id in self.num_computed_tokens:
-            raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
+        max_length = check_lookup(request, max_cache_hit_length, len(self._groups), self.num_computed_tokens)
         if not self._reads_cache(request):
             return [], 0
-        # NOTE: at most len - 1 tokens: the last prompt token must be computed to
-        # produce the logits that sample the first output token.
-        max_length = len(request.token_ids) - 1
-        for bound in (request.prefix_cache_hit_limit, max_cache_hit_length):  # the request's, the scheduler's
-            if bound is not None and bound < max_length:
-                max_length = bound
         return self._intact_hit(request, max_length)
 
     def _reads_cache(self, request: Request) -> bool:
@@ -408,8 +378,8 @@ class TensorKVCacheManager:
     def _intact_hit(self, request: Request, max_length: int) -> tuple[list[BlockId], int]:
         """The intact hit every group agrees on within max_length tokens, corrupt blocks quarantined."""
         if self._single_full:
-            return self._full_hit(self._block_hashes(request)[: max_length // self.block_size])
-        hashes = self._block_hashes(request)
+            return self._full_hit(self.config.block_hashes(request)[: max_length // self.block_size])
+        hashes = self.config.block_hashes(request)
         while True:
             per_group, length = self._agreed_hit(hashes, max_length)
             if not self._quarantine_corrupt(per_group):
@@ -591,9 +561,9 @@ class TensorKVCacheManager:
         Cost: O(new blocks + hit blocks + new tokens) in a constant number of kernels per group,
         plus hashing of new full blocks.
         """
-        step = self._validate_allocation(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
-            delay_cache_blocks,
+        step = check_allocation(
+            self._view, self.num_computed_tokens, request, num_new_tokens, num_new_computed_tokens,
+            new_computed_blocks, num_external_computed_tokens, delay_cache_blocks,
         )  # fmt: skip
         starts, values = self._prepare_write(step)
         if step.running and self._skips:
@@ -602,7 +572,7 @@ class TensorKVCacheManager:
             return None
         return self._serve_allocation(step, starts, values)
 
-    def _serve_allocation(self, step: _AllocationStep, starts: list[int], values: torch.Tensor) -> list[BlockId]:
+    def _serve_allocation(self, step: AllocationStep, starts: list[int], values: torch.Tensor) -> list[BlockId]:
         """Phases 5 to 9 of a step that fits: touch, take, write, register; then record the step.
 
         `starts` and `values` are phase 2's: each group's first written
@@ -624,102 +594,11 @@ class TensorKVCacheManager:
         self._record_step(step)
         return new_blocks[0] if len(new_blocks) == 1 else [b for blocks in new_blocks for b in blocks]
 
-    def _validate_allocation(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[BlockId],
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> _AllocationStep:
-        """Phase 1: refuse a caller's mistake before anything changes, in the spec's order.
-
-        The order is part of the contract: the first mistake found is the one
-        the spec names, and a refused call leaves the manager as it was.
-
-        Raises:
-            InvalidRequest, InvalidBlock: as `allocate_slots`.
-        """
-        self._check_request(request, "allocate_slots")
-        check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
-        rid = request.request_id
-        running = rid in self.num_computed_tokens
-        if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
-            raise InvalidRequest(
-                f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step"
-            )
-        num_local = self.num_computed_tokens.get(rid, 0) + num_new_computed_tokens
-        num_computed = num_local + num_external_computed_tokens
-        hashes, hits = self._check_hit_blocks(request, num_new_computed_tokens, new_computed_blocks, num_computed)
-        total = num_computed + num_new_tokens
-        if total > len(request.token_ids):
-            raise InvalidRequest(
-                f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
-            )
-        return _AllocationStep(
-            request=request,
-            running=running,
-            hits=hits,
-            hashes=hashes,
-            num_computed=num_computed,
-            write_start=num_local,
-            num_tokens=total,
-            delay_cache_blocks=delay_cache_blocks,
-        )
-
-    def _check_hit_blocks(
-        self,
-        request: Request,
-        num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[BlockId],
-        num_computed: int,
-    ) -> tuple[tuple[BlockHash, ...], tuple[Sequence[BlockId], ...]]:
-        """The hit covers its tokens in whole blocks in every group, each registered under the request's chain.
-
-        A group may have the null block at a position it no longer reads once
-        `num_computed` tokens are computed.
-
-        Returns:
-            The request's hash chain (registration needs it too) and the hit split by group.
-        """
-        num_groups = len(self._groups)
-        n = num_new_computed_tokens // self.block_size
-        if n * self.block_size != num_new_computed_tokens or len(new_computed_blocks) != n * num_groups:
-            per_group = f" for {num_groups} KV cache groups" if num_groups > 1 else ""
-            raise InvalidRequest(
-                f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
-                f"{len(new_computed_blocks)} hit blocks of block_size={self.block_size}{per_group}"
-            )
-        if new_computed_blocks and not self.enable_caching:
-            raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
-        pool = self.block_pool
-        hashes = self._block_hashes(request)
-        if n > len(hashes):
-            raise InvalidRequest(
-                f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} "
-                f"has only {len(hashes)} full blocks"
-            )
-        if num_groups == 1:
-            hits: tuple[Sequence[BlockId], ...] = (new_computed_blocks,)
-        else:
-            hits = tuple(new_computed_blocks[g * n : (g + 1) * n] for g in range(num_groups))
-        for grp, group_hits in zip(self._groups, hits):
-            skipped = grp.skipped_blocks(num_computed) if group_hits else 0
-            for i, b in enumerate(group_hits):
-                # A bool is an int to Python but no block id (as in the spec): True would name block 1.
-                in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
-                if in_range and b == NULL_BLOCK_ID and i < skipped:
-                    continue
-                if not in_range or pool.get_block_hash(b) != grp.key(hashes[i]):
-                    where = f" of KV cache group {grp.group_id}" if num_groups > 1 else ""
-                    raise InvalidBlock(
-                        f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}{where}"
-                    )
-        return hashes, hits
-
-    def _write_start(self, grp: _Group, step: _AllocationStep) -> int:
+    def _write_start(self, grp: _Group, step: AllocationStep) -> int:
         """The first position the step writes in a group: after the hit, and past the group's null positions.
+
+        A step writes the positions from `step.num_local_computed` on: after its prefix hit (or its earlier
+        steps), its external tokens included.
 
         A group's null positions are its leading `skipped_blocks(num_computed)`
         ones (a running request's were nulled by earlier steps and this one's
@@ -730,11 +609,11 @@ class TensorKVCacheManager:
         already slid past (a failed load), and a null position is never written.
         """
         if not grp.skips:
-            return step.write_start
+            return step.num_local_computed
         first = grp.skipped_blocks(step.num_computed)
         if step.running:
             first = self._leading_nulls(grp.tables[step.request.request_id], first)
-        return max(step.write_start, first * self.block_size)
+        return max(step.num_local_computed, first * self.block_size)
 
     @staticmethod
     def _leading_nulls(table: list[BlockId], at_least: int) -> int:
@@ -749,7 +628,7 @@ class TensorKVCacheManager:
             n += 1
         return n
 
-    def _prepare_write(self, step: _AllocationStep) -> tuple[list[int], torch.Tensor]:
+    def _prepare_write(self, step: AllocationStep) -> tuple[list[int], torch.Tensor]:
         """Phase 2: where and what the step writes, once the values and the blocks held to take them are checked.
 
         Everything that can refuse runs before anything changes: the freeing
@@ -764,14 +643,14 @@ class TensorKVCacheManager:
             NotWritable: as `_check_held_blocks_writable`.
         """
         starts = [self._write_start(grp, step) for grp in self._groups]
-        values = self._kv_values(step.request, step.write_start, step.num_tokens)
+        values = self._kv_values(step.request, step.num_local_computed, step.num_tokens)
         if step.running:
             rid = step.request.request_id
             for grp, start in zip(self._groups, starts):
                 self._check_held_blocks_writable(grp, grp.tables[rid], start, step.num_tokens)
         return starts, values
 
-    def _free_skipped_blocks(self, step: _AllocationStep) -> None:
+    def _free_skipped_blocks(self, step: AllocationStep) -> None:
         """Phase 3: a running request frees, in every group, the blocks it no longer reads (`remove_skipped_blocks`).
 
         Counted from the tokens computed before this step (the window of its
@@ -794,7 +673,7 @@ class TensorKVCacheManager:
             if freed:
                 self.block_pool.free_blocks(freed)
 
-    def _fits(self, step: _AllocationStep) -> bool:
+    def _fits(self, step: AllocationStep) -> bool:
         """Phase 4: whether every group's new blocks fit in the free blocks (vLLM's `get_num_blocks_to_allocate`).
 
         Planned before anything is taken or touched, so a step that cannot be
@@ -818,7 +697,7 @@ class TensorKVCacheManager:
                 needed += sum(1 for b in kept if pool.get_ref_cnt(b) == 0)  # the host face: no wait
         return needed <= pool.get_num_free_blocks()
 
-    def _touch_hits(self, step: _AllocationStep) -> tuple[list[list[BlockId]], list[int]]:
+    def _touch_hits(self, step: AllocationStep) -> tuple[list[list[BlockId]], list[int]]:
         """Phase 5: take a reference on each hit block a group still reads, so none is evicted while the request runs.
 
         A first step only, every group's before any block is taken: a hit
@@ -841,7 +720,7 @@ class TensorKVCacheManager:
             tables.append([NULL_BLOCK_ID] * skipped + kept if skipped else kept)
         return tables, [len(t) for t in tables]
 
-    def _take_external_blocks(self, step: _AllocationStep, tables: list[list[BlockId]]) -> list[list[BlockId]]:
+    def _take_external_blocks(self, step: AllocationStep, tables: list[list[BlockId]]) -> list[list[BlockId]]:
         """Phase 6: blocks for the tokens an external KV cache loads, in every group that still reads some of them.
 
         A first step only, after every group's hits are touched. A group that
@@ -851,7 +730,7 @@ class TensorKVCacheManager:
             Each group's blocks taken (its table extended by them).
         """
         taken: list[list[BlockId]] = [[] for _ in self._groups]
-        num_external = step.num_computed - step.write_start
+        num_external = step.num_external
         if num_external == 0:
             return taken
         num_blocks = -(-step.num_computed // self.block_size)
@@ -866,7 +745,7 @@ class TensorKVCacheManager:
         return taken
 
     def _take_new_blocks(
-        self, step: _AllocationStep, tables: list[list[BlockId]], new_blocks: list[list[BlockId]]
+        self, step: AllocationStep, tables: list[list[BlockId]], new_blocks: list[list[BlockId]]
     ) -> list[torch.Tensor]:
         """Phase 7: take the blocks the step's tokens need and append them, group by group.
 
@@ -894,12 +773,12 @@ class TensorKVCacheManager:
         return table_ids
 
     def _write_groups(
-        self, step: _AllocationStep, table_ids: list[torch.Tensor], starts: list[int], values: torch.Tensor
+        self, step: AllocationStep, table_ids: list[torch.Tensor], starts: list[int], values: torch.Tensor
     ) -> None:
         """Phase 8: write the step's KV in every group, each from its first written position on."""
         rid = step.request.request_id
         for grp, ids, start in zip(self._groups, table_ids, starts):
-            group_values = values[start - step.write_start :] if start > step.write_start else values
+            group_values = values[start - step.num_local_computed :] if start > step.num_local_computed else values
             if grp.group_id == 0:
                 self._write_step(rid, ids, start, group_values)
             else:
@@ -924,7 +803,7 @@ class TensorKVCacheManager:
 
     def _register_full_blocks(
         self,
-        step: _AllocationStep,
+        step: AllocationStep,
         tables: list[list[BlockId]],
         num_cached: list[int],
         table_ids: list[torch.Tensor] | None = None,
@@ -970,7 +849,7 @@ class TensorKVCacheManager:
 
     def _stored(
         self,
-        step: _AllocationStep,
+        step: AllocationStep,
         grp: _Group,
         num_cached: int,
         num_full: int,
@@ -998,7 +877,7 @@ class TensorKVCacheManager:
             group_idx=grp.group_id,
         )
 
-    def _record_step(self, step: _AllocationStep) -> None:
+    def _record_step(self, step: AllocationStep) -> None:
         """The bookkeeping of a served step: the request's computed tokens, and its admission on a first step.
 
         A first step served is the admission the hit statistics count (a step
@@ -1007,10 +886,10 @@ class TensorKVCacheManager:
         request = step.request
         self.num_computed_tokens[request.request_id] = step.num_tokens
         if not step.running:
-            num_local = step.write_start  # a first step's local hit (nothing was computed before it)
-            num_external = step.num_computed - num_local
+            # On a first step, the tokens computed here are its local hit: nothing was computed before it.
+            local_hit, preempted = step.num_local_computed, request.num_preemptions > 0
             self._counters.admit(
-                len(request.token_ids), num_local, num_external, request.num_preemptions > 0, self._reads_cache(request)
+                len(request.token_ids), local_hit, step.num_external, preempted, self._reads_cache(request)
             )
 
     def _kv_values(self, request: Request, start: int, end: int) -> torch.Tensor:
@@ -1092,14 +971,15 @@ class TensorKVCacheManager:
         if n < computed:
             self._clear_tokens(rid, n, computed)
         if self.enable_caching:
-            step = _AllocationStep(
+            step = AllocationStep(
                 request=request,
                 running=True,
                 hits=(),
-                hashes=self._block_hashes(request),
+                hashes=self.config.block_hashes(request),
                 num_computed=n,
-                write_start=n,
+                num_local_computed=n,
                 num_tokens=n,
+                delay_cache_blocks=False,
             )
             self._register_full_blocks(step, [grp.tables[rid] for grp in self._groups], num_cached)
         self.num_computed_tokens[rid] = n

@@ -17,9 +17,9 @@ from dataclasses import replace
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter, ReferencePoolAdapter
 from kvspec.conformance.tools.mutants import Mutant
 from kvspec.reference.free_queue import KVCacheBlock
-from kvspec.reference.kv_cache_manager import _AllocationStep, _GroupManager
+from kvspec.reference.kv_cache_manager import _GroupManager
 from kvspec.spec.events import BlockStored
-from kvspec.spec.manager import Request
+from kvspec.spec.manager import AllocationStep, Request
 from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = ["MUTANTS"]
@@ -69,7 +69,7 @@ class HitAnnouncedAgain(ReferencePoolAdapter):
 
 class _ParentIsFirstBlock(_GroupManager):
     def _stored(
-        self, step: _AllocationStep, num_cached: int, num_full: int, positions: list[int], keys: list[BlockHash]
+        self, step: AllocationStep, num_cached: int, num_full: int, positions: list[int], keys: list[BlockHash]
     ) -> BlockStored:
         event = super()._stored(step, num_cached, num_full, positions, keys)
         parent = self.key(step.hashes[num_cached]) if num_cached else None  # MUTANT: not num_cached - 1

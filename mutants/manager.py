@@ -13,9 +13,9 @@ from dataclasses import replace
 
 from kvspec.conformance.targets.builtin import ReferenceManagerAdapter
 from kvspec.conformance.tools.mutants import Mutant
-from kvspec.reference.kv_cache_manager import _AllocationStep, _GroupManager
+from kvspec.reference.kv_cache_manager import _GroupManager
 from kvspec.spec.hashing import block_extra_keys, hash_block_tokens, none_hash
-from kvspec.spec.manager import Request, check_request
+from kvspec.spec.manager import AllocationStep, Request, check_request
 from kvspec.spec.state import BlockHash, BlockId
 
 __all__ = ["MUTANTS"]
@@ -66,7 +66,7 @@ class PartialBlockHashed(ReferenceManagerAdapter):
     block's hash, so a later request can hit KV that was never written.
     """
 
-    def _register_full_blocks(self, step: _AllocationStep) -> None:
+    def _register_full_blocks(self, step: AllocationStep) -> None:
         if self.enable_caching:
             num_tokens = min(step.num_tokens, len(step.request.token_ids))
             num_full = -(-num_tokens // self.block_size)  # MUTANT: cdiv

@@ -10,9 +10,12 @@ group), `allocate_slots` frees blocks a running request no longer reads,
 touches the hit, takes new blocks and registers the blocks a step fills,
 `free` releases a request tail first, group by group. Requests are described
 by the spec's `Request` value; hashes come from the spec's chain
-(`kvspec.spec.hashing`) and group keys from `spec.state.group_key`, which are
-part of the contract, not of the implementation; the window arithmetic is
-this module's own. With `enable_kv_cache_events` the pool publishes vLLM's
+(`kvspec.spec.hashing`) and group keys from `spec.state.group_key`, and the
+argument checks are the spec's (`spec.manager.manager_config`,
+`check_request`, `check_lookup`, `check_allocation`: which mistake is named
+first, and how, is the contract), all part of the contract, not of the
+implementation; the window arithmetic and the hit search are this module's
+own, so the harness checks them against the spec's. With `enable_kv_cache_events` the pool publishes vLLM's
 KV cache events (each group's registration as one `BlockStored` with its
 parent, tokens and keys); the hit statistics (`prefix_cache_stats`) count
 each request at its admission, local hits and the connector's apart.
@@ -21,16 +24,23 @@ each request at its admission, local hits and the connector's apart.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvspec.reference.block_pool import BlockPool
 from kvspec.spec.attention import FULL, KVGroup
-from kvspec.spec.errors import InvalidBlock, InvalidRequest, is_count
+from kvspec.spec.errors import InvalidRequest, is_count
 from kvspec.spec.events import BlockStored, KVCacheEvent, event_extra_keys
-from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, hash_request_blocks
+from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.invariants import check_all
-from kvspec.spec.manager import Request, check_groups, check_request, check_step_counts
-from kvspec.spec.state import NULL_BLOCK_ID, TABLE_GROUP_MARK, BlockHash, BlockId, Snapshot, group_key, table_name
+from kvspec.spec.manager import (
+    AllocationStep,
+    ManagerView,
+    Request,
+    check_allocation,
+    check_lookup,
+    check_request,
+    manager_config,
+)
+from kvspec.spec.state import NULL_BLOCK_ID, BlockHash, BlockId, Snapshot, group_key, table_name
 from kvspec.spec.stats import PrefixCacheStats
 
 __all__ = ["KVCacheManager"]
@@ -88,7 +98,7 @@ class _GroupManager:
         if freed:
             self.pool.free_blocks(freed)
 
-    def blocks_needed(self, step: _AllocationStep, hits: Sequence[BlockId]) -> int:
+    def blocks_needed(self, step: AllocationStep, hits: Sequence[BlockId]) -> int:
         """How many free blocks this group's part of the step uses (new ones and evictable hits). Cost: O(hits)."""
         num_required = -(-step.num_tokens // self.block_size)
         table = self.req_to_blocks.get(step.request.request_id)
@@ -129,7 +139,7 @@ class _GroupManager:
         table.extend(new)
         return new
 
-    def cache_blocks(self, step: _AllocationStep, num_full: int) -> None:
+    def cache_blocks(self, step: AllocationStep, num_full: int) -> None:
         """Register the newly full blocks under this group's keys; null positions stay out. Cost: O(new full).
 
         With events on, the registration publishes one `BlockStored` (even if
@@ -150,7 +160,7 @@ class _GroupManager:
         self.num_cached_block[rid] = num_cached
 
     def _stored(
-        self, step: _AllocationStep, num_cached: int, num_full: int, positions: list[int], keys: list[BlockHash]
+        self, step: AllocationStep, num_cached: int, num_full: int, positions: list[int], keys: list[BlockHash]
     ) -> BlockStored:
         """The event of registering positions [num_cached, num_full) (the non-null `positions`). Cost: O(new full)."""
         request, bs = step.request, self.block_size
@@ -172,19 +182,6 @@ class _GroupManager:
             held = [b for b in reversed(table) if b != NULL_BLOCK_ID]
             if held:
                 self.pool.free_blocks(held)
-
-
-@dataclass(frozen=True, slots=True)
-class _AllocationStep:
-    """A validated `allocate_slots` call, as the phases after validation read it."""
-
-    request: Request  # the request being scheduled
-    running: bool  # it ran before this step
-    hits: tuple[Sequence[BlockId], ...]  # per group, its prefix hit (first step only), null where skipped
-    hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
-    num_computed: int  # tokens computed before the new ones (earlier steps, or the hit and external tokens)
-    num_external: int  # of those, the tokens an external KV cache loads (first step only)
-    num_tokens: int  # tokens computed once the step has run: hit, external and new included
 
 
 class KVCacheManager:
@@ -212,35 +209,33 @@ class KVCacheManager:
 
         Cost: O(num_gpu_blocks).
         """
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
-        hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
-        kv_groups = check_groups(groups, block_size)  # what a layout is: part of the contract, as the chain
+        # What a layout is, and how a request's chain is hashed: part of the contract, so the spec's.
+        self.config = manager_config(block_size, hash_fn, seed, groups)  # fixed
+        kv_groups = self.config.groups
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching, profile, enable_kv_cache_events)  # owns every block
         self.block_size = block_size  # fixed
         self.enable_caching = self.block_pool.enable_caching  # fixed
         self.hash_fn = hash_fn  # fixed
         self.seed = seed  # fixed
         self.groups = kv_groups  # fixed
+        # What allocate_slots' checks read (spec.manager.check_allocation); the chain through _block_hashes,
+        # which the hashing mutants replace.
+        config, enable_caching = self.config, self.enable_caching
+        self._view = ManagerView(config, num_gpu_blocks, enable_caching, self._block_hash, self._block_hashes)
         self.managers = [
             self.group_manager_cls(g, i, self.block_pool, block_size) for i, g in enumerate(kv_groups)
         ]
         self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens computed so far (running requests)
         self.stats = PrefixCacheStats()  # hit statistics since construction: grown at each admission and reset
 
+    def _block_hash(self, block_id: int) -> BlockHash | None:
+        return self.block_pool.blocks[block_id].block_hash
+
     def _block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
-        return hash_request_blocks(
-            request.token_ids, self.block_size, request.lora_name, request.mm_inputs,
-            request.cache_salt, self.hash_fn, self.seed,
-        )
+        return self.config.block_hashes(request)
 
     def _check_request(self, request: Request, op: str) -> None:
-        check_request(request, op)
-        if len(self.groups) > 1 and TABLE_GROUP_MARK in request.request_id:
-            raise InvalidRequest(
-                f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
-                "group's block table in snapshots"
-            )
+        check_request(request, op, len(self.groups))
 
     def get_computed_blocks(
         self, request: Request, max_cache_hit_length: int | None = None
@@ -254,20 +249,9 @@ class KVCacheManager:
 
         Cost: O(tokens) for the hashes, O(1) per position looked up.
         """
-        self._check_request(request, "get_computed_blocks")
-        if max_cache_hit_length is not None and not is_count(max_cache_hit_length):
-            raise InvalidRequest(
-                f"get_computed_blocks: max_cache_hit_length={max_cache_hit_length!r} must be None or a non-negative "
-                "integer (tokens the local cache may serve)"
-            )
-        if request.request_id in self.num_computed_tokens:
-            raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
+        max_length = check_lookup(request, max_cache_hit_length, len(self.groups), self.num_computed_tokens)
         if not self._lookup_enabled(request):
             return [], 0
-        max_length = len(request.token_ids) - 1
-        for bound in (request.prefix_cache_hit_limit, max_cache_hit_length):
-            if bound is not None:
-                max_length = min(max_length, bound)
         return self._hit(request, max_length)
 
     def _lookup_enabled(self, request: Request) -> bool:
@@ -328,9 +312,9 @@ class KVCacheManager:
 
         Cost: O(new blocks + hit blocks), plus hashing of new full blocks.
         """
-        step = self._validate_allocation(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
-            delay_cache_blocks,
+        step = check_allocation(
+            self._view, self.num_computed_tokens, request, num_new_tokens, num_new_computed_tokens,
+            new_computed_blocks, num_external_computed_tokens, delay_cache_blocks,
         )  # fmt: skip
         self._free_skipped_blocks(step)
         if not self._plan_allocation(step):
@@ -356,13 +340,13 @@ class KVCacheManager:
         looked_up = self._lookup_enabled(request)  # a request whose lookup did not run is not counted locally
         self.stats = self.stats.admitted(len(request.token_ids), num_local_hits, num_external, preempted, looked_up)
 
-    def _free_skipped_blocks(self, step: _AllocationStep) -> None:
+    def _free_skipped_blocks(self, step: AllocationStep) -> None:
         """Phase 2: a running request frees, in every group, the blocks it no longer reads. Cost: O(blocks freed)."""
         if step.running:
             for manager in self.managers:
                 manager.remove_skipped_blocks(step.request.request_id, step.num_computed)
 
-    def _plan_allocation(self, step: _AllocationStep) -> bool:
+    def _plan_allocation(self, step: AllocationStep) -> bool:
         """Phase 3: whether every group's new blocks and evictable hits fit in the free blocks.
 
         Planned before anything is taken or touched, so a step that cannot be
@@ -372,7 +356,7 @@ class KVCacheManager:
         needed = sum(m.blocks_needed(step, hits) for m, hits in zip(self.managers, step.hits))
         return needed <= self.block_pool.get_num_free_blocks()
 
-    def _touch_hits(self, step: _AllocationStep) -> None:
+    def _touch_hits(self, step: AllocationStep) -> None:
         """Phase 4: a first step takes a reference on every group's hit blocks before any block is taken.
 
         A hit block still in the free queue could otherwise be the one a group
@@ -382,7 +366,7 @@ class KVCacheManager:
             for manager, hits in zip(self.managers, step.hits):
                 manager.add_hits(step.request.request_id, hits, step.num_computed)
 
-    def _take_external_blocks(self, step: _AllocationStep) -> list[list[BlockId]]:
+    def _take_external_blocks(self, step: AllocationStep) -> list[list[BlockId]]:
         """Phase 5: blocks for externally loaded tokens, group by group (a first step only). Cost: O(new blocks).
 
         Returns:
@@ -393,7 +377,7 @@ class KVCacheManager:
         rid = step.request.request_id
         return [m.add_external_blocks(rid, step.num_computed, step.num_external) for m in self.managers]
 
-    def _take_new_blocks(self, step: _AllocationStep) -> list[list[BlockId]]:
+    def _take_new_blocks(self, step: AllocationStep) -> list[list[BlockId]]:
         """Phase 6: blocks for the step's tokens, appended to each group's table (append-only, as vLLM's).
 
         Returns:
@@ -401,7 +385,7 @@ class KVCacheManager:
         """
         return [m.add_new_blocks(step.request.request_id, step.num_tokens) for m in self.managers]
 
-    def _register_full_blocks(self, step: _AllocationStep) -> None:
+    def _register_full_blocks(self, step: AllocationStep) -> None:
         """Phase 7: register (cache_full_blocks) every block the step fills, group by group.
 
         Only a full block is registered: a partial one's tokens are still to
@@ -421,97 +405,6 @@ class KVCacheManager:
     def num_cached_block(self) -> dict[str, int]:
         """Group 0's count of leading registered (or null) positions, per request."""
         return self.managers[0].num_cached_block
-
-    def _validate_allocation(
-        self,
-        request: Request,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[BlockId],
-        num_external_computed_tokens: int,
-        delay_cache_blocks: bool,
-    ) -> _AllocationStep:
-        """Phase 1: refuse a caller's mistake before anything changes, in the spec's order.
-
-        The order is part of the contract: the first mistake found is the one
-        the spec names, and a refused call leaves the manager as it was.
-
-        Raises:
-            InvalidRequest, InvalidBlock: as `allocate_slots`.
-
-        Cost: O(tokens) to hash the request, O(1) per hit block.
-        """
-        self._check_request(request, "allocate_slots")
-        check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
-        rid = request.request_id
-        running = rid in self.num_computed_tokens
-        if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
-            raise InvalidRequest(
-                f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step"
-            )
-        num_computed = self.num_computed_tokens.get(rid, 0) + num_new_computed_tokens + num_external_computed_tokens
-        hashes, hits = self._check_hit_blocks(request, num_new_computed_tokens, new_computed_blocks, num_computed)
-        total = num_computed + num_new_tokens
-        if total > len(request.token_ids):
-            raise InvalidRequest(
-                f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
-            )
-        return _AllocationStep(
-            request=request,
-            running=running,
-            hits=hits,
-            hashes=hashes,
-            num_computed=num_computed,
-            num_external=num_external_computed_tokens,
-            num_tokens=total,
-        )
-
-    def _check_hit_blocks(
-        self,
-        request: Request,
-        num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[BlockId],
-        num_computed: int,
-    ) -> tuple[tuple[BlockHash, ...], tuple[Sequence[BlockId], ...]]:
-        """The hit covers its tokens in whole blocks in every group, each registered under the request's chain.
-
-        A group may have the null block at a position it no longer reads.
-
-        Returns:
-            The request's hash chain (registration needs it too) and the hit split by group.
-
-        Cost: O(tokens) to hash the request, O(1) per hit block.
-        """
-        num_groups = len(self.managers)
-        n = num_new_computed_tokens // self.block_size
-        if n * self.block_size != num_new_computed_tokens or len(new_computed_blocks) != n * num_groups:
-            per_group = f" for {num_groups} KV cache groups" if num_groups > 1 else ""
-            raise InvalidRequest(
-                f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
-                f"{len(new_computed_blocks)} hit blocks of block_size={self.block_size}{per_group}"
-            )
-        if new_computed_blocks and not self.enable_caching:
-            raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
-        pool = self.block_pool
-        hashes = self._block_hashes(request)
-        if n > len(hashes):
-            raise InvalidRequest(
-                f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} "
-                f"has only {len(hashes)} full blocks"
-            )
-        hits = tuple(new_computed_blocks[g * n : (g + 1) * n] for g in range(num_groups))
-        for manager, group_hits in zip(self.managers, hits):
-            skipped = manager.skipped_blocks(num_computed)
-            for i, b in enumerate(group_hits):
-                in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
-                if in_range and b == NULL_BLOCK_ID and i < skipped:
-                    continue
-                if not in_range or pool.blocks[b].block_hash != manager.key(hashes[i]):
-                    where = f" of KV cache group {manager.group_id}" if num_groups > 1 else ""
-                    raise InvalidBlock(
-                        f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}{where}"
-                    )
-        return hashes, hits
 
     def free(self, request_id: str) -> None:
         """Release a finished or preempted request: each group's blocks tail first, group by group.
@@ -554,14 +447,15 @@ class KVCacheManager:
                 f"{computed} computed tokens, {low} of them registered"
             )
         n = num_computed_tokens
-        step = _AllocationStep(
+        step = AllocationStep(
             request=request,
             running=True,
             hits=(),
             hashes=self._block_hashes(request),
             num_computed=n,
-            num_external=0,
+            num_local_computed=n,
             num_tokens=n,
+            delay_cache_blocks=False,
         )
         self._register_full_blocks(step)
         self.num_computed_tokens[rid] = n

@@ -40,7 +40,7 @@ skipped ones), so the list splits evenly.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar, cast
 
@@ -48,7 +48,7 @@ import icontract
 
 from kvspec.spec import ops
 from kvspec.spec.attention import FULL, KVGroup, format_groups, num_skipped_blocks, parse_groups, window_hit_blocks
-from kvspec.spec.errors import InvalidBlock, InvalidRequest, is_count
+from kvspec.spec.errors import InvalidBlock, InvalidRequest, is_count, is_int
 from kvspec.spec.events import BlockStored, EventMirror, KVCacheEvent, event_extra_keys, table_counts
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, MultiModalInput, hash_request_blocks
 from kvspec.spec.invariants import all_hold, check_hit, event_mirror_exact
@@ -66,12 +66,16 @@ from kvspec.spec.stats import PrefixCacheStats
 from kvspec.spec.step import Step
 
 __all__ = [
+    "AllocationStep",
     "ManagerConfig",
     "ManagerState",
     "Request",
+    "ManagerView",
     "RequestBlocks",
     "allocate_slots",
     "cache_blocks",
+    "check_allocation",
+    "check_lookup",
     "check_request",
     "check_step_counts",
     "evict_blocks",
@@ -79,6 +83,7 @@ __all__ = [
     "get_computed_blocks",
     "get_num_cached_tokens",
     "lookup_enabled",
+    "manager_config",
     "new_manager",
     "request_block_hashes",
     "reset_prefix_cache",
@@ -132,6 +137,13 @@ class ManagerConfig:
     hash_fn: str = DEFAULT_HASH_FN  # spec.hashing.HASH_FUNCTIONS
     seed: str = DEFAULT_SEED  # NONE_HASH is derived from it
     groups: tuple[KVGroup, ...] = (FULL,)  # the KV cache groups, in vLLM's group order
+
+    def block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
+        """The hash chain of the request's full blocks under this hash function and seed."""
+        return hash_request_blocks(
+            request.token_ids, self.block_size, request.lora_name, request.mm_inputs, request.cache_salt,
+            self.hash_fn, self.seed,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,9 +212,10 @@ def _with_request(state: ManagerState, request_id: str, entry: RequestBlocks | N
     return replace(state, requests=others)
 
 
-def check_request(request: Request, op: str) -> None:
+def check_request(request: Request, op: str, num_groups: int = 1) -> None:
     """A request is well formed: a non-empty id and prompt, counts that are counts, multimodal inputs over
-    its tokens in order. The one definition: the reference's and gpu_impl's managers run it too.
+    its tokens in order; with several KV cache groups, an id that cannot be mistaken for a group's block
+    table in snapshots. The one definition: the reference's and gpu_impl's managers run it too.
 
     Raises:
         InvalidRequest: the first of these that does not hold, named with `op`.
@@ -237,6 +250,11 @@ def check_request(request: Request, op: str) -> None:
                 "overlapping another (as vLLM's input processor places them)"
             )
         end = mm.offset + mm.length
+    if num_groups > 1 and TABLE_GROUP_MARK in request.request_id:
+        raise InvalidRequest(
+            f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
+            "group's block table in snapshots"
+        )
 
 
 def new_manager(
@@ -254,12 +272,22 @@ def new_manager(
         InvalidRequest: a size is not a positive integer, the profile or hash function is unknown,
             a group is malformed, or a chunk is not a multiple of the block size.
     """
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+    config = manager_config(block_size, hash_fn, seed, groups)
+    return ManagerState(config, ops.new_pool(num_gpu_blocks, enable_caching, profile), ())
+
+
+def manager_config(block_size: int, hash_fn: str, seed: str, groups: str | Sequence[KVGroup]) -> ManagerConfig:
+    """A manager's layout, checked in the spec's order: the one definition, which the reference's and
+    gpu_impl's managers build theirs with too.
+
+    Raises:
+        InvalidRequest: the block size is not a positive integer, the hash function is unknown, or a group
+            is malformed or a chunk is not a multiple of the block size.
+    """
+    if not is_int(block_size) or block_size < 1:
         raise InvalidRequest(f"block_size must be a positive integer; got block_size={block_size!r}")
     hash_request_blocks((), block_size, hash_fn=hash_fn, seed=seed)  # validates hash_fn
-    kv_groups = check_groups(groups, block_size)
-    pool = ops.new_pool(num_gpu_blocks, enable_caching, profile)
-    return ManagerState(ManagerConfig(block_size, hash_fn, seed, kv_groups), pool, ())
+    return ManagerConfig(block_size, hash_fn, seed, check_groups(groups, block_size))
 
 
 def check_groups(groups: str | Sequence[KVGroup], block_size: int) -> tuple[KVGroup, ...]:
@@ -280,25 +308,11 @@ def check_groups(groups: str | Sequence[KVGroup], block_size: int) -> tuple[KVGr
 
 def request_block_hashes(state: ManagerState, request: Request) -> tuple[BlockHash, ...]:
     """The hash chain of the request's full blocks under this manager's hash function and seed."""
-    cfg = state.config
-    return hash_request_blocks(
-        request.token_ids,
-        cfg.block_size,
-        request.lora_name,
-        request.mm_inputs,
-        request.cache_salt,
-        cfg.hash_fn,
-        cfg.seed,
-    )
+    return state.config.block_hashes(request)
 
 
 def _check_request_id(state: ManagerState, request: Request, op: str) -> None:
-    check_request(request, op)
-    if len(state.config.groups) > 1 and TABLE_GROUP_MARK in request.request_id:
-        raise InvalidRequest(
-            f"{op}: request_id={request.request_id!r} contains {TABLE_GROUP_MARK!r}, which names a KV cache "
-            "group's block table in snapshots"
-        )
+    check_request(request, op, len(state.config.groups))
 
 
 def _computed_ok(
@@ -341,22 +355,38 @@ def get_computed_blocks(
 
     raises: InvalidRequest  # the errors above, as CrossHair reads them
     """
-    _check_request_id(state, request, "get_computed_blocks")
+    running = {rid for rid, _ in state.requests}
+    limit = check_lookup(request, max_cache_hit_length, len(state.config.groups), running)
+    if not lookup_enabled(state, request):
+        return Step(state, ((), 0))
+    per_group, num_tokens = longest_cache_hit(state, request_block_hashes(state, request), limit)
+    return Step(state, (tuple(b for blocks in per_group for b in blocks), num_tokens))
+
+
+def check_lookup(
+    request: Request, max_cache_hit_length: int | None, num_groups: int, running: Container[str]
+) -> int:
+    """`get_computed_blocks`' checks, in the spec's order, and the most tokens its hit may cover. The one
+    definition: the reference's and gpu_impl's managers run it too.
+
+    Args:
+        running: the running requests' ids.
+
+    Raises:
+        InvalidRequest: as `get_computed_blocks`.
+    """
+    check_request(request, "get_computed_blocks", num_groups)
     if max_cache_hit_length is not None and not is_count(max_cache_hit_length):
         raise InvalidRequest(
             f"get_computed_blocks: max_cache_hit_length={max_cache_hit_length!r} must be None or a non-negative "
             "integer (tokens the local cache may serve)"
         )
-    if state.request(request.request_id) is not None:
+    if request.request_id in running:
         raise InvalidRequest(f"get_computed_blocks: request_id={request.request_id!r} is already running")
-    if not lookup_enabled(state, request):
-        return Step(state, ((), 0))
     # NOTE: at most len - 1 tokens: the last prompt token must be computed to get
     # the logits that sample the first output token (vLLM's get_max_cache_hit_length).
     bounds = (len(request.token_ids) - 1, request.prefix_cache_hit_limit, max_cache_hit_length)
-    limit = min(b for b in bounds if b is not None)
-    per_group, num_tokens = longest_cache_hit(state, request_block_hashes(state, request), limit)
-    return Step(state, (tuple(b for blocks in per_group for b in blocks), num_tokens))
+    return min(b for b in bounds if b is not None)
 
 
 def lookup_enabled(state: ManagerState, request: Request) -> bool:
@@ -575,7 +605,8 @@ def allocate_slots(
 
 @dataclass(frozen=True, slots=True)
 class _AllocationStep:
-    """A validated `allocate_slots` call, as the phases after validation read it."""
+    """A validated `allocate_slots` call, as the spec's phases after validation read it: `AllocationStep`
+    with the request's record before the step, and its hits as tuples (a state holds only values)."""
 
     request: Request  # the request being scheduled
     running: bool  # whether it ran before this step (else this is its first step)
@@ -597,45 +628,106 @@ def _validate_allocation(
     num_external_computed_tokens: int,
     delay_cache_blocks: bool = False,
 ) -> _AllocationStep:
-    """Phase 1: refuse a caller's mistake before anything changes, in one fixed order.
-
-    The order is part of the contract: every implementation names the same
-    mistake first, and a refused call leaves the state as it was.
+    """Phase 1: `check_allocation` over this state (the one definition of the checks), and the request's
+    record before the step.
 
     Raises:
         InvalidRequest, InvalidBlock: as `allocate_slots`.
     """
-    _check_request_id(state, request, "allocate_slots")
-    check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
+    cfg, pool = state.config, state.pool
+    caching = pool.config.enable_caching
+    view = ManagerView(cfg, pool.num_gpu_blocks, caching, pool.block_hash.__getitem__, cfg.block_hashes)
+    step = check_allocation(
+        view, {rid: entry.num_computed_tokens for rid, entry in state.requests},
+        request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_external_computed_tokens,
+        delay_cache_blocks,
+    )  # fmt: skip
     entry = state.request(request.request_id)
-    if entry is not None and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
-        raise InvalidRequest(
-            f"allocate_slots: request_id={request.request_id!r} is running; prefix hits are only for its first step"
-        )
-    running = entry is not None
-    groups = state.config.groups
     if entry is None:
-        entry = RequestBlocks(tuple(() for _ in groups), tuple(0 for _ in groups), 0)
-    num_computed = entry.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
-    hashes, hits = _check_hit_blocks(state, request, num_new_computed_tokens, new_computed_blocks, num_computed)
+        entry = RequestBlocks(tuple(() for _ in cfg.groups), tuple(0 for _ in cfg.groups), 0)
+    return _AllocationStep(
+        request=request,
+        running=step.running,
+        entry=entry,
+        hits=tuple(tuple(hits) for hits in step.hits),
+        num_computed=step.num_computed,
+        num_local_computed=step.num_local_computed,
+        hashes=step.hashes,
+        num_tokens=step.num_tokens,
+        delay_cache_blocks=delay_cache_blocks,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerView:
+    """What `check_allocation` reads of a manager, its running requests aside; fixed at construction."""
+
+    config: ManagerConfig  # its layout: block size and KV cache groups
+    num_gpu_blocks: int  # its pool's size
+    enable_caching: bool  # whether its pool caches
+    block_hash: Callable[[int], BlockHash | None]  # the hash a block is registered under (None: none)
+    request_hashes: Callable[[Request], tuple[BlockHash, ...]]  # the request's chain (config.block_hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class AllocationStep:
+    """An `allocate_slots` call that phase 1 accepted, as the phases after it read it."""
+
+    request: Request  # the request being scheduled
+    running: bool  # whether it ran before this step (else this is its first step)
+    hits: tuple[Sequence[BlockId], ...]  # per group, its prefix hit (first step only), null where skipped
+    hashes: tuple[BlockHash, ...]  # the hash chain of its full blocks
+    num_computed: int  # tokens computed before the new ones: earlier steps, or the hit and external tokens
+    num_local_computed: int  # of those, the ones computed here (earlier steps or the hit), not loaded
+    num_tokens: int  # tokens computed once the step has run: hit, external and new included
+    delay_cache_blocks: bool  # an asynchronous external load: register nothing yet
+
+    @property
+    def num_external(self) -> int:
+        """The tokens an external KV cache loads in this step (its first; 0 on a running request's)."""
+        return self.num_computed - self.num_local_computed
+
+
+def check_allocation(
+    manager: ManagerView,
+    computed_tokens: Mapping[str, int],
+    request: Request,
+    num_new_tokens: int,
+    num_new_computed_tokens: int,
+    new_computed_blocks: Sequence[BlockId],
+    num_external_computed_tokens: int,
+    delay_cache_blocks: bool,
+) -> AllocationStep:
+    """Phase 1 of `allocate_slots`: refuse a caller's mistake before anything changes, in one fixed order.
+
+    The order is part of the contract: every implementation names the same mistake first, and a refused
+    call leaves the state as it was. The one definition: the reference's and gpu_impl's managers run it too.
+
+    Args:
+        computed_tokens: each running request's computed tokens, by request id.
+
+    Raises:
+        InvalidRequest, InvalidBlock: as `allocate_slots`.
+
+    Cost: O(tokens) to hash the request, O(1) per hit block.
+    """
+    check_request(request, "allocate_slots", len(manager.config.groups))
+    check_step_counts(num_new_tokens, num_new_computed_tokens, num_external_computed_tokens, delay_cache_blocks)
+    rid = request.request_id
+    running = rid in computed_tokens
+    if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
+        raise InvalidRequest(
+            f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step"
+        )
+    num_local = computed_tokens.get(rid, 0) + num_new_computed_tokens
+    num_computed = num_local + num_external_computed_tokens
+    hashes, hits = _check_hit_blocks(manager, request, num_new_computed_tokens, new_computed_blocks, num_computed)
     total = num_computed + num_new_tokens
     if total > len(request.token_ids):
         raise InvalidRequest(
-            f"allocate_slots: {total} tokens would be computed but request_id={request.request_id!r} "
-            f"has {len(request.token_ids)}"
+            f"allocate_slots: {total} tokens would be computed but request_id={rid!r} has {len(request.token_ids)}"
         )
-    num_local = entry.num_computed_tokens + num_new_computed_tokens
-    return _AllocationStep(
-        request=request,
-        running=running,
-        entry=entry,
-        hits=hits,
-        num_computed=num_computed,
-        num_local_computed=num_local,
-        hashes=hashes,
-        num_tokens=total,
-        delay_cache_blocks=delay_cache_blocks,
-    )
+    return AllocationStep(request, running, hits, hashes, num_computed, num_local, total, delay_cache_blocks)
 
 
 def check_step_counts(
@@ -667,12 +759,12 @@ def check_step_counts(
 
 
 def _check_hit_blocks(
-    state: ManagerState,
+    manager: ManagerView,
     request: Request,
     num_new_computed_tokens: int,
     new_computed_blocks: Sequence[BlockId],
     num_computed: int,
-) -> tuple[tuple[BlockHash, ...], tuple[tuple[BlockId, ...], ...]]:
+) -> tuple[tuple[BlockHash, ...], tuple[Sequence[BlockId], ...]]:
     """The hit covers its tokens in whole blocks in every group, each registered under the request's chain.
 
     A group that no longer reads a position (a sliding window's, once
@@ -681,31 +773,30 @@ def _check_hit_blocks(
     Returns:
         The request's hash chain (the registration phase needs it too) and the hit split by group.
     """
-    cfg, pool = state.config, state.pool
-    num_groups = len(cfg.groups)
-    n = num_new_computed_tokens // cfg.block_size
-    if n * cfg.block_size != num_new_computed_tokens or len(new_computed_blocks) != n * num_groups:
+    config, num_groups, block_size = manager.config, len(manager.config.groups), manager.config.block_size
+    n = num_new_computed_tokens // block_size
+    if n * block_size != num_new_computed_tokens or len(new_computed_blocks) != n * num_groups:
         per_group = f" for {num_groups} KV cache groups" if num_groups > 1 else ""
         raise InvalidRequest(
             f"allocate_slots: num_new_computed_tokens={num_new_computed_tokens} but "
-            f"{len(new_computed_blocks)} hit blocks of block_size={cfg.block_size}{per_group}"
+            f"{len(new_computed_blocks)} hit blocks of block_size={block_size}{per_group}"
         )
-    if new_computed_blocks and not pool.config.enable_caching:
+    if new_computed_blocks and not manager.enable_caching:
         raise InvalidRequest("allocate_slots: prefix caching is off, so there can be no hit blocks")
-    hashes = request_block_hashes(state, request)
+    hashes = manager.request_hashes(request)
     if n > len(hashes):
         raise InvalidRequest(
             f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} "
             f"has only {len(hashes)} full blocks"
         )
-    hits = tuple(tuple(new_computed_blocks[g * n : (g + 1) * n]) for g in range(num_groups))
-    for g, group in enumerate(cfg.groups):
-        skipped = num_skipped_blocks(group, num_computed, cfg.block_size)
+    hits = tuple(new_computed_blocks[g * n : (g + 1) * n] for g in range(num_groups))
+    for g, group in enumerate(config.groups):
+        skipped = num_skipped_blocks(group, num_computed, block_size) if hits[g] else 0
         for i, b in enumerate(hits[g]):
-            in_range = isinstance(b, int) and not isinstance(b, bool) and 0 <= b < pool.num_gpu_blocks
+            in_range = is_int(b) and 0 <= b < manager.num_gpu_blocks
             if in_range and b == NULL_BLOCK_ID and i < skipped:
                 continue
-            if not in_range or pool.block_hash[b] != group_key(hashes[i], g):
+            if not in_range or manager.block_hash(b) != group_key(hashes[i], g):
                 where = f" of KV cache group {g}" if num_groups > 1 else ""
                 raise InvalidBlock(
                     f"allocate_slots: hit block_id={b!r} is not registered under the request's hash {i}{where}"
