@@ -120,13 +120,12 @@ class SpecFailure(AssertionError):
     """The spec itself failed (a contract or an unexpected exception): a bug in kvspec, not in the implementation.
 
     Also kvspec's limit met inside the implementation's call (``limit``, a
-    `HarnessLimit`): no bug, but as little a verdict on the implementation.
+    `HarnessLimit`; its failure's kind is LIMIT): no bug, but as little a verdict on the implementation.
     """
 
     def __init__(self, message: str, step: int, op: str = "?", *, limit: bool = False) -> None:
         super().__init__(message)
-        self.failure = Failure(FailureKind.SPEC, step, op, message)
-        self.limit = limit
+        self.failure = Failure(FailureKind.LIMIT if limit else FailureKind.SPEC, step, op, message)
 
 
 def spec_initial_state(config: AdapterConfig) -> PoolState | ManagerState:

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvspec.conformance.core.hash_names import HashNames
 from kvspec.conformance.core.operations import OPERATIONS
-from kvspec.conformance.core.results import HARNESS_LIMIT, Outcome, Verdict
+from kvspec.conformance.core.results import FailureKind, Outcome, Verdict
 from kvspec.conformance.core.trace import Trace, TraceStep
 from kvspec.spec.manager import Request
 from kvspec.spec.state import Snapshot
@@ -143,7 +143,7 @@ def render_story(trace: Trace, trace_path: str | None = None, replay_impl: str |
         verdict = trace.verdict or failure.kind.verdict
         where = "building the adapter" if bad == 0 else f"step {bad} of {len(trace.steps)} ({failure.op})"
         # A step kvspec could not run (LockStep's harness limit) is no failure of the spec's: say whose it is.
-        kind = "kvspec's limit" if failure.message.startswith(HARNESS_LIMIT) else failure.kind.value
+        kind = "kvspec's limit" if failure.kind is FailureKind.LIMIT else failure.kind.value
         lines.append(f"{verdict.value.upper()}: {kind} at {where}")
     else:
         verdict_name = (trace.verdict or Verdict.CONFORMS).value

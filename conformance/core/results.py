@@ -74,7 +74,7 @@ EXIT_DIVERGES = 1
 EXIT_COULD_NOT_RUN = 2
 
 # How a failure's message starts where kvspec itself could not run a step (a light-mode stand-in for a device
-# runtime was called): no verdict on the implementation (a SPEC-kind failure), and no bug in the spec either.
+# runtime was called): a LIMIT-kind failure, no verdict on the implementation and no bug in the spec either.
 HARNESS_LIMIT = "kvspec cannot run step"
 
 _EXIT_CODES = {
@@ -136,6 +136,7 @@ class FailureKind(str, Enum):
     CRASHED = "crashed"  # the implementation raised or died
     HUNG = "hung"  # the implementation did not answer in time
     SPEC = "spec"  # the spec itself failed: a bug in kvspec, not in the implementation
+    LIMIT = "limit"  # kvspec could not run the step (its own limit): no verdict on the implementation, no bug
 
     def __str__(self) -> str:
         return self.value
@@ -156,6 +157,7 @@ _VERDICT_OF_KIND = {
     FailureKind.CRASHED: Verdict.CRASHED,
     FailureKind.HUNG: Verdict.HUNG,
     FailureKind.SPEC: Verdict.COULD_NOT_RUN,
+    FailureKind.LIMIT: Verdict.COULD_NOT_RUN,
 }
 
 
@@ -259,6 +261,8 @@ class Failure:
             raise ValueError("failure step must be an integer and op a string")
         if not isinstance(message, str) or not (invariant is None or isinstance(invariant, str)):
             raise ValueError("failure message must be a string and invariant a string or null")
+        if kind is FailureKind.SPEC and message.startswith(HARNESS_LIMIT):  # written before LIMIT was a kind
+            kind = FailureKind.LIMIT
         return Failure(kind, step, op, message, invariant)
 
 

@@ -274,7 +274,8 @@ def _run_chunk(
         if isinstance(e, Flaky):
             message = "the failure did not reproduce every time (the implementation is not deterministic?)"
         if isinstance(found, SpecFailure):
-            message = str(found) if found.limit else f"the spec itself failed; a bug in kvspec: {found}"
+            limit = found.failure.kind is FailureKind.LIMIT
+            message = str(found) if limit else f"the spec itself failed; a bug in kvspec: {found}"
         return (found.failure, failed), message
     return None, ""
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from kvspec.conformance.core.adapter import AdapterConfig
-from kvspec.conformance.core.results import Failure, FailureKind, Verdict
+from kvspec.conformance.core.results import HARNESS_LIMIT, Failure, FailureKind, Verdict
 from kvspec.conformance.core.trace import (
     MalformedTrace,
     Outcome,
@@ -195,3 +195,13 @@ def test_a_pool_of_only_the_null_block_refuses_every_block():
     r = replay(trace, make_reference, isolate=False)
     assert r.verdict == "conforms"
     assert r.coverage["get_new_blocks: PoolExhausted"] == 1 and r.coverage["free_blocks: InvalidBlock"] == 1
+
+
+def test_a_failure_written_as_the_spec_s_when_it_was_kvspec_s_limit_reads_as_the_limit():
+    """Traces written before `limit` was a failure kind recorded kvspec's limit as kind `spec`, told apart
+    only by the message; read now, it is a limit (no bug in the spec), and a spec failure stays one."""
+    limit = {"kind": "spec", "step": 1, "op": "get_new_blocks", "message": f"{HARNESS_LIMIT} 1 (get_new_blocks) x"}
+    assert Failure.from_json(limit).kind is FailureKind.LIMIT
+    assert Failure.from_json({**limit, "message": "a contract failed"}).kind is FailureKind.SPEC
+    assert FailureKind.LIMIT.verdict is Verdict.COULD_NOT_RUN
+    assert Failure.from_json(Failure.from_json(limit).to_json()).kind is FailureKind.LIMIT

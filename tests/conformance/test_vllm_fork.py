@@ -10,14 +10,19 @@ a real release is in test_vllm_adapter.py.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from kvspec.conformance.core.results import FailureKind
+from kvspec.conformance.core.trace import read_trace
 from kvspec.conformance.runner.run import run_check
 from kvspec.conformance.tools.cli import main
+from kvspec.conformance.tools.view import build_view, trace_to_page_data
+from kvspec.conformance.tools.view.model import RULES
 
 MINI = Path(__file__).parent / "plugin_fixture" / "mini_vllm" / "vllm"
 
@@ -98,8 +103,14 @@ def test_a_fork_that_runs_a_device_runtime_on_a_pool_path_gets_no_verdict(tmp_pa
     assert "kvspec cannot run step" in out and "torch.cuda.synchronize() was called" in out
     assert "COULD-NOT-RUN: kvspec's limit at step 1 of 1 (get_new_blocks)" in out, out
     assert "a bug in kvspec" not in out and "Traceback" not in out + err
-    # Its trace ends with the call kvspec could not run: a replay meets the same limit, never "conforms".
+    # Its trace ends with the call kvspec could not run, its failure of kind `limit` (kvspec's, no bug in the
+    # spec), which the page names as such; a replay meets the same limit, never "conforms".
     (trace,) = (tmp_path / "kvspec-traces").glob("*.trace.jsonl")
+    recorded = read_trace(trace)
+    assert recorded.failure is not None and recorded.failure.kind is FailureKind.LIMIT
+    assert json.loads(trace.read_text().splitlines()[-1])["failure"]["kind"] == "limit"
+    page = build_view(trace_to_page_data(recorded))
+    assert (page["failure"]["rule_label"], page["failure"]["rule"]) == RULES["kvspec_can_run"]
     assert main(["replay", str(trace), "--impl", f"vllm@{fork}"]) == 2
     out, err = capsys.readouterr()
     assert "not sent (kvspec cannot run it: torch.cuda.synchronize() was called" in out

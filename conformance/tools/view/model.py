@@ -52,6 +52,11 @@ RULES: dict[str, tuple[str, str]] = {
     ),
     "no_hang": ("no hang", "The implementation answers every call within the step time limit."),
     "spec_holds": ("the spec holds", "The spec itself runs without failing (otherwise kvspec has a bug)."),
+    "kvspec_can_run": (
+        "kvspec can run the call",
+        "kvspec can run every call it sends to the implementation (where it cannot, it says so: its own limit, "
+        "no verdict on the implementation).",
+    ),
     "same_events": (
         "same events",
         "Every call publishes the KV cache events the spec publishes (hash values compared as names), in order; "
@@ -337,7 +342,10 @@ def _failed_rule(failure: Mapping[str, Any], step: Mapping[str, Any] | None) -> 
     inv = failure.get("invariant")
     if inv and inv in _NAMED_RULES:
         return str(inv), str(inv), _NAMED_RULES[str(inv)]
-    by_kind = {FailureKind.CRASHED: "no_crash", FailureKind.HUNG: "no_hang", FailureKind.SPEC: "spec_holds"}
+    by_kind = {
+        FailureKind.CRASHED: "no_crash", FailureKind.HUNG: "no_hang", FailureKind.SPEC: "spec_holds",
+        FailureKind.LIMIT: "kvspec_can_run",
+    }
     if kind in by_kind:
         key = by_kind[kind]
     elif step is not None and not _same_outcome(step["op"], step["spec_outcome"], step["impl_outcome"]):
