@@ -13,7 +13,9 @@ when `cache_blocks` says the load is done), `free` releases a request tail
 first, group by group. Every phase runs over every group before the next, so the
 pool sees the spec's calls in the spec's order (the free order and the
 keyed policies' stamps depend on it). Hit blocks and new blocks cross the
-API as one flat list, group by group.
+API as one flat list, group by group. The argument checks are the spec's
+(`spec.manager.check_request`, `check_lookup`, `check_allocation`): which
+mistake is named first is the contract; the hit search is this module's own.
 
 What the spec has no notion of is memory. Each group's layers have their own
 KV (gpu_impl.kv_cache.GroupedKVCache: one store per group; block b names page
