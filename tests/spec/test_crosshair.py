@@ -22,8 +22,10 @@ from tests.spec.crosshair_bugs import BUGS, Bug
 pytestmark = [
     pytest.mark.crosshair,
     pytest.mark.timeout(240),
-    # CrossHair walks the members of `typing` while it builds inputs, touching its deprecated aliases.
+    # CrossHair walks the members of `typing` while it builds inputs, touching its deprecated aliases, and
+    # `inspect` meets torch's deprecated `torch.distributed.reduce_op` while it walks the loaded modules.
     pytest.mark.filterwarnings(r"ignore:typing\.(io|re) is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings(r"ignore:`torch\.distributed\.reduce_op` is deprecated:FutureWarning"),
 ]
 
 # A planted bug must be found within FIND_PATHS paths (the most any needs is 62, CrossHair 0.0.114;
