@@ -789,7 +789,8 @@ def _check_hit_blocks(
             f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} "
             f"has only {len(hashes)} full blocks"
         )
-    hits = tuple(new_computed_blocks[g * n : (g + 1) * n] for g in range(num_groups))
+    blocks = list(new_computed_blocks)  # any sequence: one that cannot be sliced (a deque) included
+    hits = tuple(blocks[g * n : (g + 1) * n] for g in range(num_groups))
     for g, group in enumerate(config.groups):
         skipped = num_skipped_blocks(group, num_computed, block_size) if hits[g] else 0
         for i, b in enumerate(hits[g]):

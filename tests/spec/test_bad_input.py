@@ -8,6 +8,7 @@ the one before, exactly.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,6 +17,9 @@ import pytest
 
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.targets.builtin import make_reference, make_spec
+from kvspec.gpu_impl.kv_cache_manager import TensorKVCacheManager
+from kvspec.reference.kv_cache_manager import KVCacheManager
+from kvspec.spec import manager as spec_manager
 from kvspec.spec.errors import (
     AlreadyCached,
     BlockManagerError,
@@ -384,3 +388,49 @@ def test_only_a_sole_holders_unhashed_block_is_writable(impl: str) -> None:
     assert p.is_block_writable(BlockId(3))  # held once, no hash: the only writable block
     p.cache_full_blocks(ids(3), [H3])
     assert not p.is_block_writable(BlockId(3))  # registered: now read-only
+
+
+def _hit_allocation(make_manager: Callable[[], Any], hits_as: Callable[[list[BlockId]], Any]) -> tuple[Any, ...]:
+    """A's blocks cached, then B's first step with A's first two blocks as its hit, the hit in `hits_as`."""
+    m = make_manager()
+    blocks = m.allocate_slots(A, 10)
+    m.free("A")
+    return m.allocate_slots(B, 2, 8, hits_as(blocks[:2])), m.snapshot()
+
+
+class _SpecManager:
+    """The spec's manager as an object, for the comparison below."""
+
+    def __init__(self) -> None:
+        self.state = spec_manager.new_manager(16, 4)
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        step = fn(self.state, *args)
+        self.state = step.state
+        return step.result
+
+    def allocate_slots(self, *args: Any) -> Any:
+        return self._run(spec_manager.allocate_slots, *args)
+
+    def free(self, request_id: str) -> None:
+        self._run(spec_manager.free, request_id)
+
+    def snapshot(self) -> Any:
+        return self.state.snapshot()
+
+
+MANAGERS: dict[str, Callable[[], Any]] = {
+    "spec": _SpecManager,
+    "reference": lambda: KVCacheManager(16, 4),
+    "gpu_impl": lambda: TensorKVCacheManager(16, 4, device="cpu"),
+}
+
+
+@pytest.mark.parametrize("manager", MANAGERS)
+def test_hit_blocks_in_any_sequence_are_the_same_hit(manager: str) -> None:
+    """`new_computed_blocks` is a Sequence: a tuple or a deque (which cannot be sliced) is the same hit as a list."""
+    make = MANAGERS[manager]
+    as_list = _hit_allocation(make, list)
+    assert as_list[0] is not None
+    assert _hit_allocation(make, tuple) == as_list
+    assert _hit_allocation(make, deque) == as_list
