@@ -193,6 +193,12 @@ def ids_as_tensor(block_ids: Sequence[object]) -> torch.Tensor | None:
     return torch.frombuffer(values, dtype=torch.int64)
 
 
+def _int_bounds(values: torch.Tensor) -> tuple[int, int]:
+    """The smallest and largest of a non-empty host tensor, as ints: one reduction and one conversion."""
+    lo, hi = torch.stack(torch.aminmax(values)).tolist()
+    return lo, hi
+
+
 class TensorBlockPool:
     """A pool of `num_gpu_blocks` KV blocks with prefix caching, its state in a host array and a device tensor."""
 
@@ -452,7 +458,7 @@ class TensorBlockPool:
 
     def _check_batch(self, ids: torch.Tensor, op: str, as_list: Callable[[], Sequence[object]]) -> None:
         """Range and distinctness of a long batch in a constant number of tensor operations; diagnose on failure."""
-        lo, hi = torch.stack(torch.aminmax(ids)).tolist()
+        lo, hi = _int_bounds(ids)
         # More ids than the pool has usable blocks must repeat one (or name the null block); the
         # scatter below has one position per block and cannot take them.
         bad = lo < 1 or hi >= self.num_gpu_blocks or ids.numel() >= self.num_gpu_blocks
@@ -668,7 +674,7 @@ class TensorBlockPool:
                 "so no request can have hit it; stale block table?"
             )
         ref_cnt = self._ref_host.index_select(0, ids)
-        min_ref, max_ref = torch.stack(torch.aminmax(ref_cnt)).tolist()
+        min_ref, max_ref = _int_bounds(ref_cnt)
         # A hit usually finds its blocks all free or all held: then no mask (a nonzero and an index, 0.6 ms a 1e5).
         was_free = ids if max_ref == 0 else self._no_blocks if min_ref > 0 else ids[ref_cnt == 0]
         if self._queue is not None:
@@ -785,7 +791,7 @@ class TensorBlockPool:
 
     def _free_long(self, ids: torch.Tensor, evict_first: bool) -> None:
         ref_cnt = self._ref_host.index_select(0, ids)
-        min_ref, max_ref = torch.stack(torch.aminmax(ref_cnt)).tolist()
+        min_ref, max_ref = _int_bounds(ref_cnt)
         if min_ref == 0:
             b = int(ids[int(torch.nonzero(ref_cnt == 0)[0])])
             raise DoubleFree(f"free_blocks: block_id={b} has ref_cnt=0, no request holds it (double free?)")
