@@ -117,6 +117,35 @@ def _smallest_counterexample(obligation: Obligation, max_bound: int, timeout_s: 
     return z3.unsat, ""
 
 
+def _stopped(
+    status: Status,
+    obligations: Sequence[Obligation],
+    obligation: Obligation,
+    start: float,
+    *,
+    counterexample: str | None = None,
+    reason: str | None = None,
+) -> Verdict:
+    """The verdict of a list stopped at one obligation: refuted, unknown or vacuous."""
+    return Verdict(
+        status=status,
+        seconds=time.perf_counter() - start,
+        num_obligations=len(obligations),
+        obligation=obligation.name,
+        counterexample=counterexample,
+        reason=reason,
+    )
+
+
+def _held(obligations: Sequence[Obligation], start: float) -> Verdict:
+    """The verdict of a list whose every obligation held: bounded by its smallest bound, if any has one, else proved."""
+    seconds = time.perf_counter() - start
+    bounds = [ob.bound for ob in obligations if ob.bound is not None]
+    if bounds:
+        return Verdict(status="bounded", seconds=seconds, num_obligations=len(obligations), bound=min(bounds))
+    return Verdict(status="proved", seconds=seconds, num_obligations=len(obligations))
+
+
 def decide_true(
     obligations: Sequence[Obligation],
     *,
@@ -125,41 +154,21 @@ def decide_true(
 ) -> Verdict:
     """Prove every obligation; the first that fails decides the verdict."""
     start = time.perf_counter()
-    smallest_bound: int | None = None
     for ob in obligations:
+        # Bound to a name, so alive until the next: z3's model depends on which terms are alive in
+        # its context, and this keeps the counterexamples `kvspec prove` prints as they were.
         universe = Universe(bound=ob.bound)
         result, text = _check(ob, universe, timeout_s)
+        small_bound = min(max_bound, ob.bound or max_bound)
         if result == z3.sat:
-            small, small_text = _smallest_counterexample(ob, min(max_bound, ob.bound or max_bound), timeout_s)
-            return Verdict(
-                status="refuted",
-                seconds=time.perf_counter() - start,
-                num_obligations=len(obligations),
-                obligation=ob.name,
-                counterexample=small_text if small == z3.sat else text,
-            )
+            small, small_text = _smallest_counterexample(ob, small_bound, timeout_s)
+            return _stopped("refuted", obligations, ob, start, counterexample=small_text if small == z3.sat else text)
         if result == z3.unknown:
-            return Verdict(
-                status="unknown",
-                seconds=time.perf_counter() - start,
-                num_obligations=len(obligations),
-                obligation=ob.name,
-                reason=text,
-            )
-        if not _satisfiable(ob, min(max_bound, ob.bound or max_bound), timeout_s):
-            return Verdict(
-                status="vacuous",
-                seconds=time.perf_counter() - start,
-                num_obligations=len(obligations),
-                obligation=ob.name,
-                reason=f"no state of size <= {max_bound} satisfies the hypotheses",
-            )
-        if ob.bound is not None:
-            smallest_bound = ob.bound if smallest_bound is None else min(smallest_bound, ob.bound)
-    seconds = time.perf_counter() - start
-    if smallest_bound is not None:
-        return Verdict(status="bounded", seconds=seconds, num_obligations=len(obligations), bound=smallest_bound)
-    return Verdict(status="proved", seconds=seconds, num_obligations=len(obligations))
+            return _stopped("unknown", obligations, ob, start, reason=text)
+        if not _satisfiable(ob, small_bound, timeout_s):
+            reason = f"no state of size <= {small_bound} satisfies the hypotheses"
+            return _stopped("vacuous", obligations, ob, start, reason=reason)
+    return _held(obligations, start)
 
 
 def decide_false(
@@ -178,33 +187,11 @@ def decide_false(
     for ob in obligations:
         result, text = _smallest_counterexample(ob, min(max_bound, ob.bound or max_bound), timeout_s)
         if result == z3.sat:
-            return Verdict(
-                status="refuted",
-                seconds=time.perf_counter() - start,
-                num_obligations=len(obligations),
-                obligation=ob.name,
-                counterexample=text,
-            )
+            return _stopped("refuted", obligations, ob, start, counterexample=text)
     for ob in obligations:
         result, text = _check(ob, Universe(bound=ob.bound), timeout_s)
         if result == z3.sat:
-            return Verdict(
-                status="refuted",
-                seconds=time.perf_counter() - start,
-                num_obligations=len(obligations),
-                obligation=ob.name,
-                counterexample=text,
-            )
+            return _stopped("refuted", obligations, ob, start, counterexample=text)
         if result == z3.unknown:
-            return Verdict(
-                status="unknown",
-                seconds=time.perf_counter() - start,
-                num_obligations=len(obligations),
-                obligation=ob.name,
-                reason=text,
-            )
-    bounds = [ob.bound for ob in obligations if ob.bound is not None]
-    seconds = time.perf_counter() - start
-    if bounds:
-        return Verdict(status="bounded", seconds=seconds, num_obligations=len(obligations), bound=min(bounds))
-    return Verdict(status="proved", seconds=seconds, num_obligations=len(obligations))
+            return _stopped("unknown", obligations, ob, start, reason=text)
+    return _held(obligations, start)
