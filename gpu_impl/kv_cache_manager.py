@@ -14,8 +14,9 @@ first, group by group. Every phase runs over every group before the next, so the
 pool sees the spec's calls in the spec's order (the free order and the
 keyed policies' stamps depend on it). Hit blocks and new blocks cross the
 API as one flat list, group by group. The argument checks are the spec's
-(`spec.manager.check_request`, `check_lookup`, `check_allocation`): which
-mistake is named first is the contract; the hit search is this module's own.
+(`spec.manager.check_request`, `check_lookup`, `check_allocation`,
+`check_cache_count`): which mistake is named first is the contract; the hit
+search is this module's own.
 
 What the spec has no notion of is memory. Each group's layers have their own
 KV (gpu_impl.kv_cache.GroupedKVCache: one store per group; block b names page
@@ -83,7 +84,7 @@ import torch
 from kvspec.gpu_impl.block_pool import TensorBlockPool
 from kvspec.gpu_impl.kv_cache import GroupedKVCache, PagedKVCache
 from kvspec.spec.attention import FULL, KVGroup
-from kvspec.spec.errors import InvalidRequest, is_count
+from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.events import BlockStored, KVCacheEvent, event_extra_keys
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.invariants import check_all
@@ -92,6 +93,7 @@ from kvspec.spec.manager import (
     ManagerView,
     Request,
     check_allocation,
+    check_cache_count,
     check_lookup,
     check_request,
     manager_config,
@@ -963,12 +965,7 @@ class TensorKVCacheManager:
         if computed is None:
             raise InvalidRequest(f"cache_blocks: request_id={rid!r} is not running")
         num_cached = [grp.num_cached[rid] for grp in self._groups]
-        low = max(num_cached) * self.block_size
-        if not is_count(num_computed_tokens) or not low <= num_computed_tokens <= computed:
-            raise InvalidRequest(
-                f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={rid!r} has "
-                f"{computed} computed tokens, {low} of them registered"
-            )
+        check_cache_count(rid, num_computed_tokens, computed, max(num_cached) * self.block_size)
         n = num_computed_tokens
         if n < computed:
             self._clear_tokens(rid, n, computed)

@@ -12,7 +12,7 @@ touches the hit, takes new blocks and registers the blocks a step fills,
 by the spec's `Request` value; hashes come from the spec's chain
 (`kvspec.spec.hashing`) and group keys from `spec.state.group_key`, and the
 argument checks are the spec's (`spec.manager.manager_config`,
-`check_request`, `check_lookup`, `check_allocation`: which mistake is named
+`check_request`, `check_lookup`, `check_allocation`, `check_cache_count`: which mistake is named
 first, and how, is the contract), all part of the contract, not of the
 implementation; the window arithmetic and the hit search are this module's
 own, so the harness checks them against the spec's. With `enable_kv_cache_events` the pool publishes vLLM's
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from kvspec.reference.block_pool import BlockPool
 from kvspec.spec.attention import FULL, KVGroup
-from kvspec.spec.errors import InvalidRequest, is_count
+from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.events import BlockStored, KVCacheEvent, event_extra_keys
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.invariants import check_all
@@ -36,6 +36,7 @@ from kvspec.spec.manager import (
     ManagerView,
     Request,
     check_allocation,
+    check_cache_count,
     check_lookup,
     check_request,
     manager_config,
@@ -440,12 +441,8 @@ class KVCacheManager:
         if rid not in self.num_computed_tokens:
             raise InvalidRequest(f"cache_blocks: request_id={rid!r} is not running")
         computed = self.num_computed_tokens[rid]
-        low = max(m.num_cached_block.get(rid, 0) for m in self.managers) * self.block_size
-        if not is_count(num_computed_tokens) or not low <= num_computed_tokens <= computed:
-            raise InvalidRequest(
-                f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={rid!r} has "
-                f"{computed} computed tokens, {low} of them registered"
-            )
+        registered = max(m.num_cached_block.get(rid, 0) for m in self.managers) * self.block_size
+        check_cache_count(rid, num_computed_tokens, computed, registered)
         n = num_computed_tokens
         step = AllocationStep(
             request=request,

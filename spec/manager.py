@@ -75,6 +75,7 @@ __all__ = [
     "allocate_slots",
     "cache_blocks",
     "check_allocation",
+    "check_cache_count",
     "check_lookup",
     "check_request",
     "check_step_counts",
@@ -1134,6 +1135,23 @@ def _holds_nothing(state: ManagerState) -> bool:
     return all(b == NULL_BLOCK_ID for _, entry in state.requests for table in entry.tables for b in table)
 
 
+def check_cache_count(request_id: str, num_computed_tokens: int, computed: int, registered: int) -> None:
+    """`cache_blocks`' count is an integer from the running request's registered tokens to its computed ones.
+
+    A count below what is registered would take back hits other requests may already have had; one above
+    what was computed would register KV never written. The one definition: the reference's and gpu_impl's
+    managers run it too.
+
+    Raises:
+        InvalidRequest: it is not.
+    """
+    if not is_count(num_computed_tokens) or not registered <= num_computed_tokens <= computed:
+        raise InvalidRequest(
+            f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={request_id!r} has "
+            f"{computed} computed tokens, {registered} of them registered"
+        )
+
+
 @icontract.require(lambda state: _holds(state))
 @icontract.ensure(lambda result: _holds(result.state))
 @icontract.ensure(lambda state, result: _events_explain(state, result))
@@ -1160,12 +1178,8 @@ def cache_blocks(state: ManagerState, request: Request, num_computed_tokens: int
     if entry is None:
         raise InvalidRequest(f"cache_blocks: request_id={request.request_id!r} is not running")
     cfg = state.config
-    low = max(entry.num_cached_blocks, default=0) * cfg.block_size
-    if not is_count(num_computed_tokens) or not low <= num_computed_tokens <= entry.num_computed_tokens:
-        raise InvalidRequest(
-            f"cache_blocks: num_computed_tokens={num_computed_tokens!r} but request_id={request.request_id!r} has "
-            f"{entry.num_computed_tokens} computed tokens, {low} of them registered"
-        )
+    registered = max(entry.num_cached_blocks, default=0) * cfg.block_size
+    check_cache_count(request.request_id, num_computed_tokens, entry.num_computed_tokens, registered)
     hashes = request_block_hashes(state, request)
     n = num_computed_tokens
     # The registration phase reads these.
