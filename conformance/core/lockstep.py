@@ -377,6 +377,10 @@ class LockStep:
         # spec's (a vLLM release's documented formula): they are not called, and
         # the summary says so, so that the rest of its behaviour is still judged.
         deviations: dict[str, str] = dict(getattr(adapter, "known_deviations", None) or {})
+        # Only an optional operation can be left uncalled; the summary would say any other was not compared.
+        comparable = set(optional_operations("pool") + optional_operations("manager"))
+        wrong = sorted(op for op in deviations if op not in comparable)
+        deviations = {op: why for op, why in deviations.items() if op in comparable}
         self.capabilities = (capabilities(adapter) if adapter is not None else frozenset()) - set(deviations)
         if adapter is not None:
             obs.absent_ops.update(set(optional_operations(self.level)) - self.capabilities)
@@ -399,6 +403,12 @@ class LockStep:
             )
         except ReactionDeclarationError as e:
             return Outcome(crashed=True, message=f"the adapter's declarations are wrong: {e}")
+        if wrong:
+            return Outcome(
+                crashed=True,
+                message=f"the adapter's declarations are wrong: known_deviations names {wrong[0]!r}, not an "
+                f"operation the harness can leave uncalled (those it can: {', '.join(sorted(comparable))})",
+            )
         return None
 
     def _read_event_declarations(self, adapter: Any) -> None:

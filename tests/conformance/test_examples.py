@@ -102,3 +102,29 @@ def test_the_pytest_one_liner_fails_with_a_replay_line_that_replays(tmp_path):
     pasted = run([*KVSPEC, *replay.group(1).split()[1:]], tmp_path, bug="pool")
     assert pasted.returncode == 1, pasted.stdout + pasted.stderr
     assert "DIVERGES" in pasted.stdout
+
+
+@pytest.mark.parametrize(
+    "declared, verdict, says",
+    [
+        # an optional operation: not called, and the summary says so
+        ("get_usage", 0, "get_usage: not compared, the test says so"),
+        # one compared on every implementation, and a misspelt name: the summary would have said so falsely
+        ("free_blocks", 1, "known_deviations names 'free_blocks', not an operation the harness can leave uncalled"),
+        ("get_usge", 1, "known_deviations names 'get_usge', not an operation the harness can leave uncalled"),
+    ],
+)
+def test_a_known_deviation_leaves_uncalled_only_what_can_be(tmp_path, declared, verdict, says):
+    (tmp_path / "deviating_pool.py").write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(EXAMPLES)!r})\n"
+        "from pool_example import ExamplePool\n"
+        "class DeviatingPool(ExamplePool):\n"
+        f"    known_deviations = {{{declared!r}: 'the test says so'}}\n"
+        "def factory(config):\n"
+        "    return DeviatingPool(config.num_gpu_blocks, config.enable_caching)\n"
+    )
+    r = check("deviating_pool.py:factory", tmp_path, cwd=tmp_path)
+    assert r.returncode == verdict, r.stdout + r.stderr
+    assert says in r.stdout, r.stdout
+    assert "Traceback" not in r.stdout + r.stderr
