@@ -19,6 +19,7 @@ no module path of the harness is assumed here.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib.util
 import json
@@ -28,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,6 +39,7 @@ import pytest
 import yaml
 from markdown.extensions.toc import slugify
 
+from kvspec.conformance.tools.cli import build_parser
 from kvspec.mutants import all_mutants
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,6 +292,28 @@ def test_every_subcommand_has_a_section_in_the_commands_page() -> None:
     headings = " ".join(re.findall(r"^## (.+)$", page, re.M))
     missing = [c for c in commands if f"kvspec {c}`" not in headings]
     assert not missing, f"docs/reference/commands.md has no section for: {missing}"
+
+
+def test_the_json_output_page_names_every_command_with_a_json_option() -> None:
+    def with_json(parser: argparse.ArgumentParser, words: list[str]) -> Iterator[str]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from with_json(sub, [*words, name])
+        if any("--json" in action.option_strings for action in parser._actions):
+            yield " ".join(words)
+
+    commands = set(with_json(build_parser(), ["kvspec"]))
+    for target in ("reference", "gpu", "harness"):  # `bench` hands its arguments to each benchmark's own parser
+        done = subprocess.run([_kvspec(), "bench", target, "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        if "--json" in done.stdout:
+            commands.add(f"kvspec bench {target}")
+    assert len(commands) >= 10, commands
+    page = (DOCS / "reference" / "json-output.md").read_text(encoding="utf-8")
+    opening = " ".join(page.split("\n## ", 1)[0].split())
+    named = set(re.findall(r"`(kvspec [\w ]+?) --json", opening))
+    assert named == commands, f"docs/reference/json-output.md: missing {commands - named}, stale {named - commands}"
 
 
 def test_the_json_output_page_names_exactly_the_fields_check_writes(tmp_path: Path) -> None:

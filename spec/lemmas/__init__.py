@@ -220,8 +220,9 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma(
         number=7,
         name=invariants_inductive.NAME,
-        claim="the state invariants hold in a fresh pool and every operation preserves them, for any pool "
-        "size and any arguments",
+        claim="the pool's state invariants (ref_cnt >= 0, null block, free queue, conservation, hash table, "
+        "caching off, the writable rule) hold in a fresh pool and every pool operation preserves them, for any "
+        "pool size and any arguments",
         holds_for=_every_profile,
         holds_for_text="every profile",
         profile_sensitive=True,

@@ -1,5 +1,5 @@
-"""Lemma 7, `lemma_invariants_inductive`: the state invariants hold in a fresh pool and every
-operation preserves them, for any pool size and any arguments.
+"""Lemma 7, `lemma_invariants_inductive`: the pool's state invariants hold in a fresh pool and every
+pool operation preserves them, for any pool size and any arguments.
 
 Invariants (spec.invariants, encoded in `pool_model.ENCODED_INVARIANTS` and
 checked against the Python predicates on sampled states): ref_cnt >= 0,
