@@ -95,7 +95,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
-from kvspec.conformance.core.operations import optional_operations
+from kvspec.conformance.core.kv_events import EVENT_FIELDS
+from kvspec.conformance.core.operations import HIT_LIMIT, optional_operations
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED
 from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash, BlockId, Snapshot
@@ -110,7 +111,9 @@ __all__ = [
     "KVContentAdapter",
     "KVSource",
     "LevelNotProvided",
+    "LEFT_OUT_BY_DECLARATION",
     "capabilities",
+    "misdeclared",
     "provides_profile",
 ]
 
@@ -119,6 +122,15 @@ Level = Literal["pool", "manager"]
 # Pool operations an adapter may lack (the operations table marks them); the
 # machine skips a rule whose op is missing.
 OPTIONAL_POOL_OPS: tuple[str, ...] = optional_operations("pool")
+
+# The `not_applicable` keys the harness reads: each leaves a feature out of what is drawn or compared
+# (and "BlockStored.<field>" for each of kv_events.EVENT_FIELDS). Any other key is the adapter's own note
+# on what it arranges itself: printed in the summary, read by nothing.
+NO_CACHE_SALT = "cache_salt"  # requests are sent without a cache salt
+NO_IMAGES = "multimodal inputs"  # requests are sent without multimodal inputs
+NO_CONNECTOR_STATS = "connector statistics"  # the hit statistics' connector counters are not compared
+NO_RESET_COUNT = "reset count"  # the hit statistics' reset count is not compared
+LEFT_OUT_BY_DECLARATION = (NO_CACHE_SALT, NO_IMAGES, HIT_LIMIT.name, NO_CONNECTOR_STATS, NO_RESET_COUNT)
 
 
 class LevelNotProvided(ValueError):
@@ -270,6 +282,43 @@ def provides_profile(declared: Sequence[str], profile: str) -> bool:
     (True, False)
     """
     return profile in declared or (profile.startswith("lru-lfu:") and "lru-lfu" in declared)
+
+
+def misdeclared(known_deviations: Sequence[str], not_applicable: Sequence[str]) -> str | None:
+    """What is wrong with an adapter's declarations of what it leaves out, or None: a name the harness
+    would not act on while the summary said it did.
+
+    A known deviation must name an optional operation (of either level): any other is called and compared
+    all the same. A `not_applicable` key spelt like one the harness reads, but not exactly (`cache salt`,
+    `multimodal input`), or naming a BlockStored field there is not, would leave its feature drawn.
+
+    >>> misdeclared(["get_usage"], ["cache_salt", "exact hash values"]) is None
+    True
+    >>> misdeclared([], ["Cache salt"])
+    "not_applicable names 'Cache salt'; the harness reads 'cache_salt'"
+    """
+    comparable = set(optional_operations("pool") + optional_operations("manager"))
+    for op in known_deviations:
+        if op not in comparable:
+            return (
+                f"known_deviations names {op!r}, not an operation the harness can leave uncalled "
+                f"(those it can: {', '.join(sorted(comparable))})"
+            )
+    spelt = {_spelling(key): key for key in LEFT_OUT_BY_DECLARATION}
+    for key in not_applicable:
+        field = key.removeprefix("BlockStored.")
+        if field != key and field not in EVENT_FIELDS:
+            return f"not_applicable names {key!r}; BlockStored's fields are {', '.join(EVENT_FIELDS)}"
+        meant = spelt.get(_spelling(key))
+        if meant is not None and key != meant:
+            return f"not_applicable names {key!r}; the harness reads {meant!r}"
+    return None
+
+
+def _spelling(key: str) -> str:
+    """A name with case, spaces, underscores, hyphens and a plural's s left out: how a slip is recognised."""
+    letters = "".join(c for c in key.lower() if c.isalnum())
+    return letters.removesuffix("s")
 
 
 def capabilities(adapter: object) -> frozenset[str]:

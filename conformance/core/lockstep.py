@@ -41,7 +41,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-from kvspec.conformance.core.adapter import AdapterConfig, HarnessLimit, KVContentAdapter, capabilities
+from kvspec.conformance.core.adapter import (
+    NO_CONNECTOR_STATS,
+    NO_RESET_COUNT,
+    AdapterConfig,
+    HarnessLimit,
+    KVContentAdapter,
+    capabilities,
+    misdeclared,
+)
 from kvspec.conformance.core.coverage import step_branches
 from kvspec.conformance.core.hash_names import HashNames
 from kvspec.conformance.core.kv_events import (
@@ -377,17 +385,16 @@ class LockStep:
         # spec's (a vLLM release's documented formula): they are not called, and
         # the summary says so, so that the rest of its behaviour is still judged.
         deviations: dict[str, str] = dict(getattr(adapter, "known_deviations", None) or {})
-        # Only an optional operation can be left uncalled; the summary would say any other was not compared.
-        comparable = set(optional_operations("pool") + optional_operations("manager"))
-        wrong = sorted(op for op in deviations if op not in comparable)
-        deviations = {op: why for op, why in deviations.items() if op in comparable}
+        self.not_applicable: dict[str, str] = dict(getattr(adapter, "not_applicable", None) or {})
+        wrong = misdeclared(list(deviations), list(self.not_applicable))
+        if wrong is not None:  # the summary would say something is left out that is not
+            deviations, self.not_applicable = {}, {}
         self.capabilities = (capabilities(adapter) if adapter is not None else frozenset()) - set(deviations)
         if adapter is not None:
             obs.absent_ops.update(set(optional_operations(self.level)) - self.capabilities)
         for op, why in deviations.items():
             obs.not_exercised.add(f"{op}: not compared, {why}")
         # What the implementation does not have: not exercised, and listed.
-        self.not_applicable: dict[str, str] = dict(getattr(adapter, "not_applicable", None) or {})
         for feature, why in self.not_applicable.items():
             obs.not_exercised.add(f"{feature}: not applicable, {why}")
         self._read_event_declarations(adapter)
@@ -403,12 +410,8 @@ class LockStep:
             )
         except ReactionDeclarationError as e:
             return Outcome(crashed=True, message=f"the adapter's declarations are wrong: {e}")
-        if wrong:
-            return Outcome(
-                crashed=True,
-                message=f"the adapter's declarations are wrong: known_deviations names {wrong[0]!r}, not an "
-                f"operation the harness can leave uncalled (those it can: {', '.join(sorted(comparable))})",
-            )
+        if wrong is not None:
+            return Outcome(crashed=True, message=f"the adapter's declarations are wrong: {wrong}")
         return None
 
     def _read_event_declarations(self, adapter: Any) -> None:
@@ -980,9 +983,9 @@ class LockStep:
             what = f"prefix_cache_stats() returned {type(impl).__name__}, not PrefixCacheStats"
             return FailureKind.DIVERGES, what, None
         spec = cast(ManagerState, self.spec_state).stats
-        if "connector statistics" in self.not_applicable:
+        if NO_CONNECTOR_STATS in self.not_applicable:
             impl, spec = replace(impl, connector=CacheCounters()), replace(spec, connector=CacheCounters())
-        if "reset count" in self.not_applicable:
+        if NO_RESET_COUNT in self.not_applicable:
             impl, spec = replace(impl, num_resets=0), replace(spec, num_resets=0)
         if impl != spec:
             return FailureKind.DIVERGES, f"the hit statistics differ from the spec's: {_stats_diff(spec, impl)}", None

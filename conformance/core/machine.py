@@ -48,7 +48,7 @@ from hypothesis.stateful import (
 )
 
 from kvspec.conformance.core import strategies as strat
-from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.adapter import NO_CACHE_SALT, NO_IMAGES, AdapterConfig
 from kvspec.conformance.core.lockstep import Factory, LockStep, Observer, StepWatch
 from kvspec.conformance.core.operations import HIT_LIMIT, Level, Operation, level_operations
 from kvspec.conformance.core.report import render_story
@@ -672,7 +672,7 @@ class ManagerMachine(_LockStepMachine):
     def _sendable(self, request: Request) -> Request:
         """`request` without what the adapter declares it does not have (`not_applicable`): its cache_salt,
         its multimodal inputs, its hit limit."""
-        if request.cache_salt is not None and "cache_salt" in self._lock.not_applicable:
+        if request.cache_salt is not None and NO_CACHE_SALT in self._lock.not_applicable:
             request = replace(request, cache_salt=None)
         if request.mm_inputs and not self._images:
             request = replace(request, mm_inputs=())
@@ -707,7 +707,7 @@ class ManagerMachine(_LockStepMachine):
     @property
     def _images(self) -> bool:
         """Whether requests may carry multimodal inputs (and so misplaced ones, as a mistake)."""
-        return "multimodal inputs" not in self._lock.not_applicable
+        return NO_IMAGES not in self._lock.not_applicable
 
     def _prompt(self, data: st.DataObject) -> Request:
         """The prompt an admission sends: a new one, or one built on an earlier prompt (see `PROMPT_KINDS`).

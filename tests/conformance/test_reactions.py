@@ -272,3 +272,34 @@ def test_vllm_declared_reactions_name_every_mistake_of_their_level_and_only_thos
         "ignores", "raises", "accepts"]
     assert on["evict_blocks: id past the pool"].error == "AssertionError"
     assert "allocate_slots: bad count" not in on and "allocate_slots: bad count" not in off
+
+
+@pytest.mark.parametrize(
+    "declarations, says",
+    [
+        ({"known_deviations": {"touch": "why"}}, "known_deviations names 'touch'"),
+        ({"not_applicable": {"cache salt": "why"}}, "names 'cache salt'; the harness reads 'cache_salt'"),
+        ({"not_applicable": {"Multimodal input": "why"}}, "the harness reads 'multimodal inputs'"),
+        ({"not_applicable": {"BlockStored.lora": "why"}}, "not_applicable names 'BlockStored.lora'; BlockStored's"),
+    ],
+)
+def test_a_declaration_the_harness_would_not_act_on_is_refused(declarations, says):
+    # The summary would list it as left out while the harness sent or compared it all the same.
+    Misdeclared = type("Misdeclared", (ReferencePoolAdapter,), declarations)
+    lock = LockStep(lambda c: Misdeclared(c), AdapterConfig("pool", 2))
+    with pytest.raises(ConformanceFailure, match="declarations are wrong") as failure:
+        lock.check()
+    assert says in str(failure.value)
+
+
+def test_a_note_of_the_adapters_own_is_listed_and_changes_nothing():
+    class Noted(ReferencePoolAdapter):
+        not_applicable = {"exact hash values": "compared as names", "BlockStored.lora_name": "no adapters"}
+        known_deviations = {"get_usage": "its own formula"}
+
+    lock = LockStep(lambda c: Noted(c), AdapterConfig("pool", 2))
+    lock.check()
+    assert "get_usage" not in lock.capabilities
+    assert {"exact hash values: not applicable, compared as names", "get_usage: not compared, its own formula"} <= (
+        lock.observer.not_exercised
+    )
