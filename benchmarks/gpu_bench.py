@@ -79,7 +79,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvspec.benchmarks.torch_calls import Costs, calls_of, on_the_device
-from kvspec.conformance.tools.commands._arguments import OneLineParser, integer, json_output, profile_name
+from kvspec.conformance.tools.commands._arguments import (
+    OneLineParser,
+    integer,
+    json_output,
+    positive_float,
+    profile_name,
+    text_for_people,
+)
 from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.conformance.tools.simulate import available_memory
 from kvspec.gpu_impl.block_pool import TensorBlockPool, ids_as_tensor
@@ -877,12 +884,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BlockManagerError as e:
         return _cannot_run(e)
     floor = measure_floors(max(batches), args.events) if max(batches) >= LIST_FLOOR_MIN else None
-    print(render(results, device, hash_map, content, args.profile, args.events, floor, args.two_memories))
+    with text_for_people(args.json):
+        print(render(results, device, hash_map, content, args.profile, args.events, floor, args.two_memories))
     if args.json is not None:
         document = _document(
             results, device, hash_map, content, args.threads, args.profile, args.events, args.two_memories
         )
-        write_json({**document, "floors": None if floor is None else asdict(floor)}, args.json)
+        floors = None if floor is None else asdict(floor)
+        if write_json({**document, "floors": floors}, args.json, prog="kvspec bench gpu"):
+            return 2
     return 1 if content is not None and not content.is_intact else 0
 
 
@@ -902,7 +912,7 @@ def _parser() -> OneLineParser:
     parser.add_argument(
         "--device", default=None, help="gpu_impl's device: cpu, cuda, cuda:1 (default: CUDA if present)"
     )
-    parser.add_argument("--seconds", type=float, default=0.5, help="time spent per batch size (default 0.5)")
+    parser.add_argument("--seconds", type=positive_float, default=0.5, help="time spent per batch size (default 0.5)")
     grid = parser.add_mutually_exclusive_group()
     grid.add_argument("--quick", action="store_true", help="a small grid: pool 1e4, batches 1, 16, 1e3")
     grid.add_argument(
@@ -968,11 +978,8 @@ def _bad_arguments(
     Raises:
         BlockManagerError: the device is not one torch knows (pick_device).
     """
-    if min(pools) < 2 or min(batches) < 1 or args.seconds <= 0:
-        return (
-            f"pools must be >= 2, batches >= 1, seconds > 0; got pools={list(pools)} "
-            f"batches={list(batches)} seconds={args.seconds}"
-        )
+    if min(pools) < 2 or min(batches) < 1:
+        return f"pools must be >= 2 and batches >= 1; got pools={list(pools)} batches={list(batches)}"
     if args.threads < 1 or content_blocks < 1 or content_layers < 1:
         return (
             f"threads, content blocks and content layers must be >= 1 (layers: or auto); got "

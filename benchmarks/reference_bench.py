@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import platform
 import random
 import statistics
@@ -36,11 +35,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from kvspec.conformance.targets.vllm.lightmode import LightModeError
 from kvspec.conformance.targets.vllm.v0 import load_lru_evictor
-from kvspec.conformance.tools.commands._arguments import OneLineParser, integer, json_output
+from kvspec.conformance.tools.commands._arguments import OneLineParser, integer, json_output, text_for_people
+from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.conformance.tools.simulate import available_memory
 from kvspec.gpu_impl.sizing import format_size  # plain arithmetic: no torch
 from kvspec.reference import BlockPool, KVCacheManager
@@ -345,27 +344,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    print(
-        f"reference model, per-call median of {args.repeat} calls; {BATCH} blocks per call; "
-        f"request cycle = {PROMPT_BLOCKS} full blocks of {BLOCK_SIZE} tokens plus one token, "
-        f"{SHARED_BLOCKS} blocks a shared prefix"
-    )
-    print(f"python {platform.python_version()} on {platform.machine()}; every pool full of cached free blocks\n")
-    results = measure(args.sizes, args.repeat, args.seed)
-    print(render(results))
-    print("\n(ratio = time / time at the smallest pool; flat ~1x means the cost does not grow with the pool)")
-    if args.v0_evictor:
-
+    evictor_cls = None
+    if args.v0_evictor:  # loaded before any timing: a release that does not load is refused at once
         try:
             evictor_cls = load_lru_evictor(args.v0_evictor)
         except LightModeError as e:
             print(f"kvspec bench reference: {e}", file=sys.stderr)
             return 2
-        print("\n" + render_v0_evictor(measure_v0_evictor(evictor_cls, args.sizes, seed=args.seed), args.v0_evictor))
+    with text_for_people(args.json):
+        print(
+            f"reference model, per-call median of {args.repeat} calls; {BATCH} blocks per call; "
+            f"request cycle = {PROMPT_BLOCKS} full blocks of {BLOCK_SIZE} tokens plus one token, "
+            f"{SHARED_BLOCKS} blocks a shared prefix"
+        )
+        print(f"python {platform.python_version()} on {platform.machine()}; every pool full of cached free blocks\n")
+        results = measure(args.sizes, args.repeat, args.seed)
+        print(render(results))
+        print("\n(ratio = time / time at the smallest pool; flat ~1x means the cost does not grow with the pool)")
+        if evictor_cls is not None:
+            v0 = measure_v0_evictor(evictor_cls, args.sizes, seed=args.seed)
+            print("\n" + render_v0_evictor(v0, args.v0_evictor))
     if args.json:
         document = {"kvspec": "bench reference", "repeat": args.repeat, "batch": BATCH,
                     "measurements": [dataclasses.asdict(m) for m in results]}  # fmt: skip
-        return _write_json(document, str(args.json))
+        return write_json(document, args.json, prog="kvspec bench reference")
     return 0
 
 
@@ -391,20 +393,6 @@ def _parser() -> OneLineParser:
         help="also time the keyed free blocks against this vLLM v0 release's LRUEvictor (e.g. 0.7.3)",
     )
     return parser
-
-
-def _write_json(document: dict[str, object], path: str) -> int:
-    """Write the measurements as JSON to `path` (- for stdout); the exit status (2: it cannot be written)."""
-    text = json.dumps(document, indent=2) + "\n"
-    if path == "-":
-        sys.stdout.write(text)
-    else:
-        try:
-            Path(path).write_text(text, encoding="utf-8")
-        except OSError as e:
-            print(f"kvspec bench reference: cannot write {path} ({e.strerror})", file=sys.stderr)
-            return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ import importlib
 import os
 import pkgutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any, TextIO
 
 from hypothesis.configuration import set_hypothesis_home_dir
 
@@ -58,31 +59,92 @@ def _keep_hypothesis_files_out_of_the_current_folder() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one subcommand; returns the process exit code."""
     _keep_hypothesis_files_out_of_the_current_folder()
-    parser = build_parser()
+    stdout = _WatchedStdout(sys.stdout)
+    sys.stdout = stdout  # the same stream, with what went wrong writing to it
+    prog = "kvspec"
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
-        return int(e.code or 0)
-    if args.command is None:
-        parser.print_help()
-        return EXIT_COULD_NOT_RUN
-    try:
-        code: int = args.run(args)
-    except BrokenPipeError:
-        return _output_closed(args.command)
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
+            code = int(e.code or 0)
+        else:
+            if args.command is None:
+                parser.print_help()
+                code = EXIT_COULD_NOT_RUN
+            else:
+                prog = f"kvspec {args.command}"
+                code = args.run(args)
+        # Python flushes stdout at exit, after main has returned: a failure there would be a traceback.
+        sys.stdout.flush()
+    except BrokenPipeError as e:  # stdout's, or a pipe kvspec writes to otherwise: its reader went away
+        stdout.failed = stdout.failed or e
+    except OSError:
+        if stdout.failed is None:  # not stdout's: no environment problem this function knows how to say
+            raise
+    finally:
+        sys.stdout = stdout.stream
+    # A failed write to stdout is said even where it was caught on the way (argparse ignores one in --help).
+    if isinstance(stdout.failed, BrokenPipeError):
+        return _output_closed(prog)
+    if stdout.failed is not None:
+        return _output_failed(prog, stdout.failed)
     return code
 
 
-def _output_closed(command: str) -> int:
-    """The reader of our output went away (``kvspec mutants --list | head``): say so once, reach no verdict.
+class _WatchedStdout:
+    """stdout while a command runs: every write and flush passed on, and the error of one that failed kept,
+    so an OSError of stdout (a full disk, a device gone) is told apart from one of any other file."""
 
-    Python would print a traceback at exit while flushing the closed stdout;
-    pointing stdout at /dev/null first leaves nothing to flush.
-    """
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.failed: OSError | None = None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as e:
+            self.failed = e
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered goes there when Python flushes it at exit, instead
+    of failing again with a traceback."""
+    try:
+        fileno = sys.stdout.fileno()
+    except (OSError, ValueError):  # not a file (a test's capture): nothing is flushed to a descriptor at exit
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, fileno)
     os.close(devnull)
-    print(f"kvspec {command}: the output was closed before the command finished", file=sys.stderr)
+
+
+def _output_closed(prog: str) -> int:
+    """The reader of our output went away (``kvspec mutants --list | head``): say so once, reach no verdict."""
+    _silence_stdout()
+    print(f"{prog}: the output was closed before the command finished", file=sys.stderr)
+    return EXIT_COULD_NOT_RUN
+
+
+def _output_failed(prog: str, error: OSError) -> int:
+    """stdout cannot be written (``kvspec invariants > /dev/full``): say why once, reach no verdict."""
+    _silence_stdout()
+    print(f"{prog}: cannot write stdout: {error.strerror or error}", file=sys.stderr)
     return EXIT_COULD_NOT_RUN
 
 

@@ -4,21 +4,27 @@ An argparse `type=` function raises `argparse.ArgumentTypeError` with what
 was wrong; the CLI's parser (kvspec.conformance.tools.cli) prints that as one line
 on stderr and exits 2. Paths that a command will write are checked up front
 too, so a run is never lost to an output that cannot be written at its end,
-and nothing is created outside the paths the user named.
+and nothing is created outside the paths the user named. What is written at the
+end goes through `write_output`: whole or not at all, a failure said in one line;
+and `text_for_people` keeps stdout for the JSON alone under `--json -`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
+import secrets
+import stat
 import sys
+from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import NoReturn
 
-from kvspec.conformance.core.run_config import DEFAULT_BUILD_TIMEOUT_S, DRAWN, ConfigError
+from kvspec.conformance.core.run_config import DEFAULT_BUILD_TIMEOUT_S, DRAWN, ConfigError, too_wide_for_campaigns
 from kvspec.conformance.runner import run as runner
 from kvspec.spec.attention import format_groups, parse_groups
 from kvspec.spec.errors import InvalidRequest
@@ -31,6 +37,7 @@ __all__ = [
     "add_timeouts",
     "check_device",
     "fraction",
+    "campaign_group_layout",
     "group_layout",
     "group_layout_or_drawn",
     "integer",
@@ -46,6 +53,8 @@ __all__ = [
     "positive_int",
     "profile_name",
     "refuse",
+    "text_for_people",
+    "write_output",
 ]
 
 DEFAULT_TRACE_DIR = str(runner.DEFAULT_TRACE_DIR)
@@ -132,7 +141,7 @@ def add_timeouts(p: argparse.ArgumentParser) -> None:
         type=number,
         default=10.0,
         metavar="SECONDS",
-        help="the most one implementation call may take (default 10, at most a week)",
+        help="the most one implementation call may take (default 10, from 0.1 to a week)",
     )
     p.add_argument(
         "--build-timeout",
@@ -140,7 +149,8 @@ def add_timeouts(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_BUILD_TIMEOUT_S,
         metavar="SECONDS",
         help="the most importing and building the implementation may take, each adapter built "
-        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}, at most a week): its own limit, so a slow import is not a hung step",
+        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}, from 0.1 to a week): its own limit, so a slow import is not a "
+        "hung step",
     )
 
 
@@ -310,6 +320,69 @@ def json_output(text: str) -> str | Path:
     return text if text == "-" else output_file(text)
 
 
+def write_output(prog: str, path: str | Path, content: str | bytes) -> int:
+    """Write what the user asked for (`--json`, `--html`, `--junit`, `-o`, `--plot`) whole or not at all.
+
+    `-` is stdout (a failure there is the CLI's to say, as for any other output). A file is written beside
+    itself under a temporary name, then moved onto its path: a write that fails (a full disk) leaves the file
+    that was there as it was, never half a report. A path that is no regular file (a device such as
+    /dev/full, a FIFO) cannot be replaced so, and is written directly. A link stays a link: the file it names
+    is replaced. Returns 0, or 2 after one line on stderr (`kvspec check: cannot write r.json: <why>`).
+    """
+    if str(path) == "-":
+        sys.stdout.write(content if isinstance(content, str) else content.decode("utf-8"))
+        sys.stdout.flush()
+        return 0
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    try:
+        target = Path(os.path.realpath(path))
+        if target.exists() and not target.is_file():
+            with open(target, "wb") as stream:
+                stream.write(data)
+        else:
+            _replace_whole(target, data)
+    except OSError as e:
+        print(f"{prog}: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _replace_whole(target: Path, data: bytes) -> None:
+    """Write `data` to a new file in `target`'s folder and move it onto `target` (its mode kept, if it exists)."""
+    try:
+        mode: int | None = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = None
+    temporary = target.parent / f".{target.name[:180]}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    # 0o666 less the umask, as any new file the user's shell creates; an existing file's own mode otherwise.
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as stream:
+            stream.write(data)
+            stream.flush()
+            if mode is not None:
+                os.fchmod(stream.fileno(), mode)
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+@contextlib.contextmanager
+def text_for_people(json_path: str | Path | None) -> Iterator[None]:
+    """With `--json -` stdout carries the JSON alone: what the block prints for people goes to stderr.
+
+    The JSON itself is written after the block, with `write_output`.
+    """
+    if json_path is None or str(json_path) != "-":
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 def profile_name(text: str) -> str:
     """The name of a profile (kvspec.spec.ordering: the named ones and lru-lfu:W)."""
 
@@ -325,6 +398,16 @@ def group_layout(text: str) -> str:
         return format_groups(parse_groups(text))
     except InvalidRequest as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def campaign_group_layout(text: str) -> str:
+    """`group_layout` that a request-level campaign can cross (run_config.too_wide_for_campaigns)."""
+
+    layout = group_layout(text)
+    too_wide = too_wide_for_campaigns(parse_groups(layout))
+    if too_wide is not None:
+        raise argparse.ArgumentTypeError(too_wide)
+    return layout
 
 
 def group_layout_or_drawn(text: str) -> str:

@@ -10,7 +10,6 @@ from the count.
 from __future__ import annotations
 
 import json
-import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from typing import Any
 from kvspec.conformance.core.coverage import is_error_branch
 from kvspec.conformance.core.lockstep import NOT_EXERCISED_WHY
 from kvspec.conformance.core.results import CheckResult, Verdict
+from kvspec.conformance.tools.commands._arguments import write_output
 
 __all__ = ["header", "render_summary", "row", "summary_json", "write_json", "write_junit"]
 
@@ -238,13 +238,9 @@ def summary_json(results: Sequence[CheckResult], seconds: float) -> dict[str, An
             "results": [_result_json(r) for r in results]}  # fmt: skip
 
 
-def write_json(document: Any, where: str | Path) -> None:
-    """Write a JSON document to a path, or to stdout for `-`."""
-    text = json.dumps(document, indent=2) + "\n"
-    if str(where) == "-":
-        sys.stdout.write(text)
-    else:
-        Path(where).write_text(text, encoding="utf-8")
+def write_json(document: Any, where: str | Path, *, prog: str) -> int:
+    """Write a JSON document to a path, or to stdout for `-` (`write_output`): 0, or 2 after one line."""
+    return write_output(prog, where, json.dumps(document, indent=2) + "\n")
 
 
 def _junit_case(suite: ET.Element, impl: str, r: CheckResult, counts: Counter[str]) -> None:
@@ -277,8 +273,9 @@ def _junit_case(suite: ET.Element, impl: str, r: CheckResult, counts: Counter[st
     )
 
 
-def write_junit(results: Sequence[CheckResult], path: str | Path) -> None:
-    """A JUnit XML report: one test case per configuration, grouped by implementation."""
+def write_junit(results: Sequence[CheckResult], path: str | Path, *, prog: str = "kvspec check") -> int:
+    """A JUnit XML report: one test case per configuration, grouped by implementation (`write_output`: 0, or
+    2 after one line)."""
     root = ET.Element("testsuites", name="kvspec check")
     by_impl: dict[str, list[CheckResult]] = {}
     for r in results:
@@ -295,4 +292,4 @@ def write_junit(results: Sequence[CheckResult], path: str | Path) -> None:
         totals.update(counts)
     for key in ("tests", "failures", "errors", "skipped"):
         root.set(key, str(totals[key]))
-    ET.ElementTree(root).write(path, encoding="utf-8", xml_declaration=True)
+    return write_output(prog, path, ET.tostring(root, encoding="utf-8", xml_declaration=True))

@@ -39,7 +39,7 @@ from typing import Any
 
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from kvspec.conformance.core.results import CheckResult, Verdict
+from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, CheckResult, Verdict
 from kvspec.conformance.core.run_config import (
     AUTO,
     DEFAULT_COVER_ROUNDS,
@@ -63,6 +63,7 @@ from kvspec.conformance.tools.commands._arguments import (
     output_dir,
     output_file,
     refuse,
+    text_for_people,
 )
 from kvspec.conformance.tools.commands._check_output import (
     exit_code,
@@ -254,19 +255,23 @@ def run(args: argparse.Namespace) -> int:
     # vLLM logs a warning for every refused reset, and any implementation may load vLLM, whatever its
     # name (a user's module that imports it); the verdicts and the summary say it all. Errors still show.
     logging.disable(logging.WARNING)
-    _print_header(config, notes)
     if config.profile == AUTO:
+        _print_header(config, notes)
         return _run_auto(config)
-    print(header(list(config.impls)))
-    start = time.monotonic()
-    results = _run_configs(config, start)
-    seconds = time.monotonic() - start
-    print(render_summary(results, seconds))
-    if config.junit:
-        write_junit(results, config.junit)
-        print(f"JUnit report: {config.junit}")
+    with text_for_people(config.json):
+        _print_header(config, notes)
+        print(header(list(config.impls)))
+        start = time.monotonic()
+        results = _run_configs(config, start)
+        seconds = time.monotonic() - start
+        print(render_summary(results, seconds))
+        if config.junit:
+            if write_junit(results, config.junit, prog="kvspec check"):
+                return EXIT_COULD_NOT_RUN
+            print(f"JUnit report: {config.junit}")
     if config.json is not None:
-        write_json(summary_json(results, seconds), config.json)
+        if write_json(summary_json(results, seconds), config.json, prog="kvspec check"):
+            return EXIT_COULD_NOT_RUN
         if str(config.json) != "-":
             print(f"JSON report: {config.json}")
     return exit_code(results)

@@ -8,9 +8,9 @@ import sys
 from typing import Any
 
 from kvspec.conformance.targets.builtin import make_reference, make_spec
-from kvspec.conformance.tools.commands._arguments import group_layout, output_file
+from kvspec.conformance.tools.commands._arguments import group_layout, output_file, write_output
 from kvspec.conformance.tools.groups_demo import BLOCK_SIZE, BLOCKS_PER_GROUP, render_groups_step, run_groups_demo
-from kvspec.conformance.tools.view import walkthrough_to_page_data, write_page
+from kvspec.conformance.tools.view import render_page, walkthrough_to_page_data
 from kvspec.conformance.tools.walkthrough import load_golden, render_step, run_walkthrough
 
 
@@ -52,8 +52,9 @@ def run(args: argparse.Namespace) -> int:
         ok = ok and matches
         previous = step
     if getattr(args, "html", None):
-
-        print(f"page: {write_page(args.html, walkthrough_to_page_data(steps, args.impl))}")
+        if write_output("kvspec demo", args.html, render_page(walkthrough_to_page_data(steps, args.impl))):
+            return 2
+        print(f"page: {args.html}")
     return 0 if ok else 1
 
 

@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.runner.registry import FactoryError
-from kvspec.conformance.tools.commands._arguments import DEFAULT_TRACE_DIR, json_output, output_dir, positive_int
+from kvspec.conformance.tools.commands._arguments import (
+    DEFAULT_TRACE_DIR,
+    json_output,
+    output_dir,
+    positive_int,
+    text_for_people,
+)
 from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.conformance.tools.vllm_diff import changes_json, diff_vllm, format_changes
 
@@ -96,11 +102,11 @@ def run(args: argparse.Namespace) -> int:
     except FactoryError as e:
         print(f"kvspec diff: {e}", file=sys.stderr)
         return 2
-    if args.json is not None:
-        write_json(changes_json(args.a, args.b, changes), args.json)
-    if args.json != "-":
-        print(format_changes(args.a, args.b, changes))
     unexpected = [c for c in changes if (c.kind, c.what) not in accepted]
-    if accepted and args.json != "-":
-        print(f"\n{len(changes) - len(unexpected)} change(s) accepted by {args.accept}, {len(unexpected)} not")
+    with text_for_people(args.json):
+        print(format_changes(args.a, args.b, changes))
+        if accepted:
+            print(f"\n{len(changes) - len(unexpected)} change(s) accepted by {args.accept}, {len(unexpected)} not")
+    if args.json is not None and write_json(changes_json(args.a, args.b, changes), args.json, prog="kvspec diff"):
+        return 2
     return 1 if unexpected else 0

@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 from kvspec.conformance.core.error_contract import build_contract, contract_json, render_text
-from kvspec.conformance.tools.commands._arguments import json_output
+from kvspec.conformance.tools.commands._arguments import json_output, text_for_people
 from kvspec.conformance.tools.commands._check_output import write_json
 
 __all__ = ["register", "run"]
@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
         help="list every caller mistake, the error type the spec raises and the order of the checks",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    p.add_argument("--json", type=json_output, metavar="PATH", help="also write the table as JSON (- for stdout only)")
+    p.add_argument("--json", type=json_output, metavar="PATH", help="also write the table as JSON (- for stdout)")
     p.set_defaults(run=run)
 
 
@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
     """Print the table (and write it as JSON when asked)."""
 
     contract = build_contract()
-    if args.json is not None:
-        write_json(contract_json(contract), args.json)
-    if str(args.json) != "-":
+    with text_for_people(args.json):
         print(render_text(contract))
+    if args.json is not None:
+        return write_json(contract_json(contract), args.json, prog="kvspec errors")
     return 0

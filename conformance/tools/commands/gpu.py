@@ -17,7 +17,13 @@ import sys
 from typing import Any
 
 from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_OK
-from kvspec.conformance.tools.commands._arguments import fraction, json_output, memory_size, positive_int
+from kvspec.conformance.tools.commands._arguments import (
+    fraction,
+    json_output,
+    memory_size,
+    positive_int,
+    text_for_people,
+)
 from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.gpu_impl.sizing import DEFAULT_MARGIN, DTYPE_SIZES, KVLayout, parse_size, plan_capacity
 from kvspec.spec.errors import BlockManagerError
@@ -68,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     except BlockManagerError as e:
         print(f"kvspec capacity: {e}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
-    print("\n".join(plan.describe()))
+    with text_for_people(args.json):
+        print("\n".join(plan.describe()))
     if args.json is not None:
-        write_json({"kvspec": "capacity", **dataclasses.asdict(plan)}, args.json)
+        return write_json({"kvspec": "capacity", **dataclasses.asdict(plan)}, args.json, prog="kvspec capacity")
     return EXIT_OK

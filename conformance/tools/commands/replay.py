@@ -19,10 +19,10 @@ from dataclasses import replace
 from typing import Any
 
 from kvspec.conformance.core.report import render_story
-from kvspec.conformance.core.results import Verdict
-from kvspec.conformance.core.run_config import ConfigError
-from kvspec.conformance.core.trace import MalformedTrace
-from kvspec.conformance.runner.registry import target_names
+from kvspec.conformance.core.results import CheckResult, Verdict
+from kvspec.conformance.core.run_config import ConfigError, RunConfig
+from kvspec.conformance.core.trace import MalformedTrace, Trace
+from kvspec.conformance.runner.registry import Factory, FactoryError, load_factory, target_names
 from kvspec.conformance.runner.replaying import load_sendable
 from kvspec.conformance.runner.run import replay_configured, replay_record
 from kvspec.conformance.tools.commands._arguments import (
@@ -31,6 +31,7 @@ from kvspec.conformance.tools.commands._arguments import (
     json_output,
     output_dir,
     refuse,
+    text_for_people,
 )
 from kvspec.conformance.tools.commands._check_output import summary_json, write_json
 from kvspec.conformance.tools.view import attach_page
@@ -100,12 +101,26 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        factory = load_factory(impl)  # refused here, as check refuses it: before any work, nothing written
+    except FactoryError as e:
+        print(f"kvspec replay: {e}", file=sys.stderr)
+        return 2
+    with text_for_people(record.json):
+        result = _replay(args, trace, impl, factory, record)
+    if record.json is not None:
+        document = summary_json([result], result.seconds) | {"kvspec": "replay", "trace": str(args.trace)}
+        if write_json(document, record.json, prog="kvspec replay"):
+            return 2
+    return result.exit_code
+
+
+def _replay(args: argparse.Namespace, trace: Trace, impl: str, factory: Factory, record: RunConfig) -> CheckResult:
+    """Replay the trace, printing the recorded and the new verdict and the story; the result."""
     recorded = trace.verdict or "not recorded"
     print(f"replaying {args.trace} ({len(trace.steps)} steps, recorded verdict: {recorded}) on {impl}\n")
-    result = replay_configured(trace, impl, replace(record, impls=(impl,)))
+    result = replay_configured(trace, factory, replace(record, impls=(impl,)))
     attach_page(result, record.html_dir)  # the story printed below names the page
-    if record.json is not None:
-        write_json(summary_json([result], result.seconds) | {"kvspec": "replay", "trace": str(args.trace)}, record.json)
     if result.verdict is Verdict.COULD_NOT_RUN:
         # No verdict: a bad argument or a factory that would not build says why in its message; a step kvspec
         # itself could not run (its limit, or a bug in the spec) has a story up to that step too.
@@ -113,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             print(result.failure.story)
         why = result.message or (result.failure.message if result.failure is not None else "no verdict")
         print(f"kvspec replay: {why}", file=sys.stderr)
-        return result.exit_code
+        return result
     if result.failure is not None:
         print(result.failure.story)
     elif result.verdict is Verdict.CONFORMS:
@@ -122,4 +137,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"{result.verdict}: {result.message}")
     same = "same as recorded" if result.verdict is trace.verdict else f"recorded: {recorded}"
     print(f"\nverdict: {result.verdict} ({same})")
-    return result.exit_code
+    return result

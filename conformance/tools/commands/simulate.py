@@ -13,6 +13,7 @@ parallel, one process per core.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -25,6 +26,8 @@ from kvspec.conformance.tools.commands._arguments import (
     output_file,
     positive_int,
     profile_name,
+    text_for_people,
+    write_output,
 )
 from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.conformance.tools.simulate import WorkloadError, pool_size_refusal, read_workload, simulate
@@ -87,8 +90,8 @@ def _table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[Any], path: Path, title: str) -> None:
-    """Hit rate against pool capacity in tokens, one line per profile and block size, as a PNG.
+def plot(results: list[Any], title: str) -> bytes:
+    """Hit rate against pool capacity in tokens, one line per profile and block size: a PNG's bytes.
 
     Capacity in tokens (blocks x block size), not blocks: a 64-token block
     costs four 16-token ones, so block sizes are compared at equal memory.
@@ -115,8 +118,10 @@ def plot(results: list[Any], path: Path, title: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    return png.getvalue()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,18 +150,18 @@ def run(args: argparse.Namespace) -> int:
         results = [_one(job) for job in jobs]
 
     source = f"{args.workload} (seed {args.seed})" if args.workload in WORKLOADS else args.workload
-    if args.json is not None:
-        write_json({"workload": source, "requests": len(workload), "results": [r.as_json() for r in results]},
-                   args.json)  # fmt: skip
-    if str(args.json) != "-":
+    with text_for_people(args.json):
         print(f"workload: {source}, {len(workload)} requests")
         print(_table([_row(r) for r in results]))
         for r in results:
             if r.rejected:
                 print(f"{r.profile}, block {r.block_size}, pool {r.num_gpu_blocks}: {r.rejected} request(s) "
                       "rejected, larger than the pool even alone (not in the counts)")  # fmt: skip
-    if args.plot is not None:
-        plot(results, args.plot, f"kvspec simulate: {source}")
-        if str(args.json) != "-":
+        if args.plot is not None:
+            if write_output("kvspec simulate", args.plot, plot(results, f"kvspec simulate: {source}")):
+                return 2
             print(f"plot: {args.plot}")
+    if args.json is not None:
+        document = {"workload": source, "requests": len(workload), "results": [r.as_json() for r in results]}
+        return write_json(document, args.json, prog="kvspec simulate")
     return 0
