@@ -15,6 +15,13 @@ snapshot (the implementation's, or the spec's), and a `BlockStored` whose
 parent the counting mirror does not hold is listed: a router that builds a
 tree from parents cannot attach it. The first step where each mirror drifts
 is what `kvspec mirror` prints.
+
+Every step is replayed, the last one included: a step without the side's
+outcome or state (a snapshot left out, a call that crashed) ends the replay
+there, and unless the counting mirror has already drifted (a finding that
+stands) the trace is refused, as is one with no steps or whose stream has no
+events while the mirror holds the pool's keys: a mirror that replayed nothing
+has checked nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from dataclasses import dataclass, field
 
 from kvspec.conformance.core.hash_names import HashNames
 from kvspec.conformance.core.kv_events import describe_events
+from kvspec.conformance.core.results import Outcome
 from kvspec.conformance.core.trace import Trace
+from kvspec.conformance.core.wording import plural
 from kvspec.spec.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -34,7 +43,7 @@ from kvspec.spec.events import (
     orphaned_stores,
     table_counts,
 )
-from kvspec.spec.state import BlockHash
+from kvspec.spec.state import BlockHash, Snapshot
 
 __all__ = ["Drift", "MirrorReport", "replay_mirrors"]
 
@@ -55,7 +64,7 @@ class MirrorReport:
     """What replaying one side's stream into both mirrors found."""
 
     side: str  # "implementation" or "spec"
-    steps: int  # steps replayed (those with a snapshot)
+    steps: int  # steps replayed: all of the trace's, or those before stopped_at
     num_events: int  # events replayed
     counting: Drift | None = None  # the counting mirror's first drift, None if it never drifts
     naive: Drift | None = None  # the naive mirror's first drift
@@ -63,13 +72,18 @@ class MirrorReport:
     # (step, key) per removal of a key another block still holds: what the naive mirror drops wrongly,
     # seen even when the step's later removals take the last block too
     misreads: list[tuple[int, str]] = field(default_factory=list)
+    # the step the replay stopped at, lacking the side's outcome or state, after the counting mirror drifted;
+    # None when every step was replayed
+    stopped_at: int | None = None
 
 
 def replay_mirrors(trace: Trace, side: str = "implementation") -> MirrorReport:
     """Replay one side's events (`implementation` or `spec`) into both mirrors, against that side's snapshots.
 
     Raises:
-        ValueError: the trace was recorded without events (its header says so), or `side` is neither.
+        ValueError: the trace was recorded without events (its header says so), or `side` is neither; it
+            has no steps; a step lacks the side's outcome or state before the counting mirror drifted (the
+            rest of the trace cannot be checked); or the stream has no events and the mirror never drifted.
     """
     if side not in ("implementation", "spec"):
         raise ValueError(f"side must be 'implementation' or 'spec'; got side={side!r}")
@@ -78,6 +92,8 @@ def replay_mirrors(trace: Trace, side: str = "implementation") -> MirrorReport:
             "the trace was recorded without KV cache events; record one with `kvspec check --events` "
             "(--keep-deepest keeps a passing campaign's deepest example)"
         )
+    if not trace.steps:
+        raise ValueError("the trace has no steps: there is no event stream to replay")
     names = HashNames.from_trace(trace.steps)
     name = names.impl_name if side == "implementation" else names.name
     report = MirrorReport(side, 0, 0)
@@ -86,7 +102,13 @@ def replay_mirrors(trace: Trace, side: str = "implementation") -> MirrorReport:
         outcome = step.impl if side == "implementation" else step.spec
         snapshot = step.impl_snapshot if side == "implementation" else step.spec_snapshot
         if outcome is None or snapshot is None:
-            continue
+            if report.counting is None:
+                raise ValueError(
+                    f"step {step.index} ({step.op}) of {len(trace.steps)} lacks the {_lacking(side, outcome, snapshot)}"
+                    ": the mirror cannot be checked there or after it"
+                )
+            report.stopped_at = step.index
+            break
         events = outcome.events
         report.steps += 1
         report.num_events += len(events)
@@ -104,7 +126,18 @@ def replay_mirrors(trace: Trace, side: str = "implementation") -> MirrorReport:
             report.naive = Drift(
                 step.index, step.op, shown, _named(naive - set(pool), name), _named(set(pool) - naive, name)
             )
+    if report.num_events == 0 and report.counting is None:
+        raise ValueError(
+            f"the {side}'s stream has no events in {plural(report.steps, 'step')}: a mirror that replays nothing "
+            "checks nothing (record a trace that caches blocks with `kvspec check --events`)"
+        )
     return report
+
+
+def _lacking(side: str, outcome: Outcome | None, snapshot: Snapshot | None) -> str | None:
+    """What of the side's record a step lacks for the mirror to be checked there, in words; None when nothing."""
+    missing = [what for what, value in (("outcome", outcome), ("state (snapshot)", snapshot)) if value is None]
+    return f"{side}'s {' or '.join(missing)}" if missing else None
 
 
 def _naive(keys: set[BlockHash], events: tuple[object, ...]) -> set[BlockHash]:

@@ -13,7 +13,10 @@ failure's trace, or `--keep-deepest` for a passing campaign's deepest
 example). Exit 0 when the counting mirror holds the pool's keys at every
 step (the naive mirror's drift is the router's to handle, not the pool's
 fault), 1 when it drifts (the stream itself is wrong), 2 for a trace that
-cannot be read or has no events.
+cannot be read or has no events: one without steps, one whose stream has no
+events, or one with a step that lacks the side's outcome or state (a snapshot
+left out, a call that crashed) before the counting mirror drifted, since the
+mirror cannot be checked at that step or after it.
 """
 
 from __future__ import annotations
@@ -84,6 +87,11 @@ def _text(report: MirrorReport, path: str) -> str:
             lines.append(f"  ... and {len(report.orphans) - 10} more")
     else:
         lines.append("every stored block's parent is held by the counting mirror when it arrives")
+    if report.stopped_at is not None:
+        lines.append(
+            f"replayed up to step {report.stopped_at}, which lacks the {report.side}'s outcome or state: "
+            "the steps from there on are not checked"
+        )
     return "\n".join(lines)
 
 

@@ -7,6 +7,9 @@ framed; for a failure it opens at the first divergence with the differing
 fields marked and the broken rule in words. `-o PATH` writes it (default:
 beside the trace, named after it); `--serve` serves it on 127.0.0.1 until
 Ctrl-C. Exit 0, or 2 when the trace cannot be read or the page not written.
+A trace is checked as `kvspec replay` checks it before anything is drawn: a
+step no campaign could have sent (an argument of the wrong type or range not
+recorded as a caller mistake) is refused in one line, naming the step.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvspec.conformance.core.trace import MalformedTrace, read_trace
-from kvspec.conformance.tools.commands._arguments import output_file, port
-from kvspec.conformance.tools.view import page_path_for, render_page, serve_page, trace_to_page_data, write_page
+from kvspec.conformance.core.trace import MalformedTrace
+from kvspec.conformance.runner.replaying import load_sendable
+from kvspec.conformance.tools.commands._arguments import output_file, port, write_output
+from kvspec.conformance.tools.view import page_path_for, render_page, serve_page, trace_to_page_data
 
 __all__ = ["register", "run"]
 
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvspec view: {refusal}", file=sys.stderr)
         return 2
     try:
-        doc = trace_to_page_data(read_trace(args.trace))
+        doc = trace_to_page_data(load_sendable(args.trace))  # every step checked as replay checks it
     except MalformedTrace as e:
         print(f"kvspec view: cannot read the trace: {e}", file=sys.stderr)
         return 2
@@ -75,10 +79,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvspec view: cannot serve on 127.0.0.1:{args.port} ({e})", file=sys.stderr)
             return 2
     out = Path(args.output) if args.output else page_path_for(args.trace, Path(args.trace).parent)
-    try:
-        path = write_page(out, doc)
-    except OSError as e:
-        print(f"kvspec view: cannot write the page {out} ({e})", file=sys.stderr)
+    page = render_page(doc).encode("utf-8")
+    if write_output("kvspec view", out, page):
         return 2
-    print(f"page: {path} ({path.stat().st_size / 1024:.0f} KiB, {len(doc['steps']) - 1} steps)")
+    print(f"page: {out} ({len(page) / 1024:.0f} KiB, {len(doc['steps']) - 1} steps)")
     return 0

@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from kvspec.conformance.core.operations import OPERATIONS
+from kvspec.conformance.core.operations import OPERATIONS, BadResult, Operation
 from kvspec.conformance.core.results import FailureKind, Verdict
 from kvspec.conformance.core.wording import CallText, plural
 from kvspec.spec.invariants import EVENT_RULES, HIT_RULES, INVARIANTS, STEP_RULES
@@ -186,14 +186,25 @@ def _changed(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) 
     n = min(before["num_gpu_blocks"], after["num_gpu_blocks"])
     free_b, free_a = set(before["free_queue"]), set(after["free_queue"])
     q_b, q_a = set(before["quarantined"]), set(after["quarantined"])
+    # Past the longest list only queue membership can change: an implementation's num_gpu_blocks is not trusted.
+    listed = max(len(before["ref_cnt"]), len(after["ref_cnt"]), len(before["hash"]), len(after["hash"]))
+    candidates = set(range(min(n, listed))) | free_b ^ free_a | q_b ^ q_a
     return [
         b
-        for b in range(n)
-        if before["ref_cnt"][b] != after["ref_cnt"][b]
-        or before["hash"][b] != after["hash"][b]
-        or (b in free_b) != (b in free_a)
-        or (b in q_b) != (b in q_a)
+        for b in sorted(candidates)
+        if 0 <= b < n
+        and (
+            _at(before["ref_cnt"], b) != _at(after["ref_cnt"], b)
+            or _at(before["hash"], b) != _at(after["hash"], b)
+            or (b in free_b) != (b in free_a)
+            or (b in q_b) != (b in q_a)
+        )
     ]
+
+
+def _at(values: Sequence[Any], b: int) -> Any:
+    """Block `b`'s entry; an implementation's snapshot may list fewer entries than it has blocks."""
+    return values[b] if b < len(values) else "(none)"
 
 
 def _outcome_key(o: Mapping[str, Any] | None) -> Any:
@@ -224,19 +235,15 @@ def _differences(spec: Mapping[str, Any] | None, impl: Mapping[str, Any] | None)
     """Where the implementation's state differs from the spec's: the blocks, and the fields by name."""
     if spec is None or impl is None:
         return {"blocks": [], "fields": [], "free_queue_positions": []}
-    n = max(spec["num_gpu_blocks"], impl["num_gpu_blocks"])
-
-    def at(values: Sequence[Any], b: int) -> Any:
-        return values[b] if b < len(values) else "(none)"
-
-    ref = [b for b in range(n) if at(spec["ref_cnt"], b) != at(impl["ref_cnt"], b)]
-    hashed = [b for b in range(n) if at(spec["hash"], b) != at(impl["hash"], b)]
+    n = max(len(spec["ref_cnt"]), len(impl["ref_cnt"]), len(spec["hash"]), len(impl["hash"]))  # past them: equal
+    ref = [b for b in range(n) if _at(spec["ref_cnt"], b) != _at(impl["ref_cnt"], b)]
+    hashed = [b for b in range(n) if _at(spec["hash"], b) != _at(impl["hash"], b)]
     fields = [f for f in ("num_gpu_blocks",) if spec[f] != impl[f]]
     fields += ["ref_cnt"] if ref else []
     fields += ["block_hash"] if hashed else []
     fields += [f for f in ("free_queue", "hash_table", "block_tables", "quarantined") if spec[f] != impl[f]]
     fq_s, fq_i = spec["free_queue"], impl["free_queue"]
-    positions = [i for i in range(max(len(fq_s), len(fq_i))) if at(fq_s, i) != at(fq_i, i)]
+    positions = [i for i in range(max(len(fq_s), len(fq_i))) if _at(fq_s, i) != _at(fq_i, i)]
     return {"blocks": sorted(set(ref) | set(hashed)), "fields": fields, "free_queue_positions": positions}
 
 
@@ -311,10 +318,21 @@ def _result_words(op: str | None, o: Mapping[str, Any] | None) -> str:
     if isinstance(r, dict) and "malformed" in r:
         return f"returned a malformed value ({r['malformed']})"
     operation = OPERATIONS.get(op) if op is not None else None
-    words = operation.wording.answer(r) if operation is not None else None
+    words = operation.wording.answer(r) if operation is not None and _in_normal_form(operation, r) else None
     if words is not None:
         return words
     return "done" if r is None else repr(r)
+
+
+def _in_normal_form(operation: Operation, result: Any) -> bool:
+    """Whether a recorded result has the shape the operation returns (a trace's outcomes are not trusted)."""
+    if operation.normalize is None:
+        return True
+    try:
+        operation.normalize(result)
+    except BadResult:
+        return False
+    return True
 
 
 def _events_words(o: Mapping[str, Any] | None, name: Callable[[str], str]) -> str:
