@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from kvspec.conformance.core.results import Verdict
 from kvspec.conformance.runner.run import run_check
-from kvspec.conformance.tools.commands._arguments import OneLineParser, group_layout, integer, positive_int
+from kvspec.conformance.tools.commands._arguments import OneLineParser, campaign_group_layout, integer, positive_int
 
 __all__ = ["DEFAULT_JOBS", "DEFAULT_LAYOUTS", "TARGET_STEPS_PER_S", "LayoutSpeed", "main", "measure"]
 
@@ -97,8 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the campaigns and print the table; 0 if every campaign conformed or only ran short (inconclusive),
     1 if one diverged, crashed or hung, 2 if one could not run or on bad arguments."""
     parser = OneLineParser(prog="kvspec bench harness", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--groups", type=group_layout, nargs="+", default=list(DEFAULT_LAYOUTS), metavar="LAYOUT",
-                        help="the layouts to time (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--groups", type=campaign_group_layout, nargs="+", default=list(DEFAULT_LAYOUTS),
+                        metavar="LAYOUT", help="the layouts to time (default: %(default)s)")  # fmt: skip
     parser.add_argument("--jobs", type=positive_int, nargs="+", default=list(DEFAULT_JOBS), metavar="N",
                         help="the job counts to time each layout with (default: %(default)s)")  # fmt: skip
     parser.add_argument("--max-examples", type=positive_int, default=100, help="examples per layout (default 100)")

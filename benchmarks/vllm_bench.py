@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import inspect
 import logging
 import random
 import sys
@@ -47,6 +48,7 @@ from typing import Any
 from kvspec.conformance.core.results import Verdict
 from kvspec.conformance.runner.run import run_check
 from kvspec.conformance.targets.vllm.adapter import light_release
+from kvspec.conformance.targets.vllm.lightmode import LightModeError
 from kvspec.reference import BlockPool
 
 OPS = ("construct", "get_cached_block", "touch", "get_new_blocks", "cache_full_blocks", "free_blocks")
@@ -249,6 +251,18 @@ def main(version: str = "0.33.0", num_requests: int = 20_000, runs: int = 3) -> 
     """Print seconds per operation and the reference/vLLM ratio, per pool size (best of `runs` replays)."""
 
     logging.disable(logging.WARNING)
+    try:  # the release first: a name that loads no vLLM, or a pool built otherwise, is refused before any timing
+        release = light_release(version)
+    except LightModeError as e:
+        print(f"kvspec oracle --bench: {e}", file=sys.stderr)
+        return 2
+    if "hash_block_size" not in inspect.signature(release.block_pool.BlockPool).parameters:
+        print(
+            f"kvspec oracle --bench: vllm=={version}'s BlockPool takes no hash_block_size; the benchmark builds "
+            "the pool as vLLM does from 0.12.0 on",
+            file=sys.stderr,
+        )
+        return 2
     trace = make_trace(num_requests)
     print(f"reference BlockPool vs vllm=={version} BlockPool (light mode), {num_requests} requests, best of {runs}")
     print(f"{'blocks':>9} {'op':<18} {'reference s':>12} {'vllm s':>10} {'ratio':>7}")

@@ -83,6 +83,7 @@ from kvspec.conformance.core.watch import StepTimeout, StepWatch
 from kvspec.spec import errors as spec_errors
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
+from kvspec.spec.errors import is_int
 from kvspec.spec.events import EventMirror, KVCacheEvent, naive_misreads, orphaned_stores
 from kvspec.spec.invariants import (
     EVENT_RULES,
@@ -795,7 +796,14 @@ class LockStep:
         self._inflight = None
         if not isinstance(snap, Snapshot):
             self._fail(FailureKind.DIVERGES, p, f"snapshot() returned {type(snap).__name__}, not a kvspec Snapshot")
-        return _normal_snapshot(snap)
+        try:
+            normal = _normal_snapshot(snap)
+        except (TypeError, ValueError) as e:  # a field that is no sequence, or an id that is no integer
+            self._fail(FailureKind.DIVERGES, p, f"snapshot() returned a malformed Snapshot: {e}")
+        malformed = _malformed(normal)
+        if malformed is not None:  # the invariants and the comparison read ints, bytes and tuples only
+            self._fail(FailureKind.DIVERGES, p, f"snapshot() returned a malformed Snapshot: {malformed}")
+        return normal
 
     def _first_problem(
         self, p: _Pending, spec_snap: Snapshot, impl_snap: Snapshot, prev: Snapshot | None
@@ -1214,6 +1222,34 @@ def _normal_snapshot(s: Snapshot) -> Snapshot:
         else tuple((rid, tuple(BlockId(int(b)) for b in bl)) for rid, bl in s.block_tables),
         quarantined=tuple(BlockId(int(b)) for b in s.quarantined),
     )
+
+
+def _malformed(s: Snapshot) -> str | None:
+    """Which field of a normalised snapshot holds a value of the wrong type, or None: ids and counts are ints,
+    hashes bytes, request ids and group names strings (the implementation built it; the spec's never fails)."""
+
+    def ids(values: object) -> bool:
+        return isinstance(values, tuple) and all(is_int(v) for v in values)
+
+    checks: tuple[tuple[str, Callable[[], bool]], ...] = (
+        ("num_gpu_blocks", lambda: is_int(s.num_gpu_blocks)),
+        ("enable_caching", lambda: isinstance(s.enable_caching, bool)),
+        ("ref_cnt", lambda: ids(s.ref_cnt)),
+        ("block_hash", lambda: all(h is None or isinstance(h, bytes) for h in s.block_hash)),
+        ("free_queue", lambda: ids(s.free_queue)),
+        ("hash_to_blocks", lambda: all(isinstance(h, bytes) and ids(bl) for h, bl in s.hash_to_blocks)),
+        ("block_tables", lambda: s.block_tables is None or all(type(r) is str and ids(t) for r, t in s.block_tables)),
+        ("quarantined", lambda: ids(s.quarantined)),
+        ("kv_groups", lambda: isinstance(s.kv_groups, tuple) and all(isinstance(g, str) for g in s.kv_groups)),
+    )
+    for name, holds in checks:
+        try:
+            ok = holds()
+        except (TypeError, ValueError):  # not iterable, or entries that are not pairs
+            ok = False
+        if not ok:
+            return f"its {name} is {getattr(s, name)!r:.200}"
+    return None
 
 
 _FIELDS = (

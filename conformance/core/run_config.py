@@ -33,7 +33,8 @@ from typing import Literal
 from hypothesis.database import ExampleDatabase
 
 from kvspec.conformance.core.adapter import AdapterConfig, Level
-from kvspec.spec.attention import format_groups, parse_groups
+from kvspec.conformance.core.strategies import MAX_BLOCK_SIZE, MAX_GROUP_SPAN, MAX_MANAGER_POOL
+from kvspec.spec.attention import KVGroup, format_groups, parse_groups
 from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.ordering import is_profile, known_profiles
 
@@ -84,6 +85,10 @@ LIMITS: dict[str, Limit] = {
     "jobs": Limit(1, 64, "each job is a forked process; one per core is fastest"),
     "seed": Limit(0, None),
 }
+# The least time one call (or a build) may be given: below it, whether a call "hangs" would be the machine's
+# scheduling and the timer's resolution, not the implementation.
+MIN_CALL_LIMIT_S = 0.1
+_CALL_LIMIT_WHY = "a shorter limit would time the machine's scheduling, not the implementation"
 MAX_SECONDS = 7 * 24 * 3600.0  # a time budget or step timeout above a week is a typo (a timer overflows far later)
 # Importing vLLM on a loaded 2-core machine takes a minute or more; no step of the spec's comes near it.
 DEFAULT_BUILD_TIMEOUT_S = 300.0
@@ -237,9 +242,9 @@ def _problems(config: RunConfig) -> Iterator[ConfigError]:
     yield from _choice_problems(config)
     for name in LIMITS:
         yield from _count_problem(name, getattr(config, name))
-    yield from _seconds_problem("time_budget_s", config.time_budget_s, "must be above 0")
-    yield from _seconds_problem("step_timeout_s", config.step_timeout_s, "must be above 0")
-    yield from _seconds_problem("build_timeout_s", config.build_timeout_s, "must be above 0")
+    yield from _seconds_problem("time_budget_s", config.time_budget_s)
+    yield from _seconds_problem("step_timeout_s", config.step_timeout_s, MIN_CALL_LIMIT_S)
+    yield from _seconds_problem("build_timeout_s", config.build_timeout_s, MIN_CALL_LIMIT_S)
     if isinstance(config.minimize_s, bool) or not isinstance(config.minimize_s, (int, float)):
         yield _typed("minimize_s", config.minimize_s, "a number of seconds")
     elif not 0 <= config.minimize_s <= MAX_SECONDS:
@@ -272,16 +277,32 @@ def _choice_problems(config: RunConfig) -> Iterator[ConfigError]:
         )
     if config.groups not in (DRAWN, AUTO):
         try:
-            parse_groups(config.groups if isinstance(config.groups, str) else repr(config.groups))
+            groups = parse_groups(config.groups if isinstance(config.groups, str) else repr(config.groups))
         except InvalidRequest as e:
             yield ConfigError(
                 "groups", f"{e}, or {DRAWN!r} for a layout drawn per example, or {AUTO!r} for what it declares"
             )
+        else:
+            too_wide = too_wide_for_campaigns(groups)
+            if too_wide is not None:
+                yield ConfigError("groups", too_wide)
     for name in ("events", "shrink", "isolate", "keep_deepest"):
         if not isinstance(getattr(config, name), bool):
             yield _typed(name, getattr(config, name), "True or False")
     if config.device is not None and (not isinstance(config.device, str) or not config.device.strip()):
         yield _typed("device", config.device, "a device name such as 'cpu' or 'cuda:0', or None")
+
+
+def too_wide_for_campaigns(groups: tuple[KVGroup, ...]) -> str | None:
+    """Why a layout's window or chunk is too wide for a request-level campaign, or None when none is."""
+    wide = [g for g in groups if g.size > MAX_GROUP_SPAN]
+    if not wide:
+        return None
+    return (
+        f"KV cache group {str(wide[0])!r}: a window or chunk of at most {MAX_GROUP_SPAN} tokens, the widest a "
+        f"request-level campaign can cross (its pools have at most {MAX_MANAGER_POOL} blocks of at most "
+        f"{MAX_BLOCK_SIZE} tokens): no prompt would cross a wider one, so its branches could never be reached"
+    )
 
 
 def _count_problem(name: str, value: object) -> Iterator[ConfigError]:
@@ -300,13 +321,14 @@ def _count_problem(name: str, value: object) -> Iterator[ConfigError]:
         )
 
 
-def _seconds_problem(name: str, value: object, bound: str) -> Iterator[ConfigError]:
-    """Seconds: None, or a finite number above 0 and at most a week."""
+def _seconds_problem(name: str, value: object, least: float = 0.0) -> Iterator[ConfigError]:
+    """Seconds: None, or a finite number above 0 (at least `least`, where given) and at most a week."""
     if value is None:
         return
+    bound = f"must be at least {least:g} seconds ({_CALL_LIMIT_WHY})" if least else "must be above 0"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         yield _typed(name, value, "a finite number of seconds, or None")
-    elif value <= 0:
+    elif value <= 0 or value < least:
         yield ConfigError(name, f"{name} {bound}; got {name}={value!r}", f"{bound}; got {value:g}")
     elif value > MAX_SECONDS:
         yield ConfigError(

@@ -32,6 +32,7 @@ from kvspec.spec.manager import Request
 from kvspec.spec.state import BlockHash
 
 __all__ = [
+    "MAX_GROUP_SPAN",
     "HASH_UNIVERSE",
     "PLAIN_ID_MISTAKES",
     "LORA_NAMES",
@@ -88,14 +89,23 @@ def pool_sizes() -> st.SearchStrategy[int]:
     return st.one_of(st.integers(2, 6), st.integers(7, 16), st.integers(1, 6))
 
 
+MAX_MANAGER_POOL = 24  # the most blocks a request-level pool is drawn with, per KV cache group
+MAX_BLOCK_SIZE = 16  # the most tokens a block is drawn with
+# The widest window or chunk a request-level campaign can cross: its window rule allocates one prompt a
+# block past the window, which must fit in one group's share of the largest pool at the largest block size.
+# Past it no prompt crosses the window, so its branches could never be reached (and the prompt the rule
+# builds grows with the window: a window of 1e20 tokens would not fit in memory).
+MAX_GROUP_SPAN = (MAX_MANAGER_POOL - 2) * MAX_BLOCK_SIZE
+
+
 def manager_pool_sizes() -> st.SearchStrategy[int]:
     """Pool sizes for the request level: a few requests' worth, so admissions fail and evict."""
-    return st.one_of(st.integers(2, 10), st.integers(11, 24))
+    return st.one_of(st.integers(2, 10), st.integers(11, MAX_MANAGER_POOL))
 
 
 def block_sizes() -> st.SearchStrategy[int]:
     """Tokens per block, 1 to 16 (vLLM's default is 16); small sizes first, they shrink best."""
-    return st.one_of(st.sampled_from((1, 2, 4)), st.integers(1, 16))
+    return st.one_of(st.sampled_from((1, 2, 4)), st.integers(1, MAX_BLOCK_SIZE))
 
 
 def block_sizes_for(groups: tuple[KVGroup, ...]) -> st.SearchStrategy[int]:

@@ -36,7 +36,7 @@ from kvspec.conformance.core.strategies import KIND_COMBINATIONS
 from kvspec.conformance.core.trace import Trace
 from kvspec.conformance.core.watch import StepWatch
 
-__all__ = ["PROBE_NUM_GPU_BLOCKS", "CampaignPlan", "run_campaign"]
+__all__ = ["PROBE_NUM_GPU_BLOCKS", "CampaignPlan", "probe_factory", "run_campaign"]
 
 PROBE_NUM_GPU_BLOCKS = 8  # the pool the probe builds, before any example: the first build of a campaign
 
@@ -66,7 +66,37 @@ class _Probe(NamedTuple):
     kinds_refused: str = ""
 
 
-def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> _Probe:
+class _Malformed(Exception):
+    """A factory's or adapter's declaration that cannot be read, or is not what the harness reads."""
+
+
+def _read(owner: object, name: str) -> object:
+    """A declaration (an attribute), None when absent.
+
+    Raises:
+        _Malformed: reading it raised (an adapter's own __getattr__, a property).
+    """
+    try:
+        return getattr(owner, name, None)
+    except Exception as e:  # the implementation's code: it can fail any way
+        raise _Malformed(f"reading {name} raised {type(e).__name__}: {e}") from None
+
+
+def _names(owner: object, name: str) -> tuple[str, ...] | None:
+    """A declaration that lists names (levels, profiles), None when absent.
+
+    Raises:
+        _Malformed: it cannot be read, or is not a tuple, list or set of strings.
+    """
+    value = _read(owner, name)
+    if value is None:
+        return None
+    if not isinstance(value, (tuple, list, set, frozenset)) or not all(isinstance(v, str) for v in value):
+        raise _Malformed(f"{name}={value!r:.100}, where a tuple of names is read")
+    return tuple(value)
+
+
+def probe_factory(factory: Factory, config: AdapterConfig, groups: str = "full") -> _Probe:
     """Why no campaign runs on this factory at this level (n/a: a level, profile or layout it does not
     provide; could not run: it cannot be built here, a device it does not have say, or the adapter lacks
     a method), or None; and whether it declares KV cache groups. `groups`: the campaign's KV cache groups
@@ -75,10 +105,13 @@ def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> _Pr
     A factory that ends the process (sys.exit) is not judged here: the campaign's first example builds
     it again and reports the crash as the implementation's, with its story (`LockStep`).
     """
-    level, declared = config.level, getattr(factory, "levels", None)
+    try:
+        declared, policies = _names(factory, "levels"), _names(factory, "profiles")
+    except _Malformed as e:
+        return _Probe((Verdict.COULD_NOT_RUN, f"the factory's declarations are wrong: {e}"))
+    level = config.level
     if declared is not None and level not in declared:
         return _Probe((Verdict.NOT_APPLICABLE, f"the factory declares levels={tuple(declared)}"))
-    policies = getattr(factory, "profiles", None)
     if policies is not None and not provides_profile(policies, config.profile):
         why = f"the factory declares profiles={tuple(policies)}, not {config.profile}"
         return _Probe((Verdict.NOT_APPLICABLE, why))
@@ -90,10 +123,12 @@ def _probe(factory: Factory, config: AdapterConfig, groups: str = "full") -> _Pr
         return _Probe((Verdict.COULD_NOT_RUN, f"building the adapter failed for {config}: {type(e).__name__}: {e}"))
     except SystemExit:
         return _Probe(None)
-    declared = getattr(adapter, "levels", None)
+    try:
+        declared, declares_groups = _names(adapter, "levels"), _read(adapter, "kv_cache_groups") is True
+    except _Malformed as e:
+        return _Probe((Verdict.COULD_NOT_RUN, f"the adapter's declarations are wrong: {e}"))
     if declared is not None and level not in declared:
         return _Probe((Verdict.NOT_APPLICABLE, f"{type(adapter).__name__} declares levels={tuple(declared)}"))
-    declares_groups = getattr(adapter, "kv_cache_groups", False) is True
     if level == "manager" and groups not in ("full", AUTO) and not declares_groups:
         return _Probe((Verdict.NOT_APPLICABLE, (
             f"{type(adapter).__name__} does not declare kv_cache_groups = True: it is checked with one "
@@ -174,7 +209,7 @@ def _probed(factory: Factory, configuration: Configuration, watch: StepWatch) ->
     config = adapter_config(configuration, PROBE_NUM_GPU_BLOCKS)
     watch.impl_started(building=True)
     try:
-        probe = _probe(factory, config, configuration.groups)
+        probe = probe_factory(factory, config, configuration.groups)
     except StepTimeout:
         failure = Failure(FailureKind.HUNG, 0, "init", watch.limit_met())
         trace = Trace(config, (), configuration.impl, Verdict.HUNG, failure)

@@ -105,7 +105,7 @@ def _load_target(entry: importlib.metadata.EntryPoint) -> Target:
     owner = entry.dist.name if entry.dist is not None else "an installed distribution"
     try:
         target = entry.load()
-    except Exception as e:  # a third party's module can fail any way its top level can
+    except (Exception, SystemExit) as e:  # a third party's module can fail any way its top level can
         return _broken(entry.name, f"entry point {entry.value} of {owner} does not load ({type(e).__name__}: {e})")
     if not isinstance(target, Target):
         return _broken(entry.name, f"entry point {entry.value} of {owner} is a {type(target).__name__}, not a Target")
@@ -273,7 +273,7 @@ def _import_module(name: str, module_name: str) -> ModuleType:
         sys.path.append(cwd)
     try:
         return importlib.import_module(module_name)
-    except Exception as e:  # an import can fail any way the module's top level can
+    except (Exception, SystemExit) as e:  # an import can fail any way the module's top level can, exit too
         raise FactoryError(
             f"implementation {name!r}: module {module_name} does not import ({type(e).__name__}: {e})"
         ) from None
@@ -300,7 +300,7 @@ def _load_file(name: str, path_text: str) -> ModuleType:
     sys.modules[module_name] = module  # before it runs: dataclasses and pickling look their module up there
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # the file's top level can fail any way
+    except (Exception, SystemExit) as e:  # the file's top level can fail any way, exit too
         del sys.modules[module_name]
         raise FactoryError(f"implementation {name!r}: {path_text} does not import ({type(e).__name__}: {e})") from None
     return module

@@ -33,6 +33,7 @@ from kvspec.conformance.core.lockstep import (
 from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind, Outcome, Verdict
 from kvspec.conformance.core.trace import MalformedTrace, Trace, TraceStep, args_dict, read_trace
 from kvspec.conformance.core.watch import StepWatch
+from kvspec.conformance.runner.campaign import probe_factory
 
 __all__ = ["load_sendable", "replay_example", "unsendable_step"]
 
@@ -97,6 +98,24 @@ def _wide_int(value: Any) -> int | None:
     return None
 
 
+def _records_a_build_crash(trace: Trace) -> bool:
+    """Whether the trace's recorded failure is the adapter's build: the replay then reproduces it as it was."""
+    return trace.failure is not None and trace.failure.step == 0
+
+
+def _build_refused(factory: Factory, trace: Trace, watch: StepWatch) -> CampaignReport | None:
+    """What `kvspec check` says of a factory that cannot build this adapter (could not run, or n/a for what it
+    does not provide), before any step; None when it builds. A build that does not finish in time raises
+    StepTimeout: the implementation hung at building, as in a campaign.
+    """
+    watch.impl_started(building=True)
+    try:
+        probe = probe_factory(factory, trace.config, trace.config.groups)
+    finally:
+        watch.impl_finished()
+    return CampaignReport(*probe.refused) if probe.refused is not None else None
+
+
 def replay_example(
     trace: Trace,
     factory: Factory,
@@ -118,6 +137,9 @@ def replay_example(
     failure: Failure | None = None
     try:
         try:
+            refused = None if _records_a_build_crash(trace) else _build_refused(factory, trace, watch)
+            if refused is not None:
+                return refused
             lock = LockStep(factory, trace.config, observer, watch)
             lock.check()
             for step in trace.steps:

@@ -104,7 +104,13 @@ CLI_REFUSALS = [
     (["check", "--cover-rounds", "1000001"], "kvspec check: --cover-rounds: must be at most 1000000 "),
     (["check", "--time-budget", "1e9"], "kvspec check: --time-budget: must be at most 604800 seconds (a week); "
      "got 1e+09"),
-    (["check", "--step-timeout", "0"], "kvspec check: --step-timeout: must be above 0; got 0"),
+    (["check", "--step-timeout", "0"], "kvspec check: --step-timeout: must be at least 0.1 seconds"),
+    (["check", "--step-timeout", "1e-9"], "kvspec check: --step-timeout: must be at least 0.1 seconds"),
+    (["check", "--build-timeout", "0.01"], "kvspec check: --build-timeout: must be at least 0.1 seconds"),
+    (["check", "--groups", "sliding:353"], "kvspec check: --groups: KV cache group 'sliding:353': a window or chunk "
+     "of at most 352 tokens"),
+    (["check", "--groups", "full,chunked:99999999999999999999"], "kvspec check: --groups: KV cache group "
+     "'chunked:99999999999999999999': a window or chunk of at most 352 tokens"),
     (["check", "--device", "cuda:99"], "kvspec check: --device: device='cuda:99' but this machine has "),
     (["check", "--level", "pool", "--groups", "full,sliding:8"],
      "kvspec check: --groups: full,sliding:8 does nothing at the pool level"),

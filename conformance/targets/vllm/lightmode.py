@@ -546,10 +546,15 @@ def _load(
         try:
             for entry in layout.entry_modules:
                 release.module(entry)
-        except BaseException:
+        except BaseException as e:
             sys.meta_path.remove(finder)
             for mod_name in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
                 del sys.modules[mod_name]
+            if isinstance(e, ImportError) and e.name and not e.name.startswith(name):
+                raise LightModeError(
+                    f"vllm=={version}'s pool modules import {e.name!r}, which is not installed here (kvspec's "
+                    "vllm extra has what light mode needs: pip install 'kvspec[vllm]')"
+                ) from e
             raise
         release.placeholders_at_load = frozenset(release.placeholders_used)
         if not fresh:

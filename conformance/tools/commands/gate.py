@@ -20,6 +20,7 @@ examples/ci/vllm-pull-request.yml.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +38,32 @@ def register(subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("pr", metavar="PR", help="the pull request's vLLM checkout (the folder that holds vllm/)")
-    p.add_argument("base", metavar="BASE", help="its merge base's checkout")
+    p.add_argument("pr", type=_vllm_tree, metavar="PR",
+                   help="the pull request's vLLM checkout (the folder that holds vllm/)")  # fmt: skip
+    p.add_argument("base", type=_vllm_tree, metavar="BASE", help="its merge base's checkout")
     p.add_argument("--out", type=output_dir, required=True, metavar="DIR",
                    help="where the reports, traces and pages go")  # fmt: skip
-    p.add_argument("--accept", type=Path, metavar="FILE", help="the changes the pull request means to make")
+    p.add_argument("--accept", type=_readable_file, metavar="FILE",
+                   help="the changes the pull request means to make")  # fmt: skip
     p.set_defaults(run=run)
+
+
+def _vllm_tree(text: str) -> str:
+    """A vLLM checkout: a folder that holds vllm/ (a release number is `kvspec diff`'s, not the gate's)."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"no such folder {text}")
+    if not (path / "vllm").is_dir():
+        raise argparse.ArgumentTypeError(f"{text} holds no vllm/ folder: not a vLLM checkout")
+    return text
+
+
+def _readable_file(text: str) -> Path:
+    """A file that exists and can be read, checked before either stage runs."""
+    path = Path(text)
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"no readable file {text}")
+    return path
 
 
 def _run(command: Any, argv: list[str]) -> int:

@@ -1,0 +1,136 @@
+"""Hostile input through the command line: what a user's mistake, a broken adapter or an impossible setting gets.
+
+Each is the command a user types, in a subprocess: one line and exit 2 for what kvspec cannot answer (never a
+traceback, never a verdict on the implementation for kvspec's own limit or the user's setting), and the
+implementation's verdict where the implementation is what is wrong.
+"""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+KVSPEC = [sys.executable, "-m", "kvspec"]
+# The example pool, subclassed or wrapped by each adapter below.
+PRELUDE = f"import sys\nsys.path.insert(0, {str(EXAMPLES)!r})\nfrom pool_example import ExamplePool, factory as good\n"
+
+
+def kvspec(*args: str, cwd: Path, timeout: int = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVSPEC, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def refused(r: subprocess.CompletedProcess[str], says: str) -> None:
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def pool_module(tmp_path: Path, body: str) -> str:
+    (tmp_path / "hostile_pool.py").write_text(PRELUDE + textwrap.dedent(body))
+    return "hostile_pool.py:factory"
+
+
+def check(impl: str, tmp_path: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    return kvspec("check", "--impl", impl, "--level", "pool", "--caching", "on", "--max-examples", "20",
+                  "--cover-rounds", "0", "--trace-dir", str(tmp_path / "traces"), *more, cwd=tmp_path)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["sliding:99999999999999999999", "full,chunked:1024"])
+def test_a_window_no_campaign_can_cross_is_refused_before_anything_is_built(tmp_path, layout):
+    # The window rule's prompt grows with the window: a window of 1e20 tokens filled the memory and the
+    # verdict blamed the implementation for the process's death.
+    says = "a window or chunk of at most 352 tokens, the widest a request-level campaign can cross"
+    refused(kvspec("check", "--impl", "spec", "--level", "manager", "--groups", layout, cwd=tmp_path), says)
+    refused(kvspec("bench", "harness", "--groups", layout, "--jobs", "1", cwd=tmp_path), says)
+
+
+def test_a_benchmark_refuses_what_it_cannot_time_before_it_times_anything(tmp_path):
+    for seconds in ("nan", "inf", "1e400"):
+        r = kvspec("bench", "gpu", "--quick", "--device", "cpu", "--no-content", "--seconds", seconds, cwd=tmp_path)
+        refused(r, "--seconds: ")
+    r = kvspec("bench", "reference", "--repeat", "5", "--sizes", "100", "--v0-evictor", "bogus", cwd=tmp_path)
+    refused(r, "cannot fetch vllm version='bogus'")
+    assert r.stdout == ""  # refused before the benchmark ran
+    refused(kvspec("oracle", "--bench", "--bench-version", "bogus", cwd=tmp_path), "cannot fetch vllm version='bogus'")
+
+
+def test_a_module_that_exits_on_import_does_not_import(tmp_path):
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    refused(check("exits.py:factory", tmp_path), "exits.py does not import (SystemExit: 3)")
+
+
+def test_a_factory_that_cannot_build_cannot_run_in_a_replay_as_in_a_check(tmp_path):
+    impl = pool_module(tmp_path, """
+        def factory(config):
+            raise ValueError("constructor boom")
+    """)
+    trace = ROOT / "docs" / "traces" / "inv_hash_table_consistent.trace.jsonl"
+    for r in (check(impl, tmp_path), kvspec("replay", str(trace), "--impl", impl, cwd=tmp_path)):
+        said = r.stdout + r.stderr
+        assert r.returncode == 2, said
+        assert "building the adapter failed" in said and "ValueError: constructor boom" in said
+        assert "CRASHED" not in r.stdout
+
+
+def test_a_build_that_crashed_in_an_example_replays_as_it_crashed(tmp_path):
+    # Built for the probe's pool of 8 blocks, not for the examples' pools: each example's build is the crash,
+    # and its trace replays to the same verdict.
+    impl = pool_module(tmp_path, """
+        def factory(config):
+            if config.num_gpu_blocks != 8:
+                raise ValueError("only 8 blocks")
+            return good(config)
+    """)
+    r = check(impl, tmp_path)
+    assert r.returncode == 1 and "crashed at building the adapter" in r.stdout, r.stdout + r.stderr
+    trace = next((tmp_path / "traces").glob("crashed-pool-*.trace.jsonl"))
+    again = kvspec("replay", str(trace), "--impl", impl, cwd=tmp_path)
+    assert again.returncode == 1 and "crashed at building the adapter" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_snapshot_of_the_wrong_types_is_the_implementation_diverging_not_kvspec_failing(tmp_path):
+    impl = pool_module(tmp_path, """
+        import dataclasses
+        class WrongTypes(ExamplePool):
+            def snapshot(self):
+                s = super().snapshot()
+                return dataclasses.replace(s, ref_cnt=("x",) * len(s.ref_cnt))
+        def factory(config):
+            return WrongTypes(config.num_gpu_blocks, config.enable_caching)
+    """)
+    r = check(impl, tmp_path)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "snapshot() returned a malformed Snapshot: its ref_cnt is ('x'," in r.stdout
+    assert "kvspec itself failed" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("def factory(config):\n    return good(config)\nfactory.levels = 5\n",
+         "the factory's declarations are wrong: levels=5, where a tuple of names is read"),
+        ("class Raising(ExamplePool):\n"
+         "    def __getattr__(self, name):\n"
+         "        raise RuntimeError('no ' + name)\n"
+         "def factory(config):\n    return Raising(config.num_gpu_blocks, config.enable_caching)\n",
+         "the adapter's declarations are wrong: reading levels raised RuntimeError: no levels"),
+    ],
+)
+def test_declarations_that_cannot_be_read_are_the_adapters_fault_not_kvspecs(tmp_path, body, says):
+    r = check(pool_module(tmp_path, body), tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in r.stdout and "kvspec itself failed" not in r.stdout, r.stdout
+
+
+def test_the_gate_refuses_what_is_not_a_checkout_before_either_stage(tmp_path):
+    (tmp_path / "base" / "vllm").mkdir(parents=True)
+    refused(kvspec("gate", "nope", "base", "--out", "out", cwd=tmp_path), "kvspec gate: PR: no such folder nope")
+    refused(kvspec("gate", "base", "base", "--out", "out", "--accept", "nope.json", cwd=tmp_path),
+            "kvspec gate: --accept: no readable file nope.json")  # fmt: skip
+    (tmp_path / "plain").mkdir()
+    refused(kvspec("gate", "plain", "base", "--out", "out", cwd=tmp_path), "plain holds no vllm/ folder")
+    assert not (tmp_path / "out").exists()
