@@ -77,20 +77,26 @@ def _one_line(message: str) -> str:
 
 
 
+_MAX_INT = 2**63 - 1  # no count, size or seed here is wider than 64 bits
+
+
 def _number(text: str, kind: type[int] | type[float]) -> int | float:
+    shown = repr(text) if len(text) <= 40 else repr(text[:37] + "...")
     try:
         value = _integer(text) if kind is int else kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        raise argparse.ArgumentTypeError(f"{shown} is not {'an integer' if kind is int else 'a number'}") from None
     if isinstance(value, float) and not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        raise argparse.ArgumentTypeError(f"{shown} is not a finite number")
+    if isinstance(value, int) and abs(value) > _MAX_INT:
+        raise argparse.ArgumentTypeError(f"{shown} is wider than a 64-bit integer, which every count here fits in")
     return value
 
 
 def _integer(text: str) -> int:
     """An integer written plainly or as the docs and --help write sizes (`1e5`, `2.5e3`); ValueError otherwise.
 
-    Decimal, not float, so `1e30` is exact and `1.0000000000000001e16` is not
+    Decimal, not float, so `1e18` is exact and `1.0000000000000001e16` is not
     rounded into an integer it does not name.
     """
     try:
