@@ -39,6 +39,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any, cast
 
 from kvspec.conformance.core.adapter import (
@@ -83,7 +84,6 @@ from kvspec.conformance.core.watch import StepTimeout, StepWatch
 from kvspec.spec import errors as spec_errors
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
-from kvspec.spec.errors import is_int
 from kvspec.spec.events import EventMirror, KVCacheEvent, naive_misreads, orphaned_stores
 from kvspec.spec.invariants import (
     EVENT_RULES,
@@ -799,7 +799,7 @@ class LockStep:
         try:
             normal = _normal_snapshot(snap)
         except (TypeError, ValueError) as e:  # a field that is no sequence, or an id that is no integer
-            self._fail(FailureKind.DIVERGES, p, f"snapshot() returned a malformed Snapshot: {e}")
+            self._fail(FailureKind.DIVERGES, p, f"snapshot() returned a malformed Snapshot: {_malformed(snap) or e}")
         malformed = _malformed(normal)
         if malformed is not None:  # the invariants and the comparison read ints, bytes and tuples only
             self._fail(FailureKind.DIVERGES, p, f"snapshot() returned a malformed Snapshot: {malformed}")
@@ -1202,46 +1202,59 @@ def run_spec(config: AdapterConfig, steps: Sequence[tuple[str, Sequence[Any]]]) 
 
 
 def _normal_snapshot(s: Snapshot) -> Snapshot:
-    """The snapshot with every field a tuple of plain ints (implementations may hand back lists or numpy ints)."""
-    if (
-        type(s.ref_cnt) is tuple
-        and type(s.free_queue) is tuple
-        and type(s.block_hash) is tuple
-        and type(s.hash_to_blocks) is tuple
-        and type(s.quarantined) is tuple
+    """The snapshot with every field a tuple of plain ints (implementations may hand back lists or numpy ints).
+
+    Raises:
+        TypeError, ValueError: a field is no sequence, or an id or count is no integer (a float, a string).
+    """
+    if all(type(v) is tuple and set(map(type, v)) <= _INT for v in (s.ref_cnt, s.free_queue, s.quarantined)) and (
+        type(s.block_hash) is tuple and type(s.hash_to_blocks) is tuple
     ):
         return s
+    index = operator.index  # an integer of any kind (numpy's too), never a float or a string
     return replace(
         s,
-        ref_cnt=tuple(int(r) for r in s.ref_cnt),
+        ref_cnt=tuple(index(r) for r in s.ref_cnt),
         block_hash=tuple(None if h is None else BlockHash(bytes(h)) for h in s.block_hash),
-        free_queue=tuple(BlockId(int(b)) for b in s.free_queue),
-        hash_to_blocks=tuple((BlockHash(bytes(h)), tuple(BlockId(int(b)) for b in bl)) for h, bl in s.hash_to_blocks),
+        free_queue=tuple(BlockId(index(b)) for b in s.free_queue),
+        hash_to_blocks=tuple((BlockHash(bytes(h)), tuple(BlockId(index(b)) for b in bl)) for h, bl in s.hash_to_blocks),
         block_tables=None
         if s.block_tables is None
-        else tuple((rid, tuple(BlockId(int(b)) for b in bl)) for rid, bl in s.block_tables),
-        quarantined=tuple(BlockId(int(b)) for b in s.quarantined),
+        else tuple((rid, tuple(BlockId(index(b)) for b in bl)) for rid, bl in s.block_tables),
+        quarantined=tuple(BlockId(index(b)) for b in s.quarantined),
     )
 
 
 def _malformed(s: Snapshot) -> str | None:
     """Which field of a normalised snapshot holds a value of the wrong type, or None: ids and counts are ints,
-    hashes bytes, request ids and group names strings (the implementation built it; the spec's never fails)."""
+    hashes bytes, request ids and group names strings (the implementation built it; the spec's never fails).
 
-    def ids(values: object) -> bool:
-        return isinstance(values, tuple) and all(is_int(v) for v in values)
+    Every step reads it, so each field is checked by the set of its values' types, in C loops (13 us on a
+    49-block manager's snapshot, against 23 for a Python test a value).
+    """
+
+    def of(values: object, types: frozenset[type]) -> bool:
+        return type(values) is tuple and set(map(type, values)) <= types
+
+    def pairs(entries: object, key_types: frozenset[type]) -> bool:  # (key, ids) pairs: hashes or request ids
+        if type(entries) is not tuple or not set(map(len, entries)) <= {2}:
+            return False
+        keys, lists = zip(*entries) if entries else ((), ())
+        return of(keys, key_types) and of(lists, _TUPLE) and of(tuple(chain.from_iterable(lists)), _INT)
 
     checks: tuple[tuple[str, Callable[[], bool]], ...] = (
-        ("num_gpu_blocks", lambda: is_int(s.num_gpu_blocks)),
-        ("enable_caching", lambda: isinstance(s.enable_caching, bool)),
-        ("ref_cnt", lambda: ids(s.ref_cnt)),
-        ("block_hash", lambda: all(h is None or isinstance(h, bytes) for h in s.block_hash)),
-        ("free_queue", lambda: ids(s.free_queue)),
-        ("hash_to_blocks", lambda: all(isinstance(h, bytes) and ids(bl) for h, bl in s.hash_to_blocks)),
-        ("block_tables", lambda: s.block_tables is None or all(type(r) is str and ids(t) for r, t in s.block_tables)),
-        ("quarantined", lambda: ids(s.quarantined)),
-        ("kv_groups", lambda: isinstance(s.kv_groups, tuple) and all(isinstance(g, str) for g in s.kv_groups)),
-    )
+        ("num_gpu_blocks", lambda: type(s.num_gpu_blocks) is int),
+        ("enable_caching", lambda: type(s.enable_caching) is bool),
+        ("ref_cnt", lambda: of(s.ref_cnt, _INT)),
+        ("block_hash", lambda: of(s.block_hash, _HASH_OR_NONE) or all(isinstance(h, _HASH) for h in s.block_hash)),
+        ("free_queue", lambda: of(s.free_queue, _INT)),
+        ("hash_to_blocks", lambda: pairs(s.hash_to_blocks, _BYTES) or (
+            type(s.hash_to_blocks) is tuple and all(isinstance(h, bytes) for h, _ in s.hash_to_blocks)
+            and pairs(tuple((b"", bl) for _, bl in s.hash_to_blocks), _BYTES))),
+        ("block_tables", lambda: s.block_tables is None or pairs(s.block_tables, _STR)),
+        ("quarantined", lambda: of(s.quarantined, _INT)),
+        ("kv_groups", lambda: of(s.kv_groups, _STR)),
+    )  # fmt: skip
     for name, holds in checks:
         try:
             ok = holds()
@@ -1250,6 +1263,14 @@ def _malformed(s: Snapshot) -> str | None:
         if not ok:
             return f"its {name} is {getattr(s, name)!r:.200}"
     return None
+
+
+_INT: frozenset[type] = frozenset({int})
+_STR: frozenset[type] = frozenset({str})
+_BYTES: frozenset[type] = frozenset({bytes})
+_TUPLE: frozenset[type] = frozenset({tuple})
+_HASH_OR_NONE: frozenset[type] = frozenset({bytes, type(None)})
+_HASH = (bytes, type(None))  # a hash of a bytes subclass, or none: the slow path of the check
 
 
 _FIELDS = (

@@ -134,3 +134,24 @@ def test_the_gate_refuses_what_is_not_a_checkout_before_either_stage(tmp_path):
     (tmp_path / "plain").mkdir()
     refused(kvspec("gate", "plain", "base", "--out", "out", cwd=tmp_path), "plain holds no vllm/ folder")
     assert not (tmp_path / "out").exists()
+
+
+def test_ids_of_any_integer_type_are_read_as_ints(tmp_path):
+    # numpy's ints, or any type with __index__: what an implementation over arrays hands back.
+    impl = pool_module(tmp_path, """
+        import dataclasses
+        class Id:
+            def __init__(self, value):
+                self.value = value
+            def __index__(self):
+                return self.value
+        class IndexIds(ExamplePool):
+            def snapshot(self):
+                s = super().snapshot()
+                ids = lambda values: tuple(map(Id, values))
+                return dataclasses.replace(s, ref_cnt=ids(s.ref_cnt), free_queue=ids(s.free_queue))
+        def factory(config):
+            return IndexIds(config.num_gpu_blocks, config.enable_caching)
+    """)
+    r = check(impl, tmp_path, "--max-examples", "100")
+    assert r.returncode == 0 and "malformed" not in r.stdout, r.stdout + r.stderr
