@@ -80,7 +80,7 @@ from kvspec.conformance.core.reactions import (
 )
 from kvspec.conformance.core.results import HARNESS_LIMIT, Failure, FailureKind, Outcome
 from kvspec.conformance.core.trace import Trace, TraceStep
-from kvspec.conformance.core.watch import StepTimeout, StepWatch
+from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepTimeout, StepWatch, raise_if_ctrl_c
 from kvspec.spec import errors as spec_errors
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
@@ -169,6 +169,8 @@ def _crash_message(e: BaseException) -> str:
     where = f" (at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
     if isinstance(e, SystemExit):  # sys.exit(0) says nothing by its message alone
         return f"SystemExit({e.code!r}): the implementation tried to end the process (sys.exit){where}"
+    if isinstance(e, KeyboardInterrupt):  # only one no Ctrl-C raised gets here (watch.raise_if_ctrl_c)
+        return f"KeyboardInterrupt: raised by the implementation itself, not by a Ctrl-C{where}"
     return f"{type(e).__name__}: {e}{where}"
 
 
@@ -352,7 +354,8 @@ class LockStep:
             return None
         except HarnessLimit as e:
             raise self._harness_limit("building the adapter" if building else what.removesuffix(" failed: "), e) from e
-        except (Exception, SystemExit) as e:
+        except IMPLEMENTATION_FAULTS as e:
+            raise_if_ctrl_c(e)
             return Outcome(crashed=True, message=what + _crash_message(e))
         finally:
             self.watch.impl_finished()
@@ -670,7 +673,8 @@ class LockStep:
         self.watch.impl_started()
         try:
             snap = replica.snapshot()
-        except Exception as e:
+        except IMPLEMENTATION_FAULTS as e:
+            raise_if_ctrl_c(e)
             return Outcome(crashed=True, message=f"a replica's snapshot() failed: {_crash_message(e)}")
         finally:
             self.watch.impl_finished()
@@ -697,7 +701,8 @@ class LockStep:
         try:
             content = self.adapter.read_kv(list(blocks))
             return impl, [list(row) for row in content]
-        except Exception as e:
+        except IMPLEMENTATION_FAULTS as e:
+            raise_if_ctrl_c(e)
             return Outcome(crashed=True, message=f"read_kv({blocks}) failed: {_crash_message(e)}"), None
         finally:
             self.watch.impl_finished()
@@ -734,7 +739,8 @@ class LockStep:
             if valid:
                 return Outcome(crashed=True, message=f"the adapter says a valid call is not expressible: {e}")
             return Outcome(not_sent=f"not expressible in the implementation's API: {e}")
-        except (Exception, SystemExit) as e:  # sys.exit() in an implementation is its crash, not the harness's
+        except IMPLEMENTATION_FAULTS as e:  # sys.exit() in an implementation is its crash, not the harness's
+            raise_if_ctrl_c(e)
             return Outcome(crashed=True, message=_crash_message(e), raised_types=_type_names(e))
         finally:
             self.watch.impl_finished()
@@ -754,7 +760,8 @@ class LockStep:
             events = take_events_result(adapter.take_events())
         except MalformedEvents as e:
             return Outcome(crashed=True, message=str(e))
-        except Exception as e:
+        except IMPLEMENTATION_FAULTS as e:
+            raise_if_ctrl_c(e)
             return Outcome(crashed=True, message=f"take_events() failed: {_crash_message(e)}")
         finally:
             self.watch.impl_finished()
@@ -793,8 +800,9 @@ class LockStep:
         self.watch.impl_started()
         try:
             snap = self.adapter.snapshot()
-        except Exception as e:
+        except IMPLEMENTATION_FAULTS as e:
             self.watch.impl_finished()
+            raise_if_ctrl_c(e)
             self._fail(FailureKind.CRASHED, p, f"snapshot() failed: {_crash_message(e)}")
         self.watch.impl_finished()
         self._inflight = None
@@ -983,7 +991,8 @@ class LockStep:
         self.watch.impl_started()
         try:
             impl = self.adapter.prefix_cache_stats()
-        except Exception as e:
+        except IMPLEMENTATION_FAULTS as e:
+            raise_if_ctrl_c(e)
             return FailureKind.CRASHED, f"prefix_cache_stats() failed: {_crash_message(e)}", None
         finally:
             self.watch.impl_finished()

@@ -31,6 +31,7 @@ __all__ = [
     "CheckResult",
     "EXIT_COULD_NOT_RUN",
     "EXIT_DIVERGES",
+    "EXIT_INTERRUPTED",
     "EXIT_OK",
     "Failure",
     "FailureKind",
@@ -72,6 +73,7 @@ class Verdict(str, Enum):
 EXIT_OK = 0
 EXIT_DIVERGES = 1
 EXIT_COULD_NOT_RUN = 2
+EXIT_INTERRUPTED = 130  # a Ctrl-C ended the command (128 + SIGINT, as a shell reports it): no verdict
 
 # How a failure's message starts where kvspec itself could not run a step (a light-mode stand-in for a device
 # runtime was called): a LIMIT-kind failure, no verdict on the implementation and no bug in the spec either.

@@ -16,18 +16,81 @@ Statistics (what a campaign reached) are the `Observer`'s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.trace import encode_value, header_line
 
-__all__ = ["StepTimeout", "StepWatch", "time_limit_met"]
+__all__ = [
+    "IMPLEMENTATION_FAULTS",
+    "StepTimeout",
+    "StepWatch",
+    "ignore_ctrl_c",
+    "raise_if_ctrl_c",
+    "telling_ctrl_c_apart",
+    "time_limit_met",
+]
+
+# What an implementation's code may raise that is its own to answer for: any exception, sys.exit(), and a
+# KeyboardInterrupt it raised itself. A Ctrl-C arrives as a KeyboardInterrupt too, so every handler of these
+# calls `raise_if_ctrl_c` first: the user's Ctrl-C stops the run, it is no implementation's crash.
+IMPLEMENTATION_FAULTS = (Exception, SystemExit, KeyboardInterrupt)
+
+_ctrl_c_pressed = False  # set by `_on_ctrl_c`: a SIGINT reached this process
+
+
+def _on_ctrl_c(signum: int, frame: object) -> None:
+    global _ctrl_c_pressed
+    _ctrl_c_pressed = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def telling_ctrl_c_apart() -> Iterator[None]:
+    """Within the block a Ctrl-C (SIGINT) is remembered as it raises KeyboardInterrupt, so one that no Ctrl-C
+    raised is told apart: `raise_if_ctrl_c` lets the first through and leaves the second to its handler.
+
+    Only the main thread can set a signal handler; elsewhere the block runs as it is.
+    """
+    global _ctrl_c_pressed
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _ctrl_c_pressed = False
+    old = signal.signal(signal.SIGINT, _on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def ignore_ctrl_c() -> None:
+    """For a campaign's child process: a Ctrl-C is its parent's to act on (it stops the children); any
+    KeyboardInterrupt in the child is then raised by the code it runs."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def raise_if_ctrl_c(e: BaseException) -> None:
+    """Raise `e` again if it is a KeyboardInterrupt that a Ctrl-C may have raised.
+
+    Told apart where `telling_ctrl_c_apart` is in force or Ctrl-C is ignored; under any other SIGINT
+    handler (Python's default, a test runner's) kvspec cannot tell, and takes it for the user's.
+    """
+    if not isinstance(e, KeyboardInterrupt):
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is _on_ctrl_c:
+        if _ctrl_c_pressed:
+            raise e
+    elif handler not in (signal.SIG_IGN, signal.SIG_DFL):  # SIG_DFL: a Ctrl-C would end the process, not raise
+        raise e
 
 
 def time_limit_met(limit_s: float | None, building: bool) -> str:

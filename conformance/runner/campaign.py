@@ -34,7 +34,7 @@ from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind
 from kvspec.conformance.core.run_config import AUTO, DRAWN, Configuration, adapter_config, with_groups_resolved
 from kvspec.conformance.core.strategies import KIND_COMBINATIONS
 from kvspec.conformance.core.trace import Trace
-from kvspec.conformance.core.watch import StepWatch
+from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepWatch, raise_if_ctrl_c
 
 __all__ = ["PROBE_NUM_GPU_BLOCKS", "CampaignPlan", "probe_factory", "run_campaign"]
 
@@ -78,7 +78,8 @@ def _read(owner: object, name: str) -> object:
     """
     try:
         return getattr(owner, name, None)
-    except Exception as e:  # the implementation's code: it can fail any way
+    except IMPLEMENTATION_FAULTS as e:  # the implementation's code: it can fail any way
+        raise_if_ctrl_c(e)
         raise _Malformed(f"reading {name} raised {type(e).__name__}: {e}") from None
 
 
@@ -121,7 +122,8 @@ def probe_factory(factory: Factory, config: AdapterConfig, groups: str = "full")
         return _Probe((Verdict.NOT_APPLICABLE, str(e)))
     except Exception as e:
         return _Probe((Verdict.COULD_NOT_RUN, f"building the adapter failed for {config}: {type(e).__name__}: {e}"))
-    except SystemExit:
+    except (SystemExit, KeyboardInterrupt) as e:  # an exit or an interrupt of its own: its first example reports it
+        raise_if_ctrl_c(e)
         return _Probe(None)
     try:
         declared, declares_groups = _names(adapter, "levels"), _read(adapter, "kv_cache_groups") is True
@@ -166,8 +168,8 @@ def _kinds_built(factory: Factory, config: AdapterConfig) -> tuple[frozenset[fro
         except LevelNotProvided as e:
             refused.append((layout, str(e)))
             continue
-        except (Exception, SystemExit):  # the implementation's to answer for: its first example reports it
-            pass
+        except IMPLEMENTATION_FAULTS as e:  # the implementation's to answer for: its first example reports it
+            raise_if_ctrl_c(e)
         built.add(kinds)
     if not refused:
         return None, ""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.results import CampaignReport, Verdict
+from kvspec.conformance.core.watch import ignore_ctrl_c
 
 __all__ = ["Death", "Progress", "Work", "kvspec_failed", "run_isolated", "run_isolated_jobs"]
 
@@ -195,6 +196,7 @@ def _receive(recv: Any) -> CampaignReport | None:
 
 
 def _child_main(work: Work, conn: Any, heartbeat: Any, stream_path: str) -> None:
+    ignore_ctrl_c()  # the parent's to act on: it stops every child
     faulthandler.disable()
     fd = os.open(stream_path, os.O_WRONLY | os.O_TRUNC)
     try:

@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, raise_if_ctrl_c
 
 __all__ = [
     "TARGET_GROUP",
@@ -105,7 +106,8 @@ def _load_target(entry: importlib.metadata.EntryPoint) -> Target:
     owner = entry.dist.name if entry.dist is not None else "an installed distribution"
     try:
         target = entry.load()
-    except (Exception, SystemExit) as e:  # a third party's module can fail any way its top level can
+    except IMPLEMENTATION_FAULTS as e:  # a third party's module can fail any way its top level can
+        raise_if_ctrl_c(e)
         return _broken(entry.name, f"entry point {entry.value} of {owner} does not load ({type(e).__name__}: {e})")
     if not isinstance(target, Target):
         return _broken(entry.name, f"entry point {entry.value} of {owner} is a {type(target).__name__}, not a Target")
@@ -273,7 +275,8 @@ def _import_module(name: str, module_name: str) -> ModuleType:
         sys.path.append(cwd)
     try:
         return importlib.import_module(module_name)
-    except (Exception, SystemExit) as e:  # an import can fail any way the module's top level can, exit too
+    except IMPLEMENTATION_FAULTS as e:  # an import can fail any way the module's top level can, exit too
+        raise_if_ctrl_c(e)
         raise FactoryError(
             f"implementation {name!r}: module {module_name} does not import ({type(e).__name__}: {e})"
         ) from None
@@ -300,7 +303,8 @@ def _load_file(name: str, path_text: str) -> ModuleType:
     sys.modules[module_name] = module  # before it runs: dataclasses and pickling look their module up there
     try:
         spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:  # the file's top level can fail any way, exit too
+    except IMPLEMENTATION_FAULTS as e:  # the file's top level can fail any way, exit too
+        raise_if_ctrl_c(e)
         del sys.modules[module_name]
         raise FactoryError(f"implementation {name!r}: {path_text} does not import ({type(e).__name__}: {e})") from None
     return module

@@ -5,7 +5,7 @@ and exposes `register(subparsers)`; this module only discovers them, so a new
 command never edits a shared file. Exit codes are the harness's: 0 conforms /
 proved, 1 the implementation is wrong (diverged, crashed, hung) / refuted, 2 no
 verdict (bad arguments, an adapter that cannot be built, a malformed trace, an
-inconclusive run).
+inconclusive run), 130 interrupted by Ctrl-C.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from hypothesis.configuration import set_hypothesis_home_dir
 
 import kvspec
 import kvspec.conformance.tools.commands as commands
-from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN
+from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_INTERRUPTED
+from kvspec.conformance.core.watch import telling_ctrl_c_apart
 from kvspec.conformance.tools.commands._arguments import OneLineParser
 
 __all__ = ["build_parser", "main"]
@@ -63,20 +64,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdout = stdout  # the same stream, with what went wrong writing to it
     prog = "kvspec"
     try:
-        parser = build_parser()
-        try:
-            args = parser.parse_args(argv)
-        except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
-            code = int(e.code or 0)
-        else:
-            if args.command is None:
-                parser.print_help()
-                code = EXIT_COULD_NOT_RUN
+        with telling_ctrl_c_apart():
+            parser = build_parser()
+            try:
+                args = parser.parse_args(argv)
+            except SystemExit as e:  # argparse exits 2 on bad usage, 0 on --help
+                code = int(e.code or 0)
             else:
-                prog = f"kvspec {args.command}"
-                code = args.run(args)
-        # Python flushes stdout at exit, after main has returned: a failure there would be a traceback.
-        sys.stdout.flush()
+                if args.command is None:
+                    parser.print_help()
+                    code = EXIT_COULD_NOT_RUN
+                else:
+                    prog = f"kvspec {args.command}"
+                    code = args.run(args)
+            # Python flushes stdout at exit, after main has returned: a failure there would be a traceback.
+            sys.stdout.flush()
+    except KeyboardInterrupt:  # the user's Ctrl-C: an implementation's own is its crash, caught where it ran
+        code = _interrupted(prog)
     except BrokenPipeError as e:  # stdout's, or a pipe kvspec writes to otherwise: its reader went away
         stdout.failed = stdout.failed or e
     except OSError:
@@ -90,6 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if stdout.failed is not None:
         return _output_failed(prog, stdout.failed)
     return code
+
+
+def _interrupted(prog: str) -> int:
+    """A Ctrl-C stopped the command: one line, no verdict, the shell's exit code for it (128 + SIGINT).
+
+    Every report is written whole or not at all (`_arguments.write_output`), so one the command had not
+    finished is not there.
+    """
+    print(f"{prog}: interrupted (Ctrl-C): no verdict", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 class _WatchedStdout:
