@@ -348,20 +348,6 @@ def _flag_problems(config: RunConfig) -> Iterator[ConfigError]:
             "KV cache groups are the manager's",
             f"{config.groups} does nothing at the pool level: KV cache groups are the manager's (--level manager)",
         )
-    if config.profile == AUTO:
-        # --profile auto runs each vLLM profile with the registry's defaults (runner.profiles.detect_profiles)
-        # and prints its own summary: these settings would not reach it.
-        for name in _NOT_WITH_AUTO:
-            if getattr(config, name) != getattr(_DEFAULT, name):
-                yield ConfigError(
-                    name,
-                    f"{name}={getattr(config, name)!r} does nothing with profile={AUTO!r}",
-                    f"does nothing with --profile {AUTO} (each vLLM profile runs with its defaults)",
-                )
-
-
-_NOT_WITH_AUTO = ("steps", "step_timeout_s", "build_timeout_s", "device", "groups", "events", "cover_rounds",
-                  "keep_deepest", "junit", "json", "database")  # fmt: skip
 
 
 def _output_problems(config: RunConfig) -> Iterator[ConfigError]:
@@ -378,5 +364,3 @@ def _output_problems(config: RunConfig) -> Iterator[ConfigError]:
 def _typed(name: str, value: object, kind: str) -> ConfigError:
     return ConfigError(name, f"{name} must be {kind}; got {name}={value!r}", f"must be {kind}; got {value!r}")
 
-
-_DEFAULT = RunConfig()

@@ -1,6 +1,7 @@
 """`kvspec check` and `kvspec replay` as a CI job runs them: the summary, the exit codes, JUnit XML."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -210,11 +211,51 @@ def test_check_profile_auto_reports_each_profile_and_exits_0_when_one_conforms(t
 def test_check_profile_auto_exits_1_when_no_profile_conforms(tmp_path, capsys):
     code = main(
         ["check", "--impl", f"{ADAPTERS}:make_accepts_double_free", "--level", "pool", "--caching", "on",
-         "--profile", "auto", "--max-examples", "100", "--trace-dir", str(tmp_path)]
+         "--profile", "auto", "--max-examples", "100", "--trace-dir", str(tmp_path),
+         "--junit", str(tmp_path / "auto.xml"), "--json", str(tmp_path / "auto.json")]
     )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 1, out
     assert "conforms to no profile" in out
+    (case,) = ET.parse(tmp_path / "auto.xml").getroot().iter("testcase")
+    assert case.get("name") == "pool-caching-on-auto"
+    failure = case.find("failure")
+    assert failure is not None and failure.get("message", "").startswith("conforms to no profile (vllm-v1: diverges")
+    document = json.loads((tmp_path / "auto.json").read_text())
+    assert document["exit_code"] == 1 and document["profiles"][0]["conforms_to"] == []
+
+
+def test_check_profile_auto_reports_for_tools_and_runs_with_every_setting(tmp_path, capsys):
+    # --profile auto is `check` once per profile: the run's settings reach each campaign (here --steps and
+    # --events), and --json and --junit say which profiles each configuration conforms to.
+    code = main(
+        ["check", "--impl", "tests.conformance.test_cli:v1_whatever_asked", "--level", "pool", "--caching", "on",
+         "--profile", "auto", "--max-examples", "100", "--steps", "20", "--no-events", "--trace-dir", str(tmp_path),
+         "--junit", str(tmp_path / "auto.xml"), "--json", str(tmp_path / "auto.json")]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    document = json.loads((tmp_path / "auto.json").read_text())
+    assert document["exit_code"] == 0
+    assert document["profiles"] == [{
+        "impl": "tests.conformance.test_cli:v1_whatever_asked", "level": "pool", "enable_caching": True,
+        "profiles_tried": ["vllm-v1", "vllm-v1-tail"], "conforms_to": ["vllm-v1"], "exit_code": 0,
+    }]  # fmt: skip
+    v1, tail = document["results"]
+    assert (v1["profile"], v1["verdict"], tail["profile"], tail["verdict"]) == (
+        "vllm-v1", "conforms", "vllm-v1-tail", "diverges")
+    assert v1["events"] is False and v1["left_out"] == ["KV cache events (--events)"]
+    # The same campaign as `check --profile vllm-v1` with the same settings: the same examples and steps.
+    assert main(
+        ["check", "--impl", "tests.conformance.test_cli:v1_whatever_asked", "--level", "pool", "--caching", "on",
+         "--profile", "vllm-v1", "--max-examples", "100", "--steps", "20", "--no-events", "--trace-dir",
+         str(tmp_path), "--json", str(tmp_path / "v1.json")]
+    ) == 0  # fmt: skip
+    (alone,) = json.loads((tmp_path / "v1.json").read_text())["results"]
+    assert (alone["examples"], alone["steps"], alone["states"]) == (v1["examples"], v1["steps"], v1["states"])
+    (case,) = ET.parse(tmp_path / "auto.xml").getroot().iter("testcase")
+    assert case.get("name") == "pool-caching-on-auto" and case.find("failure") is None
+    assert case.findtext("system-out", "").startswith("conforms to: vllm-v1 (vllm-v1: conforms; vllm-v1-tail: diverges")
 
 
 def test_vllm_logs_are_silenced_whatever_the_implementation_is_called(tmp_path) -> None:

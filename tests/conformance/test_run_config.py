@@ -8,7 +8,6 @@ trace folder, no report) in the folder it ran in.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 
@@ -67,7 +66,6 @@ def test_the_adapter_config_is_the_records_view():
         ({"trace_dir": "traces"}, "trace_dir must be a Path or None; got trace_dir='traces'"),
         ({"database": "db"}, "database must be a Hypothesis ExampleDatabase or None; got database='db'"),
         ({"levels": ("pool",), "groups": "full,sliding:8"}, "groups='full,sliding:8' does nothing at the pool level"),
-        ({"profile": "auto", "json": Path("x.json")}, "json=PosixPath('x.json') does nothing with profile='auto'"),
     ],
 )
 def test_the_record_refuses_a_bad_field_in_one_line(fields, message):
@@ -115,9 +113,6 @@ CLI_REFUSALS = [
     (["check", "--level", "pool", "--groups", "full,sliding:8"],
      "kvspec check: --groups: full,sliding:8 does nothing at the pool level"),
     (["check", "--groups", "sliding:0"], "kvspec check: --groups: "),
-    (["check", "--profile", "auto", "--events"], "kvspec check: --events: does nothing with --profile auto"),
-    (["check", "--profile", "auto", "--junit", "out.xml"], "kvspec check: --junit: does nothing with --profile auto"),
-    (["check", "--profile", "auto", "--steps", "20"], "kvspec check: --steps: does nothing with --profile auto"),
     (["replay", "missing.trace.jsonl", "--device", "cuda:99"], "kvspec replay: --device: device='cuda:99' but "),
 ]  # fmt: skip
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,32 @@ from kvspec.conformance.core.lockstep import NOT_EXERCISED_WHY
 from kvspec.conformance.core.results import CheckResult, Verdict
 from kvspec.conformance.tools.commands._arguments import write_output
 
-__all__ = ["header", "render_summary", "row", "summary_json", "write_json", "write_junit"]
+__all__ = [
+    "ProfilesFound",
+    "auto_exit_code",
+    "auto_summary_json",
+    "header",
+    "render_summary",
+    "row",
+    "summary_json",
+    "write_json",
+    "write_junit",
+    "write_junit_auto",
+]
 
 _COLUMNS = ("verdict", "examples", "steps", "steps/s", "states", "invariants", "branches")
 
 
 def _where(r: CheckResult) -> str:
     return f"{r.impl} {r.level} caching {'on' if r.enable_caching else 'off'}"
+
+
+def _namer(results: Sequence[CheckResult]) -> Callable[[CheckResult], str]:
+    """How the summary's lines name a configuration: by its profile too where the results are of several
+    (`--profile auto`)."""
+    if len({r.profile for r in results}) > 1:
+        return lambda r: f"{_where(r)} profile {r.profile}"
+    return _where
 
 
 def header(results_or_impls: Sequence[str]) -> str:
@@ -95,46 +115,48 @@ def _reached_line(results: Sequence[CheckResult]) -> str:
 
 def _notes(results: Sequence[CheckResult]) -> list[str]:
     """Extra rounds, branches not reached, operations not provided, mistakes not exercised, notes."""
+    where = _namer(results)
     lines = []
-    more = [f"{_where(r)} +{r.extra_rounds}" for r in results if r.extra_rounds]
+    more = [f"{where(r)} +{r.extra_rounds}" for r in results if r.extra_rounds]
     if more:
         lines.append(f"more rounds to reach every branch: {', '.join(more)}")
     for r in results:
         if r.unreached and r.verdict is Verdict.CONFORMS:
-            lines.append(f"not reached ({_where(r)}): {'; '.join(r.unreached)}")
+            lines.append(f"not reached ({where(r)}): {'; '.join(r.unreached)}")
         if r.absent_ops and r.verdict is not Verdict.NOT_APPLICABLE:
             left_out = [b for b in r.spec_branches if b not in r.branches and not r.coverage.get(b)]
             lines.append(
-                f"not provided ({_where(r)}): {', '.join(r.absent_ops)} ({len(left_out)} of the spec's "
+                f"not provided ({where(r)}): {', '.join(r.absent_ops)} ({len(left_out)} of the spec's "
                 f"{len(r.spec_branches)} branches not checked)"
             )
     not_exercised: dict[str, set[str]] = {}
     for r in results:
         if r.not_exercised:
-            not_exercised.setdefault(_where(r), set()).update(r.not_exercised)
+            not_exercised.setdefault(where(r), set()).update(r.not_exercised)
     lines += _mistake_lines(results)
-    for where, mistakes in not_exercised.items():
-        lines.append(f"not exercised ({where}): {'; '.join(sorted(mistakes))}")
+    for place, mistakes in not_exercised.items():
+        lines.append(f"not exercised ({place}): {'; '.join(sorted(mistakes))}")
     if not_exercised:
         lines.append(f"  (why: {NOT_EXERCISED_WHY})")
-    lines += [f"note ({_where(r)}): {r.message}" for r in results if r.message]
-    lines += [f"examples ({_where(r)}): {why}" for r in results if (why := _more_examples_why(r))]
+    lines += [f"note ({where(r)}): {r.message}" for r in results if r.message]
+    lines += [f"examples ({where(r)}): {why}" for r in results if (why := _more_examples_why(r))]
     return lines
 
 
 def _mistake_lines(results: Sequence[CheckResult]) -> list[str]:
     """How many caller mistakes were checked, and against which declared reactions."""
+    where = _namer(results)
     lines = []
     for r in results:
         if not r.mistakes_checked and not r.not_expressed:
             continue
         declared = [f"{m}: {r.reactions[m]} ({n}x)" for m, n in sorted(r.mistakes_checked.items()) if m in r.reactions]
         total = sum(r.mistakes_checked.values())
-        line = f"caller mistakes ({_where(r)}): {total} checked, {len(r.mistakes_checked)} kinds"
+        line = f"caller mistakes ({where(r)}): {total} checked, {len(r.mistakes_checked)} kinds"
         lines.append(line + (f"; declared reactions: {'; '.join(declared)}" if declared else ""))
         if r.not_expressed:
             calls = [f"{m} ({n}x)" for m, n in sorted(r.not_expressed.items())]
-            lines.append(f"not expressible in its API, not sent ({_where(r)}): {'; '.join(calls)}")
+            lines.append(f"not expressible in its API, not sent ({where(r)}): {'; '.join(calls)}")
     return lines
 
 
@@ -192,7 +214,7 @@ def render_summary(results: Sequence[CheckResult], seconds: float, per_profile: 
     tally = ", ".join(f"{n} {v}" for v, n in sorted(verdicts.items()))
     lines += ["", f"profiles tried: {tally}" if per_profile else f"result: {tally}{nothing} (exit {code})"]
     left_out = list(dict.fromkeys(item for r in results for item in r.left_out))
-    if left_out and not per_profile:
+    if left_out:
         lines.append(f"left out of this verdict: {'; '.join(left_out)}")
     return "\n".join(lines)
 
@@ -238,12 +260,89 @@ def summary_json(results: Sequence[CheckResult], seconds: float) -> dict[str, An
             "results": [_result_json(r) for r in results]}  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ProfilesFound:
+    """One configuration under `--profile auto`: each vLLM profile's result."""
+
+    results: dict[str, CheckResult]  # profile -> its result, in the order tried
+
+    @property
+    def first(self) -> CheckResult:
+        return next(iter(self.results.values()))
+
+    @property
+    def impl(self) -> str:
+        return self.first.impl or "impl"
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.results.values())
+
+    @property
+    def conforms_to(self) -> list[str]:
+        return [p for p, r in self.results.items() if r.verdict is Verdict.CONFORMS]
+
+    @property
+    def exit_code(self) -> int | None:
+        """0 some profile conforms, 1 none does and one found the implementation wrong, 2 none could say;
+        None: n/a (the configuration is not provided)."""
+        if all(r.verdict is Verdict.NOT_APPLICABLE for r in self.results.values()):
+            return None
+        if self.conforms_to:
+            return 0
+        return 1 if any(r.exit_code == 1 for r in self.results.values()) else 2
+
+
+def auto_exit_code(found: Sequence[ProfilesFound]) -> int:
+    """`--profile auto`'s exit code: the worst configuration's; 2 where every one is n/a or none ran."""
+    return max((code for f in found if (code := f.exit_code) is not None), default=2)
+
+
+def auto_summary_json(found: Sequence[ProfilesFound], seconds: float) -> dict[str, Any]:
+    """`--profile auto`'s summary as one JSON object: `summary_json`'s, every profile's result in `results`,
+    with `profiles`, which profiles each configuration conforms to."""
+    every = [r for f in found for r in f.results.values()]
+    configurations = [
+        {"impl": f.first.impl, "level": f.first.level, "enable_caching": f.first.enable_caching,
+         "profiles_tried": list(f.results), "conforms_to": f.conforms_to, "exit_code": f.exit_code}
+        for f in found
+    ]  # fmt: skip
+    return {**summary_json(every, seconds), "exit_code": auto_exit_code(found), "profiles": configurations}
+
+
+def _junit_auto_case(suite: ET.Element, found: ProfilesFound, counts: Counter[str]) -> None:
+    r = found.first
+    case = ET.SubElement(
+        suite,
+        "testcase",
+        classname=f"kvspec.{found.impl}",
+        name=f"{r.level}-caching-{'on' if r.enable_caching else 'off'}-auto",
+        time=f"{found.seconds:.3f}",
+    )
+    counts["tests"] += 1
+    verdicts = "; ".join(f"{p}: {x.verdict.value}" for p, x in found.results.items())
+    if found.exit_code is None:
+        ET.SubElement(case, "skipped", message=f"{r.level} level not provided: {r.message}"[:500])
+        counts["skipped"] += 1
+    elif found.exit_code == 1:
+        stories = "\n\n".join(f"{p}:\n{x.failure.story if x.failure else x.message}" for p, x in found.results.items())
+        message = f"conforms to no profile ({verdicts})"
+        ET.SubElement(case, "failure", message=message[:500], type="diverges").text = stories
+        counts["failures"] += 1
+    elif found.exit_code == 2:
+        message = f"no profile conforms, and none could say the implementation is wrong ({verdicts})"
+        ET.SubElement(case, "error", message=message[:500], type="could-not-run").text = message
+        counts["errors"] += 1
+    ET.SubElement(case, "system-out").text = f"conforms to: {', '.join(found.conforms_to) or 'none'} ({verdicts})"
+
+
 def write_json(document: Any, where: str | Path, *, prog: str) -> int:
     """Write a JSON document to a path, or to stdout for `-` (`write_output`): 0, or 2 after one line."""
     return write_output(prog, where, json.dumps(document, indent=2) + "\n")
 
 
-def _junit_case(suite: ET.Element, impl: str, r: CheckResult, counts: Counter[str]) -> None:
+def _junit_case(suite: ET.Element, r: CheckResult, counts: Counter[str]) -> None:
+    impl = r.impl or "impl"
     case = ET.SubElement(
         suite,
         "testcase",
@@ -276,20 +375,37 @@ def _junit_case(suite: ET.Element, impl: str, r: CheckResult, counts: Counter[st
 def write_junit(results: Sequence[CheckResult], path: str | Path, *, prog: str = "kvspec check") -> int:
     """A JUnit XML report: one test case per configuration, grouped by implementation (`write_output`: 0, or
     2 after one line)."""
+    cases = [(r.impl or "impl", r.seconds, lambda suite, counts, r=r: _junit_case(suite, r, counts)) for r in results]
+    return write_output(prog, path, _junit_document(cases))
+
+
+def write_junit_auto(found: Sequence[ProfilesFound], path: str | Path, *, prog: str = "kvspec check") -> int:
+    """`--profile auto`'s JUnit XML report: one test case per configuration, which passes where some profile
+    conforms (a profile it breaks is that search's answer, not a failure), grouped by implementation."""
+    cases = [(f.impl, f.seconds, lambda suite, counts, f=f: _junit_auto_case(suite, f, counts)) for f in found]
+    return write_output(prog, path, _junit_document(cases))
+
+
+# A test case: its implementation (the suite it goes in), its seconds, and what adds it to a suite.
+_JUnitCase = tuple[str, float, Callable[[ET.Element, Counter[str]], None]]
+
+
+def _junit_document(cases: Sequence[_JUnitCase]) -> bytes:
     root = ET.Element("testsuites", name="kvspec check")
-    by_impl: dict[str, list[CheckResult]] = {}
-    for r in results:
-        by_impl.setdefault(r.impl or "impl", []).append(r)
+    by_impl: dict[str, list[_JUnitCase]] = {}
+    for case in cases:
+        by_impl.setdefault(case[0], []).append(case)
     totals = Counter[str]()
-    for impl, rs in by_impl.items():
+    for impl, impl_cases in by_impl.items():
         suite = ET.SubElement(root, "testsuite", name=f"kvspec.{impl}")
         counts = Counter[str]()
-        for r in rs:
-            _junit_case(suite, impl, r, counts)
+        for _, _, add in impl_cases:
+            add(suite, counts)
         for key in ("tests", "failures", "errors", "skipped"):
             suite.set(key, str(counts[key]))
-        suite.set("time", f"{sum(r.seconds for r in rs):.3f}")
+        suite.set("time", f"{sum(seconds for _, seconds, _ in impl_cases):.3f}")
         totals.update(counts)
     for key in ("tests", "failures", "errors", "skipped"):
         root.set(key, str(totals[key]))
-    return write_output(prog, path, ET.tostring(root, encoding="utf-8", xml_declaration=True))
+    document: bytes = ET.tostring(root, encoding="utf-8", xml_declaration=True)
+    return document

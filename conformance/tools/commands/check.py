@@ -14,8 +14,8 @@ cannot be loaded or built, an inconclusive run, or nothing checked at all).
 
 `--profile auto` asks which ordering profile an implementation follows (the
 vLLM regression oracle's question): every configuration is checked once per
-vLLM profile, and each profile's line says conforms, or gives the shortest
-trace that breaks it. Exit 0 when some profile conforms in every
+vLLM profile, every other setting as the run has it, and each profile's line
+says conforms, or gives the shortest trace that breaks it. Exit 0 when some profile conforms in every
 configuration, 1 when in some configuration none does, 2 when one could not run.
 
 `--impl vllm` is the installed vLLM (or, with KVSPEC_VLLM_VERSION=X.Y.Z set,
@@ -34,7 +34,8 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -50,7 +51,7 @@ from kvspec.conformance.core.run_config import (
 )
 from kvspec.conformance.runner.isolation import Progress
 from kvspec.conformance.runner.profiles import PROFILES as VLLM_PROFILES
-from kvspec.conformance.runner.profiles import detect_profiles
+from kvspec.conformance.runner.profiles import check_each_profile
 from kvspec.conformance.runner.registry import FactoryError, default_targets, load_factory, target_names
 from kvspec.conformance.runner.run import check_configuration
 from kvspec.conformance.tools.commands._arguments import (
@@ -66,6 +67,9 @@ from kvspec.conformance.tools.commands._arguments import (
     text_for_people,
 )
 from kvspec.conformance.tools.commands._check_output import (
+    ProfilesFound,
+    auto_exit_code,
+    auto_summary_json,
     exit_code,
     header,
     render_summary,
@@ -73,6 +77,7 @@ from kvspec.conformance.tools.commands._check_output import (
     summary_json,
     write_json,
     write_junit,
+    write_junit_auto,
 )
 from kvspec.conformance.tools.view import attach_page
 from kvspec.spec.ordering import known_profiles
@@ -255,26 +260,32 @@ def run(args: argparse.Namespace) -> int:
     # vLLM logs a warning for every refused reset, and any implementation may load vLLM, whatever its
     # name (a user's module that imports it); the verdicts and the summary say it all. Errors still show.
     logging.disable(logging.WARNING)
-    if config.profile == AUTO:
-        _print_header(config, notes)
-        return _run_auto(config)
     with text_for_people(config.json):
         _print_header(config, notes)
-        print(header(list(config.impls)))
         start = time.monotonic()
-        results = _run_configs(config, start)
-        seconds = time.monotonic() - start
-        print(render_summary(results, seconds))
+        if config.profile == AUTO:
+            found = _run_auto(config, start)
+            seconds = time.monotonic() - start
+            code, document = auto_exit_code(found), auto_summary_json(found, seconds)
+            _print_auto_summary(found, seconds)
+            junit: Callable[[Path], int] = lambda path: write_junit_auto(found, path, prog="kvspec check")  # noqa: E731
+        else:
+            print(header(list(config.impls)))
+            results = _run_configs(config, start)
+            seconds = time.monotonic() - start
+            code, document = exit_code(results), summary_json(results, seconds)
+            print(render_summary(results, seconds))
+            junit = lambda path: write_junit(results, path, prog="kvspec check")  # noqa: E731
         if config.junit:
-            if write_junit(results, config.junit, prog="kvspec check"):
+            if junit(config.junit):
                 return EXIT_COULD_NOT_RUN
             print(f"JUnit report: {config.junit}")
     if config.json is not None:
-        if write_json(summary_json(results, seconds), config.json, prog="kvspec check"):
+        if write_json(document, config.json, prog="kvspec check"):
             return EXIT_COULD_NOT_RUN
         if str(config.json) != "-":
             print(f"JSON report: {config.json}")
-    return exit_code(results)
+    return code
 
 
 def _record(args: argparse.Namespace, impls: Sequence[str]) -> RunConfig:
@@ -292,10 +303,9 @@ def _record(args: argparse.Namespace, impls: Sequence[str]) -> RunConfig:
         levels=("pool", "manager") if args.level == "both" else (args.level,),
         caching={"on": (True,), "off": (False,), "both": (True, False)}[args.caching],
         profile=args.profile,
-        # By default everything the implementation provides; --profile auto runs each profile with the
-        # record's own defaults, so there only what was asked for goes in.
-        groups=args.groups if args.groups is not None else ("full" if args.profile == AUTO else AUTO),
-        events=args.events if args.events is not None else args.profile != AUTO,
+        # By default everything the implementation provides (--profile auto: under each profile).
+        groups=args.groups if args.groups is not None else AUTO,
+        events=args.events if args.events is not None else True,
         device=args.device,
         max_examples=max_examples,
         steps=args.steps,
@@ -391,39 +401,36 @@ def _clear_progress_line() -> None:
         sys.stderr.flush()
 
 
-def _run_auto(config: RunConfig) -> int:
-    """`--profile auto`: every configuration once per vLLM profile; which ones it conforms to."""
+def _run_auto(config: RunConfig, start: float) -> list[ProfilesFound]:
+    """`--profile auto`: every configuration once per vLLM profile, every other setting as the run has it."""
     print(f"profiles tried per configuration: {', '.join(VLLM_PROFILES)}")
-    start = time.monotonic()
-    codes: list[int] = []
-    everything: list[CheckResult] = []
+    found: list[ProfilesFound] = []
     for _, c in _shares(config, start):
-        found = detect_profiles(
-            c.impl or "", c.level, c.enable_caching, config.max_examples, time_budget_s=c.time_budget_s,
-            trace_dir=str(config.trace_dir), seed=config.seed, jobs=config.jobs,
-        )  # fmt: skip
-        for r in found.values():
+        where = f"{c.impl} {c.level} caching {'on' if c.enable_caching else 'off'}"
+        each = ProfilesFound(check_each_profile(c.impl or "", c, _progress_line(where, c.time_budget_s)))
+        _clear_progress_line()
+        for r in each.results.values():
             attach_page(r, config.html_dir)
-        everything += found.values()
-        code = _print_profiles(f"{c.impl} {c.level} caching {'on' if c.enable_caching else 'off'}", found)
-        if code is not None:
-            codes.append(code)
-    print(render_summary(everything, time.monotonic() - start, per_profile=True))
-    worst = max(codes, default=2)
+        _print_profiles(where, each)
+        found.append(each)
+    return found
+
+
+def _print_auto_summary(found: Sequence[ProfilesFound], seconds: float) -> None:
+    print(render_summary([r for f in found for r in f.results.values()], seconds, per_profile=True))
     meaning = {0: "some profile conforms in every configuration", 1: "in some configuration no profile conforms"}
-    print(f"result of profile auto: {meaning.get(worst, 'some configuration could not be checked')} (exit {worst})")
-    return worst
+    code = auto_exit_code(found)
+    print(f"result of profile auto: {meaning.get(code, 'some configuration could not be checked')} (exit {code})")
 
 
-def _print_profiles(where: str, found: dict[str, CheckResult]) -> int | None:
-    """One configuration's profiles, a line each; its exit code (None: n/a, the level is not provided)."""
-    conforming = [p for p, r in found.items() if r.verdict is Verdict.CONFORMS]
-    if all(r.verdict is Verdict.NOT_APPLICABLE for r in found.values()):
-        print(f"\n{where}: n/a ({next(iter(found.values())).message})")
-        return None
-    wrong = [r for r in found.values() if r.exit_code == 1]
+def _print_profiles(where: str, found: ProfilesFound) -> None:
+    """One configuration's profiles, a line each."""
+    conforming = found.conforms_to
+    if found.exit_code is None:
+        print(f"\n{where}: n/a ({found.first.message})")
+        return
     print(f"\n{where}: " + (f"conforms to {', '.join(conforming)}" if conforming else "conforms to no profile"))
-    for profile, r in found.items():
+    for profile, r in found.results.items():
         if r.verdict is Verdict.CONFORMS:
             print(f"  {profile:<14} conforms ({r.examples_run} examples, {r.steps_run} steps)")
         elif r.failure is not None:
@@ -435,4 +442,3 @@ def _print_profiles(where: str, found: dict[str, CheckResult]) -> int | None:
             print(f"  {'':<14} trace: {f.trace_path}")
         else:
             print(f"  {profile:<14} {r.verdict}: {r.message[:300]}")
-    return 0 if conforming else (1 if wrong else 2)
