@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
+from kvspec.conformance.core.files import write_whole
 from kvspec.conformance.core.kv_events import event_from_json
 from kvspec.conformance.core.operations import OPERATIONS
 from kvspec.conformance.core.results import Failure, Outcome, Verdict
@@ -325,11 +326,12 @@ def dumps_trace(trace: Trace) -> str:
 
 
 def write_trace(path: str | Path, trace: Trace) -> Path:
-    """Write `trace` to `path` (parents created); returns the path."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(dumps_trace(trace), encoding="utf-8")
-    return p
+    """Write `trace` to `path` (parents created), whole or not at all (`files.write_whole`); returns the path.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    return write_whole(path, dumps_trace(trace))
 
 
 # --- reading ------------------------------------------------------------------------------

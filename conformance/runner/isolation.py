@@ -13,6 +13,7 @@ the fallback where `fork` does not exist.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -29,7 +30,7 @@ from typing import Any
 from kvspec.conformance.core.results import CampaignReport, Verdict
 from kvspec.conformance.core.watch import ignore_ctrl_c
 
-__all__ = ["Death", "Progress", "Work", "kvspec_failed", "run_isolated", "run_isolated_jobs"]
+__all__ = ["Death", "Progress", "Work", "kvspec_failed", "run_isolated", "run_isolated_jobs", "system_refused"]
 
 # The work a child runs: (stream_fd, heartbeat) -> its report. stream_fd and
 # heartbeat are None when it runs in this process.
@@ -201,6 +202,8 @@ def _child_main(work: Work, conn: Any, heartbeat: Any, stream_path: str) -> None
     fd = os.open(stream_path, os.O_WRONLY | os.O_TRUNC)
     try:
         report = work(fd, heartbeat)
+    except OSError as e:  # the system refused kvspec's own work (a full disk): no fault of kvspec or the implementation
+        report = CampaignReport(Verdict.COULD_NOT_RUN, system_refused(e))
     except BaseException as e:  # kvspec itself failed (its faults only: the implementation's are caught per call)
         report = CampaignReport(Verdict.COULD_NOT_RUN, kvspec_failed(e))
     conn.send(report)
@@ -217,12 +220,33 @@ def kvspec_failed(e: BaseException) -> str:
     The traceback is for kvspec's maintainers, not the user's screen: it goes to a file in the
     temporary directory (kept: it is what a bug report needs), and the line says where.
     """
-    fd, path = tempfile.mkstemp(prefix="kvspec-internal-error-", suffix=".log")
-    with os.fdopen(fd, "w", encoding="utf-8") as log:
-        log.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
     first = (str(e).splitlines() or [""])[0]
     what = f"{type(e).__name__}: {first}"
-    return f"kvspec itself failed (a bug in kvspec, not in the implementation): {what}; full log: {path}"
+    return f"kvspec itself failed (a bug in kvspec, not in the implementation): {what}{_full_log(e)}"
+
+
+def _full_log(e: BaseException) -> str:
+    """`e`'s traceback saved to a file in the temporary directory, as "; full log: PATH" (empty where the
+    file cannot be written: a full disk is what some of these failures are)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="kvspec-internal-error-", suffix=".log")
+    except OSError:
+        return ""
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as log:
+            log.write("".join(traceback.format_exception(type(e), e, e.__traceback__)))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return ""
+    return f"; full log: {path}"
+
+
+def system_refused(e: OSError) -> str:
+    """One line for an operating system's refusal that reached no handler (a full disk, a file size limit,
+    too many open files): the environment's, not the implementation's; its traceback saved as for a fault."""
+    where = f": {e.filename}" if e.filename else ""
+    return f"the system refused an operation ({e.strerror or e}{where}){_full_log(e)}"
 
 
 def _cuda_started_here() -> bool:

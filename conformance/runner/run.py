@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.coverage import expected_branches, reachable_branches
+from kvspec.conformance.core.files import write_whole
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import (
     CampaignReport,
@@ -76,11 +77,17 @@ __all__ = [
 
 
 def _save(text: str, trace_dir: Path, stem: str) -> str:
+    """Save a trace in `trace_dir`, named by its content; returns its path.
+
+    Raises:
+        OSError: it cannot be written (a full disk): nothing is left of it.
+    """
     digest = hashlib.sha256(text.encode()).hexdigest()[:6]
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    path = trace_dir / f"{stem}-{digest}.trace.jsonl"
-    path.write_text(text, encoding="utf-8")
-    return str(path)
+    return str(write_whole(trace_dir / f"{stem}-{digest}.trace.jsonl", text))
+
+
+def _not_saved(trace_dir: Path, e: OSError) -> str:
+    return f"not saved in {trace_dir} ({e.strerror or e})"
 
 
 def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
@@ -89,8 +96,13 @@ def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
     verdict = trace.verdict
     stem = f"{verdict}-{c.level}" if verdict in (Verdict.CRASHED, Verdict.HUNG) else f"failure-{c.level}"
     trace_dir = c.run.trace_dir
-    path = _save(dumps_trace(trace), trace_dir, stem) if trace_dir is not None else None
-    story = render_story(trace, path, c.impl)
+    path, unsaved = None, ""
+    if trace_dir is not None:
+        try:
+            path = _save(dumps_trace(trace), trace_dir, stem)
+        except OSError as e:  # the verdict stands; the story says what is missing
+            unsaved = f"\n\ntrace: {_not_saved(trace_dir, e)}"
+    story = render_story(trace, path, c.impl) + unsaved
     if not is_shrunk:
         story += "\n(not shrunk: the process died or hung, and no shorter trace reproduced it in time)"
     return dataclasses.replace(
@@ -190,7 +202,11 @@ def _result(raw: CampaignReport | Death, factory: Factory, c: Configuration, sta
     if report.deepest is not None and run.trace_dir is not None:
         caching = "on" if c.enable_caching else "off"
         text = dumps_trace(dataclasses.replace(report.deepest, verdict=Verdict.CONFORMS))
-        result.deepest_trace_path = _save(text, run.trace_dir, f"deepest-{c.level}-caching-{caching}")
+        try:
+            result.deepest_trace_path = _save(text, run.trace_dir, f"deepest-{c.level}-caching-{caching}")
+        except OSError as e:
+            unsaved = f"the deepest example's trace was {_not_saved(run.trace_dir, e)}"
+            result.message = f"{result.message}; {unsaved}" if result.message else unsaved
     return result
 
 

@@ -25,6 +25,7 @@ import kvspec
 import kvspec.conformance.tools.commands as commands
 from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_INTERRUPTED
 from kvspec.conformance.core.watch import telling_ctrl_c_apart
+from kvspec.conformance.runner.isolation import system_refused
 from kvspec.conformance.tools.commands._arguments import OneLineParser
 
 __all__ = ["build_parser", "main"]
@@ -83,9 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = _interrupted(prog)
     except BrokenPipeError as e:  # stdout's, or a pipe kvspec writes to otherwise: its reader went away
         stdout.failed = stdout.failed or e
-    except OSError:
-        if stdout.failed is None:  # not stdout's: no environment problem this function knows how to say
-            raise
+    except OSError as e:
+        if stdout.failed is None:  # not stdout's: the system refused something else kvspec asked of it
+            print(f"{prog}: {system_refused(e)}", file=sys.stderr)
+            code = EXIT_COULD_NOT_RUN
     finally:
         sys.stdout = stdout.stream
     # A failed write to stdout is said even where it was caught on the way (argparse ignores one in --help).

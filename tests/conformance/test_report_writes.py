@@ -1,8 +1,9 @@
 """What a command writes when the file or stdout cannot take it: one line on stderr, exit 2, nothing half-written.
 
-Every `--json PATH`, `--junit PATH`, `--html PATH`, `-o PATH` and `--plot PNG`
-is written whole or not at all (kvspec.conformance.tools.commands._arguments.write_output):
-a full disk leaves the report that was there as it was. A stdout that cannot be
+Every `--json PATH`, `--junit PATH`, `--html PATH`, `-o PATH` and `--plot PNG`,
+and every trace and page a run saves, is written whole or not at all
+(kvspec.conformance.core.files.write_whole): a full disk leaves the file that was
+there as it was, and a run's verdict stands where its trace or page could not be saved. A stdout that cannot be
 written is said in one line too, and `--json -` puts the JSON alone on stdout.
 Each case runs the real command line in a process of its own, as a user does.
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from kvspec.conformance.core.trace import read_trace
 from kvspec.conformance.tools.commands._arguments import write_output
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,3 +165,66 @@ def test_replay_refusing_its_implementation_writes_nothing(tmp_path: Path) -> No
         assert done.stdout == ""
         assert _state(tmp_path) == before
     assert os.listdir(tmp_path) == ["precious.json"]
+
+
+# --- traces and pages: a run's own files -------------------------------------------------------------
+
+BUGGY_POOL = ["check", "--impl", str(ROOT / "examples" / "pool_example.py") + ":factory", "--level", "pool",
+              "--caching", "on", "--max-examples", "50", "--cover-rounds", "0"]  # fmt: skip
+
+
+def _no_half_files(folder: Path) -> None:
+    assert not [p for p in folder.rglob("*") if p.name.endswith(".tmp")]
+    for trace in folder.rglob("*.trace.jsonl"):
+        read_trace(trace)  # whole: it reads
+
+
+def test_a_trace_or_page_that_cannot_be_written_is_said_and_the_verdict_stands(tmp_path: Path, monkeypatch) -> None:
+    # Within 4 KiB the shrunk failure's trace fits; the deepest example's trace and the page do not. They
+    # were a traceback (and half a file) where the verdict should have been.
+    monkeypatch.setenv("KVSPEC_EXAMPLE_BUG", "pool")
+    argv = [*BUGGY_POOL, "--trace-dir", "traces", "--html-dir", "pages", "--keep-deepest"]
+    done = kvspec(argv, tmp_path, preexec_fn=_small_files)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert "result: 1 diverges (exit 1)" in done.stdout
+    assert "the deepest example's trace was not saved in traces (File too large)" in done.stdout
+    assert "page: not written (OSError: [Errno 27] File too large)" in done.stdout
+    assert "replay: kvspec replay traces/failure-pool-" in done.stdout
+    _no_half_files(tmp_path)
+    assert list((tmp_path / "pages").iterdir()) == []
+
+
+def test_a_trace_that_cannot_be_saved_leaves_its_story_and_says_so(tmp_path: Path, monkeypatch) -> None:
+    # The implementation's long name (a path of 1.4 KB) is in every trace's header: with examples of at most
+    # 10 steps the campaign's stream of steps stays within 4 KiB, and the shrunk trace does not.
+    monkeypatch.setenv("KVSPEC_EXAMPLE_BUG", "pool")
+    folder = tmp_path.joinpath(*["d" * 200] * 7)
+    folder.mkdir(parents=True)
+    (folder / "pool_example.py").write_text((ROOT / "examples" / "pool_example.py").read_text())
+    argv = [*BUGGY_POOL[:2], f"{folder}/pool_example.py:factory", *BUGGY_POOL[3:], "--steps", "10", "--trace-dir",
+            "traces"]  # fmt: skip
+    done = kvspec(argv, tmp_path, preexec_fn=_small_files)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert "trace: not saved in traces (File too large)" in done.stdout
+    assert "DIVERGES: invariant at step" in done.stdout and "replay:" not in done.stdout
+    _no_half_files(tmp_path)
+
+
+def test_a_refusal_of_the_system_that_no_handler_meets_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    # 2 KiB is too small for the shared memory a campaign's child reports through: no campaign can start.
+    def tinier_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    monkeypatch.setenv("KVSPEC_EXAMPLE_BUG", "pool")
+    done = kvspec([*BUGGY_POOL, "--trace-dir", "traces"], tmp_path, preexec_fn=tinier_files)
+    assert_one_line(done, "kvspec check: the system refused an operation (File too large")
+
+
+def test_a_refusal_of_the_system_in_a_campaign_is_no_fault_of_kvspec(tmp_path: Path) -> None:
+    # Within 4 KiB a request-level campaign's stream of steps (written before each step runs) overflows.
+    argv = ["check", "--impl", "spec", "--level", "manager", "--caching", "on", "--max-examples", "20",
+            "--cover-rounds", "0", "--trace-dir", "traces"]  # fmt: skip
+    done = kvspec(argv, tmp_path, preexec_fn=_small_files)
+    assert done.returncode == 2 and "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert "could-not-run" in done.stdout and "kvspec itself failed" not in done.stdout
+    assert "the system refused an operation (File too large" in done.stdout

@@ -138,6 +138,9 @@ def run_probe(
         if trace_dir is not None:
             slug = re.sub(r"[^0-9a-zA-Z]+", "-", probe.name).strip("-")
             path = Path(trace_dir) / f"{impl_name.replace('@', '-')}-probe-{slug}.trace.jsonl"
-            result.trace_path = str(write_trace(path, lock.trace(impl_name)))
+            try:
+                result.trace_path = str(write_trace(path, lock.trace(impl_name)))
+            except OSError as e:  # the finding stands; its trace is missing
+                result.message += f" (trace not saved in {trace_dir}: {e.strerror or e})"
         return result
     return ProbeResult(probe.name, Verdict.CONFORMS.value)

@@ -192,8 +192,10 @@ def run_probes(
             if trace_dir is not None:
                 slug = probe.name.replace(" ", "-")
                 path = Path(trace_dir) / f"{impl_name.replace('@', '-')}-probe-{slug}.trace.jsonl"
-                trace = lock.trace(impl_name)
-                result.trace_path = str(write_trace(path, trace))
+                try:
+                    result.trace_path = str(write_trace(path, lock.trace(impl_name)))
+                except OSError as e:  # the finding stands; its trace is missing
+                    result.message += f" (trace not saved in {trace_dir}: {e.strerror or e})"
         results.append(result)
     return results
 

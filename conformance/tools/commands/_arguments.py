@@ -16,14 +16,13 @@ import contextlib
 import math
 import os
 import re
-import secrets
-import stat
 import sys
 from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import NoReturn
 
+from kvspec.conformance.core.files import write_whole
 from kvspec.conformance.core.run_config import DEFAULT_BUILD_TIMEOUT_S, DRAWN, ConfigError, too_wide_for_campaigns
 from kvspec.conformance.runner import run as runner
 from kvspec.spec.attention import format_groups, parse_groups
@@ -327,53 +326,22 @@ def json_output(text: str) -> str | Path:
 
 
 def write_output(prog: str, path: str | Path, content: str | bytes) -> int:
-    """Write what the user asked for (`--json`, `--html`, `--junit`, `-o`, `--plot`) whole or not at all.
+    """Write what the user asked for (`--json`, `--html`, `--junit`, `-o`, `--plot`) whole or not at all
+    (`core.files.write_whole`: a failed write leaves what was there as it was).
 
-    `-` is stdout (a failure there is the CLI's to say, as for any other output). A file is written beside
-    itself under a temporary name, then moved onto its path: a write that fails (a full disk) leaves the file
-    that was there as it was, never half a report. A path that is no regular file (a device such as
-    /dev/full, a FIFO) cannot be replaced so, and is written directly. A link stays a link: the file it names
-    is replaced. Returns 0, or 2 after one line on stderr (`kvspec check: cannot write r.json: <why>`).
+    `-` is stdout (a failure there is the CLI's to say, as for any other output). Returns 0, or 2 after one
+    line on stderr (`kvspec check: cannot write r.json: <why>`).
     """
     if str(path) == "-":
         sys.stdout.write(content if isinstance(content, str) else content.decode("utf-8"))
         sys.stdout.flush()
         return 0
-    data = content.encode("utf-8") if isinstance(content, str) else content
     try:
-        target = Path(os.path.realpath(path))
-        if target.exists() and not target.is_file():
-            with open(target, "wb") as stream:
-                stream.write(data)
-        else:
-            _replace_whole(target, data)
+        write_whole(path, content)
     except OSError as e:
         print(f"{prog}: cannot write {path}: {e.strerror or e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _replace_whole(target: Path, data: bytes) -> None:
-    """Write `data` to a new file in `target`'s folder and move it onto `target` (its mode kept, if it exists)."""
-    try:
-        mode: int | None = stat.S_IMODE(target.stat().st_mode)
-    except FileNotFoundError:
-        mode = None
-    temporary = target.parent / f".{target.name[:180]}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-    # 0o666 less the umask, as any new file the user's shell creates; an existing file's own mode otherwise.
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as stream:
-            stream.write(data)
-            stream.flush()
-            if mode is not None:
-                os.fchmod(stream.fileno(), mode)
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.core.files import write_whole
 from kvspec.conformance.tools.view.model import build_view
 
 __all__ = ["render_page", "write_page"]
@@ -45,8 +46,9 @@ def render_page(doc: Mapping[str, Any]) -> str:
 
 
 def write_page(path: str | Path, doc: Mapping[str, Any]) -> Path:
-    """Write the page for `doc` to `path` (parents created); returns the path."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(render_page(doc), encoding="utf-8")
-    return p
+    """Write the page for `doc` to `path` (parents created), whole or not at all; returns the path.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    return write_whole(path, render_page(doc))
