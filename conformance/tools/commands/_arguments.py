@@ -154,8 +154,8 @@ def add_timeouts(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_BUILD_TIMEOUT_S,
         metavar="SECONDS",
         help="the most importing and building the implementation may take, each adapter built "
-        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}, from 0.1 to a week): its own limit, so a slow import is not a "
-        "hung step",
+        f"(default {DEFAULT_BUILD_TIMEOUT_S:g}, from 0.1 to a week): its own limit, so a slow import is not taken "
+        "for a hung call; past it the implementation is hung, at building the adapter",
     )
 
 
