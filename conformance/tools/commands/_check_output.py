@@ -312,18 +312,10 @@ def auto_summary_json(found: Sequence[ProfilesFound], seconds: float) -> dict[st
 
 def _junit_auto_case(suite: ET.Element, found: ProfilesFound, counts: Counter[str]) -> None:
     r = found.first
-    case = ET.SubElement(
-        suite,
-        "testcase",
-        classname=f"kvspec.{found.impl}",
-        name=f"{r.level}-caching-{'on' if r.enable_caching else 'off'}-auto",
-        time=f"{found.seconds:.3f}",
-    )
-    counts["tests"] += 1
+    case = _testcase(suite, r, "auto", found.seconds, counts)
     verdicts = "; ".join(f"{p}: {x.verdict.value}" for p, x in found.results.items())
     if found.exit_code is None:
-        ET.SubElement(case, "skipped", message=f"{r.level} level not provided: {r.message}"[:500])
-        counts["skipped"] += 1
+        _skipped(case, r, counts)
     elif found.exit_code == 1:
         stories = "\n\n".join(f"{p}:\n{x.failure.story if x.failure else x.message}" for p, x in found.results.items())
         message = f"conforms to no profile ({verdicts})"
@@ -341,19 +333,27 @@ def write_json(document: Any, where: str | Path, *, prog: str) -> int:
     return write_output(prog, where, json.dumps(document, indent=2) + "\n")
 
 
-def _junit_case(suite: ET.Element, r: CheckResult, counts: Counter[str]) -> None:
-    impl = r.impl or "impl"
-    case = ET.SubElement(
+def _testcase(suite: ET.Element, r: CheckResult, profile: str, seconds: float, counts: Counter[str]) -> ET.Element:
+    """The test case of `r`'s configuration under `profile` (or "auto"), counted."""
+    counts["tests"] += 1
+    return ET.SubElement(
         suite,
         "testcase",
-        classname=f"kvspec.{impl}",
-        name=f"{r.level}-caching-{'on' if r.enable_caching else 'off'}-{r.profile}",
-        time=f"{r.seconds:.3f}",
+        classname=f"kvspec.{r.impl or 'impl'}",
+        name=f"{r.level}-caching-{'on' if r.enable_caching else 'off'}-{profile}",
+        time=f"{seconds:.3f}",
     )
-    counts["tests"] += 1
+
+
+def _skipped(case: ET.Element, r: CheckResult, counts: Counter[str]) -> None:
+    ET.SubElement(case, "skipped", message=f"{r.level} level not provided: {r.message}"[:500])
+    counts["skipped"] += 1
+
+
+def _junit_case(suite: ET.Element, r: CheckResult, counts: Counter[str]) -> None:
+    case = _testcase(suite, r, r.profile, r.seconds, counts)
     if r.verdict is Verdict.NOT_APPLICABLE:
-        ET.SubElement(case, "skipped", message=f"{r.level} level not provided: {r.message}"[:500])
-        counts["skipped"] += 1
+        _skipped(case, r, counts)
     elif r.verdict in (Verdict.COULD_NOT_RUN, Verdict.INCONCLUSIVE):
         ET.SubElement(case, "error", message=r.message[:500], type=r.verdict.value).text = r.message
         counts["errors"] += 1
