@@ -42,6 +42,7 @@ def test_the_built_in_implementations_conform_with_every_event_and_counter_reach
     assert r.events and "take_events" not in r.absent_ops
 
 
+@pytest.mark.heavy
 def test_without_caching_only_the_clear_and_the_reset_count_are_expected(tmp_path):
     r = check(make_reference, tmp_path, level="manager", enable_caching=False)
     assert r.verdict == "conforms"

@@ -107,6 +107,7 @@ def test_groups_auto_draws_the_attention_types_an_adapter_builds() -> None:
     assert undeclared.verdict is Verdict.CONFORMS and undeclared.groups == "full", undeclared.message
 
 
+@pytest.mark.heavy
 def test_check_by_default_checks_what_the_implementation_provides_and_names_what_a_narrow_run_left_out(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

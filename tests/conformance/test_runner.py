@@ -87,6 +87,7 @@ def test_a_hit_past_the_len_minus_one_cap_is_named_hit_within_cap(tmp_path):
     assert (r.failure.kind, r.failure.invariant, r.failure.op) == ("invariant", "hit_within_cap", "get_computed_blocks")
 
 
+@pytest.mark.heavy
 def test_another_hash_function_conforms_because_hashes_are_compared_as_names(tmp_path):
     r = check(adapters.make_other_hash_function, tmp_path, level="manager", max_examples=60)
     assert r.verdict == "conforms", r.failure and r.failure.story

@@ -65,6 +65,7 @@ def _tree(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.heavy
 def test_a_fork_with_its_own_package_name_checks_exactly_like_the_tree_it_was_made_from(tmp_path) -> None:
     fork, tree = _fork(tmp_path / "fork"), _tree(tmp_path / "tree")
     for caching in (True, False):
