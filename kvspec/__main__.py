@@ -1,5 +1,5 @@
 """`python -m kvspec` is the same as the `kvspec` command."""
 
-from kvspec.conformance.tools.cli import main
+from kvspec._entry import main
 
 raise SystemExit(main())

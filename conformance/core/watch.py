@@ -32,6 +32,8 @@ __all__ = [
     "IMPLEMENTATION_FAULTS",
     "StepTimeout",
     "StepWatch",
+    "ctrl_c_held_back",
+    "ctrl_c_pressed",
     "ignore_ctrl_c",
     "raise_if_ctrl_c",
     "telling_ctrl_c_apart",
@@ -71,10 +73,31 @@ def telling_ctrl_c_apart() -> Iterator[None]:
         signal.signal(signal.SIGINT, old)
 
 
+def ctrl_c_pressed() -> bool:
+    """Whether a Ctrl-C reached this process while `telling_ctrl_c_apart` was last in force."""
+    return _ctrl_c_pressed
+
+
+@contextlib.contextmanager
+def ctrl_c_held_back() -> Iterator[None]:
+    """Hold a Ctrl-C back while a child is forked: the child starts with it blocked (and none pending), so
+    it cannot arrive there before `ignore_ctrl_c`; here it is delivered when the block ends."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def ignore_ctrl_c() -> None:
-    """For a campaign's child process: a Ctrl-C is its parent's to act on (it stops the children); any
-    KeyboardInterrupt in the child is then raised by the code it runs."""
+    """For a campaign's child process (forked under `ctrl_c_held_back`): a Ctrl-C is its parent's to act on
+    (it stops the children); any KeyboardInterrupt in the child is then raised by the code it runs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def raise_if_ctrl_c(e: BaseException) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.results import CampaignReport, Verdict
-from kvspec.conformance.core.watch import ignore_ctrl_c
+from kvspec.conformance.core.watch import ctrl_c_held_back, ignore_ctrl_c
 
 __all__ = ["Death", "Progress", "Work", "kvspec_failed", "run_isolated", "run_isolated_jobs", "system_refused"]
 
@@ -114,7 +114,8 @@ class _Child:
         fd, self.stream_path = tempfile.mkstemp(prefix="kvspec-steps-", suffix=".jsonl")
         os.close(fd)
         self.proc = ctx.Process(target=_child_main, args=(work, send, self.heartbeat, self.stream_path), daemon=True)
-        self.proc.start()
+        with ctrl_c_held_back():  # a Ctrl-C is the parent's: none may reach the child before it ignores them
+            self.proc.start()
         send.close()
 
     def outcome(self, step_timeout_s: float | None) -> CampaignReport | Death | None:

@@ -24,8 +24,8 @@ from hypothesis.configuration import set_hypothesis_home_dir
 import kvspec
 import kvspec.conformance.tools.commands as commands
 from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_INTERRUPTED
-from kvspec.conformance.core.watch import telling_ctrl_c_apart
-from kvspec.conformance.runner.isolation import system_refused
+from kvspec.conformance.core.watch import ctrl_c_pressed, telling_ctrl_c_apart
+from kvspec.conformance.runner.isolation import kvspec_failed, system_refused
 from kvspec.conformance.tools.commands._arguments import OneLineParser
 
 __all__ = ["build_parser", "main"]
@@ -80,8 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     code = args.run(args)
             # Python flushes stdout at exit, after main has returned: a failure there would be a traceback.
             sys.stdout.flush()
-    except KeyboardInterrupt:  # the user's Ctrl-C: an implementation's own is its crash, caught where it ran
-        code = _interrupted(prog)
+    except KeyboardInterrupt as e:  # the user's Ctrl-C: an implementation's own is its crash, caught where it ran
+        if ctrl_c_pressed():
+            code = _interrupted(prog)
+        else:  # raised by code, past every handler of an implementation's calls: kvspec's fault
+            print(f"{prog}: {kvspec_failed(e)}", file=sys.stderr)
+            code = EXIT_COULD_NOT_RUN
     except BrokenPipeError as e:  # stdout's, or a pipe kvspec writes to otherwise: its reader went away
         stdout.failed = stdout.failed or e
     except OSError as e:

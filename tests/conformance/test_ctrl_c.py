@@ -9,11 +9,14 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from kvspec import _entry
+from kvspec.conformance.core.results import EXIT_INTERRUPTED
 from kvspec.conformance.core.watch import telling_ctrl_c_apart
 from kvspec.conformance.runner.run import run_check
 from kvspec.conformance.targets.builtin import ReferencePoolAdapter
@@ -104,6 +107,23 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _campaign_children(pgid: int) -> list[int]:
+    """The group's processes forked from its leader to run campaigns (the same command line), not a
+    program a module runs while it loads (ctypes runs ldconfig)."""
+    try:
+        leader = Path(f"/proc/{pgid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    children = []
+    for pid in _group_members(pgid):
+        try:
+            if pid != pgid and Path(f"/proc/{pid}/cmdline").read_bytes() == leader:
+                children.append(pid)
+        except OSError:
+            continue
+    return children
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc (Linux)")
 def test_ctrl_c_ends_a_check_in_one_line_with_no_verdict_and_no_report(tmp_path: Path) -> None:
     report = tmp_path / "report.json"
@@ -115,7 +135,7 @@ def test_ctrl_c_ends_a_check_in_one_line_with_no_verdict_and_no_report(tmp_path:
                             start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while len(_group_members(proc.pid)) < 2:  # a campaign's child is running: the handler is in force
+        while not _campaign_children(proc.pid):  # a campaign's child is running: the handler is in force
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
@@ -131,3 +151,22 @@ def test_ctrl_c_ends_a_check_in_one_line_with_no_verdict_and_no_report(tmp_path:
     while _group_members(proc.pid) and time.monotonic() < deadline:  # the children were stopped
         time.sleep(0.05)
     assert _group_members(proc.pid) == []
+
+
+def test_ctrl_c_while_kvspec_loads_is_the_same_one_line(tmp_path: Path) -> None:
+    # Before the command line has loaded, no handler of kvspec's is in force: the entry point catches it.
+    # Here the Ctrl-C comes as the command line's module is looked for.
+    program = textwrap.dedent("""
+        import os, signal, sys
+        class PressesCtrlC:
+            def find_spec(self, name, path=None, target=None):
+                if name == "kvspec.conformance.tools.cli":
+                    os.kill(os.getpid(), signal.SIGINT)
+                return None
+        sys.meta_path.insert(0, PressesCtrlC())
+        from kvspec._entry import main
+        raise SystemExit(main())
+    """)
+    r = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (130, "kvspec: interrupted (Ctrl-C): no verdict\n"), r.stderr
+    assert _entry.EXIT_INTERRUPTED == EXIT_INTERRUPTED
