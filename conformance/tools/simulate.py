@@ -51,6 +51,7 @@ from kvspec.spec.manager import Request
 __all__ = [
     "BYTES_PER_BLOCK",
     "MAX_POOL_BLOCKS",
+    "MAX_STEPS",
     "SimRequest",
     "SimResult",
     "WorkloadError",
@@ -73,6 +74,9 @@ class WorkloadError(ValueError):
 BYTES_PER_BLOCK = 200
 # The largest pool simulate builds: 10,000,000 blocks take about 2 GB and a minute and a half to build.
 MAX_POOL_BLOCKS = 10_000_000
+# The scheduler steps a simulation runs at most: a request decodes one token per step, so one that arrives
+# or generates later than this never finishes, and a workload file is refused for it before anything runs.
+MAX_STEPS = 1_000_000
 
 
 def available_memory() -> int | None:
@@ -258,7 +262,7 @@ def simulate(
     profile: str = "vllm-v1",
     enable_caching: bool = True,
     manager: Callable[[], KVCacheManagerAdapter] | None = None,
-    max_steps: int = 1_000_000,
+    max_steps: int = MAX_STEPS,
 ) -> SimResult:
     """Replay `workload` through a block manager; one configuration.
 
@@ -333,13 +337,14 @@ def parse_request(entry: object, where: str) -> SimRequest:
     arrival = entry.get("arrival", 0)
     if isinstance(arrival, bool) or not isinstance(arrival, int) or arrival < 0:
         raise WorkloadError(f"{where}: arrival must be a non-negative integer step; got {arrival!r}")
-    return SimRequest(
-        _token_list(entry["prompt"], "prompt", where, allow_empty=False),
-        _token_list(entry.get("output", []), "output", where, allow_empty=True),
-        arrival,
-        _optional_str(entry, "lora", where),
-        _optional_str(entry, "cache_salt", where),
-    )
+    prompt = _token_list(entry["prompt"], "prompt", where, allow_empty=False)
+    output = _token_list(entry.get("output", []), "output", where, allow_empty=True)
+    # Admitted at its arrival, then one token per step, then freed: the step it ends at is known now.
+    if arrival + len(output) + 1 >= MAX_STEPS:
+        raise WorkloadError(f"{where}: arrival {arrival} with {len(output)} output tokens ends past the "
+                            f"{MAX_STEPS:,} steps a simulation runs (one token per step)")  # fmt: skip
+    lora, salt = _optional_str(entry, "lora", where), _optional_str(entry, "cache_salt", where)
+    return SimRequest(prompt, output, arrival, lora, salt)
 
 
 def read_workload(path: str | Path) -> list[SimRequest]:
@@ -362,6 +367,8 @@ def read_workload(path: str | Path) -> list[SimRequest]:
             entry = json.loads(line)
         except json.JSONDecodeError as e:
             raise WorkloadError(f"{where}: not JSON ({e.msg})") from None
+        except RecursionError:  # json's parser recurses once per level of nesting
+            raise WorkloadError(f"{where}: nested deeper than any request") from None
         requests.append(parse_request(entry, where))
     if not requests:
         raise WorkloadError(f"{path}: no request in the file")

@@ -51,14 +51,23 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, help="a built-in workload's seed (default 0)")
     p.add_argument("--block-size", type=positive_int, nargs="+", default=[16], metavar="N",
                    help="tokens per block (default 16)")
-    p.add_argument("--pool", type=positive_int, nargs="+", default=[2000], metavar="N",
-                   help="blocks in the pool, the null block included (default 2000)")
+    p.add_argument("--pool", type=_pool_size, nargs="+", default=[2000], metavar="N",
+                   help="blocks in the pool, the null block included (default 2000, at least 2)")
     p.add_argument("--profile", type=profile_name, nargs="+", default=["vllm-v1"], metavar="P",
                    help="ordering profiles (default vllm-v1)")
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     p.add_argument("--plot", type=output_file, metavar="PNG", help="write hit rate against pool capacity (matplotlib)")
     p.add_argument("--json", type=json_output, metavar="PATH", help="also write the results as JSON (- for stdout)")
     p.set_defaults(run=run)
+
+
+def _pool_size(text: str) -> int:
+    """Blocks in a pool: the null block and at least one a request can hold (a pool of 1 rejects every request,
+    and its table of zeros would read as a measurement)."""
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2, the null block and one block to allocate; got {value}")
+    return value
 
 
 def _one(job: tuple[Any, int, int, str]) -> Any:
@@ -143,11 +152,15 @@ def run(args: argparse.Namespace) -> int:
             print("kvspec simulate: --plot needs matplotlib: pip install 'kvspec[plot]'", file=sys.stderr)
             return 2
     jobs = [(workload, b, p, prof) for prof in args.profile for b in args.block_size for p in args.pool]
-    if args.jobs > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
-            results = list(pool.map(_one, jobs))
-    else:
-        results = [_one(job) for job in jobs]
+    try:
+        if args.jobs > 1 and len(jobs) > 1:
+            with ProcessPoolExecutor(min(args.jobs, len(jobs))) as pool:
+                results = list(pool.map(_one, jobs))
+        else:
+            results = [_one(job) for job in jobs]
+    except WorkloadError as e:  # one that did not finish: preemptions that go on past the steps a run has
+        print(f"kvspec simulate: {args.workload}: {e}", file=sys.stderr)
+        return 2
 
     source = f"{args.workload} (seed {args.seed})" if args.workload in WORKLOADS else args.workload
     with text_for_people(args.json):
