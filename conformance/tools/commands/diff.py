@@ -36,7 +36,7 @@ from kvspec.conformance.tools.commands._arguments import (
 from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.conformance.tools.vllm_diff import changes_json, diff_vllm, format_changes
 
-__all__ = ["register", "run"]
+__all__ = ["accepted_changes", "register", "run"]
 
 MAX_EXAMPLES = 10_000  # per campaign; the default is enough to find a changed free order in a few steps
 
@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _accepted(path: Path) -> set[tuple[str, str]]:
+def accepted_changes(path: Path) -> set[tuple[str, str]]:
     """The (kind, what) of each change a --accept file lists (the --json form, or its list of changes).
 
     Raises:
@@ -77,6 +77,8 @@ def _accepted(path: Path) -> set[tuple[str, str]]:
         return {(str(c["kind"]), str(c["what"])) for c in listed}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--accept: cannot read {path} as a list of changes ({type(e).__name__}: {e})") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise ValueError(f"--accept: cannot read {path} as a list of changes (nested too deep)") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvspec diff: --max-examples: at most {MAX_EXAMPLES}; got {args.max_examples}", file=sys.stderr)
         return 2
     try:
-        accepted = _accepted(args.accept) if args.accept else set()
+        accepted = accepted_changes(args.accept) if args.accept else set()
     except ValueError as e:
         print(f"kvspec diff: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.targets.vllm.lightmode import LightModeError, tree_package
 from kvspec.conformance.tools.commands import check, diff
 from kvspec.conformance.tools.commands._arguments import output_dir
 
@@ -55,14 +56,23 @@ def _vllm_tree(text: str) -> str:
         raise argparse.ArgumentTypeError(f"no such folder {text}")
     if not (path / "vllm").is_dir():
         raise argparse.ArgumentTypeError(f"{text} holds no vllm/ folder: not a vLLM checkout")
+    try:  # what both stages load: a tree without it would be refused twice, after the first stage ran
+        tree_package(path, text)
+    except LightModeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 
 def _readable_file(text: str) -> Path:
-    """A file that exists and can be read, checked before either stage runs."""
+    """A file that exists and can be read as the diff reads it, checked before either stage runs (a malformed
+    one would otherwise be found only by the diff, after the check)."""
     path = Path(text)
     if not path.is_file() or not os.access(path, os.R_OK):
         raise argparse.ArgumentTypeError(f"no readable file {text}")
+    try:
+        diff.accepted_changes(path)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--accept: ")) from None
     return path
 
 
