@@ -95,17 +95,23 @@ def _check(obligation: Obligation, universe: Universe, timeout_s: float) -> tupl
     return result, ""
 
 
-def _satisfiable(obligation: Obligation, max_bound: int, timeout_s: float) -> bool:
-    """Whether some state of size at most `max_bound` satisfies the obligation's hypotheses."""
+def _satisfiable(obligation: Obligation, max_bound: int, timeout_s: float) -> tuple[z3.CheckSatResult, str]:
+    """Whether some state of size at most `max_bound` satisfies the obligation's hypotheses: sat, unsat, or
+    unknown with z3's reason when a size went unanswered (a timeout is no evidence that the hypotheses are
+    vacuous)."""
+    unanswered = ""
     for n in range(1, max_bound + 1):
         universe = Universe(bound=n)
         formula = obligation.build(universe)
         solver = z3.Solver()
         solver.set(timeout=int(timeout_s * 1000))
         solver.add(*universe.assumptions, *formula.hypotheses)
-        if solver.check() == z3.sat:
-            return True
-    return False
+        result = solver.check()
+        if result == z3.sat:
+            return result, ""
+        if result == z3.unknown and not unanswered:
+            unanswered = f"at size {n}, whether any state satisfies the hypotheses: {solver.reason_unknown()}"
+    return (z3.unknown, unanswered) if unanswered else (z3.unsat, "")
 
 
 def _smallest_counterexample(obligation: Obligation, max_bound: int, timeout_s: float) -> tuple[z3.CheckSatResult, str]:
@@ -165,7 +171,10 @@ def decide_true(
             return _stopped("refuted", obligations, ob, start, counterexample=small_text if small == z3.sat else text)
         if result == z3.unknown:
             return _stopped("unknown", obligations, ob, start, reason=text)
-        if not _satisfiable(ob, small_bound, timeout_s):
+        satisfiable, why = _satisfiable(ob, small_bound, timeout_s)
+        if satisfiable == z3.unknown:
+            return _stopped("unknown", obligations, ob, start, reason=why)
+        if satisfiable == z3.unsat:
             reason = f"no state of size <= {small_bound} satisfies the hypotheses"
             return _stopped("vacuous", obligations, ob, start, reason=reason)
     return _held(obligations, start)

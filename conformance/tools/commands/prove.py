@@ -17,6 +17,7 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
+from kvspec.conformance.core.run_config import MAX_SECONDS
 from kvspec.conformance.tools.commands._arguments import positive_float
 from kvspec.spec.ordering import is_profile, known_profiles
 
@@ -48,8 +49,19 @@ def register(subparsers: Any) -> None:
         help="check only this lemma (a name like lemma_hit_cap_within_prompt, or its number; repeatable)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--timeout", type=positive_float, default=20.0, metavar="S", help="seconds per z3 call (default 20)")
+    p.add_argument("--timeout", type=_z3_timeout, default=20.0, metavar="S",
+                   help="seconds per z3 call (default 20, from 0.001 to a week)")  # fmt: skip
     p.set_defaults(run=run)
+
+
+def _z3_timeout(text: str) -> float:
+    """Seconds per z3 call: z3 counts whole milliseconds in 32 bits, where 0 is no limit at all and a larger
+    count wraps around to a small one, so either would silently be another limit than the one asked for."""
+    value = positive_float(text)
+    if not 0.001 <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be from 0.001 (a millisecond) to {MAX_SECONDS:g} seconds (a week); "
+                                         f"got {text}")  # fmt: skip
+    return value
 
 
 def _row(number: str, name: str, profile: str, result: str, seconds: str) -> str:
