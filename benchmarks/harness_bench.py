@@ -20,8 +20,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvspec.conformance.core.results import Verdict
+from kvspec.conformance.core.run_config import ConfigError, RunConfig
 from kvspec.conformance.runner.run import run_check
-from kvspec.conformance.tools.commands._arguments import OneLineParser, campaign_group_layout, integer, positive_int
+from kvspec.conformance.tools.commands._arguments import (
+    OneLineParser,
+    campaign_group_layout,
+    integer,
+    positive_int,
+    refuse,
+)
 
 __all__ = ["DEFAULT_JOBS", "DEFAULT_LAYOUTS", "TARGET_STEPS_PER_S", "LayoutSpeed", "main", "measure"]
 
@@ -107,6 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
+    try:  # each campaign's record, refused here rather than as a row of could-not-run per campaign
+        for jobs in args.jobs:
+            RunConfig(max_examples=args.max_examples, seed=args.seed, jobs=jobs)
+    except ConfigError as e:
+        return refuse("kvspec bench harness", e)
     print(f"harness, manager level, reference, caching on, {args.max_examples} examples per layout, seed {args.seed}")
     print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} cores, each campaign in "
           "forked children\n")  # fmt: skip

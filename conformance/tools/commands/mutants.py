@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_DIVERGES, EXIT_OK, CheckResult, Verdict
+from kvspec.conformance.core.run_config import ConfigError, RunConfig
 from kvspec.conformance.tools.commands._arguments import (
     DEFAULT_TRACE_DIR,
     non_negative_int,
     output_dir,
     positive_float,
     positive_int,
+    refuse,
 )
 from kvspec.conformance.tools.mutants import (
     KILL_TIME_TARGET_S,
@@ -96,12 +98,21 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_COULD_NOT_RUN
+    try:  # the record every campaign is run under, refused here rather than by the control's campaign
+        RunConfig(max_examples=args.max_examples, seed=args.seed, time_budget_s=args.time_budget)
+    except ConfigError as e:
+        return refuse("kvspec mutants", e)
     found = discover()
     try:
         mutants = _select(found.mutants, args.only)
     except ValueError as e:
         print(f"kvspec mutants: {e}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
+    if args.list and args.json:  # a script's list, as --json promises: not the table
+        listed = [{"name": m.name, "level": m.level, "impl": factory_name(m), "kind": m.kind,
+                   "description": m.description} for m in mutants]  # fmt: skip
+        print(json.dumps(listed, indent=2))
+        return EXIT_OK
     if args.list:
         for m in mutants:
             print(f"{m.name:34} {m.level:7} {factory_name(m)}\n    {m.kind}: {m.description}")
@@ -148,11 +159,13 @@ def _controls(args: argparse.Namespace, mutants: Sequence[Mutant]) -> list[Check
             )
     broken = [c for c in controls if c.verdict is not Verdict.CONFORMS]
     for c in broken:
-        detail = c.failure.message if c.failure is not None else c.verdict.value
-        print(
-            f"kvspec mutants: the unmutated reference does not conform ({detail}); kills would mean nothing",
-            file=sys.stderr,
-        )
+        if c.verdict.exit_code == EXIT_COULD_NOT_RUN:  # no verdict (a budget too small to conclude): not its fault
+            said = f"the check of the unmutated reference reached no verdict ({c.verdict.value}"
+            said += f": {c.message.splitlines()[0]})" if c.message else ")"
+        else:
+            detail = c.failure.message if c.failure is not None else c.verdict.value
+            said = f"the unmutated reference does not conform ({detail})"
+        print(f"kvspec mutants: {said}; kills would mean nothing", file=sys.stderr)
     return None if broken else controls
 
 

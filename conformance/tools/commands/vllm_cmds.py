@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, EXIT_DIVERGES, EXIT_OK, Verdict
+from kvspec.conformance.core.run_config import ConfigError, RunConfig
 from kvspec.conformance.targets.archives import is_release_number
 from kvspec.conformance.targets.plugins.targets import TARGETS
 from kvspec.conformance.targets.vllm.adapter import spec_hashing_for
@@ -19,7 +20,7 @@ from kvspec.conformance.targets.vllm.releases import HASH_CHAIN_DIFFERENCES, REL
 from kvspec.conformance.targets.vllm.v0 import V0_RELEASES
 from kvspec.conformance.tools import oracle, oracle_matrix
 from kvspec.conformance.tools import plugin_matrix as matrix
-from kvspec.conformance.tools.commands._arguments import output_dir, positive_float, positive_int
+from kvspec.conformance.tools.commands._arguments import output_dir, positive_float, positive_int, refuse
 
 
 def register(subparsers: Any) -> None:
@@ -103,9 +104,16 @@ def run_oracle_cmd(args: argparse.Namespace) -> int:
         from kvspec.benchmarks.vllm_bench import main as bench_main
 
         return bench_main(args.bench_version or RELEASES[-1])
+    try:  # the record each worker's campaign is run under: refused here, not by every worker after its wheel
+        RunConfig(max_examples=args.max_examples, time_budget_s=args.time_budget)
+    except ConfigError as e:
+        return refuse("kvspec oracle", e)
     if args.plugins is not None:
         return run_plugins_cmd(args)
     args.level = args.level or "pool"
+    if args.all and args.vllm:  # either would be the other's silent loss: every release run for one asked, or not
+        print("kvspec oracle: --all and --vllm each name the releases; give one of them", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
     versions = _oracle_versions(list(RELEASES) if args.all else list(args.vllm))
     if versions is None:
         return EXIT_COULD_NOT_RUN
@@ -161,9 +169,13 @@ def run_plugins_cmd(args: argparse.Namespace) -> int:
 
     rows: list[tuple[str, str | None]] = []
     for name in args.plugins:
-        target, _, base = name.partition("@")
-        if target not in TARGETS or (TARGETS[target].base is None and base):
+        target, at, base = name.partition("@")
+        if target not in TARGETS or (TARGETS[target].base is None and base) or (at and not base):
             print(f"kvspec oracle: unknown plugin target {name!r}; known: {', '.join(TARGETS)}", file=sys.stderr)
+            return EXIT_COULD_NOT_RUN
+        if base and base != NEWEST and not is_release_number(base):  # a worker per cell would find it, each
+            print(f"kvspec oracle: {name}: {base!r} is not a vLLM release number (e.g. 0.34.0, or newest)",
+                  file=sys.stderr)  # fmt: skip
             return EXIT_COULD_NOT_RUN
         rows.append((target, base or None))
     level = args.level or "both"
