@@ -127,7 +127,8 @@ def test_declarations_that_cannot_be_read_are_the_adapters_fault_not_kvspecs(tmp
 
 
 def test_the_gate_refuses_what_is_not_a_checkout_before_either_stage(tmp_path):
-    (tmp_path / "base" / "vllm").mkdir(parents=True)
+    (tmp_path / "base" / "vllm" / "v1" / "core").mkdir(parents=True)
+    (tmp_path / "base" / "vllm" / "v1" / "core" / "block_pool.py").write_text("")
     refused(kvspec("gate", "nope", "base", "--out", "out", cwd=tmp_path), "kvspec gate: PR: no such folder nope")
     refused(kvspec("gate", "base", "base", "--out", "out", "--accept", "nope.json", cwd=tmp_path),
             "kvspec gate: --accept: no readable file nope.json")  # fmt: skip
@@ -155,3 +156,103 @@ def test_ids_of_any_integer_type_are_read_as_ints(tmp_path):
     """)
     r = check(impl, tmp_path, "--max-examples", "100")
     assert r.returncode == 0 and "malformed" not in r.stdout, r.stdout + r.stderr
+
+
+def test_a_workload_simulate_cannot_read_or_finish_is_refused_before_it_runs(tmp_path):
+    # An arrival past the steps a simulation runs was a traceback (WorkloadError) after the whole run; JSON nested
+    # deeper than Python's recursion limit was a traceback (RecursionError).
+    (tmp_path / "late.jsonl").write_text('{"prompt": [1, 2, 3], "arrival": 99999999999999999999999}\n')
+    (tmp_path / "deep.jsonl").write_text('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    simulate = ("simulate", "--jobs", "1", "--pool", "50", "--workload")
+    says = "late.jsonl:1: arrival 99999999999999999999999 with 0 output tokens ends past the 1,000,000 steps"
+    refused(kvspec(*simulate, "late.jsonl", cwd=tmp_path), says)
+    refused(kvspec(*simulate, "deep.jsonl", cwd=tmp_path), "deep.jsonl:1: nested deeper than any request")
+
+
+def test_a_pool_of_only_the_null_block_is_refused_not_simulated_to_a_table_of_zeros(tmp_path):
+    # It exited 0 with "0 / 0" queries: every request rejected, nothing measured.
+    r = kvspec("simulate", "--jobs", "1", "--workload", "none", "--pool", "1", cwd=tmp_path)
+    refused(r, "--pool: must be at least 2, the null block and one block to allocate; got 1")
+
+
+def test_an_accept_file_the_diff_cannot_read_is_refused_before_the_gate_checks_anything(tmp_path):
+    # The gate ran its whole check stage first, and its diff stage then refused the file (or, nested too deep,
+    # failed with a traceback); a checkout without the pool was refused once by each stage.
+    (tmp_path / "bad.json").write_text("not json\n")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    for tree in ("pr", "base"):
+        (tmp_path / tree / "vllm" / "v1" / "core").mkdir(parents=True)
+        (tmp_path / tree / "vllm" / "v1" / "core" / "block_pool.py").write_text("")
+    (tmp_path / "empty" / "vllm").mkdir(parents=True)
+    gate = ("gate", "pr", "base", "--out", "out", "--accept")
+    refused(kvspec(*gate, "bad.json", cwd=tmp_path), "kvspec gate: --accept: cannot read bad.json as a list of changes")
+    refused(kvspec(*gate, "deep.json", cwd=tmp_path), "cannot read deep.json as a list of changes (nested too deep)")
+    refused(kvspec("diff", "vllm@0.33.0", "vllm@0.34.0", "--accept", "deep.json", cwd=tmp_path),
+            "kvspec diff: --accept: cannot read deep.json as a list of changes (nested too deep)")  # fmt: skip
+    refused(kvspec("gate", "empty", "base", "--out", "out", cwd=tmp_path),
+            "PR: empty is not a vLLM source tree: it has no vllm/v1/core/block_pool.py")  # fmt: skip
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_z3_timeout_is_one_z3_can_keep_and_its_timeout_is_not_read_as_vacuous_hypotheses(tmp_path):
+    # z3 counts whole milliseconds in 32 bits: 0.0001 s became 0 (no limit at all) and 4294968 s wrapped to 0.7 s.
+    for seconds in ("0.0001", "4294968", "1e12"):
+        refused(kvspec("prove", "--lemma", "7", "--timeout", seconds, cwd=tmp_path),
+                f"--timeout: must be from 0.001 (a millisecond) to 604800 seconds (a week); got {seconds}")  # fmt: skip
+    pytest.importorskip("z3")
+    # At a millisecond z3 may give up on whether any state satisfies the hypotheses: that was reported as
+    # "vacuous" (no state satisfies them), a claim about the lemma that z3 never made.
+    r = kvspec("prove", "--lemma", "7", "--profile", "vllm-v1", "--timeout", "0.001", cwd=tmp_path)
+    assert r.returncode in (0, 1) and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert "no state of size" not in r.stdout, r.stdout  # the reason a vacuous verdict gives
+
+
+def test_mutants_refuse_a_budget_no_campaign_takes_before_the_control_runs(tmp_path):
+    # The control's campaign refused it instead, and the refusal read as the reference not conforming.
+    only = ("mutants", "--only", "ref_cnt_underflow")
+    refused(kvspec(*only, "--time-budget", "1e12", cwd=tmp_path),
+            "kvspec mutants: --time-budget: must be at most 604800 seconds (a week); got 1e+12")  # fmt: skip
+    refused(kvspec(*only, "--max-examples", "1e10", cwd=tmp_path), "kvspec mutants: --max-examples: must be at most")
+    assert not (tmp_path / "kvspec-traces").exists()
+    # A budget too small to conclude is no verdict on the reference, and is not said as one.
+    r = kvspec(*only, "--max-examples", "5", "--time-budget", "0.001", cwd=tmp_path)
+    refused(r, "the check of the unmutated reference reached no verdict (inconclusive")
+    assert "does not conform" not in r.stderr
+
+
+def test_mutants_list_as_json_is_json(tmp_path):
+    # --json was ignored with --list: the table came out where a script reads JSON.
+    import json
+
+    r = kvspec("mutants", "--list", "--json", "--only", "ref_cnt_underflow", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [m["name"] for m in json.loads(r.stdout)] == ["ref_cnt_underflow"]
+
+
+def test_the_oracle_refuses_what_each_worker_would_before_any_worker_starts(tmp_path):
+    # --time-budget 1e12 overflowed a timer in a traceback; --max-examples 1e12 and a plugin's base release
+    # that is no release came back as a matrix of could-not-run; --all silently outvoted --vllm.
+    oracle = ("oracle", "--vllm", "0.34.0")
+    refused(kvspec(*oracle, "--time-budget", "1e12", cwd=tmp_path),
+            "kvspec oracle: --time-budget: must be at most 604800 seconds (a week); got 1e+12")  # fmt: skip
+    refused(kvspec(*oracle, "--max-examples", "1e12", cwd=tmp_path), "kvspec oracle: --max-examples: must be at most")
+    refused(kvspec(*oracle, "--all", cwd=tmp_path), "kvspec oracle: --all and --vllm each name the releases")
+    refused(kvspec("oracle", "--plugins", "kvcached@bogus", cwd=tmp_path),
+            "kvspec oracle: kvcached@bogus: 'bogus' is not a vLLM release number")  # fmt: skip
+    refused(kvspec("oracle", "--plugins", "kvcached@", cwd=tmp_path), "unknown plugin target 'kvcached@'")
+    assert not (tmp_path / "kvspec-oracle-traces").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (("--jobs", "1000"), "--jobs: must be at most 64"),
+        (("--seed", "-1"), "--seed: must be at least 0; got -1"),
+        (("--max-examples", "1e12"), "--max-examples: must be at most 1000000000"),
+    ],
+)
+def test_the_harness_benchmark_refuses_a_campaign_it_cannot_run_before_timing_any(tmp_path, flags, says):
+    # Each was a table of could-not-run rows, one per layout and job count.
+    r = kvspec("bench", "harness", "--groups", "full", *flags, cwd=tmp_path)
+    refused(r, f"kvspec bench harness: {says}")
+    assert r.stdout == ""
