@@ -322,6 +322,10 @@ def render(results: Sequence[Measurement]) -> str:
     return "\n".join(lines)
 
 
+# Calls timed per operation and size at the most: a median needs no more, and 1e6 take minutes already.
+MAX_REPEAT = 1_000_000
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print the table; returns the exit code (0, or 2 on bad arguments)."""
     parser = _parser()
@@ -329,9 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    if any(s <= BATCH for s in args.sizes) or args.repeat < 1:
+    if any(s <= BATCH for s in args.sizes) or not 1 <= args.repeat <= MAX_REPEAT:
         print(
-            f"kvspec bench reference: sizes must exceed {BATCH} blocks and repeat must be >= 1; "
+            f"kvspec bench reference: sizes must exceed {BATCH} blocks and repeat must be from 1 to {MAX_REPEAT:,}; "
             f"got sizes={args.sizes} repeat={args.repeat}",
             file=sys.stderr,
         )

@@ -75,11 +75,11 @@ class Limit:
 # The documented limits of the counts. A larger value is a typo or a run that never ends.
 LIMITS: dict[str, Limit] = {
     # With --time-budget the budget alone decides: the run asks for this many and stops on time.
-    "max_examples": Limit(1, 10**9, "a larger campaign never ends; give --time-budget instead"),
+    "max_examples": Limit(1, 10**9, "a larger campaign never ends; a time budget bounds one by time"),
     # Hypothesis runs at most a few hundred rules per example anyway (its buffer fills).
     "steps": Limit(1, 10_000, "Hypothesis's buffer ends an example long before that"),
     # Rounds stop as soon as every branch is reached; with a time budget, a large number means "while time lasts".
-    "cover_rounds": Limit(0, 10**6, "each round is as long as the campaign; give --time-budget instead"),
+    "cover_rounds": Limit(0, 10**6, "each round is as long as the campaign; a time budget bounds them by time"),
     # Fixed, not the machine's CPU count: the same configuration is valid on every machine
     # (one seed and job count, one campaign). Each job is a forked process with its own memory.
     "jobs": Limit(1, 64, "each job is a forked process; one per core is fastest"),

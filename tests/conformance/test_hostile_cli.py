@@ -56,6 +56,8 @@ def test_a_benchmark_refuses_what_it_cannot_time_before_it_times_anything(tmp_pa
     refused(r, "cannot fetch vllm version='bogus'")
     assert r.stdout == ""  # refused before the benchmark ran
     refused(kvspec("oracle", "--bench", "--bench-version", "bogus", cwd=tmp_path), "cannot fetch vllm version='bogus'")
+    r = kvspec("bench", "reference", "--repeat", "1e12", cwd=tmp_path)  # it ran for ever
+    refused(r, "repeat must be from 1 to 1,000,000; got sizes=")
 
 
 def test_a_module_that_exits_on_import_does_not_import(tmp_path):
