@@ -66,6 +66,8 @@ def cached_folder(base: Path, name: str, fill: Callable[[Path, Path], str], stam
         if stamp_line in (root / MARKER).read_text():
             return root
         shutil.rmtree(root, ignore_errors=True)  # filled under another stamp
+    if base.exists() and not base.is_dir():  # a cache named by the environment (KVSPEC_*_CACHE) may be anything
+        raise NotADirectoryError(f"the cache {base} is not a folder")
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=base))
     try:

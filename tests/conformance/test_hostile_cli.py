@@ -258,3 +258,12 @@ def test_the_harness_benchmark_refuses_a_campaign_it_cannot_run_before_timing_an
     r = kvspec("bench", "harness", "--groups", "full", *flags, cwd=tmp_path)
     refused(r, f"kvspec bench harness: {says}")
     assert r.stdout == ""
+
+
+def test_a_cache_named_by_the_environment_that_is_no_folder_is_said_so(tmp_path, monkeypatch):
+    # It was "FileExistsError: [Errno 17] File exists: '/dev/null'", said before anything was downloaded.
+    monkeypatch.setenv("KVSPEC_PLUGIN_CACHE", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    r = kvspec("check", "--impl", "kvcached", "--level", "pool", "--caching", "on", "--max-examples", "5", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert f"NotADirectoryError: the cache {tmp_path / 'a-file'} is not a folder" in r.stdout
