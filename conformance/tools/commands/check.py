@@ -34,8 +34,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -263,21 +262,25 @@ def run(args: argparse.Namespace) -> int:
     with text_for_people(config.json):
         _print_header(config, notes)
         start = time.monotonic()
+        found: list[ProfilesFound] | None = None  # --profile auto: each configuration's profiles
+        results: list[CheckResult] = []
         if config.profile == AUTO:
             found = _run_auto(config, start)
             seconds = time.monotonic() - start
             code, document = auto_exit_code(found), auto_summary_json(found, seconds)
             _print_auto_summary(found, seconds)
-            junit: Callable[[Path], int] = lambda path: write_junit_auto(found, path, prog="kvspec check")  # noqa: E731
         else:
             print(header(list(config.impls)))
             results = _run_configs(config, start)
             seconds = time.monotonic() - start
             code, document = exit_code(results), summary_json(results, seconds)
             print(render_summary(results, seconds))
-            junit = lambda path: write_junit(results, path, prog="kvspec check")  # noqa: E731
         if config.junit:
-            if junit(config.junit):
+            if found is not None:
+                failed = write_junit_auto(found, config.junit, prog="kvspec check")
+            else:
+                failed = write_junit(results, config.junit, prog="kvspec check")
+            if failed:
                 return EXIT_COULD_NOT_RUN
             print(f"JUnit report: {config.junit}")
     if config.json is not None:
