@@ -38,7 +38,7 @@ import operator
 import traceback
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from itertools import chain
 from typing import Any, NoReturn, cast
 
@@ -63,6 +63,7 @@ from kvspec.conformance.core.kv_events import (
 )
 from kvspec.conformance.core.kv_source import PrefixKVSource
 from kvspec.conformance.core.operations import (
+    ID_BOUND,
     OPERATIONS,
     BadResult,
     Operation,
@@ -80,7 +81,7 @@ from kvspec.conformance.core.reactions import (
 )
 from kvspec.conformance.core.results import HARNESS_LIMIT, Failure, FailureKind, Outcome
 from kvspec.conformance.core.trace import Trace, TraceStep
-from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepTimeout, StepWatch, raise_if_ctrl_c
+from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepTimeout, StepWatch, raise_if_ctrl_c, said
 from kvspec.spec import errors as spec_errors
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
@@ -171,7 +172,7 @@ def _crash_message(e: BaseException) -> str:
         return f"SystemExit({e.code!r}): the implementation tried to end the process (sys.exit){where}"
     if isinstance(e, KeyboardInterrupt):  # only one no Ctrl-C raised gets here (watch.raise_if_ctrl_c)
         return f"KeyboardInterrupt: raised by the implementation itself, not by a Ctrl-C{where}"
-    return f"{type(e).__name__}: {e}{where}"
+    return f"{type(e).__name__}: {said(e)}{where}"
 
 
 def _spec_step(operation: Operation, state: Any, args: Sequence[Any]) -> tuple[Any, Outcome]:
@@ -681,7 +682,7 @@ class LockStep:
         if not isinstance(snap, Snapshot):
             why = f"returned {type(snap).__name__}, not a kvspec Snapshot"
             return Outcome(crashed=True, message=f"a replica's snapshot() {why}")
-        checked = _checked_snapshot(snap)
+        checked = self._read_snapshot(snap)
         if isinstance(checked, str):
             return Outcome(crashed=True, message=f"a replica's snapshot() returned a malformed Snapshot: {checked}")
         return checked
@@ -746,10 +747,24 @@ class LockStep:
             self.watch.impl_finished()
         if operation.normalize is None:
             return self._with_events(Outcome(result=None), adapter)
+        normal = self._normal_result(operation, value)
+        return normal if normal.crashed or isinstance(normal.result, dict) else self._with_events(normal, adapter)
+
+    def _normal_result(self, operation: Operation, value: Any) -> Outcome:
+        """A call's result in normal form, its reading watched as a call: reading it runs the implementation's
+        code (a generator's body, an `__iter__` or `__index__`), whose faults and hangs are the implementation's."""
+        assert operation.normalize is not None
+        self.watch.impl_started()
         try:
-            return self._with_events(Outcome(result=operation.normalize(value)), adapter)
+            return Outcome(result=operation.normalize(value))
         except BadResult as e:
             return Outcome(result={"malformed": f"{type(value).__name__}: {e}"})
+        except IMPLEMENTATION_FAULTS as e:
+            raise_if_ctrl_c(e)
+            message = f"reading its result ({type(value).__name__}) failed: {_crash_message(e)}"
+            return Outcome(crashed=True, message=message, raised_types=_type_names(e))
+        finally:
+            self.watch.impl_finished()
 
     def _with_events(self, outcome: Outcome, adapter: Any) -> Outcome:
         """The outcome with the events the call published (drained from the adapter; a replica's are dropped)."""
@@ -808,10 +823,22 @@ class LockStep:
         self._inflight = None
         if not isinstance(snap, Snapshot):
             self._fail(FailureKind.DIVERGES, p, f"snapshot() returned {type(snap).__name__}, not a kvspec Snapshot")
-        checked = _checked_snapshot(snap)  # the invariants and the comparison read ints, bytes and tuples only
+        checked = self._read_snapshot(snap)  # the invariants and the comparison read ints, bytes and tuples only
         if isinstance(checked, str):
             self._fail(FailureKind.DIVERGES, p, f"snapshot() returned a malformed Snapshot: {checked}")
         return checked
+
+    def _read_snapshot(self, snap: Snapshot) -> Snapshot | str:
+        """`_checked_snapshot`, watched as a call: reading the fields runs the implementation's code where they
+        hold its own types (an `__iter__`, `__index__` or `__repr__`), whose faults and hangs are its own."""
+        self.watch.impl_started()
+        try:
+            return _checked_snapshot(snap)
+        except IMPLEMENTATION_FAULTS as e:
+            raise_if_ctrl_c(e)
+            return f"reading it raised {_crash_message(e)}"
+        finally:
+            self.watch.impl_finished()
 
     def _first_problem(
         self, p: _Pending, spec_snap: Snapshot, impl_snap: Snapshot, prev: Snapshot | None
@@ -1213,6 +1240,8 @@ def run_spec(config: AdapterConfig, steps: Sequence[tuple[str, Sequence[Any]]]) 
 def _checked_snapshot(s: Snapshot) -> Snapshot | str:
     """An implementation's snapshot with every field a tuple of plain ints, bytes and strings, or what in it is
     of the wrong type. Most are plain already: one type check, and the snapshot as it is."""
+    if type(s) is not Snapshot:  # a subclass's own __eq__ or __repr__ would run wherever the checks compare or print
+        s = Snapshot(**{f.name: getattr(s, f.name) for f in fields(Snapshot)})
     if _malformed(s) is None:
         return s
     try:
@@ -1252,7 +1281,10 @@ def _malformed(s: Snapshot) -> str | None:
     """
 
     def of(values: object, types: frozenset[type]) -> bool:
-        return type(values) is tuple and set(map(type, values)) <= types
+        if type(values) is not tuple or not set(map(type, values)) <= types:
+            return False
+        # An int past any pool's ids and counts could not even be printed in the story (past 4,300 digits).
+        return int not in types or not values or (min(values) > -ID_BOUND and max(values) < ID_BOUND)
 
     def pairs(entries: object, key_types: frozenset[type]) -> bool:  # (key, ids) pairs: hashes or request ids
         if type(entries) is not tuple or not set(map(len, entries)) <= {2}:
@@ -1277,7 +1309,10 @@ def _malformed(s: Snapshot) -> str | None:
         except (TypeError, ValueError):  # not iterable, or entries that are not pairs
             ok = False
         if not ok:
-            return f"its {name} is {getattr(s, name)!r:.200}"
+            try:
+                return f"its {name} is {getattr(s, name)!r:.200}"
+            except ValueError:  # an int too long to print
+                return f"its {name} holds an integer past any block id or count"
     return None
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "OPERATIONS",
     "REQUEST_FEATURES",
     "BadResult",
+    "ID_BOUND",
     "Draw",
     "Feature",
     "HitReached",
@@ -87,6 +88,10 @@ Reached = Callable[[Sequence[Any], Snapshot, Snapshot, Any], list[str]]
 HitReached = Callable[[Request, int, Snapshot, Any, Sequence[BlockHash], bool], list[str]]
 
 
+# Past any id or count a pool can hold (an int64's): an integer the checks refuse instead of printing.
+ID_BOUND = 2**63
+
+
 class BadResult(Exception):
     """An implementation returned a value that cannot be put in normal form (the message says why)."""
 
@@ -103,9 +108,12 @@ def as_id(v: Any) -> int:
     if isinstance(v, bool):
         raise BadResult(f"{v!r} is a bool, not a block id")
     try:
-        return operator.index(v)
+        i = operator.index(v)
     except TypeError:
         raise BadResult(f"{v!r} is not an integer block id") from None
+    if not -ID_BOUND < i < ID_BOUND:  # no pool's, and past 4,300 digits Python cannot even print it to say so
+        raise BadResult(f"an integer of {i.bit_length()} bits is not a block id")
+    return i
 
 
 def as_ids(v: Any) -> list[int]:

@@ -36,16 +36,19 @@ __all__ = [
     "ctrl_c_pressed",
     "ignore_ctrl_c",
     "raise_if_ctrl_c",
+    "said",
     "telling_ctrl_c_apart",
     "time_limit_met",
 ]
 
-# What an implementation's code may raise that is its own to answer for: any exception, sys.exit(), and a
-# KeyboardInterrupt it raised itself. A Ctrl-C arrives as a KeyboardInterrupt too, so every handler of these
-# calls `raise_if_ctrl_c` first: the user's Ctrl-C stops the run, it is no implementation's crash.
-IMPLEMENTATION_FAULTS = (Exception, SystemExit, KeyboardInterrupt)
+# What an implementation's code may raise that is its own to answer for: anything, sys.exit(), a GeneratorExit
+# or a BaseException of its own included. kvspec's own are raised through the same calls: a Ctrl-C arrives as a
+# KeyboardInterrupt, the step time limit as a StepTimeout; so every handler of these calls `raise_if_ctrl_c`
+# first, which raises those again: the user's Ctrl-C stops the run, a hang is the hang's story, no crash's.
+IMPLEMENTATION_FAULTS = (BaseException,)
 
 _ctrl_c_pressed = False  # set by `_on_ctrl_c`: a SIGINT reached this process
+_ctrl_c_ignored = False  # set by `ignore_ctrl_c`: no Ctrl-C can reach this process (a campaign's child)
 
 
 def _on_ctrl_c(signum: int, frame: object) -> None:
@@ -95,18 +98,23 @@ def ctrl_c_held_back() -> Iterator[None]:
 def ignore_ctrl_c() -> None:
     """For a campaign's child process (forked under `ctrl_c_held_back`): a Ctrl-C is its parent's to act on
     (it stops the children); any KeyboardInterrupt in the child is then raised by the code it runs."""
+    global _ctrl_c_ignored
+    _ctrl_c_ignored = True  # remembered, not read back: the implementation may set a SIGINT handler of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def raise_if_ctrl_c(e: BaseException) -> None:
-    """Raise `e` again if it is a KeyboardInterrupt that a Ctrl-C may have raised.
+    """Raise `e` again if it is kvspec's own, no implementation's fault: a KeyboardInterrupt that a Ctrl-C may
+    have raised, or the step time limit's StepTimeout.
 
     Told apart where `telling_ctrl_c_apart` is in force or Ctrl-C is ignored; under any other SIGINT
     handler (Python's default, a test runner's) kvspec cannot tell, and takes it for the user's.
     """
-    if not isinstance(e, KeyboardInterrupt):
+    if isinstance(e, StepTimeout):
+        raise e
+    if not isinstance(e, KeyboardInterrupt) or _ctrl_c_ignored:
         return
     handler = signal.getsignal(signal.SIGINT)
     if handler is _on_ctrl_c:
@@ -114,6 +122,15 @@ def raise_if_ctrl_c(e: BaseException) -> None:
             raise e
     elif handler not in (signal.SIG_IGN, signal.SIG_DFL):  # SIG_DFL: a Ctrl-C would end the process, not raise
         raise e
+
+
+def said(e: BaseException) -> str:
+    """`str(e)`, or what its `__str__` raised instead: an implementation's exception may fail to say itself."""
+    try:
+        return str(e)
+    except IMPLEMENTATION_FAULTS as failed:
+        raise_if_ctrl_c(failed)
+        return f"<its str() raised {type(failed).__name__}>"
 
 
 def time_limit_met(limit_s: float | None, building: bool) -> str:

@@ -34,7 +34,7 @@ from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind
 from kvspec.conformance.core.run_config import AUTO, DRAWN, Configuration, adapter_config, with_groups_resolved
 from kvspec.conformance.core.strategies import KIND_COMBINATIONS
 from kvspec.conformance.core.trace import Trace
-from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepWatch, raise_if_ctrl_c
+from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepWatch, raise_if_ctrl_c, said
 
 __all__ = ["PROBE_NUM_GPU_BLOCKS", "CampaignPlan", "probe_factory", "run_campaign"]
 
@@ -80,7 +80,7 @@ def _read(owner: object, name: str) -> object:
         return getattr(owner, name, None)
     except IMPLEMENTATION_FAULTS as e:  # the implementation's code: it can fail any way
         raise_if_ctrl_c(e)
-        raise _Malformed(f"reading {name} raised {type(e).__name__}: {e}") from None
+        raise _Malformed(f"reading {name} raised {type(e).__name__}: {said(e)}") from None
 
 
 def _names(owner: object, name: str) -> tuple[str, ...] | None:
@@ -121,7 +121,8 @@ def probe_factory(factory: Factory, config: AdapterConfig, groups: str = "full")
     except LevelNotProvided as e:
         return _Probe((Verdict.NOT_APPLICABLE, str(e)))
     except Exception as e:
-        return _Probe((Verdict.COULD_NOT_RUN, f"building the adapter failed for {config}: {type(e).__name__}: {e}"))
+        why = f"building the adapter failed for {config}: {type(e).__name__}: {said(e)}"
+        return _Probe((Verdict.COULD_NOT_RUN, why))
     except (SystemExit, KeyboardInterrupt) as e:  # an exit or an interrupt of its own: its first example reports it
         raise_if_ctrl_c(e)
         return _Probe(None)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.results import CampaignReport, Verdict
-from kvspec.conformance.core.watch import ctrl_c_held_back, ignore_ctrl_c
+from kvspec.conformance.core.watch import ctrl_c_held_back, ignore_ctrl_c, said
 
 __all__ = ["Death", "Progress", "Work", "kvspec_failed", "run_isolated", "run_isolated_jobs", "system_refused"]
 
@@ -221,7 +221,7 @@ def kvspec_failed(e: BaseException) -> str:
     The traceback is for kvspec's maintainers, not the user's screen: it goes to a file in the
     temporary directory (kept: it is what a bug report needs), and the line says where.
     """
-    first = (str(e).splitlines() or [""])[0]
+    first = (said(e).splitlines() or [""])[0]
     what = f"{type(e).__name__}: {first}"
     return f"kvspec itself failed (a bug in kvspec, not in the implementation): {what}{_full_log(e)}"
 

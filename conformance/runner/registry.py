@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
-from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, raise_if_ctrl_c
+from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, raise_if_ctrl_c, said
 
 __all__ = [
     "TARGET_GROUP",
@@ -108,7 +108,8 @@ def _load_target(entry: importlib.metadata.EntryPoint) -> Target:
         target = entry.load()
     except IMPLEMENTATION_FAULTS as e:  # a third party's module can fail any way its top level can
         raise_if_ctrl_c(e)
-        return _broken(entry.name, f"entry point {entry.value} of {owner} does not load ({type(e).__name__}: {e})")
+        why = f"entry point {entry.value} of {owner} does not load ({type(e).__name__}: {said(e)})"
+        return _broken(entry.name, why)
     if not isinstance(target, Target):
         return _broken(entry.name, f"entry point {entry.value} of {owner} is a {type(target).__name__}, not a Target")
     if target.name != entry.name:
@@ -278,7 +279,7 @@ def _import_module(name: str, module_name: str) -> ModuleType:
     except IMPLEMENTATION_FAULTS as e:  # an import can fail any way the module's top level can, exit too
         raise_if_ctrl_c(e)
         raise FactoryError(
-            f"implementation {name!r}: module {module_name} does not import ({type(e).__name__}: {e})"
+            f"implementation {name!r}: module {module_name} does not import ({type(e).__name__}: {said(e)})"
         ) from None
 
 
@@ -306,7 +307,8 @@ def _load_file(name: str, path_text: str) -> ModuleType:
     except IMPLEMENTATION_FAULTS as e:  # the file's top level can fail any way, exit too
         raise_if_ctrl_c(e)
         del sys.modules[module_name]
-        raise FactoryError(f"implementation {name!r}: {path_text} does not import ({type(e).__name__}: {e})") from None
+        why = f"{path_text} does not import ({type(e).__name__}: {said(e)})"
+        raise FactoryError(f"implementation {name!r}: {why}") from None
     return module
 
 

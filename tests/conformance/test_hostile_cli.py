@@ -267,3 +267,62 @@ def test_a_cache_named_by_the_environment_that_is_no_folder_is_said_so(tmp_path,
     r = kvspec("check", "--impl", "kvcached", "--level", "pool", "--caching", "on", "--max-examples", "5", cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
     assert f"NotADirectoryError: the cache {tmp_path / 'a-file'} is not a folder" in r.stdout
+
+
+_ON_FREE = "class P(ExamplePool):\n    def free_blocks(self, ids):\n        super().free_blocks(ids)\n        {}\n"
+_GETS = "class P(ExamplePool):\n    def get_new_blocks(self, n):\n        got = super().get_new_blocks(n)\n        {}\n"
+_BUILD = "def factory(config):\n    return P(config.num_gpu_blocks, config.enable_caching)\n"
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("class Mine(BaseException):\n    pass\n" + _ON_FREE.format("raise Mine('its own')"), "Mine: its own (at"),
+        (_ON_FREE.format("raise GeneratorExit('gx')"), "GeneratorExit: gx (at"),
+        ("class E(Exception):\n    def __str__(self):\n        raise E()\n" + _ON_FREE.format("raise E()"),
+         "E: <its str() raised E> (at"),
+        ("import signal\n" + _ON_FREE.format(
+            "signal.signal(signal.SIGINT, signal.default_int_handler); raise KeyboardInterrupt"),
+         "KeyboardInterrupt: raised by the implementation itself, not by a Ctrl-C"),
+        (_GETS.format("return (b if b != 1 else 1 // 0 for b in got)"),
+         "reading its result (generator) failed: ZeroDivisionError: integer division or modulo by zero (at"),
+        ("class Bad:\n    def __index__(self):\n        raise RuntimeError('index')\n" + _GETS.format(
+            "return [Bad() for b in got]"), "reading its result (list) failed: RuntimeError: index (at"),
+        (_GETS.format("return [10**5000 for b in got]"), "an integer of 16610 bits is not a block id"),
+        ("import dataclasses\nclass P(ExamplePool):\n    def snapshot(self):\n        s = super().snapshot()\n"
+         "        return dataclasses.replace(s, ref_cnt=(10**5000,) * len(s.ref_cnt))\n",
+         "its ref_cnt holds an integer past any block id or count"),
+        ("import dataclasses\nclass Ids(tuple):\n    def __repr__(self):\n        raise RuntimeError('repr')\n"
+         "class P(ExamplePool):\n    def snapshot(self):\n        s = super().snapshot()\n"
+         "        return dataclasses.replace(s, free_queue=Ids(s.free_queue))\n",
+         "malformed Snapshot: reading it raised RuntimeError: repr (at"),
+    ],
+)  # fmt: skip
+def test_what_only_the_implementations_code_raises_is_its_verdict_and_replays_so(tmp_path, body, says):
+    # Each was "kvspec itself failed (a bug in kvspec ...)": a BaseException of the implementation's own, an
+    # exception whose str() raised, a KeyboardInterrupt under a SIGINT handler it set itself, a result or
+    # snapshot whose reading ran its code (a generator, __index__, __repr__) or held an int too long to print.
+    impl = pool_module(tmp_path, body + _BUILD)
+    r = check(impl, tmp_path)
+    assert r.returncode == 1 and says in r.stdout, r.stdout + r.stderr
+    assert "kvspec itself failed" not in r.stdout and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    trace = next((tmp_path / "traces").glob("*.trace.jsonl"))
+    again = kvspec("replay", str(trace), "--impl", impl, cwd=tmp_path)
+    assert again.returncode == 1 and says in again.stdout, again.stdout + again.stderr
+
+
+def test_a_snapshot_of_a_subclass_is_read_by_its_fields_not_its_own_comparison(tmp_path):
+    # Its __eq__ raising was "kvspec itself failed": the checks compared with the subclass's own __eq__.
+    impl = pool_module(tmp_path, textwrap.dedent("""
+        from kvspec.spec.state import Snapshot
+        class S(Snapshot):
+            def __eq__(self, other):
+                raise RuntimeError("eq")
+            __hash__ = None
+        class P(ExamplePool):
+            def snapshot(self):
+                s = super().snapshot()
+                return S(**{f: getattr(s, f) for f in s.__dataclass_fields__})
+    """) + _BUILD)
+    r = check(impl, tmp_path)
+    assert r.returncode == 0 and "conforms" in r.stdout, r.stdout + r.stderr
