@@ -62,10 +62,11 @@ def telling_ctrl_c_apart() -> Iterator[None]:
     """Within the block a Ctrl-C (SIGINT) is remembered as it raises KeyboardInterrupt, so one that no Ctrl-C
     raised is told apart: `raise_if_ctrl_c` lets the first through and leaves the second to its handler.
 
-    Only the main thread can set a signal handler; elsewhere the block runs as it is.
+    Only the main thread can set a signal handler; elsewhere the block runs as it is. A process started with
+    Ctrl-C ignored (in the background, under nohup) keeps ignoring it.
     """
     global _ctrl_c_pressed
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield
         return
     _ctrl_c_pressed = False

@@ -45,6 +45,20 @@ class _PressesCtrlC(ReferencePoolAdapter):
         return super().free_blocks(*args)
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_in_a_terminal():  # type: ignore[no-untyped-def]
+    """Python's own SIGINT handler, as a command run in a terminal's foreground has: a test runner started
+    in the background (nohup, `&`) inherits Ctrl-C ignored, and so would every command it starts."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def _in_a_terminal() -> None:
+    """For a command a test starts: Ctrl-C not ignored, whatever the test runner inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _build(cls):  # type: ignore[no-untyped-def]
     def factory(config):  # type: ignore[no-untyped-def]
         return cls(config)
@@ -132,7 +146,7 @@ def test_ctrl_c_ends_a_check_in_one_line_with_no_verdict_and_no_report(tmp_path:
                "--json", str(report), "--trace-dir", str(tmp_path / "traces")]  # fmt: skip
     # Its own process group, as a terminal's foreground job is: Ctrl-C sends SIGINT to every process in it.
     proc = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_in_a_terminal)  # fmt: skip
     try:
         deadline = time.monotonic() + 60
         while not _campaign_children(proc.pid):  # a campaign's child is running: the handler is in force
@@ -167,6 +181,21 @@ def test_ctrl_c_while_kvspec_loads_is_the_same_one_line(tmp_path: Path) -> None:
         from kvspec._entry import main
         raise SystemExit(main())
     """)
-    r = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                       preexec_fn=_in_a_terminal)  # fmt: skip
     assert (r.returncode, r.stderr) == (130, "kvspec: interrupted (Ctrl-C): no verdict\n"), r.stderr
     assert _entry.EXIT_INTERRUPTED == EXIT_INTERRUPTED
+
+
+def test_a_command_started_with_ctrl_c_ignored_keeps_ignoring_it(tmp_path: Path) -> None:
+    # In the background or under nohup a SIGINT is not meant for it: kvspec installs no handler of its own.
+    program = textwrap.dedent("""
+        import os, signal, sys
+        from kvspec.conformance.core.watch import telling_ctrl_c_apart
+        with telling_ctrl_c_apart():
+            os.kill(os.getpid(), signal.SIGINT)
+            print("still running")
+    """)
+    ignored = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)  # noqa: E731
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, preexec_fn=ignored)
+    assert (r.returncode, r.stdout) == (0, "still running\n"), r.stderr
