@@ -123,7 +123,7 @@ def probe_factory(factory: Factory, config: AdapterConfig, groups: str = "full")
     except Exception as e:
         why = f"building the adapter failed for {config}: {type(e).__name__}: {said(e)}"
         return _Probe((Verdict.COULD_NOT_RUN, why))
-    except (SystemExit, KeyboardInterrupt) as e:  # an exit or an interrupt of its own: its first example reports it
+    except IMPLEMENTATION_FAULTS as e:  # an exit, an interrupt or a BaseException of its own: its first example says it
         raise_if_ctrl_c(e)
         return _Probe(None)
     try:

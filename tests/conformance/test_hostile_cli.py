@@ -326,3 +326,17 @@ def test_a_snapshot_of_a_subclass_is_read_by_its_fields_not_its_own_comparison(t
     """) + _BUILD)
     r = check(impl, tmp_path)
     assert r.returncode == 0 and "conforms" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_factory_that_raises_a_base_exception_of_its_own_is_the_implementation_crashing(tmp_path):
+    # The probe before the campaign let it through: "kvspec itself failed".
+    impl = pool_module(tmp_path, """
+        class Mine(BaseException):
+            pass
+        def factory(config):
+            raise Mine("no pool today")
+        factory.levels = ("pool",)
+    """)
+    r = check(impl, tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "building the adapter failed: Mine: no pool today" in r.stdout and "kvspec itself failed" not in r.stdout
