@@ -286,7 +286,7 @@ def run_check(
     """
     name = impl or (factory if isinstance(factory, str) else None)
     if profile == AUTO:  # the command line's search over profiles, not a profile one campaign can check
-        message = f"profile={AUTO!r} names no one profile: runner.profiles.detect_profiles tries each vLLM profile"
+        message = f"profile={AUTO!r} names no one profile: runner.profiles.check_each_profile tries each vLLM profile"
         return _refused(message, level, enable_caching, profile, name, seed, groups, events)
     try:
         run = RunConfig(

@@ -44,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
-from kvspec.conformance.core.results import Verdict
-from kvspec.conformance.runner.profiles import PROFILES, detect_profiles
+from kvspec.conformance.core.results import CheckResult, Verdict
+from kvspec.conformance.core.run_config import RunConfig
+from kvspec.conformance.runner.profiles import PROFILES, check_each_profile
 from kvspec.conformance.runner.run import run_check
 from kvspec.conformance.runner.workers import WorkerError, run_worker, serve_worker
 from kvspec.conformance.targets.vllm.events import FIRST_RELEASE_WITH_EVENTS, event_facts
@@ -80,6 +81,23 @@ def _result_json(result: Any) -> dict[str, Any]:
     return out
 
 
+def _each_profile(
+    impl_name: str,
+    level: str,
+    caching: bool,
+    args: argparse.Namespace,
+    time_budget_s: float | None,
+    trace_dir: str,
+    profiles: Sequence[str] = PROFILES,
+) -> dict[str, CheckResult]:
+    """One cell: the release at one level and caching setting, once per profile, under the oracle's record
+    (the one `run_oracle_cmd` refused up front, with this cell's share of the time budget)."""
+    run = RunConfig(impls=(impl_name,), levels=(level,), caching=(caching,), profile=profiles[0],  # type: ignore[arg-type]
+                    max_examples=args.max_examples, time_budget_s=time_budget_s, trace_dir=Path(trace_dir))  # fmt: skip
+    (configuration,) = run.configurations()
+    return check_each_profile(impl_name, configuration, profiles=profiles)
+
+
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     """Run one release at one level, in this process; returns the row's part as JSON."""
     version: str = args.worker
@@ -100,8 +118,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     for caching in cachings:
         key = f"{args.level}/{'on' if caching else 'off'}"
         start = time.monotonic()
-        results = detect_profiles(impl_name, args.level, caching, args.max_examples,
-                                  time_budget_s=budget, trace_dir=trace_dir)  # fmt: skip
+        results = _each_profile(impl_name, args.level, caching, args, budget, trace_dir)
         elapsed = time.monotonic() - start
         steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())
         # Declared absences (adapter.py's not_applicable), as the summary lists them.
@@ -236,9 +253,8 @@ def _v0_worker(args: argparse.Namespace) -> dict[str, Any]:
             row["cells"][key] = asdict(Cell("could not run", str(e)))
             continue
         start = time.monotonic()
-        results = detect_profiles(f"vllm-v0@{version}", "pool", True, args.max_examples,
-                                  time_budget_s=args.time_budget, trace_dir=args.trace_dir,
-                                  profiles=V0_PROFILES)  # fmt: skip
+        results = _each_profile(f"vllm-v0@{version}", "pool", True, args, args.time_budget, args.trace_dir,
+                                V0_PROFILES)  # fmt: skip
         elapsed = time.monotonic() - start
         steps = sum(getattr(r, "steps_run", 0) or 0 for r in results.values())
         row["cells"][key] = asdict(Cell("ran", "", {p: _result_json(r) for p, r in results.items()},
