@@ -37,7 +37,7 @@ import inspect
 import operator
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from itertools import chain
 from typing import Any, NoReturn, cast
@@ -369,11 +369,11 @@ class LockStep:
         says it was not run to an answer, never that it crashed.
         """
         index = len(self.records) + 1
-        message = f"{HARNESS_LIMIT} {index} ({what}) on the implementation: {e}"
+        message = f"{HARNESS_LIMIT} {index} ({what}) on the implementation: {said(e)}"
         self.failure = SpecFailure(message, index, what if args is not None else "?", limit=True)
         if args is not None and self._inflight is not None:
             index, op, call_args, spec, mistake = self._inflight
-            impl = Outcome(not_sent=f"kvspec cannot run it: {e}")
+            impl = Outcome(not_sent=f"kvspec cannot run it: {said(e)}")
             # The spec's state after it is left out: the page recomputes it, as for a process that died.
             self.records.append(TraceStep(index, op, call_args, spec, impl, None, None, mistake))
         self._pending = self._inflight = None
@@ -729,17 +729,17 @@ class LockStep:
             name = _spec_error_name(e)
             if name is None:
                 return Outcome(
-                    crashed=True, message=f"raised {type(e).__name__}, a BlockManagerError of no spec type: {e}"
+                    crashed=True, message=f"raised {type(e).__name__}, a BlockManagerError of no spec type: {said(e)}"
                 )
-            return self._with_events(Outcome(error=name, message=str(e), raised_types=_type_names(e)), adapter)
+            return self._with_events(Outcome(error=name, message=said(e), raised_types=_type_names(e)), adapter)
         except HarnessLimit as e:
             raise self._harness_limit(operation.name, e, args) from e
         except NotExpressible as e:
             if adapter is self.adapter:
                 self._sent.pop()
             if valid:
-                return Outcome(crashed=True, message=f"the adapter says a valid call is not expressible: {e}")
-            return Outcome(not_sent=f"not expressible in the implementation's API: {e}")
+                return Outcome(crashed=True, message=f"the adapter says a valid call is not expressible: {said(e)}")
+            return Outcome(not_sent=f"not expressible in the implementation's API: {said(e)}")
         except IMPLEMENTATION_FAULTS as e:  # sys.exit() in an implementation is its crash, not the harness's
             raise_if_ctrl_c(e)
             return Outcome(crashed=True, message=_crash_message(e), raised_types=_type_names(e))
@@ -1220,17 +1220,29 @@ def _stats_diff(spec: PrefixCacheStats, impl: PrefixCacheStats) -> str:
     return "; ".join(parts)
 
 
-def run_spec(config: AdapterConfig, steps: Sequence[tuple[str, Sequence[Any]]]) -> list[tuple[Outcome, Snapshot]]:
+def run_spec(
+    config: AdapterConfig,
+    steps: Sequence[tuple[str, Sequence[Any]]],
+    good_parts: Mapping[int, Sequence[Any] | None] | None = None,
+) -> list[tuple[Outcome, Snapshot]]:
     """The spec's outcome and state after each step, the spec alone (no implementation).
 
     Used to rebuild the story of a process that died: up to its last step the
     implementation matched the spec, so the spec's side is the whole story.
+    `good_parts` (position in `steps` -> a mistaken call's good part, None when
+    it has none): the caller mistakes the implementation ignores; after each,
+    the state is the spec's after its good part alone, as `LockStep` expects
+    it (`_good_part`), while the outcome stays the spec's on the whole call.
     """
     state = spec_initial_state(config)
     out: list[tuple[Outcome, Snapshot]] = []
-    for op, args in steps:
+    for i, (op, args) in enumerate(steps):
         try:
-            state, outcome = _spec_step(OPERATIONS[op], state, args)
+            after, outcome = _spec_step(OPERATIONS[op], state, args)
+            if good_parts is not None and i in good_parts:
+                good = good_parts[i]
+                after = state if good is None else _spec_step(OPERATIONS[op], state, good)[0]
+            state = after
         except Exception as e:
             outcome = Outcome(crashed=True, message=f"the spec failed: {_crash_message(e)}")
         out.append((outcome, state.snapshot()))

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
-from kvspec.conformance.core.files import write_whole
+from kvspec.conformance.core.files import read_text_file, write_whole
 from kvspec.conformance.core.kv_events import event_from_json
 from kvspec.conformance.core.operations import OPERATIONS
 from kvspec.conformance.core.results import Failure, Outcome, Verdict
@@ -564,7 +564,7 @@ def read_trace(path: str | Path) -> Trace:
                 f"{p}: {size / 2**20:.0f} MiB is more than kvspec reads ({MAX_TRACE_BYTES // 2**20} MiB at most); "
                 "a failure's shrunk trace is a few KiB"
             )
-        text = p.read_text(encoding="utf-8")
+        text = read_text_file(p)
     except FileNotFoundError:
         raise MalformedTrace(f"{p}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -125,13 +125,28 @@ def raise_if_ctrl_c(e: BaseException) -> None:
         raise e
 
 
+# The most of an implementation's exception message kvspec copies into a story, a trace or a note: enough
+# for any message written for a person; a message of megabytes would otherwise fill the terminal and every trace.
+SAID_AT_MOST = 4000
+
+
 def said(e: BaseException) -> str:
-    """`str(e)`, or what its `__str__` raised instead: an implementation's exception may fail to say itself."""
+    """`str(e)`, or what its `__str__` raised instead: an implementation's exception may fail to say itself.
+
+    A message longer than `SAID_AT_MOST` characters is cut there, saying how much was left out. Every message
+    taken from an implementation's exception goes through here, so a replay cuts it where the trace did.
+
+    >>> said(ValueError("x" * 4010)).endswith("x... [10 more characters]")
+    True
+    """
     try:
-        return str(e)
+        text = str(e)
     except IMPLEMENTATION_FAULTS as failed:
         raise_if_ctrl_c(failed)
         return f"<its str() raised {type(failed).__name__}>"
+    if len(text) <= SAID_AT_MOST:
+        return text
+    return f"{text[:SAID_AT_MOST]}... [{len(text) - SAID_AT_MOST:,} more characters]"
 
 
 def time_limit_met(limit_s: float | None, building: bool) -> str:

@@ -286,8 +286,9 @@ def _import_module(name: str, module_name: str) -> ModuleType:
 def _load_file(name: str, path_text: str) -> ModuleType:
     """A Python file, loaded as `python path` would run it: named after its stem, its folder first on the path."""
     path = Path(path_text).resolve()
-    if not path.is_file():
-        raise FactoryError(f"implementation {name!r}: no such file {path_text}")
+    if not path.is_file():  # a FIFO or a device is refused here too: importing one could wait for ever
+        what = f"{path_text} is not a regular file" if path.exists() else f"no such file {path_text}"
+        raise FactoryError(f"implementation {name!r}: {what}")
     module_name = path.stem
     loaded = sys.modules.get(module_name)
     if loaded is not None and getattr(loaded, "__file__", None) and Path(loaded.__file__ or "").resolve() == path:

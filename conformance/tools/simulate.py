@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.adapter import KVCacheManagerAdapter
+from kvspec.conformance.core.files import read_text_file
 from kvspec.reference.kv_cache_manager import KVCacheManager
 from kvspec.spec.manager import Request
 
@@ -355,7 +356,7 @@ def read_workload(path: str | Path) -> list[SimRequest]:
             or it holds no request.
     """
     try:
-        lines: Iterable[str] = Path(path).read_text(encoding="utf-8").splitlines()
+        lines: Iterable[str] = read_text_file(path).splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise WorkloadError(f"{path}: cannot read the workload: {e}") from None
     requests = []

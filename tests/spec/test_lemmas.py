@@ -220,3 +220,42 @@ def test_a_true_claim_posing_as_a_twin_fails():
 
 def test_lemma_type_is_the_registry_entry():
     assert all(isinstance(lem, Lemma) for lem in LEMMAS)
+
+
+def _fermat_unknown():
+    """z3's own `unknown`: Fermat's n = 3 over the integers, beyond it within half a second."""
+
+    def hyp(u: Universe):
+        x, y, w = z3.Ints("x y w")
+        return [x > 0, y > 0, w > 0]
+
+    def claim(u: Universe):
+        x, y, w = z3.Ints("x y w")
+        return x * x * x + y * y * y != w * w * w
+
+    verdict = decide_true([_obligation("fermat 3", hyp, claim)], timeout_s=0.5, max_bound=1)
+    assert verdict.status == "unknown"
+    return verdict
+
+
+def test_prove_cli_exits_2_when_z3_gives_up_and_1_only_for_a_wrong_answer(monkeypatch, capsys):
+    # z3 giving up is no verdict (exit 2, as `kvspec contracts` for a condition it could not search); it
+    # exited 1, the code of a wrong answer. Which lemma z3 gives up on depends on the machine, so the run is
+    # handed z3's real unknown on one that cannot be decided.
+    import kvspec.spec.lemmas.report as lemma_report
+
+    unknown = LemmaResult(LEMMAS[0], None, "lemma", "holds", _fermat_unknown())
+    vacuous = LemmaResult(LEMMAS[0], None, "twin", "fails", decide_true([_obligation(
+        "vacuous", lambda u: [u.size("x") > 3, u.size("x") < 2], lambda u: z3.BoolVal(False))]))  # fmt: skip
+    assert vacuous.verdict.status == "vacuous"
+    for results, code, says in [
+        ((unknown,), 2, "NO ANSWER (z3 gave up; a larger --timeout may answer): lemma 1 lemma"),
+        ((unknown, vacuous), 1, "FAILED: lemma 1 twin"),
+    ]:
+        ran = ProofReport(profiles=("vllm-v1",), results=results, seconds=0.5)
+        monkeypatch.setattr(lemma_report, "prove", lambda *args, ran=ran, **kwargs: ran)
+        assert main(["prove", "--lemma", "1"]) == code
+        out = capsys.readouterr().out
+        assert says in out and "unknown  NO ANSWER" in out, out
+        assert main(["prove", "--lemma", "1", "--json"]) == code
+        assert json.loads(capsys.readouterr().out)["ok"] is False

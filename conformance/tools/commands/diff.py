@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.core.files import read_text_file
 from kvspec.conformance.runner.registry import FactoryError
 from kvspec.conformance.tools.commands._arguments import (
     DEFAULT_TRACE_DIR,
@@ -72,7 +73,7 @@ def accepted_changes(path: Path) -> set[tuple[str, str]]:
         ValueError: the file cannot be read as such a list (the message says why).
     """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text_file(path))
         listed = data["changes"] if isinstance(data, dict) else data
         return {(str(c["kind"]), str(c["what"])) for c in listed}
     except (OSError, ValueError, KeyError, TypeError) as e:

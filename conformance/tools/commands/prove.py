@@ -2,11 +2,13 @@
 
 A lemma is "proved" only when the negation of every obligation is unsat for
 every pool size; "bounded (n <= N)" when it was only checked up to a size;
-"refuted" with the counterexample printed as a pool state; "unknown" (z3 gave
-up) and "vacuous" (no state satisfies the hypotheses) are failures. Each
-lemma's deliberately false twin must come out refuted, and each profile is
-reported with the lemmas it breaks. Exit 0 when every answer is the expected
-one, 1 otherwise, 2 for an unknown profile.
+"refuted" with the counterexample printed as a pool state; "vacuous" (no
+state satisfies the hypotheses) is a failure; "unknown" (z3 gave up) is no
+answer at all. Each lemma's deliberately false twin must come out refuted,
+and each profile is reported with the lemmas it breaks. Exit 0 when every
+answer is the expected one, 1 when one is not (a wrong or vacuous answer), 2
+when there is no verdict: z3 gave up on a check (and no other one failed), an
+unknown profile or lemma, or nothing to check.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from kvspec.conformance.tools.commands._arguments import positive_float
 from kvspec.spec.ordering import is_profile, known_profiles
 
 if TYPE_CHECKING:
-    from kvspec.spec.lemmas.report import ProofReport
+    from kvspec.spec.lemmas.report import LemmaResult, ProofReport
 
-__all__ = ["BUDGET_S", "register", "render_text", "run"]
+__all__ = ["BUDGET_S", "exit_code", "register", "render_text", "run"]
 
 BUDGET_S = 60.0  # every lemma, every profile, on a 2-core machine
 
@@ -35,6 +37,9 @@ def register(subparsers: Any) -> None:
         "prove",
         help="prove the eviction-order lemmas and the inductive invariants with z3",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="exit codes: 0 every answer the expected one; 1 a wrong answer (a lemma refuted where it holds, a false "
+        "twin proved, vacuous hypotheses); 2 no verdict: z3 gave up (unknown) and nothing else failed, z3 does not "
+        "import, an unknown profile or lemma, or nothing to check",
     )
     p.add_argument(
         "--profile",
@@ -89,7 +94,7 @@ def render_text(report: ProofReport) -> str:
         f"kvspec prove: the lemmas of docs/design.md, checked with z3 {z3.get_version_string()} "
         f"(profiles: {', '.join(report.profiles)})",
         "  proved: the negation is unsat for every pool size; bounded (n <= N): only for sizes up to N;",
-        "  refuted: z3 found a counterexample (shown); unknown or vacuous: a failure.",
+        "  refuted: z3 found a counterexample (shown); vacuous: a failure; unknown: z3 gave up, no answer.",
         "",
         _row("#", "lemma", "profile", "result", "seconds"),
     ]
@@ -104,6 +109,7 @@ def render_text(report: ProofReport) -> str:
         if r.kind == "twin" and previous != (lemma.number, "twin"):
             lines.append(f"    false twin: {lemma.twin}")
         previous = (lemma.number, r.kind)
+        v = r.verdict
         if r.expected == "holds":
             outcome = r.status_text
         elif r.kind == "twin":
@@ -111,10 +117,9 @@ def render_text(report: ProofReport) -> str:
         else:
             outcome = "refuted: the profile breaks it" if r.ok else f"{r.status_text}: MUST BE REFUTED"
         if not r.ok:
-            outcome += "  FAILED"
+            outcome += "  NO ANSWER" if v.status == "unknown" else "  FAILED"
         profile = r.profile or "(any profile)"
-        lines.append(_row("", "", profile, outcome, f"{r.verdict.seconds:.2f}"))
-        v = r.verdict
+        lines.append(_row("", "", profile, outcome, f"{v.seconds:.2f}"))
         if v.status in ("refuted", "unknown", "vacuous") and v.obligation:
             lines.append(f"      obligation: {v.obligation}")
         if v.counterexample:
@@ -131,15 +136,30 @@ def render_text(report: ProofReport) -> str:
         f"{slowest.lemma.name}{'' if slowest.kind == 'lemma' else ' (twin)'}"
         f"{f' under {slowest.profile}' if slowest.profile else ''}, {slowest.verdict.seconds:.2f} s"
     )
-    if failed:
-        lines.append(
-            "FAILED: " + "; ".join(f"lemma {r.lemma.number} {r.kind} {r.profile or ''}".strip() for r in failed)
-        )
+    wrong = [r for r in failed if r.verdict.status != "unknown"]
+    if wrong:
+        lines.append("FAILED: " + _checks(wrong))
+    if len(wrong) < len(failed):
+        unanswered = _checks([r for r in failed if r.verdict.status == "unknown"])
+        lines.append(f"NO ANSWER (z3 gave up; a larger --timeout may answer): {unanswered}")
     return "\n".join(lines)
 
 
+def _checks(results: list[LemmaResult]) -> str:
+    return "; ".join(f"lemma {r.lemma.number} {r.kind} {r.profile or ''}".strip() for r in results)
+
+
+def exit_code(report: ProofReport) -> int:
+    """0 when every answer is the expected one; 1 when one is wrong (a refutation where the lemma holds, a
+    proof of a false twin, vacuous hypotheses); else 2 when z3 gave up on some check: no verdict, not a
+    wrong answer."""
+    if report.ok:
+        return 0
+    return 1 if any(not r.ok and r.verdict.status != "unknown" for r in report.results) else 2
+
+
 def run(args: argparse.Namespace) -> int:
-    """Check every lemma under the chosen profiles; exit 0 iff every answer is the expected one."""
+    """Check every lemma under the chosen profiles; exit as `exit_code` says."""
     unknown = [p for p in args.profile or () if not is_profile(p)]
     if unknown:
         print(f"kvspec prove: unknown profile={unknown[0]!r}; known profiles: {known_profiles()}", file=sys.stderr)
@@ -176,4 +196,4 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.as_json(), indent=2))
     else:
         print(render_text(report))
-    return 0 if report.ok else 1
+    return exit_code(report)
