@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.lockstep import (
     ConformanceFailure,
     Factory,
@@ -34,8 +35,9 @@ from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind
 from kvspec.conformance.core.trace import MalformedTrace, Trace, TraceStep, args_dict, read_trace
 from kvspec.conformance.core.watch import StepWatch
 from kvspec.conformance.runner.campaign import probe_factory
+from kvspec.spec.state import Snapshot
 
-__all__ = ["load_sendable", "replay_example", "unsendable_step"]
+__all__ = ["load_sendable", "replay_example", "spec_side", "unsendable_step"]
 
 # The widest integer a step may carry: what a C or CUDA implementation's API can take at all.
 MAX_INT = 2**63 - 1
@@ -64,13 +66,38 @@ def unsendable_step(trace: Trace) -> str | None:
         wide = _wide_int(step.args)
         if wide is not None:
             return f"step {step.index} ({step.op}): {wide} is wider than 64 bits, more than any implementation takes"
-    outcomes = run_spec(trace.config, [(s.op, s.args) for s in trace.steps])
-    for step, (outcome, _) in zip(trace.steps, outcomes):
+    for step, (outcome, _) in zip(trace.steps, spec_side(trace)):
         why = _unrecorded(step, outcome)
         if why is not None:
             call = ", ".join(f"{k}={v!r}" for k, v in args_dict(step.op, step.args).items())
             return f"step {step.index} {step.op}({call}) {why}"
     return None
+
+
+def spec_side(trace: Trace) -> list[tuple[Outcome, Snapshot]]:
+    """The spec's outcome and state after each step of `trace`, computed as a check computes them.
+
+    A caller mistake the implementation ignored leaves the state its good part
+    alone leaves (`run_spec`'s good parts): the adapter declared so, or the
+    check would have failed at that very step. Nothing else recorded in the
+    trace is read.
+    """
+    ignored = {i: s.without for i, s in enumerate(trace.steps) if _is_ignored(s, trace.failure)}
+    return run_spec(trace.config, [(s.op, s.args) for s in trace.steps], ignored)
+
+
+def _is_ignored(step: TraceStep, failure: Failure | None) -> bool:
+    """Whether the implementation ignored the step's caller mistake: it returned normally, on its own adapter.
+
+    Only a mistake declared ignored (`IGNORES`) passes a check so; one that is not fails at that step with
+    the declaration named (`reaction_problem`), and there the spec's state stays its own.
+    """
+    impl = step.impl
+    if step.mistake is None or impl is None or impl.error is not None or impl.not_sent is not None:
+        return False
+    if impl.crashed or impl.hung or impl.replica:
+        return False
+    return failure is None or failure.step != step.index or "; the adapter declares it " not in failure.message
 
 
 def _unrecorded(step: TraceStep, outcome: Outcome) -> str | None:
@@ -101,6 +128,39 @@ def _wide_int(value: Any) -> int | None:
 def _records_a_build_crash(trace: Trace) -> bool:
     """Whether the trace's recorded failure is the adapter's build: the replay then reproduces it as it was."""
     return trace.failure is not None and trace.failure.step == 0
+
+
+class _BuildOnce:
+    """A factory that gives the steps the adapter the probe built, so a replay builds the implementation once.
+
+    The probe (`probe_factory`) builds an adapter to learn whether this one can run at all, before any step
+    and before anything is written; the steps then run on that same adapter. The rejected alternative, a
+    second build for the steps, paid an implementation's whole set-up twice (a device pool, a vLLM engine),
+    held two of them at once, and ran the steps on an adapter other than the one the probe judged. Only the
+    first build, for the trace's own configuration, is kept, and handed out once: a later build (a replica
+    for a caller mistake) is a new adapter, as in a campaign.
+    """
+
+    def __init__(self, factory: Factory, config: AdapterConfig) -> None:
+        self._factory = factory  # the implementation's factory
+        self._config = config  # the trace's configuration: only an adapter built for it is kept
+        self._kept: list[object] = []  # the probe's adapter, until the steps take it
+        self._is_first = True  # no build asked for yet: the next one is the probe's
+
+    def __getattr__(self, name: str) -> Any:
+        # The factory's declarations (levels, profiles), read by the probe as a campaign reads them.
+        if name.startswith("_"):  # this object's own fields, before they are set: never the factory's
+            raise AttributeError(name)
+        return getattr(self._factory, name)
+
+    def __call__(self, config: AdapterConfig) -> object:
+        if self._kept and config == self._config:
+            return self._kept.pop()
+        is_first, self._is_first = self._is_first, False
+        adapter = self._factory(config)  # one that raises keeps nothing: the steps build it again and say so
+        if is_first and config == self._config:
+            self._kept.append(adapter)
+        return adapter
 
 
 def _build_refused(factory: Factory, trace: Trace, watch: StepWatch) -> CampaignReport | None:
@@ -137,9 +197,11 @@ def replay_example(
     failure: Failure | None = None
     try:
         try:
-            refused = None if _records_a_build_crash(trace) else _build_refused(factory, trace, watch)
-            if refused is not None:
-                return refused
+            if not _records_a_build_crash(trace):
+                factory = _BuildOnce(factory, trace.config)
+                refused = _build_refused(factory, trace, watch)
+                if refused is not None:
+                    return refused
             lock = LockStep(factory, trace.config, observer, watch)
             lock.check()
             for step in trace.steps:

@@ -205,3 +205,70 @@ def test_a_failure_written_as_the_spec_s_when_it_was_kvspec_s_limit_reads_as_the
     assert Failure.from_json({**limit, "message": "a contract failed"}).kind is FailureKind.SPEC
     assert FailureKind.LIMIT.verdict is Verdict.COULD_NOT_RUN
     assert Failure.from_json(Failure.from_json(limit).to_json()).kind is FailureKind.LIMIT
+
+
+def test_a_replay_builds_the_implementation_once_and_a_replica_anew(tmp_path):
+    # The probe's adapter is the one the steps run on; a caller mistake the adapter accepts goes to a replica,
+    # which must be a new adapter, not the probe's again.
+    from kvspec.conformance.core.reactions import accepts
+    from kvspec.conformance.runner.replaying import replay_example
+    from tests.conformance.test_reactions import SkipsDoubleFree, _factory
+
+    built: list[object] = []
+
+    def counting(config):
+        adapter = make_reference(config)
+        built.append(adapter)
+        return adapter
+
+    trace = _pool_trace(("get_new_blocks", (2,)), ("free_blocks", ([2, 1],)), ("get_new_blocks", (1,)))
+    assert replay_example(trace, counting, "reference", None, None, None).verdict == "conforms"
+    assert len(built) == 1
+
+    skipping = _factory(SkipsDoubleFree, {"free_blocks: double free": accepts("skips it")})
+
+    def accepting(config):
+        adapter = skipping(config)
+        built.append(adapter)
+        return adapter
+
+    built.clear()
+    mistaken = TraceStep(3, "free_blocks", ([1],), mistake="free_blocks: double free", without=([],))
+    trace = Trace(trace.config, (*trace.steps[:2], mistaken))
+    report = replay_example(trace, accepting, "reference", None, None, None)
+    assert report.verdict == "conforms", report.failure
+    assert len(built) >= 2 and len({id(a) for a in built}) == len(built)
+
+
+def test_a_replay_that_cannot_build_is_refused_before_any_step_and_builds_nothing_more():
+    from kvspec.conformance.runner.replaying import replay_example
+
+    calls: list[AdapterConfig] = []
+
+    def refusing(config):
+        calls.append(config)
+        raise ValueError("no pool today")
+
+    report = replay_example(_pool_trace(("get_new_blocks", (1,)),), refusing, "x", None, None, None)
+    assert report.verdict == "could-not-run" and "no pool today" in report.message
+    assert len(calls) == 1 and report.trace is None
+
+
+def test_a_trace_whose_implementation_ignored_a_caller_mistake_replays_and_is_sendable(tmp_path):
+    # After an ignored double free the state is the good part's (block 2 freed too): get_new_blocks(3) fits.
+    from kvspec.conformance.core.lockstep import LockStep
+    from kvspec.conformance.core.reactions import IGNORES
+    from kvspec.conformance.runner.replaying import unsendable_step
+    from tests.conformance.test_reactions import SkipsDoubleFree, _factory
+
+    skips_double_free = _factory(SkipsDoubleFree, {"free_blocks: double free": IGNORES})
+    lock = LockStep(skips_double_free, AdapterConfig("pool", 4))
+    lock.check()
+    for op, args, kw in [("get_new_blocks", (2,), {}), ("free_blocks", ([1],), {}),
+                         ("free_blocks", ([2, 1],), {"mistake": "double free", "without": ([2],)}),
+                         ("get_new_blocks", (3,), {})]:  # fmt: skip
+        lock.call(op, *args, **kw)
+        lock.check()
+    path = write_trace(tmp_path / "ignored.trace.jsonl", lock.trace("under-test"))
+    assert unsendable_step(read_trace(path)) is None
+    assert replay(read_trace(path), skips_double_free, isolate=False).verdict == "conforms"

@@ -10,6 +10,7 @@ names nothing outside itself, and the commands that write and serve it.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import signal
 import subprocess
@@ -25,6 +26,7 @@ import pytest
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.lockstep import LockStep
 from kvspec.conformance.core.trace import Trace, TraceStep, read_trace
+from kvspec.conformance.runner.replaying import load_sendable
 from kvspec.conformance.runner.run import replay
 from kvspec.conformance.targets.builtin import make_reference
 from kvspec.conformance.tools.cli import main
@@ -367,3 +369,64 @@ def test_an_events_failure_shows_what_each_side_published_and_names_its_rule(tmp
     reset = [*steps[:3], ("reset_prefix_cache", [])]
     view = build_view(trace_to_page_data(_failing_trace(ResetWithoutAllBlocksCleared, reset, tmp_path, config)))
     assert view["failure"]["rule_name"] == "event_mirror_exact"  # the router still holds h1, the pool nothing
+
+
+# --- what the file records, against what kvspec computes -----------------------------------
+
+
+def _edited(trace_path: Path, tmp_path: Path, edit) -> Path:
+    """A copy of the trace with `edit(lines)` applied to its JSON lines (header first, the verdict line last)."""
+    lines = [json.loads(line) for line in trace_path.read_text().splitlines()]
+    edit(lines)
+    out = tmp_path / "edited.trace.jsonl"
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out
+
+
+def _view_of(path: Path) -> dict:
+    return build_view(trace_to_page_data(load_sendable(path)))
+
+
+def test_an_unedited_trace_gets_no_notice_and_says_which_side_is_computed(failure_trace):
+    view = _view_of(failure_trace)
+    assert view["notices"] == []
+    assert view["sides"][0]["label"].startswith("spec (computed")
+    assert view["sides"][1]["label"].endswith("(as the trace records it)")
+
+
+def test_a_hand_edited_spec_state_is_drawn_as_the_spec_computes_it_and_said(failure_trace, tmp_path):
+    # The spec's free queue after step 2 made to equal the implementation's: no divergence left to see.
+    queue = [1, 2, 3, 4, 5, 6, 7]
+    edited = _edited(failure_trace, tmp_path, lambda ls: ls[2]["spec_snapshot"].update(free_queue=queue))
+    view = _view_of(edited)
+    (notice,) = view["notices"]
+    assert notice.startswith("This trace's recorded spec state at step 2 differs from what the spec computes")
+    assert view["steps"][2]["spec"]["free_queue"][:2] == [2, 1]  # computed, not the file's
+    assert view["steps"][2]["differences"]["fields"] == ["free_queue"]
+
+
+def test_a_hand_edited_spec_outcome_is_said(failure_trace, tmp_path):
+    edited = _edited(failure_trace, tmp_path, lambda ls: ls[1]["spec"].update(result=[3, 4]))
+    view = _view_of(edited)
+    assert view["notices"][0].startswith("This trace's recorded spec outcome at step 1 differs")
+    assert view["steps"][1]["spec_result"] == "got blocks 1, 2"
+
+
+def test_a_moved_or_removed_divergence_is_said(failure_trace, tmp_path):
+    moved = _view_of(_edited(failure_trace, tmp_path, lambda ls: ls[-1]["failure"].update(step=1, op="get_new_blocks")))
+    (notice,) = moved["notices"]
+    assert notice.startswith("This trace records a divergence at step 1 (state equals spec), but there the ")
+    gone = _view_of(_edited(failure_trace, tmp_path, lambda ls: ls[-1].update(verdict="conforms", failure=None)))
+    (notice,) = gone["notices"]
+    assert notice.startswith("The implementation's side as recorded already differs from the spec's at step 2 "
+                             "(free_queue), but this trace records no divergence")  # fmt: skip
+    past = _view_of(_edited(failure_trace, tmp_path, lambda ls: ls[-1]["failure"].update(step=9)))
+    assert past["notices"][0].startswith("This trace records its first divergence at step 9, a step it does not have")
+
+
+def test_view_draws_the_notice_on_the_page(failure_trace, tmp_path, capsys):
+    ref_cnt = [0, 2, 1, 0, 0, 0, 0, 0]
+    edited = _edited(failure_trace, tmp_path, lambda ls: ls[1]["spec_snapshot"].update(ref_cnt=ref_cnt))
+    out = tmp_path / "edited.html"
+    assert main(["view", str(edited), "-o", str(out)]) == 0
+    assert "recorded spec state at step 1 differs from what the spec computes" in out.read_text()

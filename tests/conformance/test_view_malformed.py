@@ -92,7 +92,8 @@ def test_view_still_draws_a_recorded_caller_mistake(tmp_path: Path) -> None:
 
 def test_view_draws_recorded_results_and_states_of_the_wrong_shape_as_they_are(tmp_path: Path) -> None:
     # Outcomes and states are for people and never trusted: a hit that is no list of blocks, an
-    # implementation's state with fewer ref counts than blocks and a pool size far beyond its lists.
+    # implementation's state with fewer ref counts than blocks and a pool size far beyond its lists. The
+    # spec's side is computed, and the page says the file's differs; the implementation's is drawn as it is.
     snapshot = {
         "num_gpu_blocks": 8, "enable_caching": True, "ref_cnt": [0] * 8, "block_hash": [None] * 8,
         "free_queue": list(range(1, 8)), "hash_to_blocks": [], "block_tables": [], "quarantined": [],
@@ -111,4 +112,6 @@ def test_view_draws_recorded_results_and_states_of_the_wrong_shape_as_they_are(t
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     done = _kvspec(tmp_path, "view", str(path))
     assert done.returncode == 0 and done.stderr == "", done.stdout + done.stderr
-    assert "[1, 'x']" in (tmp_path / "shapes.html").read_text()
+    page = (tmp_path / "shapes.html").read_text()
+    assert "[[1], 'x']" in page and "[1, 'x']" not in page.replace("[[1], 'x']", "")
+    assert "recorded spec outcome at step 1 differs from what the spec computes" in page

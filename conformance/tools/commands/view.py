@@ -4,7 +4,12 @@ The page is one self-contained HTML file (no network, works from file://):
 every block with its ref count and hash, the free queue left to right, the
 hash table and the request block tables at each step, the changed blocks
 framed; for a failure it opens at the first divergence with the differing
-fields marked and the broken rule in words. `-o PATH` writes it (default:
+fields marked and the broken rule in words. The spec's side is computed by
+running the steps through the spec; the implementation's is what the trace
+records (view does not run it; kvspec replay does). Where the file's record
+is not what kvspec computes (a recorded spec state or outcome, or a first
+divergence the recorded sides do not show), the page says so at the top.
+`-o PATH` writes it (default:
 beside the trace, named after it); `--serve` serves it on 127.0.0.1 until
 Ctrl-C. Exit 0, or 2 when the trace cannot be read or the page not written.
 A trace is checked as `kvspec replay` checks it before anything is drawn: a

@@ -424,6 +424,7 @@ def build_view(doc: Mapping[str, Any]) -> dict[str, Any]:
         fill, edge = _colour(i)
         colours[n] = {"fill": fill, "edge": edge}
     title, sides = _title_and_sides(doc, has_impl, bs)
+    notices = _recorded_spec_notice(doc) + (_divergence_notices(steps_in, steps, failure) if has_impl else [])
     return {
         "kvspec_page": PAGE_FORMAT,
         "kind": doc["kind"],
@@ -434,6 +435,7 @@ def build_view(doc: Mapping[str, Any]) -> dict[str, Any]:
         "sides": sides,
         "hash_colours": colours,
         "failure": failure,
+        "notices": notices,
         "start_step": bad if failure is not None and 0 <= bad < len(steps) else 0,
         "requests": [
             [name, "|".join(" ".join(str(t) for t in tokens[i : i + bs]) for i in range(0, len(tokens), bs))]
@@ -532,6 +534,65 @@ def _view_failure(failure_in: Mapping[str, Any], steps_in: Sequence[Mapping[str,
     }
 
 
+# --- what the file records, against what kvspec computes -----------------------------------
+
+# The rules a recorded divergence can only have broken where the recorded sides differ: the result, the
+# state, and the invariants (the spec's state satisfies them all, so a state equal to it does too).
+_RECORD_RULES = {"same_result", "state_equals_spec", "rejected_call_changes_nothing"} | {i.name for i in INVARIANTS}
+
+_NOT_CHECKED = "kvspec view runs the spec but not the implementation; `kvspec replay` checks the trace again"
+
+
+def _recorded_spec_notice(doc: Mapping[str, Any]) -> list[str]:
+    """The page's line when the file's recorded spec side is not what the spec computes (the source says where)."""
+    differs = doc.get("spec_recorded_differs")
+    if not differs:
+        return []
+    what, verb = " and ".join(differs["what"]), "differ" if len(differs["what"]) > 1 else "differs"
+    return [
+        f"This trace's recorded spec {what} at step {differs['step']} {verb} from what the spec computes: the file "
+        "was edited or written by another kvspec version. The spec's side drawn here is the computed one."
+    ]
+
+
+def _visible_differences(s: Mapping[str, Any], step: Mapping[str, Any]) -> list[str]:
+    """What differs between the sides at a step, from the record alone: the result and the state fields.
+
+    Empty where more than the record decides (a caller mistake, judged by the adapter's declared reaction)
+    and where the implementation's side is not recorded. Events are left out: a run of removals may come in
+    any order.
+    """
+    if s["op"] is None or s.get("mistake") or s["impl_outcome"] is None:
+        return []
+    fields = [f for f in step["differences"]["fields"] if f != "result"]
+    return fields if _same_outcome(s["op"], s["spec_outcome"], s["impl_outcome"]) else ["result", *fields]
+
+
+def _divergence_notices(
+    steps_in: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]], failure: Mapping[str, Any] | None
+) -> list[str]:
+    """The page's lines where the recorded first divergence is not where the recorded sides say it is."""
+    bad = failure["step"] if failure is not None else None
+    first = next(((i, d) for i, s in enumerate(steps_in) if (d := _visible_differences(s, steps[i]))), None)
+    if bad is not None and not 0 <= bad < len(steps):
+        return [f"This trace records its first divergence at step {bad}, a step it does not have; {_NOT_CHECKED}."]
+    if first is not None and (bad is None or first[0] < bad):
+        recorded = "no divergence" if bad is None else f"its first divergence at step {bad}"
+        return [
+            f"The implementation's side as recorded already differs from the spec's at step {first[0]} "
+            f"({', '.join(first[1])}), but this trace records {recorded}; {_NOT_CHECKED}."
+        ]
+    if failure is None or bad is None or failure["rule_name"] not in _RECORD_RULES:
+        return []
+    s, step = steps_in[bad], steps[bad]
+    if s["op"] is not None and step["impl"] is not None and not step["differences"]["fields"]:
+        return [
+            f"This trace records a divergence at step {bad} ({failure['rule_label']}), but there the "
+            f"implementation's recorded result and state equal the spec's; {_NOT_CHECKED}."
+        ]
+    return []
+
+
 def _title_and_sides(doc: Mapping[str, Any], has_impl: bool, bs: int) -> tuple[str, list[dict[str, str]]]:
     if doc["kind"] == "walkthrough":
         title = f"Seed 000's walkthrough: {doc['config']['num_gpu_blocks'] - 1} blocks of {bs} tokens"
@@ -546,8 +607,8 @@ def _title_and_sides(doc: Mapping[str, Any], has_impl: bool, bs: int) -> tuple[s
             {"key": "impl", "label": f"{leaves} (leaves the spec)", "short": leaves},
         ]  # fmt: skip
     title = f"kvspec trace of {doc['impl']}" if doc.get("impl") else "kvspec trace"
-    sides = [{"key": "spec", "label": "spec", "short": "spec"}]
+    sides = [{"key": "spec", "label": "spec (computed: the steps run through the spec)", "short": "spec"}]
     if has_impl:
-        label = f"implementation{': ' + doc['impl'] if doc.get('impl') else ''}"
+        label = f"implementation{': ' + doc['impl'] if doc.get('impl') else ''} (as the trace records it)"
         sides.append({"key": "impl", "label": label, "short": "implementation"})
     return title, sides

@@ -9,12 +9,14 @@ the player that reads the harness's own classes (`Trace`, `TraceStep`,
 (`kvspec.conformance.tools.view.model`) and the page itself read nothing but the
 document, so a change to those classes changes one function here.
 
-Design choice: a stored trace may leave a snapshot out (a process that
-died, a step that crashed); the spec's side is then recomputed by running the
-trace's operations through the spec alone (`run_spec`), as the runner does
-for a dead process, rather than drawn as unknown: up to the failing step the
-implementation matched the spec, so the spec's side is the state a person
-wants to see.
+Design choice: the spec's side is always computed, by running the trace's
+operations through the spec alone as a replay checks them (`spec_side`),
+never read from the file; where the file records a spec side that differs,
+the document says at which step, and the page says so. The rejected
+alternative, drawing what the file records, drew a trace edited by hand, or
+written by another kvspec version, as if kvspec had found it. The
+implementation's side can only be what the file records: nothing here runs
+the implementation.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.hash_names import HashNames
-from kvspec.conformance.core.lockstep import run_spec, spec_initial_state
+from kvspec.conformance.core.lockstep import spec_initial_state
 from kvspec.conformance.core.results import Outcome
 from kvspec.conformance.core.trace import Trace, TraceStep, encode_value, snapshot_to_json
+from kvspec.conformance.runner.replaying import spec_side
 from kvspec.conformance.tools.walkthrough import WalkthroughStep, load_golden
 from kvspec.spec.state import Snapshot
 
@@ -41,20 +44,21 @@ def _initial_snapshot(config: AdapterConfig) -> Snapshot:
 
 
 def trace_to_page_data(trace: Trace) -> dict[str, Any]:
-    """A trace as the player's source document (plain JSON), the spec's side recomputed where it is missing.
+    """A trace as the player's source document (plain JSON), the spec's side computed, never read from the file.
 
     Args:
         trace: a trace as `read_trace` returns it.
 
     Returns:
-        The source document: `config`, `impl`, `verdict`, `failure` and `steps`,
-        step 0 being the state before the first operation.
+        The source document: `config`, `impl`, `verdict`, `failure`, `steps`
+        (step 0 being the state before the first operation) and
+        `spec_recorded_differs`: the first step whose recorded spec outcome or
+        state is not what the spec computes, with what differs (None: none).
     """
     c = trace.config
     # The story's names (HashNames, as the lock-step core gives them), so page and story agree.
     spec_names, impl_names = HashNames.from_trace(trace.steps).given()
-    needs_spec = any(s.spec is None or s.spec_snapshot is None for s in trace.steps)
-    replayed = run_spec(c, [(s.op, s.args) for s in trace.steps]) if needs_spec else []
+    computed = spec_side(trace)
     failure = trace.failure.to_json() if trace.failure is not None else None
     initial = snapshot_to_json(_initial_snapshot(c))
     has_impl = any(s.impl_snapshot is not None for s in trace.steps)
@@ -65,7 +69,7 @@ def trace_to_page_data(trace: Trace) -> dict[str, Any]:
         {"index": 0, "op": None, "args": [], "spec_outcome": None, "impl_outcome": None, "spec": initial,
          "impl": impl_initial, "spec_recomputed": False, "caption": None, "base": None}
     ]
-    steps += [_trace_step(s, replayed[i] if replayed else None) for i, s in enumerate(trace.steps)]
+    steps += [_trace_step(s, computed[i]) for i, s in enumerate(trace.steps)]
     return {
         "kvspec_page_source": SOURCE_FORMAT,
         "kind": "trace",
@@ -82,26 +86,49 @@ def trace_to_page_data(trace: Trace) -> dict[str, Any]:
         "failure": failure,
         "hash_names": spec_names,
         "impl_hash_names": impl_names,
+        "spec_recorded_differs": _recorded_spec_differs(trace, computed),
         "steps": steps,
     }
 
 
-def _trace_step(s: TraceStep, replayed: tuple[Outcome, Snapshot] | None) -> dict[str, Any]:
-    """One trace step in the source document; the spec's side from `replayed` where the trace lacks it."""
-    spec_outcome, spec_snapshot = s.spec, s.spec_snapshot
-    if spec_outcome is None:
-        assert replayed is not None, "a step without the spec's outcome and no replay"
-        spec_outcome = replayed[0]
-    if spec_snapshot is None:
-        assert replayed is not None, "a step without the spec's state and no replay"
-        spec_snapshot = replayed[1]
+def _recorded_spec_differs(trace: Trace, computed: Sequence[tuple[Outcome, Snapshot]]) -> dict[str, Any] | None:
+    """The first step whose recorded spec side is not the computed one, and what differs; None when none is.
+
+    Outcomes are compared as the lock-step core compares them (an error by its type, not its message; events
+    only where the trace checked them), so a reworded message is no difference.
+    """
+    before = _initial_snapshot(trace.config)
+    for s, (outcome, after) in zip(trace.steps, computed):
+        what = []
+        if s.spec is not None and _compared(s.spec, trace.config.events) != _compared(outcome, trace.config.events):
+            what.append("outcome")
+        # NOTE: a hung step's spec state is recorded before the call where the lock-step core caught the hang,
+        # after it where the process was killed and the runner rebuilt the story: either is the spec's.
+        expected = (before, after) if s.impl is not None and s.impl.hung else (after,)
+        if s.spec_snapshot is not None and s.spec_snapshot not in expected:
+            what.append("state")
+        if what:
+            return {"step": s.index, "what": what}
+        before = after
+    return None
+
+
+def _compared(o: Outcome, events: bool) -> dict[str, Any]:
+    """What of an outcome the lock-step core compares, as JSON: its kind and result, no message."""
+    said = ("message", "crash", "hung", "not_sent")  # the words, which carry no verdict
+    return {k: None if k in said else v for k, v in o.to_json().items() if events or k != "events"}
+
+
+def _trace_step(s: TraceStep, computed: tuple[Outcome, Snapshot]) -> dict[str, Any]:
+    """One trace step in the source document: the spec's side computed, the implementation's as recorded."""
     return {
         "index": s.index,
         "op": s.op,
         "args": encode_value(list(s.args)),
-        "spec_outcome": spec_outcome.to_json(),
+        "mistake": s.mistake,
+        "spec_outcome": computed[0].to_json(),
         "impl_outcome": None if s.impl is None else s.impl.to_json(),
-        "spec": snapshot_to_json(spec_snapshot),
+        "spec": snapshot_to_json(computed[1]),
         "impl": None if s.impl_snapshot is None else snapshot_to_json(s.impl_snapshot),
         "spec_recomputed": s.spec_snapshot is None,
         "caption": None,
