@@ -123,6 +123,9 @@ QUICK_BATCHES = DEFAULT_BATCHES
 FULL_POOLS = (10_000, 100_000, 1_000_000)
 FULL_BATCHES = (1, 16, 100, 1_000, 10_000, 100_000)
 DEFAULT_CONTENT_BLOCKS, FULL_CONTENT_BLOCKS = 1_000, 100_000
+# torch threads at the most: more than any machine's cores only contend, and tens of thousands crash torch's
+# thread pool (a segmentation fault, not an error)
+MAX_THREADS = 256
 CONTENT_REQUEST_BLOCKS = 1_000  # blocks per request in the content check: 16k tokens
 OPERATIONS = ("get_new_blocks", "free_blocks", "touch")
 SINGLE_REQUEST_MAX_BLOCKS = 1_000  # a request's blocks: up to 16k tokens at 16 tokens per block
@@ -868,7 +871,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(e.code or 0)
     pools = args.pools or (QUICK_POOLS if args.quick else FULL_POOLS if args.full else DEFAULT_POOLS)
     batches = args.batches or (QUICK_BATCHES if args.quick else FULL_BATCHES if args.full else DEFAULT_BATCHES)
-    content_blocks = args.content_blocks or (FULL_CONTENT_BLOCKS if args.full else DEFAULT_CONTENT_BLOCKS)
+    content_blocks = args.content_blocks
+    if content_blocks is None:  # not `or`: --content-blocks 0 is refused below, not taken for the default
+        content_blocks = FULL_CONTENT_BLOCKS if args.full else DEFAULT_CONTENT_BLOCKS
     try:
         content_layers = _content_layers(args.content_layers, content_blocks, args.device)
     except BlockManagerError as e:
@@ -906,6 +911,8 @@ def _parser() -> OneLineParser:
     """The command line of `kvspec bench gpu`."""
     parser = OneLineParser(
         prog="kvspec bench gpu", description=(__doc__ or "").splitlines()[0],
+        epilog="exit codes: 0 the tables printed; 1 a hit block of the content check read back wrong; "
+        "2 it cannot run (a bad argument, a device, a grid or a memory it does not have, an unwritable --json)",
     )
     parser.add_argument("--pools", type=integer, nargs="+", default=None, help="pool sizes (default 1e4 1e6)")
     parser.add_argument("--batches", type=integer, nargs="+", default=None, help="blocks per call (default 1 16 1e3)")
@@ -941,7 +948,7 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument(
         "--threads", type=integer, default=1,
-        help="torch threads on the CPU (default 1: the reference runs on one core too)",
+        help=f"torch threads on the CPU, 1 to {MAX_THREADS} (default 1: the reference runs on one core too)",
     )
     parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument(
@@ -965,7 +972,7 @@ def _content_layers(content_layers: str, content_blocks: int, device: str | None
     Raises:
         BlockManagerError: auto, and the memory cannot be read (content_layers_that_fit).
     """
-    if content_layers == "auto":
+    if content_layers == "auto" and content_blocks >= 1:  # no blocks fit no layers: refused with the blocks later
         return content_layers_that_fit(content_blocks, device)
     return int(content_layers) if content_layers.lstrip("-").isdigit() else 0
 
@@ -980,10 +987,11 @@ def _bad_arguments(
     """
     if min(pools) < 2 or min(batches) < 1:
         return f"pools must be >= 2 and batches >= 1; got pools={list(pools)} batches={list(batches)}"
-    if args.threads < 1 or content_blocks < 1 or content_layers < 1:
+    if not 1 <= args.threads <= MAX_THREADS or content_blocks < 1 or content_layers < 1:
         return (
-            f"threads, content blocks and content layers must be >= 1 (layers: or auto); got "
-            f"threads={args.threads} content_blocks={content_blocks} content_layers={args.content_layers}"
+            f"threads, content blocks and content layers must be >= 1 (layers: or auto), threads at most "
+            f"{MAX_THREADS}; got threads={args.threads} content_blocks={content_blocks} "
+            f"content_layers={args.content_layers}"
         )
     unfit = [batch for batch in batches if batch > max(pools) - 1]
     if unfit:

@@ -103,7 +103,12 @@ def render(results: Sequence[LayoutSpeed]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the campaigns and print the table; 0 if every campaign conformed or only ran short (inconclusive),
     1 if one diverged, crashed or hung, 2 if one could not run or on bad arguments."""
-    parser = OneLineParser(prog="kvspec bench harness", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = OneLineParser(
+        prog="kvspec bench harness",
+        description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog="exit codes: 0 every campaign conformed or only ran short (inconclusive: its rate stands); "
+        "1 one diverged, crashed or hung; 2 one could not run, or a bad argument",
+    )
     parser.add_argument("--groups", type=campaign_group_layout, nargs="+", default=list(DEFAULT_LAYOUTS),
                         metavar="LAYOUT", help="the layouts to time (default: %(default)s)")  # fmt: skip
     parser.add_argument("--jobs", type=positive_int, nargs="+", default=list(DEFAULT_JOBS), metavar="N",

@@ -38,7 +38,13 @@ from dataclasses import dataclass
 
 from kvspec.conformance.targets.vllm.lightmode import LightModeError
 from kvspec.conformance.targets.vllm.v0 import load_lru_evictor
-from kvspec.conformance.tools.commands._arguments import OneLineParser, integer, json_output, text_for_people
+from kvspec.conformance.tools.commands._arguments import (
+    OneLineParser,
+    integer,
+    json_output,
+    release_number,
+    text_for_people,
+)
 from kvspec.conformance.tools.commands._check_output import write_json
 from kvspec.conformance.tools.simulate import available_memory
 from kvspec.gpu_impl.sizing import format_size  # plain arithmetic: no torch
@@ -349,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     evictor_cls = None
-    if args.v0_evictor:  # loaded before any timing: a release that does not load is refused at once
+    if args.v0_evictor is not None:  # loaded before any timing: a release that does not load is refused at once
         try:
             evictor_cls = load_lru_evictor(args.v0_evictor)
         except LightModeError as e:
@@ -377,7 +383,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> OneLineParser:
     """The command line of `kvspec bench reference`."""
-    parser = OneLineParser(prog="kvspec bench reference", description=__doc__.splitlines()[0])
+    parser = OneLineParser(
+        prog="kvspec bench reference",
+        description=__doc__.splitlines()[0],
+        epilog="exit codes: 0 the table printed; 2 a bad argument, a pool that does not fit in memory, a "
+        "--v0-evictor release that does not load, or a --json that cannot be written",
+    )
     parser.add_argument(
         "--sizes",
         type=integer,
@@ -392,6 +403,7 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument(
         "--v0-evictor",
+        type=release_number,
         metavar="VERSION",
         default=None,
         help="also time the keyed free blocks against this vLLM v0 release's LRUEvictor (e.g. 0.7.3)",

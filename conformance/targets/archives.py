@@ -30,7 +30,8 @@ from pathlib import Path
 __all__ = ["MARKER", "cached_folder", "extract_zip", "is_release_number", "pip_download"]
 
 MARKER = "KVSPEC_EXTRACTED"  # written last: an extraction without it is incomplete
-_VERSION_RE = re.compile(r"^[0-9]+(\.[0-9]+)*([.-]?(post|rc|a|b|dev)[0-9]*)*$")
+# \Z, not $: $ also matches before a final newline, which is no part of a file name or a pip pin.
+_VERSION_RE = re.compile(r"^[0-9]+(\.[0-9]+)*([.-]?(post|rc|a|b|dev)[0-9]*)*\Z")
 
 
 def is_release_number(version: str) -> bool:

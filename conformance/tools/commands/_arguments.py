@@ -25,6 +25,7 @@ from typing import NoReturn
 from kvspec.conformance.core.files import write_whole
 from kvspec.conformance.core.run_config import DEFAULT_BUILD_TIMEOUT_S, DRAWN, ConfigError, too_wide_for_campaigns
 from kvspec.conformance.runner import run as runner
+from kvspec.conformance.targets.archives import is_release_number
 from kvspec.spec.attention import format_groups, parse_groups
 from kvspec.spec.errors import InvalidRequest
 from kvspec.spec.ordering import is_profile, known_profiles
@@ -52,6 +53,7 @@ __all__ = [
     "positive_int",
     "profile_name",
     "refuse",
+    "release_number",
     "text_for_people",
     "write_output",
 ]
@@ -263,7 +265,12 @@ def memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r} has no unit: write {match.group(1)}GiB (2^30 bytes, as nvidia-smi reports) or {match.group(1)}GB"
         )
-    return int(number * scale)
+    # Decimal, not float: 1.1GB is 1,100,000,000 bytes, not a float's nearest neighbour of it.
+    size = int(Decimal(match.group(1)) * scale)
+    if size > _MAX_INT:
+        # a size no memory has, whose blocks would print as a count of 40 digits
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 2^63 bytes (8 EiB), larger than any memory")
+    return size
 
 
 def _writable_dir(path: Path) -> bool:
@@ -281,8 +288,15 @@ def _writable_dir(path: Path) -> bool:
     return True
 
 
+def _named(text: str) -> None:
+    # Path("") is ".", the current folder: an empty name would read as "a folder" or write into it.
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a path")
+
+
 def output_file(text: str) -> Path:
     """A file the command will write: its folder must exist and be writable; an existing file must be a file."""
+    _named(text)
     path = Path(text)
     parent = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
@@ -305,6 +319,7 @@ def output_dir(text: str) -> Path:
 
     It is not created here: only a run that writes something creates it.
     """
+    _named(text)
     path = Path(text)
     if path.exists():
         if not path.is_dir():
@@ -388,6 +403,19 @@ def group_layout_or_drawn(text: str) -> str:
     """`group_layout`, or `drawn`: one to three groups drawn per example."""
 
     return text if text == DRAWN else group_layout(text)
+
+
+def release_number(text: str) -> str:
+    """A vLLM release as the package registry spells it (`0.8.5.post1`), refused before anything is fetched.
+
+    An empty one would otherwise read as "none given" and load some other vLLM than the one named.
+
+    >>> release_number("0.8.5.post1")
+    '0.8.5.post1'
+    """
+    if not is_release_number(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a release number such as 0.34.0 or 0.8.5.post1")
+    return text
 
 
 def port(text: str) -> int:

@@ -34,6 +34,7 @@ def register(subparsers: Any) -> None:
         "bench",
         help="benchmark an implementation (reference: per-operation cost as the pool grows)",
         description=__doc__.splitlines()[0] if __doc__ else None,
+        epilog="exit codes: the benchmark's own (kvspec bench TARGET --help), 2 when it cannot run",
     )
     p.add_argument("target", choices=sorted(TARGETS), help="which implementation to benchmark")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for that benchmark (see TARGET --help)")

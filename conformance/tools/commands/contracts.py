@@ -35,6 +35,9 @@ def register(subparsers: Any) -> None:
         "contracts",
         help="search the spec's contracts for counterexamples with CrossHair",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="exit codes: 0 every condition searched, no counterexample found (a search, not a proof); "
+        "1 CrossHair found a counterexample; 2 CrossHair does not import, an unknown function, or a condition "
+        "not searched",
     )
     p.add_argument(
         "--per-condition-timeout",

@@ -16,7 +16,12 @@ from kvspec.conformance.tools.walkthrough import load_golden, render_step, run_w
 
 def register(subparsers: Any) -> None:
     """Add the `demo` subcommand."""
-    p = subparsers.add_parser("demo", help="play seed 000's six-block walkthrough step by step")
+    p = subparsers.add_parser(
+        "demo",
+        help="play seed 000's six-block walkthrough step by step",
+        epilog="exit codes: 0 every state equals the seed's (with --groups: holds every invariant and equals the "
+        "spec's); 1 a state differs; 2 a bad flag or an --html page that cannot be written",
+    )
     p.add_argument("--impl", choices=("reference", "spec"), default="reference", help="which model plays it")
     p.add_argument(
         "--html", type=output_file, metavar="PATH", help="also write the walkthrough as a step-through browser page"

@@ -23,6 +23,7 @@ def register(subparsers: Any) -> None:
         "errors",
         help="list every caller mistake, the error type the spec raises and the order of the checks",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="exit codes: 0 the table printed; 2 a bad flag or a --json that cannot be written",
     )
     p.add_argument("--json", type=json_output, metavar="PATH", help="also write the table as JSON (- for stdout)")
     p.set_defaults(run=run)

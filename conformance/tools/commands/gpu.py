@@ -35,6 +35,8 @@ def register(subparsers: Any) -> None:
         "capacity",
         help="how many KV blocks fit in GPU memory: (mem - weights - overhead) x (1 - margin) / block bytes",
         description=(__doc__ or "").splitlines()[0],
+        epilog="exit codes: 0 the sizing printed; 2 no answer: a bad size or flag, not one block fits, "
+        "no --gpu-mem and no CUDA device, or a --json that cannot be written",
     )
     p.add_argument(
         "--gpu-mem",
@@ -60,6 +62,12 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the sizing; exit 2 on a bad size."""
+    if args.gpu_mem is not None and args.device is not None:
+        # --device names where the free memory is read; with --gpu-mem nothing is read, and the device would be
+        # silently ignored
+        print("kvspec capacity: --gpu-mem gives the memory and --device reads it from a device; give one",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_COULD_NOT_RUN
     try:
         layout = KVLayout(args.layers, args.kv_heads, args.head_dim, args.block_size, args.dtype)
         weights = parse_size(args.weights, "weights")

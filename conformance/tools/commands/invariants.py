@@ -349,6 +349,7 @@ def register(subparsers: Any) -> None:
         "invariants",
         help="list every invariant in plain words and what enforces it",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="exit codes: 0 the table printed; 2 a bad flag",
     )
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(run=run)

@@ -45,7 +45,9 @@ def register(subparsers: Any) -> None:
         "simulate",
         help="measure hit rate, evictions and fragmentation of a workload per profile, block size and pool size",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="built-in workloads: " + " ".join(f"{f.name}: {f.description}" for f in WORKLOADS.values()),
+        epilog="built-in workloads: " + " ".join(f"{f.name}: {f.description}" for f in WORKLOADS.values())
+        + ". Exit codes: 0 the table printed; 2 a workload, pool or output that cannot be used, or a workload no "
+        "pool measured (every request larger than every pool).",
     )
     p.add_argument("--workload", default="chat", help=f"{', '.join(WORKLOADS)}, or a .jsonl file (default chat)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="a built-in workload's seed (default 0)")
@@ -80,7 +82,7 @@ def _load(name: str, seed: int) -> Any:
 
     if name in WORKLOADS:
         return builtin_workload(name, seed)
-    if not Path(name).exists():
+    if not name or not Path(name).exists():  # Path("") is the current folder, which exists
         built_in = ", ".join(WORKLOADS)
         raise FileNotFoundError(f"--workload {name!r} is neither a built-in workload ({built_in}) nor a file")
     return read_workload(name)
@@ -88,7 +90,9 @@ def _load(name: str, seed: int) -> Any:
 
 def _row(r: Any) -> tuple[str, ...]:
     evictions = "-" if r.evictions is None else str(r.evictions)
-    return (r.profile, str(r.block_size), str(r.num_gpu_blocks), f"{r.hit_rate:.1%}", f"{r.hits} / {r.queries}",
+    # no query, no rate: 0 / 0 printed as 0.0% would read as a pool that never hits
+    hit_rate = f"{r.hit_rate:.1%}" if r.queries else "-"
+    return (r.profile, str(r.block_size), str(r.num_gpu_blocks), hit_rate, f"{r.hits} / {r.queries}",
             evictions, str(r.preemptions), str(r.peak_blocks_held), f"{r.tail_share:.1%}")  # fmt: skip
 
 
@@ -163,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     source = f"{args.workload} (seed {args.seed})" if args.workload in WORKLOADS else args.workload
+    if all(r.rejected == r.requests for r in results):
+        # every configuration rejected every request: its table would be rows of zeros that measured nothing
+        print(f"kvspec simulate: every request of {source} is larger than every pool even alone, so nothing was "
+              f"measured; give a larger --pool (largest {max(args.pool):,} blocks)", file=sys.stderr)  # fmt: skip
+        return 2
     with text_for_people(args.json):
         print(f"workload: {source}, {len(workload)} requests")
         print(_table([_row(r) for r in results]))

@@ -20,7 +20,13 @@ from kvspec.conformance.targets.vllm.releases import HASH_CHAIN_DIFFERENCES, REL
 from kvspec.conformance.targets.vllm.v0 import V0_RELEASES
 from kvspec.conformance.tools import oracle, oracle_matrix
 from kvspec.conformance.tools import plugin_matrix as matrix
-from kvspec.conformance.tools.commands._arguments import output_dir, positive_float, positive_int, refuse
+from kvspec.conformance.tools.commands._arguments import (
+    output_dir,
+    positive_float,
+    positive_int,
+    refuse,
+    release_number,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -68,7 +74,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the matrix as JSON")
     p.add_argument("--bench", action="store_true", help="instead: benchmark the reference against vLLM's BlockPool")
-    p.add_argument("--bench-version", default=None, help="the release to benchmark (default: the newest)")
+    p.add_argument(
+        "--bench-version", type=release_number, default=None, help="the release to benchmark (default: the newest)"
+    )
     p.set_defaults(run=run_oracle_cmd)
     _register_hashes(subparsers)
 
@@ -78,10 +86,17 @@ def _register_hashes(subparsers: Any) -> None:
     h = subparsers.add_parser(
         "hashes",
         help="golden hash vectors: kvspec's block-hash chain against vLLM's, on the same inputs",
+        epilog="exit codes: 0 every vector matches (--all: every release measured); 1 a vector differs; "
+        "2 vLLM cannot be loaded, or a release not measured",
     )
     h.add_argument("--impl", choices=("vllm",), default="vllm")
     which = h.add_mutually_exclusive_group()
-    which.add_argument("--version", default=None, help="a release to load in light mode (default: the installed vLLM)")
+    which.add_argument(
+        "--version",
+        type=release_number,
+        default=None,
+        help="a release to load in light mode (default: the installed vLLM)",
+    )
     which.add_argument(
         "--all",
         action="store_true",
