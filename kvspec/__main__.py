@@ -1,5 +1,5 @@
 """`python -m kvspec` is the same as the `kvspec` command."""
 
-from kvspec._entry import main
+from kvspec._entry import console_main
 
-raise SystemExit(main())
+raise SystemExit(console_main())

@@ -120,7 +120,7 @@ def test_the_console_script_is_declared(wheel: Path) -> None:
     (entry_points,) = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
     text = archive.read(entry_points).decode()
     assert "[console_scripts]" in text
-    assert "kvspec = kvspec._entry:main" in text
+    assert "kvspec = kvspec._entry:console_main" in text
     assert "kvspec/_entry.py" in archive.namelist()
 
 

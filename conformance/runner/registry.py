@@ -241,8 +241,11 @@ def _target_factory(target: Target, name: str) -> Factory:
     resolve = _load_callable(name, target.resolve)
     try:
         factory: Factory = resolve(name)
-    except ValueError as e:
-        raise FactoryError(f"implementation {name!r}: {e}") from None
+    except ValueError as e:  # the target's own refusal of the name, in its words
+        raise FactoryError(f"implementation {name!r}: {said(e)}") from None
+    except IMPLEMENTATION_FAULTS as e:  # resolving loads code (a vLLM source tree): it can fail any way, exit too
+        raise_if_ctrl_c(e)
+        raise FactoryError(f"implementation {name!r} does not load ({type(e).__name__}: {said(e)})") from None
     return factory
 
 

@@ -121,9 +121,14 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _parent(pid: int) -> int:
+    return int((Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def _campaign_children(pgid: int) -> list[int]:
-    """The group's processes forked from its leader to run campaigns (the same command line), not a
-    program a module runs while it loads (ctypes runs ldconfig)."""
+    """The group's processes forked to run campaigns (the same command line), not a program a module runs
+    while it loads (ctypes runs ldconfig), nor the process the leader runs the command in (its direct child:
+    kvspec._entry)."""
     try:
         leader = Path(f"/proc/{pgid}/cmdline").read_bytes()
     except OSError:
@@ -131,7 +136,7 @@ def _campaign_children(pgid: int) -> list[int]:
     children = []
     for pid in _group_members(pgid):
         try:
-            if pid != pgid and Path(f"/proc/{pid}/cmdline").read_bytes() == leader:
+            if pid != pgid and _parent(pid) != pgid and Path(f"/proc/{pid}/cmdline").read_bytes() == leader:
                 children.append(pid)
         except OSError:
             continue

@@ -131,8 +131,11 @@ def test_a_fork_that_runs_a_device_runtime_on_a_pool_path_gets_no_verdict(tmp_pa
          "SyntaxError"),
         (lambda d: _fork(d).joinpath("minifork", "v1", "core", "block_pool.py").write_text("X = 1\n"),
          "minifork/v1/core/block_pool.py defines no BlockPool"),
+        # A tree that exits as it loads: it was an exit 0 with nothing said, as a conforming run's.
+        (lambda d: _fork(d).joinpath("minifork", "v1", "core", "block_pool.py").write_text(
+            "import sys\nsys.exit(0)\n"), "does not load (SystemExit: 0)"),
     ],
-    ids=["device-call-at-import", "two-packages", "syntax-error", "no-block-pool"],
+    ids=["device-call-at-import", "two-packages", "syntax-error", "no-block-pool", "exits-as-it-loads"],
 )  # fmt: skip
 def test_a_tree_that_does_not_load_is_refused_in_one_line(tmp_path, monkeypatch, capsys, make, says) -> None:
     tree = tmp_path / "tree"
