@@ -18,20 +18,23 @@ the other way, for the replay hint of a factory passed as an object.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
-from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, raise_if_ctrl_c, said
+from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepTimeout, raise_if_ctrl_c, said
 
 __all__ = [
     "TARGET_GROUP",
@@ -208,14 +211,48 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 
-def load_factory(name: str) -> Factory:
+def load_factory(name: str, timeout_s: float | None = None) -> Factory:
     """The factory a name stands for: a registered target's name ("reference", "vllm@0.24.0",
     "overlay:..."), "module:function" or "path/to/file.py:function".
 
+    Args:
+        name: what the user named.
+        timeout_s: the most loading may take (a module's top level runs as it is imported: one that never
+            ends would hang the command before any campaign's time limit is in force); None: no limit.
+
     Raises:
-        FactoryError: the name is malformed, the target or module does not load, the
-            attribute is missing, or it is not callable; the message says which.
+        FactoryError: the name is malformed, the target or module does not load (or not within
+            ``timeout_s``), the attribute is missing, or it is not callable; the message says which.
     """
+    with _loading_within(name, timeout_s):
+        return _factory(name)
+
+
+@contextlib.contextmanager
+def _loading_within(name: str, timeout_s: float | None) -> Iterator[None]:
+    """Raise FactoryError where the block runs past ``timeout_s``: SIGALRM, so only a top level that runs
+    Python is stopped (one stuck in C is not), and only in the main thread, where signals are delivered."""
+    if timeout_s is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def past_the_limit(signum: int, frame: object) -> None:
+        raise StepTimeout  # let through by every loader's handler (raise_if_ctrl_c), caught below
+
+    old = signal.signal(signal.SIGALRM, past_the_limit)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        yield
+    except StepTimeout:
+        why = f"loading it took more than {timeout_s:g} s (--build-timeout): a module that never finishes loading?"
+        raise FactoryError(f"implementation {name!r}: {why}") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _factory(name: str) -> Factory:
+    """`load_factory`'s work, without its time limit."""
     target = find_target(name)
     if target is not None:
         return _target_factory(target, name)

@@ -166,7 +166,7 @@ def test_default_implementations_skip_a_registered_one_whose_module_is_missing(r
         "LATER = Target(name='later', summary='not written yet', factory='later_pool.adapter:make_adapter', "
         "default_order=4)\n",
     )
-    chosen, notes = _default_impls()
+    chosen, notes = _default_impls(None)
     assert chosen[:2] == ["reference", "spec"] and "later" not in chosen
     assert notes == [
         "later: not checked (implementation 'later': module later_pool.adapter does not import "

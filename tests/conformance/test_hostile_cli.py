@@ -416,3 +416,15 @@ def test_every_command_says_its_exit_codes_in_its_help(tmp_path, command):
     r = kvspec(*command.split(), "--help", cwd=tmp_path)
     said = " ".join(r.stdout.lower().split())
     assert r.returncode == 0 and ("exit codes:" in said or "exit 0 when" in said), r.stdout
+
+
+def test_a_module_that_never_finishes_loading_is_refused_at_the_build_time_limit(tmp_path):
+    # Its top level ran in kvspec's own process before any campaign's time limit was in force: the command
+    # hung with nothing said.
+    impl = pool_module(tmp_path, "while True:\n    pass\n")
+    r = check(impl, tmp_path, "--build-timeout", "1")
+    refused(r, "loading it took more than 1 s (--build-timeout)")
+    assert not (tmp_path / "traces").exists()
+    trace = ROOT / "docs" / "traces" / "inv_ref_cnt_nonnegative.trace.jsonl"
+    r = kvspec("replay", str(trace), "--impl", impl, "--build-timeout", "1", cwd=tmp_path)
+    refused(r, "loading it took more than 1 s (--build-timeout)")

@@ -218,11 +218,11 @@ def _add_campaign_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _default_impls() -> tuple[list[str], list[str]]:
+def _default_impls(timeout_s: float | None) -> tuple[list[str], list[str]]:
     chosen, skipped = [], []
     for name in (target.name for target in default_targets()):
         try:
-            load_factory(name)
+            load_factory(name, timeout_s)
         except FactoryError as e:
             skipped.append(f"{name}: not checked ({e})")
             continue
@@ -230,12 +230,12 @@ def _default_impls() -> tuple[list[str], list[str]]:
     return chosen, skipped
 
 
-def _named_impls(names: Sequence[str]) -> tuple[list[str], list[str]]:
+def _named_impls(names: Sequence[str], timeout_s: float | None) -> tuple[list[str], list[str]]:
     """The implementations that load, and one line for each that does not (said once, not per configuration)."""
     chosen, problems = [], []
     for name in names:
         try:
-            load_factory(name)
+            load_factory(name, timeout_s)
         except FactoryError as e:
             problems.append(str(e))
             continue
@@ -245,17 +245,19 @@ def _named_impls(names: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Run every configuration, print the summary and stories; the exit code is the worst verdict's."""
-    impls, notes = _default_impls() if not args.impl else (args.impl, [])
+    try:
+        config = _record(args, args.impl or ())
+    except ConfigError as e:
+        return refuse("kvspec check", e)
+    # Loaded here, each under the build time limit, so one that does not load is one line before any work.
+    impls, notes = _default_impls(config.build_timeout_s) if not args.impl else (args.impl, [])
     if args.impl:
-        impls, problems = _named_impls(args.impl)
+        impls, problems = _named_impls(args.impl, config.build_timeout_s)
         for problem in problems:
             print(f"kvspec check: {problem}", file=sys.stderr)
         if problems:
             return 2
-    try:
-        config = _record(args, impls)
-    except ConfigError as e:
-        return refuse("kvspec check", e)
+    config = dataclasses.replace(config, impls=tuple(impls))
     # vLLM logs a warning for every refused reset, and any implementation may load vLLM, whatever its
     # name (a user's module that imports it); the verdicts and the summary say it all. Errors still show.
     logging.disable(logging.WARNING)

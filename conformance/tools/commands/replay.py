@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        factory = load_factory(impl)  # refused here, as check refuses it: before any work, nothing written
+        factory = load_factory(impl, record.build_timeout_s)  # refused as check refuses it: before any work
     except FactoryError as e:
         print(f"kvspec replay: {e}", file=sys.stderr)
         return 2
