@@ -511,6 +511,8 @@ class LockStep:
         good_state, events = self._expected_after(operation, step, spec)
         hit = self._expected_hit(operation, step.args, spec)
         impl, sent = self._send(operation, step, spec)
+        if step.mistake is not None:
+            self.watch.stream_answer(impl)
         if good_state is not None and impl.not_sent is None:
             new_state = good_state  # the implementation ignores the mistake: its good part applies
         if impl.not_sent is not None or impl.replica:
@@ -562,7 +564,7 @@ class LockStep:
     def _send(self, operation: Operation, step: _Call, spec: Outcome) -> tuple[Outcome, _Sent]:
         """Call the implementation (a mistake with no declared reaction: not at all; one that changes the
         state, or any when surveying: a replica); its outcome, and how it was sent."""
-        self.watch.stream_step(step.index, step.op, step.args)
+        self.watch.stream_step(step.index, step.op, step.args, step.mistake, step.without)
         self._inflight = (step.index, step.op, step.args, spec, step.mistake)
         reaction = self._reaction(step.mistake)
         if step.mistake is not None and reaction is None:

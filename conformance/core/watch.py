@@ -17,16 +17,17 @@ Statistics (what a campaign reached) are the `Observer`'s
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
-from kvspec.conformance.core.trace import encode_value, header_line
+from kvspec.conformance.core.results import Outcome
+from kvspec.conformance.core.trace import TraceStep, header_line, step_line
 
 __all__ = [
     "IMPLEMENTATION_FAULTS",
@@ -197,6 +198,7 @@ class StepWatch:
         self.current: Any = None  # the LockStep of the example running now
         self.failed: Any = None  # the LockStep of the latest example that failed (the shrunk one, last)
         self._alarm_ready = False
+        self._streamed: tuple[int, TraceStep] | None = None  # the last step written: where it starts, and it
 
     def start_example(self, lock: Any, config: AdapterConfig) -> None:
         """A new example begins: it is the current one, and its stream starts afresh."""
@@ -206,11 +208,32 @@ class StepWatch:
             os.lseek(self.stream_fd, 0, os.SEEK_SET)
             os.write(self.stream_fd, (header_line(config, self.impl_name) + "\n").encode())
 
-    def stream_step(self, index: int, op: str, args: Sequence[Any]) -> None:
-        """Write the step about to run, so a crash or hang of the process still shows it."""
+    def stream_step(
+        self, index: int, op: str, args: Sequence[Any], mistake: str | None = None, without: Sequence[Any] | None = None
+    ) -> None:
+        """Write the step about to run, so a crash or hang of the process still shows it.
+
+        A caller mistake is written with its name and good part, as a trace records them: a replay of the
+        steps must send it as the mistake it is, not as a valid call.
+        """
         if self.stream_fd is not None:
-            line = json.dumps({"step": index, "op": op, "args": encode_value(list(args))})
-            os.write(self.stream_fd, (line + "\n").encode())
+            good = None if without is None else tuple(without)
+            step = TraceStep(index, op, tuple(args), mistake=mistake, without=good)
+            self._streamed = (os.lseek(self.stream_fd, 0, os.SEEK_CUR), step)
+            os.write(self.stream_fd, (step_line(step) + "\n").encode())
+
+    def stream_answer(self, impl: Outcome) -> None:
+        """Write the implementation's outcome into the step just written, in place of its line.
+
+        Called for a caller mistake: whether the implementation ignored it decides the spec's state after it
+        (its good part's), which the stream of a process that died must still tell. A valid call's outcome
+        is the spec's up to the last step, so it is not written again.
+        """
+        if self.stream_fd is not None and self._streamed is not None:
+            at, step = self._streamed
+            os.ftruncate(self.stream_fd, at)
+            os.lseek(self.stream_fd, at, os.SEEK_SET)
+            os.write(self.stream_fd, (step_line(replace(step, impl=impl)) + "\n").encode())
 
     def install_alarm(self) -> Callable[[], None]:
         """Arm the per-step time limit with SIGALRM, if this thread can; returns the undo."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.lockstep import Factory, run_spec
@@ -31,7 +32,7 @@ from kvspec.conformance.core.results import CampaignReport, Failure, FailureKind
 from kvspec.conformance.core.trace import MalformedTrace, Trace, TraceStep, parse_trace
 from kvspec.conformance.core.watch import time_limit_met
 from kvspec.conformance.runner.isolation import Death, run_isolated
-from kvspec.conformance.runner.replaying import replay_example
+from kvspec.conformance.runner.replaying import ignored_mistakes, replay_example, spec_side
 
 __all__ = ["shrink_by_replay", "trace_from_death"]
 
@@ -63,23 +64,23 @@ def trace_from_death(
         sig = f"signal {-code} ({signal.Signals(-code).name})" if code is not None and code < 0 else f"exit code {code}"
         what = f"the process died ({sig}) " + ("while building the adapter" if building else "during this step")
         kind = FailureKind.CRASHED
-    steps = _spec_side(partial)
-    op = steps[-1].op if steps else "init"
     outcome = Outcome(hung=True, message=what) if kind is FailureKind.HUNG else Outcome(crashed=True, message=what)
+    steps = _with_spec_side(partial)
+    op = steps[-1].op if steps else "init"
     if steps:
-        s = steps[-1]
-        steps[-1] = TraceStep(s.index, s.op, s.args, s.spec, outcome, s.spec_snapshot, None, s.mistake, s.without)
+        steps[-1] = replace(steps[-1], impl=outcome)
     failure = Failure(kind, len(steps), op, what)
     return Trace(config=partial.config, steps=tuple(steps), impl=impl, verdict=kind.verdict, failure=failure)
 
 
-def _spec_side(trace: Trace) -> list[TraceStep]:
-    """Each step's spec outcome and state (the implementation matched them up to its last step)."""
-    outcomes = run_spec(trace.config, [(s.op, s.args) for s in trace.steps])
-    return [
-        TraceStep(s.index, s.op, s.args, o, None, snap, None, s.mistake, s.without)
-        for s, (o, snap) in zip(trace.steps, outcomes)
-    ]
+def _with_spec_side(trace: Trace) -> list[TraceStep]:
+    """Each step with the spec's outcome and state (the implementation matched them up to its last step).
+
+    They are computed as a replay computes them (`spec_side`): after a caller mistake the stream says the
+    implementation ignored, the state is its good part's. What the stream recorded of the implementation
+    (its outcome of a mistake) is kept; a valid call's is the spec's, so none is written.
+    """
+    return [replace(s, spec=o, spec_snapshot=snap) for s, (o, snap) in zip(trace.steps, spec_side(trace))]
 
 
 def _replay(trace: Trace, factory: Factory, step_timeout_s: float | None) -> CampaignReport | Death:
@@ -127,14 +128,32 @@ def _minimize(
 
 
 def _legal_steps(config: AdapterConfig, steps: Sequence[TraceStep]) -> set[int]:
-    """The steps (by identity) that are legal calls on the spec: no caller mistake, in their place in ``steps``."""
-    outcomes = run_spec(config, [(s.op, s.args) for s in steps])
+    """The steps (by identity) that are legal calls on the spec: no caller mistake, in their place in ``steps``.
+
+    The spec runs them as a replay checks them (`spec_side`): a mistake the implementation ignored leaves its
+    good part's state, so a call that was legal only after it stays judged legal.
+    """
+    outcomes = spec_side(Trace(config=config, steps=tuple(steps)))
     return {id(step) for step, (outcome, _) in zip(steps, outcomes) if outcome.error is None and not outcome.crashed}
 
 
 def _still_legal(trace: Trace, candidate: Sequence[TraceStep], was_legal: set[int]) -> bool:
-    """Whether every step of ``candidate`` that was legal in ``trace`` is still legal in its new place."""
-    return was_legal & {id(s) for s in candidate} <= _legal_steps(trace.config, candidate)
+    """Whether every step of ``candidate`` that was legal in ``trace`` is still legal in its new place, and
+    every caller mistake still one the campaign could send (see `_mistakes_still_sendable`)."""
+    legal = _legal_steps(trace.config, candidate)
+    return was_legal & {id(s) for s in candidate} <= legal and _mistakes_still_sendable(trace.config, candidate, legal)
+
+
+def _mistakes_still_sendable(config: AdapterConfig, steps: Sequence[TraceStep], legal: set[int]) -> bool:
+    """Whether each caller mistake of ``steps`` is still rejected by the spec and, where the implementation
+    ignored it, its good part still accepted: a replay sends nothing else (it stops on either, as kvspec's
+    own fault, not the implementation's)."""
+    if any(s.mistake is not None and id(s) in legal for s in steps):
+        return False
+    ignored = ignored_mistakes(Trace(config=config, steps=tuple(steps)))
+    applied = [(s.op, ignored.get(i) or s.args) for i, s in enumerate(steps)]
+    outcomes = run_spec(config, applied, {i: good for i, good in ignored.items() if good is None})
+    return all(outcomes[i][0].error is None for i, good in ignored.items() if good is not None)
 
 
 def _renumber(steps: Sequence[TraceStep]) -> list[TraceStep]:

@@ -37,7 +37,7 @@ from kvspec.conformance.core.watch import StepWatch
 from kvspec.conformance.runner.campaign import probe_factory
 from kvspec.spec.state import Snapshot
 
-__all__ = ["load_sendable", "replay_example", "spec_side", "unsendable_step"]
+__all__ = ["ignored_mistakes", "load_sendable", "replay_example", "spec_side", "unsendable_step"]
 
 # The widest integer a step may carry: what a C or CUDA implementation's API can take at all.
 MAX_INT = 2**63 - 1
@@ -82,8 +82,19 @@ def spec_side(trace: Trace) -> list[tuple[Outcome, Snapshot]]:
     check would have failed at that very step. Nothing else recorded in the
     trace is read.
     """
-    ignored = {i: s.without for i, s in enumerate(trace.steps) if _is_ignored(s, trace.failure)}
-    return run_spec(trace.config, [(s.op, s.args) for s in trace.steps], ignored)
+    return run_spec(trace.config, [(s.op, s.args) for s in trace.steps], ignored_mistakes(trace))
+
+
+def ignored_mistakes(trace: Trace) -> dict[int, tuple[Any, ...] | None]:
+    """The caller mistakes of `trace` its implementation ignored: position in its steps -> the good part.
+
+    Args:
+        trace: a trace, its implementation's outcomes recorded where a step makes a caller mistake.
+
+    Returns:
+        What `run_spec` takes as `good_parts` (None where the mistaken call has no good part).
+    """
+    return {i: s.without for i, s in enumerate(trace.steps) if _is_ignored(s, trace.failure)}
 
 
 def _is_ignored(step: TraceStep, failure: Failure | None) -> bool:

@@ -430,3 +430,26 @@ def test_view_draws_the_notice_on_the_page(failure_trace, tmp_path, capsys):
     out = tmp_path / "edited.html"
     assert main(["view", str(edited), "-o", str(out)]) == 0
     assert "recorded spec state at step 1 differs from what the spec computes" in out.read_text()
+
+
+def test_removals_published_in_another_order_the_harness_allows_are_no_difference(tmp_path):
+    # Evicting two blocks at once publishes a run of two removals; the lock-step core compares a run as a
+    # multiset (kv_events.same_events), so the step passed: the page must not mark its result as differing.
+    lock = LockStep(make_reference, AdapterConfig("pool", 4, events=True))
+    lock.check()
+    for op, args in [("get_new_blocks", [2]), ("cache_full_blocks", [[1, 2], [_digest(1), _digest(2)]]),
+                     ("free_blocks", [[1, 2]]), ("get_new_blocks", [3])]:  # fmt: skip
+        lock.call(op, *args)
+        lock.check()
+    trace = lock.trace("reference")
+    last = trace.steps[-1]
+    assert last.impl is not None and len(last.impl.events) == 2
+    swapped = dataclasses.replace(last.impl, events=tuple(reversed(last.impl.events)))
+    reordered = dataclasses.replace(trace, steps=(*trace.steps[:-1], dataclasses.replace(last, impl=swapped)))
+    view = build_view(trace_to_page_data(reordered))
+    assert view["steps"][-1]["differences"]["fields"] == [] and view["notices"] == []
+    # A removal the implementation left out still differs.
+    dropped = dataclasses.replace(last.impl, events=last.impl.events[:1])
+    view = build_view(trace_to_page_data(dataclasses.replace(trace, steps=(*trace.steps[:-1],
+                                                                           dataclasses.replace(last, impl=dropped)))))
+    assert view["steps"][-1]["differences"]["fields"][0] == "result"

@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
+from kvspec.conformance.core.kv_events import comparable, event_from_json, events_as, same_events
 from kvspec.conformance.core.operations import OPERATIONS, BadResult, Operation
 from kvspec.conformance.core.results import FailureKind, Verdict
 from kvspec.conformance.core.wording import CallText, plural
+from kvspec.spec.events import BlockStored, KVCacheEvent
 from kvspec.spec.invariants import EVENT_RULES, HIT_RULES, INVARIANTS, STEP_RULES
+from kvspec.spec.state import BlockHash
 
 __all__ = ["PAGE_FORMAT", "RULES", "build_view"]
 
@@ -335,6 +339,22 @@ def _in_normal_form(operation: Operation, result: Any) -> bool:
     return True
 
 
+# What of a stored event the page shows, and so compares: its keys and parent (the rest may be unreported).
+_UNSHOWN = tuple(f.name for f in fields(BlockStored) if f.name not in ("block_hashes", "parent_block_hash"))
+
+
+def _same_events(spec: Mapping[str, Any] | None, impl: Mapping[str, Any] | None, names: _HashNames) -> bool:
+    """Whether the sides published the same events, compared as the lock-step core compares them
+    (`same_events`: a run of removals in any order), each hash as its name on the page."""
+
+    def named(o: Mapping[str, Any] | None, name: Callable[[str], str]) -> tuple[KVCacheEvent, ...]:
+        events = tuple(event_from_json(e) for e in (o or {}).get("events") or [])
+        renamed = events_as(events, lambda h: BlockHash(name(bytes(h).hex()).encode()))
+        return tuple(comparable(e, "pool", _UNSHOWN) for e in renamed)
+
+    return same_events(named(spec, names.of_spec), named(impl, names.of_impl))
+
+
 def _events_words(o: Mapping[str, Any] | None, name: Callable[[str], str]) -> str:
     """The KV cache events one side published at the step (a trace recorded with --events), in words."""
     events = (o or {}).get("events") or []
@@ -464,7 +484,7 @@ def _view_step(
     impl_outcome = s["impl_outcome"]
     if op is not None and impl_outcome is not None and (
         not _same_outcome(op, s["spec_outcome"], impl_outcome)
-        or _events_words(s["spec_outcome"], names.of_spec) != _events_words(impl_outcome, names.of_impl)
+        or not _same_events(s["spec_outcome"], impl_outcome, names)
     ):
         differences["fields"].insert(0, "result")
     call, words, caption = _step_text(i, s, names, bs)
