@@ -309,8 +309,13 @@ class _Pair:
         self.events = events
         self.ref = BlockPool(num_gpu_blocks, True, profile, enable_kv_cache_events=events)
         self.gpu = TensorBlockPool(
-            num_gpu_blocks, True, profile, device=device, python_path_max=python_path_max,
-            share_host_memory=False if two_memories else None, enable_kv_cache_events=events,
+            num_gpu_blocks,
+            True,
+            profile,
+            device=device,
+            python_path_max=python_path_max,
+            share_host_memory=False if two_memories else None,
+            enable_kv_cache_events=events,
         )
         self.device = device
         self.num_hashes = 0
@@ -329,6 +334,7 @@ class _Pair:
         """Take both pools' events (untimed), so no queue grows across rounds; they must be the same."""
         if self.events:
             assert self.gpu.take_events() == self.ref.take_events(), "the pools published different events"
+
     def _fresh_hashes(self, n: int) -> list[BlockHash]:
         self.num_hashes += n
         return _hashes(self.num_hashes - n, n)
@@ -613,9 +619,7 @@ class _ContentCheck:
         self.kv = PagedKVCache.for_layout(self.pool, layout)
         self.block_size = layout.block_size
         self.pages = self.kv.kv.view(num_blocks + 1, -1).view(torch.int64)  # each block's page as 64-bit words
-        pattern = torch.randint(
-            -(2**62), 2**62, (self.pages.shape[1],), generator=torch.Generator().manual_seed(seed)
-        )
+        pattern = torch.randint(-(2**62), 2**62, (self.pages.shape[1],), generator=torch.Generator().manual_seed(seed))
         self.pattern = pattern.to(device)  # every page is this XOR its block's stamp
         chunk_bytes = _CONTENT_CHUNK_BYTES.get(device.type, _DEVICE_CONTENT_CHUNK_BYTES)
         self.per_chunk = max(1, chunk_bytes // layout.block_bytes)  # pages written or compared per tensor operation
@@ -791,10 +795,14 @@ def _verdicts(
     policy's 1e5-block target is its own: take and free 10x, lists or device ids alike."""
     out: list[str] = []
     if device.startswith("cuda") or two_memories:
-        out += [] if device.startswith("cuda") else [
-            "CUDA's targets against CUDA's path on the CPU (two memories): the host's share as on CUDA, the "
-            "device's share run by the CPU; indicative until a CUDA machine runs it"
-        ]
+        out += (
+            []
+            if device.startswith("cuda")
+            else [
+                "CUDA's targets against CUDA's path on the CPU (two memories): the host's share as on CUDA, the "
+                "device's share run by the CPU; indicative until a CUDA machine runs it"
+            ]
+        )
         for batch in sorted({m.batch for m in results if m.batch in CUDA_SHORT_BATCHES}):
             worst = min((m for m in results if m.batch == batch), key=lambda m: m.ratio)
             out.append(
@@ -910,7 +918,8 @@ def _cannot_run(reason: object) -> int:
 def _parser() -> OneLineParser:
     """The command line of `kvspec bench gpu`."""
     parser = OneLineParser(
-        prog="kvspec bench gpu", description=(__doc__ or "").splitlines()[0],
+        prog="kvspec bench gpu",
+        description=(__doc__ or "").splitlines()[0],
         epilog="exit codes: 0 the tables printed; 1 a hit block of the content check read back wrong; "
         "2 it cannot run (a bad argument, a device, a grid or a memory it does not have, an unwritable --json)",
     )
@@ -923,47 +932,64 @@ def _parser() -> OneLineParser:
     grid = parser.add_mutually_exclusive_group()
     grid.add_argument("--quick", action="store_true", help="a small grid: pool 1e4, batches 1, 16, 1e3")
     grid.add_argument(
-        "--full", action="store_true",
+        "--full",
+        action="store_true",
         help="the whole grid: pools 1e4 1e5 1e6, batches 1 16 100 1e3 1e4 1e5, and the content check at 1e5 blocks",
     )
     parser.add_argument("--no-hash-map", action="store_true", help="skip the hash-map comparison")
-    parser.add_argument("--no-content", action="store_true", help="skip the KV content check")
+    _content_options(parser)
     parser.add_argument(
-        "--content-blocks", type=integer, default=None,
-        help=f"blocks in the content check (default {DEFAULT_CONTENT_BLOCKS:,}; {FULL_CONTENT_BLOCKS:,} with --full)",
-    )
-    parser.add_argument(
-        "--content-layers", default="1",
-        help="layers of KV per block in the content check (8 KV heads x head dim 128 x 16 tokens each; default 1), "
-        "or auto: as many (up to 16) as fit in 40%% of the free memory",
-    )
-    parser.add_argument(
-        "--python-path-max", type=integer, default=None,
+        "--python-path-max",
+        type=integer,
+        default=None,
         help="gpu_impl's longest batch run as a Python loop (default: its own; 0: every batch as tensor operations)",
     )
     parser.add_argument(
-        "--two-memories", action="store_true",
+        "--two-memories",
+        action="store_true",
         help="on the CPU, gpu_impl's host and device faces in two memories: the path CUDA takes (its copies "
         "and the counts of its device calls) without a GPU",
     )
     parser.add_argument(
-        "--threads", type=integer, default=1,
+        "--threads",
+        type=integer,
+        default=1,
         help=f"torch threads on the CPU, 1 to {MAX_THREADS} (default 1: the reference runs on one core too)",
     )
     parser.add_argument("--seed", type=integer, default=0)
     parser.add_argument(
-        "--profile", type=profile_name, default="vllm-v1",
+        "--profile",
+        type=profile_name,
+        default="vllm-v1",
         help="the eviction policy both pools run (default vllm-v1; a keyed one such as lru-timestamp or lfu "
         "times seed 002's policies: gpu_impl's selection per take against the reference's heaps)",
     )
     parser.add_argument(
-        "--events", action="store_true",
+        "--events",
+        action="store_true",
         help="both pools publish KV cache events (enable_kv_cache_events), which the timed calls pay",
     )
     parser.add_argument(
         "--json", type=json_output, metavar="PATH", help="also write the measurements as JSON (- for stdout)"
     )
     return parser
+
+
+def _content_options(parser: OneLineParser) -> None:
+    """The KV content check's options of `kvspec bench gpu`."""
+    parser.add_argument("--no-content", action="store_true", help="skip the KV content check")
+    parser.add_argument(
+        "--content-blocks",
+        type=integer,
+        default=None,
+        help=f"blocks in the content check (default {DEFAULT_CONTENT_BLOCKS:,}; {FULL_CONTENT_BLOCKS:,} with --full)",
+    )
+    parser.add_argument(
+        "--content-layers",
+        default="1",
+        help="layers of KV per block in the content check (8 KV heads x head dim 128 x 16 tokens each; default 1), "
+        "or auto: as many (up to 16) as fit in 40%% of the free memory",
+    )
 
 
 def _content_layers(content_layers: str, content_blocks: int, device: str | None) -> int:
@@ -1044,11 +1070,22 @@ def _measure_all(
     try:
         device = str(pick_device(args.device))
         results = measure(
-            pools, batches, device, seconds_per_cell=args.seconds, seed=args.seed, python_path_max=args.python_path_max,
-            profile=args.profile, events=args.events, two_memories=args.two_memories,
+            pools,
+            batches,
+            device,
+            seconds_per_cell=args.seconds,
+            seed=args.seed,
+            python_path_max=args.python_path_max,
+            profile=args.profile,
+            events=args.events,
+            two_memories=args.two_memories,
         )
-        hash_map = None if args.no_hash_map else measure_hash_map(
-            num_entries=max(pools), chain_length=min(1_000, max(pools)), device=device, seed=args.seed
+        hash_map = (
+            None
+            if args.no_hash_map
+            else measure_hash_map(
+                num_entries=max(pools), chain_length=min(1_000, max(pools)), device=device, seed=args.seed
+            )
         )
         layout = KVLayout(num_layers=content_layers, num_kv_heads=8, head_dim=128, block_size=16)
         content = None if args.no_content else measure_content(content_blocks, layout, device, seed=args.seed)

@@ -130,5 +130,3 @@ def on_the_device(p: TensorBlockPool, block_ids: list[int]) -> torch.Tensor:
     uploaded: list[torch.Tensor] = []
     calls_of(lambda: uploaded.append(p._state.to_device(block_ids)), p)
     return uploaded[0]
-
-

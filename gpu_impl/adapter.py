@@ -32,7 +32,10 @@ class TensorPoolAdapter(TensorBlockPool):
 
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
-            config.num_gpu_blocks, config.enable_caching, config.profile, config.device,
+            config.num_gpu_blocks,
+            config.enable_caching,
+            config.profile,
+            config.device,
             enable_kv_cache_events=config.events,
         )
 
@@ -45,8 +48,15 @@ class TensorManagerAdapter(TensorKVCacheManager):
 
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
-            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile,
-            config.hash_fn, config.seed, config.device, groups=config.groups, enable_kv_cache_events=config.events,
+            config.num_gpu_blocks,
+            config.block_size,
+            config.enable_caching,
+            config.profile,
+            config.hash_fn,
+            config.seed,
+            config.device,
+            groups=config.groups,
+            enable_kv_cache_events=config.events,
         )
 
 
@@ -62,4 +72,3 @@ def make_adapter(config: AdapterConfig) -> BlockManagerAdapter | KVCacheManagerA
     if config.level == "manager":
         return TensorManagerAdapter(config)
     raise ValueError(f"gpu_impl builds level 'pool' or 'manager'; got level={config.level!r}")
-

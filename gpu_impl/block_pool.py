@@ -977,9 +977,7 @@ class TensorBlockPool:
                     f"cache_full_blocks: block_id={b} has ref_cnt=0; only a held, computed block is cached"
                 )
             if self._hash_flags[b]:
-                raise AlreadyCached(
-                    f"cache_full_blocks: block_id={b} is already registered; a block is cached once"
-                )
+                raise AlreadyCached(f"cache_full_blocks: block_id={b} is already registered; a block is cached once")
             if self._corrupt[b]:
                 raise InvalidBlock(
                     f"cache_full_blocks: block_id={b} failed its checksum and awaits quarantine; "

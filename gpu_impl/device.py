@@ -59,9 +59,7 @@ def pick_device(requested: str | torch.device | None = None) -> torch.device:
         raise InvalidRequest(f"{source}={requested!r} but this machine has no usable CUDA device; use 'cpu'")
     index = torch.cuda.current_device() if device.index is None else device.index
     if not 0 <= index < torch.cuda.device_count():
-        raise InvalidRequest(
-            f"{source}={requested!r} but this machine has {torch.cuda.device_count()} CUDA devices"
-        )
+        raise InvalidRequest(f"{source}={requested!r} but this machine has {torch.cuda.device_count()} CUDA devices")
     return torch.device("cuda", index)
 
 

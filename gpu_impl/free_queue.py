@@ -84,8 +84,6 @@ def default_key_capacity(num_gpu_blocks: int) -> int:
     return 4 * num_gpu_blocks + 64
 
 
-
-
 def _min_key_capacity(num_gpu_blocks: int) -> int:
     # A relabel centres the m free blocks; a batch of k more must then fit on
     # either side: (cap - m) // 2 >= k with m + k <= num_gpu_blocks - 1.
@@ -150,8 +148,10 @@ class KeyedFreeQueue:
         """Where the keys live in the state: `free_key` and `key_to_block` as views of both faces."""
         fk_start, fk_step = free_key_at
         if fk_step != state.row_width or not 0 <= fk_start < fk_step:
-            raise ValueError(f"free_key_at={free_key_at}: block b's key must lie in the state's row b (width "
-                             f"{state.row_width}), so marking the row marks the key")
+            raise ValueError(
+                f"free_key_at={free_key_at}: block b's key must lie in the state's row b (width "
+                f"{state.row_width}), so marking the row marks the key"
+            )
         fk_end, k2b_end = fk_start + fk_step * num_gpu_blocks, key_index_at + self.key_capacity
         self._state = state  # fixed: where the keys live (shared with the pool)
         self._track = not state.is_shared  # fixed: mark writes, so the two faces can be made equal

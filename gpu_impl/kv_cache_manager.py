@@ -393,7 +393,7 @@ class TensorKVCacheManager:
         """One full-attention group's hit: cached blocks from the first, each intact."""
         hits: list[BlockId] = []
         while True:
-            for h in hashes[len(hits):]:
+            for h in hashes[len(hits) :]:
                 b = self.block_pool.get_cached_block(h)
                 if b is None:
                     break
@@ -916,8 +916,7 @@ class TensorKVCacheManager:
             host = array.array("q", values)
         except (TypeError, OverflowError) as e:
             raise InvalidRequest(
-                f"allocate_slots: the KV source must give int64 values for request_id={request.request_id!r} "
-                f"({e})"
+                f"allocate_slots: the KV source must give int64 values for request_id={request.request_id!r} ({e})"
             ) from None
         return torch.frombuffer(host, dtype=torch.int64).to(self.device)
 

@@ -150,8 +150,9 @@ class MirroredState:
         else:  # a long run: its values as they are now, replayed as one slice write
             self._record(self.tensor, "__setitem__", (slice(start, end), self.host_tensor[start:end].clone()), {})
 
-    def apply(self, host_view: torch.Tensor, device_view: torch.Tensor, method: str, *args: object,
-              **kwargs: Any) -> None:
+    def apply(
+        self, host_view: torch.Tensor, device_view: torch.Tensor, method: str, *args: object, **kwargs: Any
+    ) -> None:
         """A tensor write through the host face, `host_view.method(*args, **kwargs)`, run again on the
         device face as `device_view.method(...)` at the next push.
 
@@ -254,8 +255,10 @@ class MirroredState:
             on_device = dict(zip(uploads, parts))
         for r in replays:
             args = [
-                on_device[id(a)] if isinstance(a, torch.Tensor)
-                else self._ones_of(a.k, "device") if isinstance(a, Ones)
+                on_device[id(a)]
+                if isinstance(a, torch.Tensor)
+                else self._ones_of(a.k, "device")
+                if isinstance(a, Ones)
                 else a
                 for a in r.args
             ]

@@ -223,9 +223,7 @@ class KVCacheManager:
         # which the hashing mutants replace.
         config, enable_caching = self.config, self.enable_caching
         self._view = ManagerView(config, num_gpu_blocks, enable_caching, self._block_hash, self._block_hashes)
-        self.managers = [
-            self.group_manager_cls(g, i, self.block_pool, block_size) for i, g in enumerate(kv_groups)
-        ]
+        self.managers = [self.group_manager_cls(g, i, self.block_pool, block_size) for i, g in enumerate(kv_groups)]
         self.num_computed_tokens: dict[str, int] = {}  # request id -> tokens computed so far (running requests)
         self.stats = PrefixCacheStats()  # hit statistics since construction: grown at each admission and reset
 
@@ -500,9 +498,7 @@ class KVCacheManager:
         self.block_pool.check_invariants()
 
 
-def _find_hit(
-    managers: list[_GroupManager], hashes: tuple[BlockHash, ...], max_length: int
-) -> list[list[BlockId]]:
+def _find_hit(managers: list[_GroupManager], hashes: tuple[BlockHash, ...], max_length: int) -> list[list[BlockId]]:
     """One attention type's hit within `max_length` tokens, for each of its groups (vLLM's `find_longest_cache_hit`).
 
     A position hits only if every one of the groups has it cached. Full
@@ -559,9 +555,7 @@ def _find_hit(
     return out
 
 
-def _agreed_hit(
-    mgr: KVCacheManager, hashes: tuple[BlockHash, ...], max_length: int
-) -> tuple[list[list[BlockId]], int]:
+def _agreed_hit(mgr: KVCacheManager, hashes: tuple[BlockHash, ...], max_length: int) -> tuple[list[list[BlockId]], int]:
     """The hit every group agrees on (vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit`).
 
     Groups of one attention type are searched together, full attention

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# mypy --strict over kvspec.spec and kvspec.conformance, and ruff over the tree.
+# mypy --strict over kvspec.spec and kvspec.conformance, and ruff over the tree: its lint and its format.
 # The folders are mapped into the `kvspec` namespace by pyproject's package-dir,
 # which mypy cannot follow; a tree of links under build/ gives it the installed layout.
 set -euo pipefail
@@ -11,3 +11,4 @@ for pkg in spec reference conformance gpu_impl mutants benchmarks; do ln -s "$PW
 PY="${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python )}"
 MYPYPATH="$root" "$PY" -m mypy --config-file pyproject.toml -p kvspec.spec -p kvspec.conformance
 "$PY" -m ruff check .
+"$PY" -m ruff format --check .

@@ -153,8 +153,7 @@ def inv_quarantine_isolated(s: Snapshot) -> bool:
     """A quarantined (corrupt) block is listed once, is not the null block, and is never free, hashed or held."""
     q = s.quarantined
     return len(set(q)) == len(q) and all(
-        0 < b < s.num_gpu_blocks and b not in s.free_queue and s.block_hash[b] is None and s.ref_cnt[b] == 0
-        for b in q
+        0 < b < s.num_gpu_blocks and b not in s.free_queue and s.block_hash[b] is None and s.ref_cnt[b] == 0 for b in q
     )
 
 

@@ -142,8 +142,13 @@ class ManagerConfig:
     def block_hashes(self, request: Request) -> tuple[BlockHash, ...]:
         """The hash chain of the request's full blocks under this hash function and seed."""
         return hash_request_blocks(
-            request.token_ids, self.block_size, request.lora_name, request.mm_inputs, request.cache_salt,
-            self.hash_fn, self.seed,
+            request.token_ids,
+            self.block_size,
+            request.lora_name,
+            request.mm_inputs,
+            request.cache_salt,
+            self.hash_fn,
+            self.seed,
         )
 
 
@@ -321,8 +326,12 @@ def _computed_ok(
 ) -> bool:
     blocks, num_tokens = result.result
     check_hit(
-        state.snapshot(), len(request.token_ids), state.config.block_size,
-        request_block_hashes(state, request), blocks, num_tokens,
+        state.snapshot(),
+        len(request.token_ids),
+        state.config.block_size,
+        request_block_hashes(state, request),
+        blocks,
+        num_tokens,
     )
     return True
 
@@ -364,9 +373,7 @@ def get_computed_blocks(
     return Step(state, (tuple(b for blocks in per_group for b in blocks), num_tokens))
 
 
-def check_lookup(
-    request: Request, max_cache_hit_length: int | None, num_groups: int, running: Container[str]
-) -> int:
+def check_lookup(request: Request, max_cache_hit_length: int | None, num_groups: int, running: Container[str]) -> int:
     """`get_computed_blocks`' checks, in the spec's order, and the most tokens its hit may cover. The one
     definition: the reference's and gpu_impl's managers run it too.
 
@@ -717,9 +724,7 @@ def check_allocation(
     rid = request.request_id
     running = rid in computed_tokens
     if running and (new_computed_blocks or num_new_computed_tokens or num_external_computed_tokens):
-        raise InvalidRequest(
-            f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step"
-        )
+        raise InvalidRequest(f"allocate_slots: request_id={rid!r} is running; prefix hits are only for its first step")
     num_local = computed_tokens.get(rid, 0) + num_new_computed_tokens
     num_computed = num_local + num_external_computed_tokens
     hashes, hits = _check_hit_blocks(manager, request, num_new_computed_tokens, new_computed_blocks, num_computed)
@@ -787,8 +792,7 @@ def _check_hit_blocks(
     hashes = manager.request_hashes(request)
     if n > len(hashes):
         raise InvalidRequest(
-            f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} "
-            f"has only {len(hashes)} full blocks"
+            f"allocate_slots: {n} hit blocks but request_id={request.request_id!r} has only {len(hashes)} full blocks"
         )
     blocks = list(new_computed_blocks)  # any sequence: one that cannot be sliced (a deque) included
     hits = tuple(blocks[g * n : (g + 1) * n] for g in range(num_groups))

@@ -76,14 +76,38 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wheel built from a copy of the source tree (build isolation off: no network, no new downloads)."""
     work = tmp_path_factory.mktemp("build")
     src = work / "src"
-    ignore = shutil.ignore_patterns(".venv*", ".git", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
-                                    ".mypy_cache", ".ruff_cache", "kvspec-failures")
+    ignore = shutil.ignore_patterns(
+        ".venv*",
+        ".git",
+        "build",
+        "dist",
+        "*.egg-info",
+        "__pycache__",
+        ".hypothesis",
+        ".mypy_cache",
+        ".ruff_cache",
+        "kvspec-failures",
+    )
     shutil.copytree(ROOT, src, ignore=ignore)
     out = work / "dist"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(out),
-         str(src)],
-        check=True, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     (built,) = out.glob("kvspec-*.whl")
     return built
@@ -148,16 +172,28 @@ def _import_check(tmp_path: Path, pythonpath: str | None) -> dict[str, object]:
     if pythonpath:
         env["PYTHONPATH"] = pythonpath
     # Run from an empty folder: the checkout (which holds bare spec/, reference/ folders) is not on the path.
-    subprocess.run([sys.executable, "-c", _IMPORT_CHECK, str(result), *BARE_NAMES], cwd=tmp_path, env=env,
-                   check=True, capture_output=True, text=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-c", _IMPORT_CHECK, str(result), *BARE_NAMES],
+        cwd=tmp_path,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     found: dict[str, object] = json.loads(result.read_text())
     return found
 
 
 def test_the_installed_wheel_imports_under_kvspec_only(wheel: Path, tmp_path: Path) -> None:
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target),
-                    str(wheel)], check=True, capture_output=True, text=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     found = _import_check(run_dir, str(target))

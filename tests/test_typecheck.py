@@ -1,4 +1,4 @@
-"""mypy --strict over kvspec.spec and kvspec.conformance, and ruff over the tree (scripts/typecheck.sh)."""
+"""mypy --strict over kvspec.spec and kvspec.conformance, ruff's lint and its format check (scripts/typecheck.sh)."""
 
 import subprocess
 import sys

@@ -184,8 +184,12 @@ def hit_reached_get_computed_blocks(
         reached.append("get_computed_blocks: hit cut by the coordinator")
     limit = request.prefix_cache_hit_limit
     n = len(hit) // max(len(snapshot_groups(before)), 1)  # hit positions per group
-    if limit and limit < len(request.token_ids) - 1 and n == limit // block_size and n < len(hashes) and any(
-        h == hashes[n] for h, _ in before.hash_to_blocks
+    if (
+        limit
+        and limit < len(request.token_ids) - 1
+        and n == limit // block_size
+        and n < len(hashes)
+        and any(h == hashes[n] for h, _ in before.hash_to_blocks)
     ):
         reached.append("get_computed_blocks: hit capped by the request's limit")  # the next block was cached
     return reached

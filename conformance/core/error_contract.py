@@ -59,6 +59,7 @@ __all__ = [
     "render_text",
 ]
 
+
 class _TableCases(Mapping[str, Cases]):
     """The cases of every operation of the table that has caller mistakes, by name, in table order (a live view:
     an operation added to the table is in it)."""
@@ -338,8 +339,14 @@ def contract_json(contract: Contract) -> dict[str, Any]:
                 "state": oc.state,
                 "valid_call": oc.valid_call,
                 "mistakes": [
-                    {"mistake": r.mistake, "error": r.error, "order": r.order, "call": r.call, "state": r.state,
-                     "message": r.message}
+                    {
+                        "mistake": r.mistake,
+                        "error": r.error,
+                        "order": r.order,
+                        "call": r.call,
+                        "state": r.state,
+                        "message": r.message,
+                    }
                     for r in oc.rows
                 ],
                 "precedence": [{"first": p.first, "then": p.then, "how": p.how} for p in oc.precedence],
@@ -366,8 +373,9 @@ def render_text(contract: Contract, width: int = 120) -> str:
         if not oc.rows:
             lines.append(f"  {oc.level} level; no caller mistake: every call is valid")
             continue
-        lines += textwrap.wrap(f"{oc.level} level; state: {oc.state}", width - 2, initial_indent="  ",
-                               subsequent_indent="    ")
+        lines += textwrap.wrap(
+            f"{oc.level} level; state: {oc.state}", width - 2, initial_indent="  ", subsequent_indent="    "
+        )
         lines += textwrap.wrap(f"valid: {oc.valid_call}", width - 2, initial_indent="  ", subsequent_indent="    ")
         header = ("order", "mistake", "error")
         lines.append("  " + "  ".join(h.ljust(w) for h, w in zip(header, widths)) + "  call, then what the spec says")

@@ -143,7 +143,12 @@ def spec_initial_state(config: AdapterConfig) -> PoolState | ManagerState:
     if config.level == "pool":
         return spec_ops.new_pool(config.num_gpu_blocks, config.enable_caching, config.profile)
     return spec_manager.new_manager(
-        config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn, config.seed,
+        config.num_gpu_blocks,
+        config.block_size,
+        config.enable_caching,
+        config.profile,
+        config.hash_fn,
+        config.seed,
         config.groups,
     )
 
@@ -423,8 +428,8 @@ class LockStep:
         """What of the pool's events and statistics is checked (config.events), and what the summary says is not."""
         obs, events_on = self.observer, self.config.events and adapter is not None
         self.checks_events = events_on and callable(getattr(adapter, "take_events", None))
-        self.checks_stats = events_on and self.level == "manager" and callable(
-            getattr(adapter, "prefix_cache_stats", None)
+        self.checks_stats = (
+            events_on and self.level == "manager" and callable(getattr(adapter, "prefix_cache_stats", None))
         )
         if events_on and not self.checks_events:
             obs.absent_ops.add("take_events")
@@ -436,10 +441,7 @@ class LockStep:
         # The trailing parameters (the table's features, e.g. an external connector's cap on the hit) the
         # adapter's methods take.
         self._params_taken = frozenset(
-            f.param
-            for op in level_operations(self.level)
-            for f in op.features
-            if self._takes(op.name, f.param, f.name)
+            f.param for op in level_operations(self.level) for f in op.features if self._takes(op.name, f.param, f.name)
         )
 
     def takes(self, param: str) -> bool:
@@ -477,9 +479,7 @@ class LockStep:
         """Count a workload event (chunked prefill, preemption, ...) for the current step."""
         self._tags.append(event)
 
-    def call(
-        self, op: str, *args: Any, mistake: str | None = None, without: Sequence[Any] | None = None
-    ) -> Outcome:
+    def call(self, op: str, *args: Any, mistake: str | None = None, without: Sequence[Any] | None = None) -> Outcome:
         """Run `op` on the spec and on the implementation; returns the spec's outcome.
 
         `mistake`: the caller mistake the call makes (a name the operations
@@ -1103,9 +1103,7 @@ class LockStep:
 
     def _fail(self, kind: FailureKind, p: _Pending, message: str) -> NoReturn:
         if p.call.index > 0:
-            self.records.append(
-                _record(p, self.spec_snapshot, None)
-            )
+            self.records.append(_record(p, self.spec_snapshot, None))
         self._raise(Failure(kind, p.call.index, p.call.op, message))
 
     def _raise(self, failure: Failure) -> NoReturn:
@@ -1131,9 +1129,7 @@ class LockStep:
         self._pending = self._inflight = None
         if index > 0:
             self.records.append(
-                TraceStep(
-                    index, op, args, spec, Outcome(hung=True, message=message), self.spec_snapshot, None, mistake
-                )
+                TraceStep(index, op, args, spec, Outcome(hung=True, message=message), self.spec_snapshot, None, mistake)
             )
         self.failure = ConformanceFailure(Failure(FailureKind.HUNG, index, op, message))
         return self.failure

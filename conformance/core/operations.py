@@ -400,8 +400,11 @@ _TABLE: tuple[Operation, ...] = (
         cases=Cases(
             pool_state,
             {"caching": True, "block_ids": (1,)},
-            {"bad id": append_to(block_ids=(BAD_ID,)), "named twice": append_to(block_ids=(1,)),
-             "no hash": append_to(block_ids=(2,))},
+            {
+                "bad id": append_to(block_ids=(BAD_ID,)),
+                "named twice": append_to(block_ids=(1,)),
+                "no hash": append_to(block_ids=(2,)),
+            },
         ),
         wording=Wording(
             lambda c: f"A prefix hit takes a reference on {c.blocks('block_ids')}; a free one leaves the free queue."
@@ -414,7 +417,11 @@ _TABLE: tuple[Operation, ...] = (
         spec=spec_ops.free_blocks,
         normalize=None,
         branches=_branches(
-            "free_blocks", "to the left end", "to the right end", "between free blocks", "still held by another",
+            "free_blocks",
+            "to the left end",
+            "to the right end",
+            "between free blocks",
+            "still held by another",
             br.EVICT_FIRST_OUTCOME,
         ),
         errors=("DoubleFree", "InvalidBlock", "InvalidRequest"),
@@ -427,8 +434,11 @@ _TABLE: tuple[Operation, ...] = (
         cases=Cases(
             pool_state,
             {"caching": True, "block_ids": (2,), "evict_first": False},
-            {"bad id": append_to(block_ids=(BAD_ID,)), "named twice": append_to(block_ids=(2,)),
-             "double free": append_to(block_ids=(5,))},
+            {
+                "bad id": append_to(block_ids=(BAD_ID,)),
+                "named twice": append_to(block_ids=(2,)),
+                "double free": append_to(block_ids=(5,)),
+            },
         ),
         wording=Wording(
             lambda c: (
@@ -602,10 +612,13 @@ _TABLE: tuple[Operation, ...] = (
         ),
         errors=("InvalidRequest",),
         reached=br.reached_get_computed_blocks,
-        caching_only=frozenset((
-            *_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"), *_GROUP_HITS,
-            *_branches("get_computed_blocks", "lookup skipped by the request", "hit capped by the request's limit"),
-        )),  # fmt: skip
+        caching_only=frozenset(
+            (
+                *_branches("get_computed_blocks", "hit", "hit a free block", "hit capped at len - 1"),
+                *_GROUP_HITS,
+                *_branches("get_computed_blocks", "lookup skipped by the request", "hit capped by the request's limit"),
+            )
+        ),  # fmt: skip
         cases=Cases(
             manager_state,
             REQUEST,
@@ -636,9 +649,7 @@ _TABLE: tuple[Operation, ...] = (
         branches=_branches("get_num_cached_tokens", "none cached", "cached tokens", "lookup skipped by the request"),
         errors=("InvalidRequest",),
         reached=br.reached_get_num_cached_tokens,
-        caching_only=frozenset(
-            _branches("get_num_cached_tokens", "cached tokens", "lookup skipped by the request")
-        ),
+        caching_only=frozenset(_branches("get_num_cached_tokens", "cached tokens", "lookup skipped by the request")),
         cases=Cases(manager_state, REQUEST, REQUEST_MISTAKES),
         is_optional=True,  # vLLM 0.34.0 added it
         wording=Wording(
@@ -650,8 +661,12 @@ _TABLE: tuple[Operation, ...] = (
         name="allocate_slots",
         levels=("manager",),
         params=(
-            "request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks",
-            "num_external_computed_tokens", "delay_cache_blocks",
+            "request",
+            "num_new_tokens",
+            "num_new_computed_tokens",
+            "new_computed_blocks",
+            "num_external_computed_tokens",
+            "delay_cache_blocks",
         ),  # fmt: skip
         spec=spec_manager.allocate_slots,
         normalize=_as_ids_or_none,
@@ -667,7 +682,8 @@ _TABLE: tuple[Operation, ...] = (
             "evicted a cached block",
             "too few free blocks",
             "registration delayed for an external load",
-        ) + tuple(_GROUP_STEPS),
+        )
+        + tuple(_GROUP_STEPS),
         errors=("InvalidRequest", "InvalidBlock"),
         reached=br.reached_allocate_slots,
         caching_only=frozenset(
@@ -683,8 +699,14 @@ _TABLE: tuple[Operation, ...] = (
         cases=Cases(
             manager_state,
             # r's first step: its hit on a's two cached blocks, and its last token
-            {**REQUEST, "num_new_tokens": 1, "num_new_computed_tokens": 4, "new_computed_blocks": (1, 2),
-             "num_external_computed_tokens": 0, "delay_cache_blocks": False},
+            {
+                **REQUEST,
+                "num_new_tokens": 1,
+                "num_new_computed_tokens": 4,
+                "new_computed_blocks": (1, 2),
+                "num_external_computed_tokens": 0,
+                "delay_cache_blocks": False,
+            },
             {
                 **REQUEST_MISTAKES,
                 "bad count": set_to(num_external_computed_tokens=-1),

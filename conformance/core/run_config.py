@@ -363,4 +363,3 @@ def _output_problems(config: RunConfig) -> Iterator[ConfigError]:
 
 def _typed(name: str, value: object, kind: str) -> ConfigError:
     return ConfigError(name, f"{name} must be {kind}; got {name}={value!r}", f"must be {kind}; got {value!r}")
-

@@ -69,6 +69,7 @@ MAX_TRACE_BYTES = 256 * 1024 * 1024
 # 2 s to build and milliseconds a step; a pool ten thousand times larger would take hours before the first step.
 MAX_TRACE_NUM_GPU_BLOCKS = 100_000
 
+
 class MalformedTrace(ValueError):
     """A trace file that cannot be read: names the file, the line and what is wrong there."""
 
@@ -134,8 +135,11 @@ def encode_value(value: Any) -> Any:
                 "mm_inputs": [[m.identifier, m.offset, m.length] for m in value.mm_inputs],
                 **({"num_preemptions": value.num_preemptions} if value.num_preemptions else {}),
                 # only for a request with a hit limit: a trace written before it existed reads as None
-                **({"prefix_cache_hit_limit": value.prefix_cache_hit_limit}
-                   if value.prefix_cache_hit_limit is not None else {}),  # fmt: skip
+                **(
+                    {"prefix_cache_hit_limit": value.prefix_cache_hit_limit}
+                    if value.prefix_cache_hit_limit is not None
+                    else {}
+                ),  # fmt: skip
             }
         }
     if isinstance(value, (list, tuple)):

@@ -35,7 +35,7 @@ def ids(values: Sequence[Any]) -> str:
 
 
 def blocks(values: Sequence[Any]) -> str:
-    """"block 3", or "blocks 3, 1".
+    """Block ids in words: "block 3", or "blocks 3, 1".
 
     >>> blocks([3]), blocks([3, 1])
     ('block 3', 'blocks 3, 1')

@@ -98,8 +98,13 @@ class SpecManagerAdapter(_SpecState):
 
     def __init__(self, config: AdapterConfig) -> None:
         self.state = spec_manager.new_manager(
-            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn,
-            config.seed, config.groups,
+            config.num_gpu_blocks,
+            config.block_size,
+            config.enable_caching,
+            config.profile,
+            config.hash_fn,
+            config.seed,
+            config.groups,
         )
         self._events = []
 
@@ -164,8 +169,14 @@ class ReferenceManagerAdapter(KVCacheManager):
 
     def __init__(self, config: AdapterConfig) -> None:
         super().__init__(
-            config.num_gpu_blocks, config.block_size, config.enable_caching, config.profile, config.hash_fn,
-            config.seed, config.groups, config.events,
+            config.num_gpu_blocks,
+            config.block_size,
+            config.enable_caching,
+            config.profile,
+            config.hash_fn,
+            config.seed,
+            config.groups,
+            config.events,
         )
 
 

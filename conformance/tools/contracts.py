@@ -117,7 +117,14 @@ def _reset(rng: random.Random, st: PoolState) -> PoolState:
 
 # The calls a workload makes, weighted by repetition (taking and freeing blocks twice as often as the rest).
 _POOL_CALLS: tuple[Callable[[random.Random, PoolState], PoolState], ...] = (
-    _take, _take, _free, _free, _cache, _touch, _evict, _reset
+    _take,
+    _take,
+    _free,
+    _free,
+    _cache,
+    _touch,
+    _evict,
+    _reset,
 )
 
 

@@ -156,8 +156,11 @@ def _fleet(version: str) -> dict[str, str]:
     except RuntimeError as e:
         return {"fleet": "not measured", "fleet_detail": str(e)[:300]}
     except KeyError:  # a release the table does not declare: its default hash function is a declared fact
-        return {"fleet": "not measured", "fleet_detail": f"vllm=={version} is not in kvspec's release table "
-                "(its default hash function is not known)"}
+        return {
+            "fleet": "not measured",
+            "fleet_detail": f"vllm=={version} is not in kvspec's release table "
+            "(its default hash function is not known)",
+        }
     return {"fleet": measured.fleet, "fleet_detail": f"{measured.fleet_line()}; {measured.chain_line()}"}
 
 

@@ -159,8 +159,16 @@ def _behaviour_change(
 ) -> tuple[Change | None, list[str]]:
     """One campaign per side under ``profile``: a witness where exactly one side conforms, and the sides that do."""
     results = {
-        name: run_check(factories[name], impl=name, level="pool", enable_caching=caching, profile=profile,
-                        max_examples=max_examples, trace_dir=trace_dir, isolate=False)  # fmt: skip
+        name: run_check(
+            factories[name],
+            impl=name,
+            level="pool",
+            enable_caching=caching,
+            profile=profile,
+            max_examples=max_examples,
+            trace_dir=trace_dir,
+            isolate=False,
+        )  # fmt: skip
         for name in (a, b)
     }
     conforming = [name for name in (a, b) if results[name].verdict is Verdict.CONFORMS]

@@ -263,8 +263,7 @@ LEMMAS: tuple[Lemma, ...] = (
     Lemma(
         number=10,
         name=evict_first.NAME,
-        claim="a block freed with evict_first (vLLM 0.34.0 on) is evicted before every cached block freed "
-        "without it",
+        claim="a block freed with evict_first (vLLM 0.34.0 on) is evicted before every cached block freed without it",
         holds_for=_every_profile,
         holds_for_text="every profile",
         profile_sensitive=True,

@@ -132,9 +132,19 @@ def chromium_session(shots: Path) -> Iterator[Browser | str]:
 
     options = webdriver.ChromeOptions()
     options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars",
-                f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}", "--no-first-run", "--disable-extensions",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        f"--window-size={VIEWPORT[0]},{VIEWPORT[1]}",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
     try:

@@ -243,7 +243,11 @@ def test_check_profile_auto_reports_for_tools_and_runs_with_every_setting(tmp_pa
     }]  # fmt: skip
     v1, tail = document["results"]
     assert (v1["profile"], v1["verdict"], tail["profile"], tail["verdict"]) == (
-        "vllm-v1", "conforms", "vllm-v1-tail", "diverges")
+        "vllm-v1",
+        "conforms",
+        "vllm-v1-tail",
+        "diverges",
+    )
     assert v1["events"] is False and v1["left_out"] == ["KV cache events (--events)"]
     # The same campaign as `check --profile vllm-v1` with the same settings: the same examples and steps.
     assert main(

@@ -27,9 +27,7 @@ ROWS = [(oc.operation, row) for oc in CONTRACT.operations for row in oc.rows]
 
 
 def kvspec(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvspec", *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([sys.executable, "-m", "kvspec", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("operation", list(ec.CASES))
@@ -66,7 +64,9 @@ def test_the_order_is_the_spec_s_known_order() -> None:
     assert order["cache_full_blocks", "caching off"] == "1"
     # one pass over the blocks: the earlier block is reported; at one block, bytes, then held, then cached
     assert [order["cache_full_blocks", m] for m in ("hash not bytes", "not held", "already cached")] == [
-        "5.1", "5.2", "5.3"
+        "5.1",
+        "5.2",
+        "5.3",
     ]
     assert order["allocate_slots", "no id"] == "1"
     assert order["allocate_slots", "more tokens than the request has"] == str(

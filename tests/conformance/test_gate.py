@@ -71,8 +71,10 @@ REFUSALS = [
     (("capacity", "--gpu-mem", "141", "--layers", "2", "--kv-heads", "2", "--head-dim", "8"), "GiB"),
     (("capacity", "--gpu-mem=-5GiB", "--layers", "2", "--kv-heads", "2", "--head-dim", "8"), "negative"),
     (("capacity", "--gpu-mem", "8GiB", "--layers", "-2", "--kv-heads", "2", "--head-dim", "8"), "--layers"),
-    (("capacity", "--gpu-mem", "8GiB", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--margin", "1"),
-     "--margin"),
+    (
+        ("capacity", "--gpu-mem", "8GiB", "--layers", "2", "--kv-heads", "2", "--head-dim", "8", "--margin", "1"),
+        "--margin",
+    ),
     (("oracle", "--vllm", "9.9.9"), "cannot download vllm==9.9.9 from the package registry"),
     (("oracle", "--vllm", "0.33.0", "--time-budget", "-1"), "--time-budget"),
     (("view", "t.jsonl", "--port", "70000"), "--port"),

@@ -66,10 +66,13 @@ def test_a_module_that_exits_on_import_does_not_import(tmp_path):
 
 
 def test_a_factory_that_cannot_build_cannot_run_in_a_replay_as_in_a_check(tmp_path):
-    impl = pool_module(tmp_path, """
+    impl = pool_module(
+        tmp_path,
+        """
         def factory(config):
             raise ValueError("constructor boom")
-    """)
+    """,
+    )
     trace = ROOT / "docs" / "traces" / "inv_hash_table_consistent.trace.jsonl"
     for r in (check(impl, tmp_path), kvspec("replay", str(trace), "--impl", impl, cwd=tmp_path)):
         said = r.stdout + r.stderr
@@ -81,12 +84,15 @@ def test_a_factory_that_cannot_build_cannot_run_in_a_replay_as_in_a_check(tmp_pa
 def test_a_build_that_crashed_in_an_example_replays_as_it_crashed(tmp_path):
     # Built for the probe's pool of 8 blocks, not for the examples' pools: each example's build is the crash,
     # and its trace replays to the same verdict.
-    impl = pool_module(tmp_path, """
+    impl = pool_module(
+        tmp_path,
+        """
         def factory(config):
             if config.num_gpu_blocks != 8:
                 raise ValueError("only 8 blocks")
             return good(config)
-    """)
+    """,
+    )
     r = check(impl, tmp_path)
     assert r.returncode == 1 and "crashed at building the adapter" in r.stdout, r.stdout + r.stderr
     trace = next((tmp_path / "traces").glob("crashed-pool-*.trace.jsonl"))
@@ -95,7 +101,9 @@ def test_a_build_that_crashed_in_an_example_replays_as_it_crashed(tmp_path):
 
 
 def test_a_snapshot_of_the_wrong_types_is_the_implementation_diverging_not_kvspec_failing(tmp_path):
-    impl = pool_module(tmp_path, """
+    impl = pool_module(
+        tmp_path,
+        """
         import dataclasses
         class WrongTypes(ExamplePool):
             def snapshot(self):
@@ -103,7 +111,8 @@ def test_a_snapshot_of_the_wrong_types_is_the_implementation_diverging_not_kvspe
                 return dataclasses.replace(s, ref_cnt=("x",) * len(s.ref_cnt))
         def factory(config):
             return WrongTypes(config.num_gpu_blocks, config.enable_caching)
-    """)
+    """,
+    )
     r = check(impl, tmp_path)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "snapshot() returned a malformed Snapshot: its ref_cnt is ('x'," in r.stdout
@@ -113,13 +122,17 @@ def test_a_snapshot_of_the_wrong_types_is_the_implementation_diverging_not_kvspe
 @pytest.mark.parametrize(
     "body, says",
     [
-        ("def factory(config):\n    return good(config)\nfactory.levels = 5\n",
-         "the factory's declarations are wrong: levels=5, where a tuple of names is read"),
-        ("class Raising(ExamplePool):\n"
-         "    def __getattr__(self, name):\n"
-         "        raise RuntimeError('no ' + name)\n"
-         "def factory(config):\n    return Raising(config.num_gpu_blocks, config.enable_caching)\n",
-         "the adapter's declarations are wrong: reading levels raised RuntimeError: no levels"),
+        (
+            "def factory(config):\n    return good(config)\nfactory.levels = 5\n",
+            "the factory's declarations are wrong: levels=5, where a tuple of names is read",
+        ),
+        (
+            "class Raising(ExamplePool):\n"
+            "    def __getattr__(self, name):\n"
+            "        raise RuntimeError('no ' + name)\n"
+            "def factory(config):\n    return Raising(config.num_gpu_blocks, config.enable_caching)\n",
+            "the adapter's declarations are wrong: reading levels raised RuntimeError: no levels",
+        ),
     ],
 )
 def test_declarations_that_cannot_be_read_are_the_adapters_fault_not_kvspecs(tmp_path, body, says):
@@ -141,7 +154,9 @@ def test_the_gate_refuses_what_is_not_a_checkout_before_either_stage(tmp_path):
 
 def test_ids_of_any_integer_type_are_read_as_ints(tmp_path):
     # numpy's ints, or any type with __index__: what an implementation over arrays hands back.
-    impl = pool_module(tmp_path, """
+    impl = pool_module(
+        tmp_path,
+        """
         import dataclasses
         class Id:
             def __init__(self, value):
@@ -155,7 +170,8 @@ def test_ids_of_any_integer_type_are_read_as_ints(tmp_path):
                 return dataclasses.replace(s, ref_cnt=ids(s.ref_cnt), free_queue=ids(s.free_queue))
         def factory(config):
             return IndexIds(config.num_gpu_blocks, config.enable_caching)
-    """)
+    """,
+    )
     r = check(impl, tmp_path, "--max-examples", "100")
     assert r.returncode == 0 and "malformed" not in r.stdout, r.stdout + r.stderr
 
@@ -314,7 +330,9 @@ def test_what_only_the_implementations_code_raises_is_its_verdict_and_replays_so
 
 def test_a_snapshot_of_a_subclass_is_read_by_its_fields_not_its_own_comparison(tmp_path):
     # Its __eq__ raising was "kvspec itself failed": the checks compared with the subclass's own __eq__.
-    impl = pool_module(tmp_path, textwrap.dedent("""
+    impl = pool_module(
+        tmp_path,
+        textwrap.dedent("""
         from kvspec.spec.state import Snapshot
         class S(Snapshot):
             def __eq__(self, other):
@@ -324,20 +342,25 @@ def test_a_snapshot_of_a_subclass_is_read_by_its_fields_not_its_own_comparison(t
             def snapshot(self):
                 s = super().snapshot()
                 return S(**{f: getattr(s, f) for f in s.__dataclass_fields__})
-    """) + _BUILD)
+    """)
+        + _BUILD,
+    )
     r = check(impl, tmp_path)
     assert r.returncode == 0 and "conforms" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_factory_that_raises_a_base_exception_of_its_own_is_the_implementation_crashing(tmp_path):
     # The probe before the campaign let it through: "kvspec itself failed".
-    impl = pool_module(tmp_path, """
+    impl = pool_module(
+        tmp_path,
+        """
         class Mine(BaseException):
             pass
         def factory(config):
             raise Mine("no pool today")
         factory.levels = ("pool",)
-    """)
+    """,
+    )
     r = check(impl, tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
     assert "building the adapter failed: Mine: no pool today" in r.stdout and "kvspec itself failed" not in r.stdout

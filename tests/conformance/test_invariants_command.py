@@ -113,9 +113,13 @@ def test_salt_isolation_is_shown_through_prefix_closure():
     salt = _by_name()["hit_salt_isolated"]
     closed = _by_name()["hit_prefix_closed"]
     assert salt.through == ("hit_prefix_closed",) and "block_extra_keys" in salt.how
-    assert (salt.contracts, salt.machine) == (closed.contracts, closed.machine) == (
-        ("manager.get_computed_blocks",),
-        True,
+    assert (
+        (salt.contracts, salt.machine)
+        == (closed.contracts, closed.machine)
+        == (
+            ("manager.get_computed_blocks",),
+            True,
+        )
     )
     assert salt.lemmas == ()  # no lemma states it: it is not inherited from the rule it goes through
     assert set(salt.mutants) <= {m.name for m in all_mutants()}

@@ -18,8 +18,16 @@ import pytest
 HEADER = {
     "kvspec_trace": 1,
     "level": "pool",
-    "config": {"num_gpu_blocks": 2, "enable_caching": True, "profile": "vllm-v1", "block_size": 4,
-               "hash_fn": "sha256_cbor", "seed": "kvspec", "device": None, "events": True},  # fmt: skip
+    "config": {
+        "num_gpu_blocks": 2,
+        "enable_caching": True,
+        "profile": "vllm-v1",
+        "block_size": 4,
+        "hash_fn": "sha256_cbor",
+        "seed": "kvspec",
+        "device": None,
+        "events": True,
+    },  # fmt: skip
     "impl": "reference",
 }
 KEY = "686173682d30"

@@ -285,8 +285,6 @@ def test_the_matrix_prints_each_divergence_with_its_meaning_and_trace() -> None:
     assert "trace: /t/a.trace.jsonl" in text and "order: which free block" in text
 
 
-
-
 def test_a_user_s_apply_stands_in_for_a_plugin_module_that_needs_a_device(tmp_path: Path) -> None:
     # As the guide says: the folder that holds the package, and a stand-in registered before the import.
     package = tmp_path / "src" / "mypl"

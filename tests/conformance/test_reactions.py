@@ -269,7 +269,10 @@ def test_vllm_declared_reactions_name_every_mistake_of_their_level_and_only_thos
     assert on["evict_blocks: named twice"].kind == "ignores"
     # evict_blocks takes plain ints: a reaction per class of bad id, the pool's own (its bound check asserts).
     assert [on[f"evict_blocks: {m}"].kind for m in ("bad id", "id past the pool", "negative id")] == [
-        "ignores", "raises", "accepts"]
+        "ignores",
+        "raises",
+        "accepts",
+    ]
     assert on["evict_blocks: id past the pool"].error == "AssertionError"
     assert "allocate_slots: bad count" not in on and "allocate_slots: bad count" not in off
 

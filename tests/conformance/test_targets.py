@@ -23,7 +23,7 @@ from kvspec.conformance.runner.run import run_check
 from kvspec.conformance.tools.cli import main
 
 # A whole third-party distribution: its adapter is the reference's pool behind a name of its own.
-THIRD_PARTY = '''
+THIRD_PARTY = """
 from kvspec.conformance import Target
 from kvspec.conformance.targets.builtin import make_reference
 
@@ -32,7 +32,7 @@ def make_adapter(config):
 
 TARGET = Target(name="their-pool", summary="a pool shipped by another distribution",
                 factory="their_pool:make_adapter")
-'''
+"""
 
 
 def test_kvspec_registers_its_own_targets_through_entry_points() -> None:

@@ -44,8 +44,13 @@ def test_every_kind_of_value_survives_a_round_trip(tmp_path):
     steps = (
         TraceStep(1, "get_computed_blocks", (request, 2), Outcome(result=[[], 0]), Outcome(result=[[], 0]), SNAP, SNAP),
         TraceStep(
-            2, "allocate_slots", (request, 3, 0, [], 0, False), Outcome(result=[1], events=events),
-            Outcome(result=[1], events=events[:1]), SNAP, SNAP,
+            2,
+            "allocate_slots",
+            (request, 3, 0, [], 0, False),
+            Outcome(result=[1], events=events),
+            Outcome(result=[1], events=events[:1]),
+            SNAP,
+            SNAP,
         ),
         TraceStep(
             3,
@@ -70,7 +75,7 @@ def test_a_step_written_before_a_parameter_existed_reads_with_its_default(tmp_pa
     """get_computed_blocks gained max_cache_hit_length; a trace that has the request alone reads as no cap."""
     step = TraceStep(1, "get_computed_blocks", (Request("r1", (1, 2, 3)), None))
     trace = Trace(AdapterConfig("manager", 3, True, "vllm-v1", 2), (step,))
-    text = dumps_trace(trace).replace(', null]', ']')
+    text = dumps_trace(trace).replace(", null]", "]")
     assert '"args": [{"request"' in text and "null]" not in text.splitlines()[1]
     path = tmp_path / "old.trace.jsonl"
     path.write_text(text)
@@ -249,7 +254,16 @@ def test_a_replay_that_cannot_build_is_refused_before_any_step_and_builds_nothin
         calls.append(config)
         raise ValueError("no pool today")
 
-    report = replay_example(_pool_trace(("get_new_blocks", (1,)),), refusing, "x", None, None, None)
+    report = replay_example(
+        _pool_trace(
+            ("get_new_blocks", (1,)),
+        ),
+        refusing,
+        "x",
+        None,
+        None,
+        None,
+    )
     assert report.verdict == "could-not-run" and "no pool today" in report.message
     assert len(calls) == 1 and report.trace is None
 

@@ -163,8 +163,11 @@ def test_a_crash_leaves_the_implementation_side_unknown(tmp_path):
 
 
 def test_hashes_get_one_name_and_colour_each_on_both_sides(tmp_path):
-    steps = [("get_new_blocks", [2]), ("cache_full_blocks", [[1, 2], [_digest(7), _digest(8)]]),
-             ("free_blocks", [[2, 1]])]
+    steps = [
+        ("get_new_blocks", [2]),
+        ("cache_full_blocks", [[1, 2], [_digest(7), _digest(8)]]),
+        ("free_blocks", [[2, 1]]),
+    ]
     view = build_view(trace_to_page_data(_failing_trace(adapters.make_free_head_first, steps, tmp_path)))
     step = view["steps"][3]
     assert step["spec"]["hash"][1:3] == step["impl"]["hash"][1:3] == ["h1", "h2"]
@@ -221,8 +224,9 @@ def test_the_page_names_nothing_outside_itself(tmp_path):
 
 
 def test_the_embedded_data_cannot_close_its_script(tmp_path):
-    trace = _failing_trace(adapters.make_free_head_first, [("get_new_blocks", [2]), ("free_blocks", [[2, 1]])],
-                           tmp_path)
+    trace = _failing_trace(
+        adapters.make_free_head_first, [("get_new_blocks", [2]), ("free_blocks", [[2, 1]])], tmp_path
+    )
     doc = trace_to_page_data(dataclasses.replace(trace, impl="</script><b>x"))
     page = render_page(doc)
     assert "</script><b>x" not in page
@@ -280,9 +284,25 @@ def test_demo_html_writes_the_walkthrough_page(tmp_path, capsys):
 
 def test_check_html_dir_writes_a_page_per_failure_named_in_the_story_and_junit(tmp_path, capsys):
     junit, pages = tmp_path / "out.xml", tmp_path / "pages"
-    code = main(["check", "--impl", f"{ADAPTERS}:make_free_head_first", "--level", "pool", "--caching", "on",
-                 "--max-examples", "100", "--junit", str(junit), "--trace-dir", str(tmp_path),
-                 "--html-dir", str(pages)])
+    code = main(
+        [
+            "check",
+            "--impl",
+            f"{ADAPTERS}:make_free_head_first",
+            "--level",
+            "pool",
+            "--caching",
+            "on",
+            "--max-examples",
+            "100",
+            "--junit",
+            str(junit),
+            "--trace-dir",
+            str(tmp_path),
+            "--html-dir",
+            str(pages),
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1, out
     (trace,) = tmp_path.glob("failure-pool-*.trace.jsonl")
@@ -450,6 +470,9 @@ def test_removals_published_in_another_order_the_harness_allows_are_no_differenc
     assert view["steps"][-1]["differences"]["fields"] == [] and view["notices"] == []
     # A removal the implementation left out still differs.
     dropped = dataclasses.replace(last.impl, events=last.impl.events[:1])
-    view = build_view(trace_to_page_data(dataclasses.replace(trace, steps=(*trace.steps[:-1],
-                                                                           dataclasses.replace(last, impl=dropped)))))
+    view = build_view(
+        trace_to_page_data(
+            dataclasses.replace(trace, steps=(*trace.steps[:-1], dataclasses.replace(last, impl=dropped)))
+        )
+    )
     assert view["steps"][-1]["differences"]["fields"][0] == "result"

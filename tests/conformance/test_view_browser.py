@@ -213,8 +213,15 @@ def mutant_failure(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(the page, the story) of a mutant's shrunk failure: one hash registered twice, the table keeps one."""
     mutant = next(m for m in all_mutants() if m.name == "duplicate_hash_overwrites")
     folder = tmp_path_factory.mktemp("mutant")
-    result = run_check(mutant.factory, level=mutant.level, enable_caching=mutant.enable_caching,
-                       max_examples=200, seed=0, time_budget_s=30.0, trace_dir=folder)
+    result = run_check(
+        mutant.factory,
+        level=mutant.level,
+        enable_caching=mutant.enable_caching,
+        max_examples=200,
+        seed=0,
+        time_budget_s=30.0,
+        trace_dir=folder,
+    )
     assert result.failure is not None and result.failure.trace_path is not None, result.verdict
     page = write_trace_page(result.failure.trace_path, folder)
     return page.as_uri(), result.failure.story
@@ -267,7 +274,8 @@ def test_a_diff_witness_is_a_page_with_a_beside_b(browser: Browser, tmp_path: Pa
     assert paged.page is not None and Path(paged.page).name.startswith("diff-failure-")
     browser.open(Path(paged.page).as_uri())
     assert browser.js("return document.querySelector('h1').innerText").startswith(
-        "kvspec diff: vllm@1.0.0 beside vllm@1.1.0")
+        "kvspec diff: vllm@1.0.0 beside vllm@1.1.0"
+    )
     headers = browser.js("return Array.prototype.map.call(document.querySelectorAll('#sides h3'), "
                          "function (h) { return h.innerText; })")  # fmt: skip
     assert [h.lower().split(" (")[0] for h in headers] == ["vllm@1.1.0", "vllm@1.0.0"], headers
@@ -275,7 +283,8 @@ def test_a_diff_witness_is_a_page_with_a_beside_b(browser: Browser, tmp_path: Pa
     results = browser.js("return document.getElementById('operation').innerText")
     assert "vllm@1.1.0:" in results and "vllm@1.0.0:" in results, results
     assert browser.js("return document.getElementById('legend-differs').innerText") == (
-        "differs between vllm@1.1.0 and vllm@1.0.0")
+        "differs between vllm@1.1.0 and vllm@1.0.0"
+    )
     assert set(side(browser, "impl")["differs"]) == set(side(browser, "spec")["differs"]) != set()
     browser.screenshot("diff-witness")
     browser.assert_clean(FILE)

@@ -17,8 +17,15 @@ import pytest
 HEADER = {
     "kvspec_trace": 1,
     "level": "pool",
-    "config": {"num_gpu_blocks": 4, "enable_caching": True, "profile": "vllm-v1", "block_size": 4,
-               "hash_fn": "sha256_cbor", "seed": "kvspec", "device": None},  # fmt: skip
+    "config": {
+        "num_gpu_blocks": 4,
+        "enable_caching": True,
+        "profile": "vllm-v1",
+        "block_size": 4,
+        "hash_fn": "sha256_cbor",
+        "seed": "kvspec",
+        "device": None,
+    },  # fmt: skip
     "impl": "reference",
 }
 MANAGER_HEADER = {**HEADER, "level": "manager", "config": {**HEADER["config"], "num_gpu_blocks": 8}}

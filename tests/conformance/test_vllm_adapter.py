@@ -280,7 +280,7 @@ def test_evict_blocks_gets_each_class_of_bad_id_and_a_copy_without_vllms_bound_c
     shutil.copytree(fetch_release("0.34.0") / "vllm", tree / "vllm")
     pool = tree / "vllm" / "v1" / "core" / "block_pool.py"
     text = pool.read_text()
-    check = text[text.index("            assert block_id < len(self.blocks), ("):]
+    check = text[text.index("            assert block_id < len(self.blocks), (") :]
     check = check[: check.index("            )\n") + len("            )\n")]
     pool.write_text(text.replace(check, ""))
     mutant = run_check(factory_for(f"vllm@{tree}"), level="pool", max_examples=100, trace_dir=tmp_path)

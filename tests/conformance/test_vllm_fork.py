@@ -162,7 +162,8 @@ def test_a_trees_request_hit_limit_is_read_from_its_files(tmp_path, has_limit) -
         request = f"class Request:\n    def {method}(self):\n        return 0\n"
         (fork / "minifork" / "v1" / "request.py").write_text(request)
         (fork / "minifork" / "v1" / "core" / "kv_cache_manager.py").write_text(
-            "class KVCacheManager:\n    def get_num_cached_tokens(self, request):\n        return 0\n")
+            "class KVCacheManager:\n    def get_num_cached_tokens(self, request):\n        return 0\n"
+        )
     measured = measure_facts(tree_release(fork))
     if has_limit is None:
         assert "has no minifork/v1/request.py" in measured.not_measured["request_hit_limit"]

@@ -821,7 +821,10 @@ def test_events_and_hit_statistics_at_the_request_level_on_vllm_0_33() -> None:
     # of them twice, with one block each in the table (event_mirror_exact breaks).
     full = out["full_report"]
     assert (full["verdict"], full["step"], full["op"], full["rule"]) == (
-        "invariant", 3, "get_computed_blocks", "event_mirror_exact"
+        "invariant",
+        3,
+        "get_computed_blocks",
+        "event_mirror_exact",
     ), full
     assert "stored h1 h2 (parent -" in full["message"], full
     assert full["replayed"] == ["diverges", 3], full
@@ -916,24 +919,36 @@ _FULL_REPORT = "kvspec.conformance.targets.vllm.manager:make_full_report_adapter
 FINDING_TRACES: dict[str, list[tuple[str, str, list[Any]]]] = {
     # Up to 0.24 a request is counted at its lookup (step 1); the spec counts it at admission.
     "0.10.2": [
-        ("stats_at_lookup-0.10.2.trace.jsonl", "vllm", ["diverges", 1, "get_computed_blocks", None,
-                                                         "local.requests: spec 0 vs implementation 1"]),
+        (
+            "stats_at_lookup-0.10.2.trace.jsonl",
+            "vllm",
+            ["diverges", 1, "get_computed_blocks", None, "local.requests: spec 0 vs implementation 1"],
+        ),
         # With events on, registering a block of a single sliding-window group whose parent position the
         # window has left (the null block there) trips `assert parent_block.block_hash is not None`.
-        ("sliding_parent_assert-0.10.2.trace.jsonl", _EVENTS_ONLY, ["crashed", 6, "allocate_slots", None,
-                                                                    "AssertionError"]),
+        (
+            "sliding_parent_assert-0.10.2.trace.jsonl",
+            _EVENTS_ONLY,
+            ["crashed", 6, "allocate_slots", None, "AssertionError"],
+        ),
         # With events on, a LoRA request's BlockStored reads lora_request.id (0.9.0 to 0.11.0), which vLLM's
         # LoRARequest does not have (lora_int_id, adapter_id): the registration raises AttributeError.
-        ("lora_event_crash-0.10.2.trace.jsonl", _EVENTS_ONLY, ["crashed", 2, "allocate_slots", None,
-                                                               "'LoRARequest' object has no attribute 'id'"]),
+        (
+            "lora_event_crash-0.10.2.trace.jsonl",
+            _EVENTS_ONLY,
+            ["crashed", 2, "allocate_slots", None, "'LoRARequest' object has no attribute 'id'"],
+        ),
     ],  # fmt: skip
     "0.33.0": [
         # Without caching vLLM 0.33 counts no request in its local statistics. Kept from when the spec counted
         # the admission (a finding then): the spec counts only a request whose lookup ran, and it conforms.
         ("stats_without_caching-0.33.0.trace.jsonl", "vllm", ["conforms"]),
         # kv_cache_report_mode "full": a lookup's hit blocks are published as stored again.
-        ("full_report_mode-0.33.0.trace.jsonl", _FULL_REPORT, ["diverges", 3, "get_computed_blocks",
-                                                               "event_mirror_exact", "published: stored h1 h2"]),
+        (
+            "full_report_mode-0.33.0.trace.jsonl",
+            _FULL_REPORT,
+            ["diverges", 3, "get_computed_blocks", "event_mirror_exact", "published: stored h1 h2"],
+        ),
     ],  # fmt: skip
 }
 

@@ -44,8 +44,9 @@ def test_a_small_grid_measures_every_cell_for_both_implementations():
 
 def test_both_paths_of_gpu_impl_are_measured_against_the_same_reference():
     for python_path_max in (0, 1000):  # every batch through the tensor path; every batch through the Python path
-        results = measure(pools=(300,), batches=(16, 100), seconds_per_cell=0.001, max_rounds=3,
-                          python_path_max=python_path_max)
+        results = measure(
+            pools=(300,), batches=(16, 100), seconds_per_cell=0.001, max_rounds=3, python_path_max=python_path_max
+        )
         assert {m.batch for m in results} == {16, 100}
 
 
@@ -114,8 +115,15 @@ def test_auto_content_layers_fit_the_free_memory():
 @pytest.mark.parametrize("profile", ["vllm-v1", "lru-timestamp"])
 def test_with_events_both_pools_publish_and_their_events_are_compared(profile, capsys):
     # measure() drains and compares both pools' events after every round (and the snapshots at the end)
-    results = measure(pools=(300,), batches=(1, 100), seconds_per_cell=0.001, max_rounds=3, profile=profile,
-                      python_path_max=16, events=True)
+    results = measure(
+        pools=(300,),
+        batches=(1, 100),
+        seconds_per_cell=0.001,
+        max_rounds=3,
+        profile=profile,
+        python_path_max=16,
+        events=True,
+    )
     assert {m.batch for m in results} == {1, 100}  # 100 blocks: gpu_impl's long path publishes too
     args = ["--pools", "40", "--batches", "1", "--seconds", "0.001", "--no-hash-map", "--no-content", "--events"]
     assert main([*args, "--profile", profile]) == 0

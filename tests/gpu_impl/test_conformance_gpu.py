@@ -37,8 +37,15 @@ TestGpuImplConforms = pytest.mark.heavy(make_conformance_test(make_adapter_on_cp
 def test_gpu_impl_publishes_the_specs_events_and_counts_its_hits(level, profile, groups, tmp_path):
     """`kvspec check --impl gpu --events`: every event kind and counter reached and equal to the spec's."""
     r = run_check(
-        make_adapter_on_cpu, level=level, profile=profile, groups=groups, events=True, max_examples=60,
-        cover_rounds=10, trace_dir=tmp_path, impl="gpu",
+        make_adapter_on_cpu,
+        level=level,
+        profile=profile,
+        groups=groups,
+        events=True,
+        max_examples=60,
+        cover_rounds=10,
+        trace_dir=tmp_path,
+        impl="gpu",
     )
     assert r.verdict == "conforms", r.failure.story if r.failure else r.message
     expected = EVENT_BRANCHES + (MANAGER_EVENT_BRANCHES if level == "manager" else ())

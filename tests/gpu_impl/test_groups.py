@@ -53,8 +53,20 @@ def stores(gpu: TensorKVCacheManager) -> list[torch.Tensor]:
 @pytest.mark.parametrize(
     "groups",
     [
-        "", "full,", "lru", "full:3", "sliding", "sliding:1", "sliding:x", "chunked:0", "chunked:-4",
-        "full,full,full,full", "chunked:6", "full,chunked:3", [KVGroup("chunked", 6)], [KVGroup("sliding", 1)],
+        "",
+        "full,",
+        "lru",
+        "full:3",
+        "sliding",
+        "sliding:1",
+        "sliding:x",
+        "chunked:0",
+        "chunked:-4",
+        "full,full,full,full",
+        "chunked:6",
+        "full,chunked:3",
+        [KVGroup("chunked", 6)],
+        [KVGroup("sliding", 1)],
     ],
     ids=repr,
 )
@@ -70,8 +82,11 @@ def test_a_bad_layout_is_refused_with_the_specs_error_and_message(groups):
 
 
 def test_the_chunk_message_names_the_block_size():
-    with pytest.raises(InvalidRequest, match=r"^KV cache group chunked:6: a chunk of 6 tokens is not a multiple of "
-                                             r"block_size=4 \(vLLM's chunked local attention asserts it"):
+    with pytest.raises(
+        InvalidRequest,
+        match=r"^KV cache group chunked:6: a chunk of 6 tokens is not a multiple of "
+        r"block_size=4 \(vLLM's chunked local attention asserts it",
+    ):
         TensorKVCacheManager(8, 4, device="cpu", groups="full,chunked:6")
 
 
@@ -114,8 +129,12 @@ def test_a_hit_of_a_sliding_group_has_the_null_block_before_its_window():
     ("change", "error", "message"),
     [
         ("drop one", InvalidRequest, r"but 9 hit blocks of block_size=2 for 2 KV cache groups$"),
-        ("null where full attention reads", InvalidBlock, r"hit block_id=0 is not registered under the request's "
-                                                          r"hash 0 of KV cache group 0$"),
+        (
+            "null where full attention reads",
+            InvalidBlock,
+            r"hit block_id=0 is not registered under the request's "
+            r"hash 0 of KV cache group 0$",
+        ),
         ("null where the window reads", InvalidBlock, r"hash 4 of KV cache group 1$"),
         ("swap the groups", InvalidBlock, r"of KV cache group 0$"),
         ("marked id", InvalidRequest, r"contains '#', which names a KV cache group's block table"),

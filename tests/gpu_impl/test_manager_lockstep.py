@@ -407,9 +407,7 @@ class ManagerLockstepWithSkippingGroups(ManagerLockstep):
     skipping_groups = True
 
 
-ManagerLockstepWithSkippingGroups.TestCase.settings = settings(
-    max_examples=120, stateful_step_count=30, deadline=None
-)
+ManagerLockstepWithSkippingGroups.TestCase.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
 test_manager_lockstep_with_skipping_groups = ManagerLockstepWithSkippingGroups.TestCase
 
 

@@ -26,7 +26,9 @@ writes = st.one_of(
     st.tuples(st.just("entries"), entries, value),
     st.tuples(st.just("range"), st.integers(0, LENGTH), st.integers(0, 80), value),
     st.tuples(st.just("tensor"), entries, value),
-    st.tuples(st.just("read"),),
+    st.tuples(
+        st.just("read"),
+    ),
 )
 
 

@@ -76,8 +76,13 @@ class PoolLockstep(RuleBasedStateMachine):
         self.ref = BlockPool(num_gpu_blocks, enable_caching, profile, enable_kv_cache_events=events)
         capacity = 2 * num_gpu_blocks if tight_keys else None
         self.gpu = TensorBlockPool(
-            num_gpu_blocks, enable_caching, profile, pick_device(), key_capacity=capacity,
-            python_path_max=python_path_max, share_host_memory=False if two_faces else None,
+            num_gpu_blocks,
+            enable_caching,
+            profile,
+            pick_device(),
+            key_capacity=capacity,
+            python_path_max=python_path_max,
+            share_host_memory=False if two_faces else None,
             enable_kv_cache_events=events,
         )
         if tight_keys and self.gpu._stamped is not None:
@@ -221,8 +226,14 @@ def test_large_pool_random_batches_match_reference(profile: str, python_path_max
     n = 600
     ref = BlockPool(n, True, profile, enable_kv_cache_events=True)
     gpu = TensorBlockPool(
-        n, True, profile, pick_device(), key_capacity=2 * n,
-        python_path_max=python_path_max, share_host_memory=False if two_faces else None, enable_kv_cache_events=True,
+        n,
+        True,
+        profile,
+        pick_device(),
+        key_capacity=2 * n,
+        python_path_max=python_path_max,
+        share_host_memory=False if two_faces else None,
+        enable_kv_cache_events=True,
     )
     num_removed = 0
     requests: list[list[int]] = []

@@ -29,8 +29,15 @@ def test_the_issue_example_and_its_deductions():
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("141GiB", 141 * GIB), ("16GB", 16 * 10**9), ("512MiB", 512 * 2**20), ("1.5KiB", 1536), ("4096", 4096),
-     ("2 gib", 2 * GIB), (1234, 1234)],
+    [
+        ("141GiB", 141 * GIB),
+        ("16GB", 16 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5KiB", 1536),
+        ("4096", 4096),
+        ("2 gib", 2 * GIB),
+        (1234, 1234),
+    ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
@@ -45,8 +52,10 @@ def test_unreadable_sizes_are_refused(text):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"memory_bytes": 10 * GIB, "weights_bytes": 16 * GIB},
-         r"^no memory left for the KV cache: gpu_mem=10\.00 GiB"),
+        (
+            {"memory_bytes": 10 * GIB, "weights_bytes": 16 * GIB},
+            r"^no memory left for the KV cache: gpu_mem=10\.00 GiB",
+        ),
         ({"memory_bytes": 0}, r"^gpu_mem=0 bytes: there is no memory"),
         ({"memory_bytes": GIB, "margin": 1.0}, r"^margin must be a fraction in \[0, 1\); got margin=1\.0$"),
         ({"memory_bytes": GIB, "margin": -0.1}, r"^margin must be a fraction in \[0, 1\)"),
@@ -88,8 +97,24 @@ def capacity(*argv: str) -> int:
 
 
 def test_capacity_prints_the_computation(capsys):
-    code = capacity("--gpu-mem", "141GiB", "--layers", "32", "--kv-heads", "8", "--head-dim", "128",
-                    "--dtype", "bf16", "--block-size", "16", "--weights", "16GiB", "--overhead", "2GiB")
+    code = capacity(
+        "--gpu-mem",
+        "141GiB",
+        "--layers",
+        "32",
+        "--kv-heads",
+        "8",
+        "--head-dim",
+        "128",
+        "--dtype",
+        "bf16",
+        "--block-size",
+        "16",
+        "--weights",
+        "16GiB",
+        "--overhead",
+        "2GiB",
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "num_gpu_blocks 50380" in out

@@ -753,7 +753,8 @@ SCENARIOS: dict[str, tuple[Callable[[Factory], None], str]] = {
     "preempted_counted_as_new": (preempted_counted_as_new, r"statistics after step 4: .*requests=2"),
     "external_counted_as_local": (external_counted_as_local, r"statistics after step 1: .*hits=4"),
     "skipped_lookup_counted": (
-        skipped_lookup_counted, r"statistics after step 1: PrefixCacheStats\(local=CacheCounters\(requests=1, "
+        skipped_lookup_counted,
+        r"statistics after step 1: PrefixCacheStats\(local=CacheCounters\(requests=1, ",
     ),
     "ignores_hit_limit": (ignores_hit_limit, r"step 2 get_computed_blocks.* returned \(\[1, 2\], 8\)"),
     "free_evicts_cached_blocks": (free_evicts_cached_blocks, r"state after step 3: blocks by hash \[\], "),

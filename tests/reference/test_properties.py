@@ -71,8 +71,20 @@ def block_ids(data: st.DataObject, valid: list[int], n: int, label: str) -> list
 # --- the pool ---------------------------------------------------------------------------------
 
 # Weighted: the operations that move blocks between held, cached and free come up most.
-POOL_OPS = ["get_new_blocks"] * 3 + ["cache_full_blocks"] * 3 + ["free_blocks"] * 3 + ["touch"] * 2 + [
-    "get_cached_block", "evict_blocks", "reset_prefix_cache", "is_block_writable", "get_num_free_blocks", "get_usage"]
+POOL_OPS = (
+    ["get_new_blocks"] * 3
+    + ["cache_full_blocks"] * 3
+    + ["free_blocks"] * 3
+    + ["touch"] * 2
+    + [
+        "get_cached_block",
+        "evict_blocks",
+        "reset_prefix_cache",
+        "is_block_writable",
+        "get_num_free_blocks",
+        "get_usage",
+    ]
+)
 
 
 @pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
@@ -109,8 +121,9 @@ def test_pool_matches_the_spec_step_by_step(profile: str, enable_caching: bool, 
         elif op == "cache_full_blocks":
             ids = block_ids(data, [b for b in held if spec.block_hash[b] is None], n, op)
             num_hashes = len(ids) + rarely(data, "one hash too many?")
-            hashes = data.draw(st.lists(st.sampled_from(HASHES), min_size=num_hashes, max_size=num_hashes),
-                               label="block_hashes")
+            hashes = data.draw(
+                st.lists(st.sampled_from(HASHES), min_size=num_hashes, max_size=num_hashes), label="block_hashes"
+            )
             got, error = attempt(ops.cache_full_blocks, spec, ids, hashes)
             result, ref_error = attempt(reference.cache_full_blocks, ids, hashes)
             spec = got.state if got is not None else spec
@@ -126,8 +139,10 @@ def test_pool_matches_the_spec_step_by_step(profile: str, enable_caching: bool, 
             spec, done = got.state, got.result
             assert result == done
         elif op == "is_block_writable":
-            b = data.draw(st.integers(0, n - 1) if not rarely(data, "out of range?") else st.sampled_from([-1, n]),
-                          label="block_id")
+            b = data.draw(
+                st.integers(0, n - 1) if not rarely(data, "out of range?") else st.sampled_from([-1, n]),
+                label="block_id",
+            )
             got, error = attempt(ops.is_block_writable, spec, BlockId(b))
             result, ref_error = attempt(reference.is_block_writable, BlockId(b))
             assert result == (None if got is None else got.result)
@@ -180,9 +195,12 @@ def test_manager_matches_the_spec_step_by_step(profile: str, enable_caching: boo
                 again = data.draw(st.sampled_from(finished), label="returning")
                 request = Request(rid, again.token_ids, again.lora_name, again.cache_salt)
             else:
-                request = Request(rid, tuple(data.draw(prompts, label="prompt")),
-                                  lora_name=data.draw(st.sampled_from([None, "l"]), label="lora_name"),
-                                  cache_salt=data.draw(st.sampled_from([None, "s"]), label="cache_salt"))
+                request = Request(
+                    rid,
+                    tuple(data.draw(prompts, label="prompt")),
+                    lora_name=data.draw(st.sampled_from([None, "l"]), label="lora_name"),
+                    cache_salt=data.draw(st.sampled_from([None, "s"]), label="cache_salt"),
+                )
             spec_hit = manager.get_computed_blocks(spec, request).result
             ref_blocks, ref_tokens = reference.get_computed_blocks(request)
             assert (list(spec_hit[0]), spec_hit[1]) == (ref_blocks, ref_tokens)
@@ -193,10 +211,12 @@ def test_manager_matches_the_spec_step_by_step(profile: str, enable_caching: boo
             remaining = len(request.token_ids) - num_hit_tokens
             num_new = data.draw(st.integers(1, remaining), label="num_new_tokens")
             num_external = data.draw(st.integers(0, remaining - num_new), label="num_external_computed_tokens")
-            got, error = attempt(manager.allocate_slots, spec, request, num_new, num_hit_tokens, hit_blocks,
-                                 num_external)
-            result, ref_error = attempt(reference.allocate_slots, request, num_new, num_hit_tokens, list(hit_blocks),
-                                       num_external)
+            got, error = attempt(
+                manager.allocate_slots, spec, request, num_new, num_hit_tokens, hit_blocks, num_external
+            )
+            result, ref_error = attempt(
+                reference.allocate_slots, request, num_new, num_hit_tokens, list(hit_blocks), num_external
+            )
             assert got is not None and error is None and ref_error is None
             spec, new_blocks = got.state, got.result
             assert result == (None if new_blocks is None else list(new_blocks))
@@ -216,8 +236,9 @@ def test_manager_matches_the_spec_step_by_step(profile: str, enable_caching: boo
                 request = Request(rid, request.token_ids + (token,), request.lora_name, request.cache_salt)
                 num_new = 1
             else:
-                num_new = data.draw(st.integers(1, len(request.token_ids) - entry.num_computed_tokens),
-                                    label="prefill chunk")
+                num_new = data.draw(
+                    st.integers(1, len(request.token_ids) - entry.num_computed_tokens), label="prefill chunk"
+                )
             got, error = attempt(manager.allocate_slots, spec, request, num_new)
             result, ref_error = attempt(reference.allocate_slots, request, num_new)
             assert got is not None and error is None and ref_error is None

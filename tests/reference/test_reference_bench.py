@@ -54,8 +54,9 @@ def test_kvspec_bench_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) 
         _bench_parser().parse_args(["bench", "tpu"])
 
 
-def test_a_benchmark_that_cannot_load_exits_2(monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_benchmark_that_cannot_load_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(bench.TARGETS, "gpu", "kvspec.benchmarks.no_such_benchmark")
     args = _bench_parser().parse_args(["bench", "gpu"])
     assert args.run(args) == 2

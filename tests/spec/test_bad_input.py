@@ -93,119 +93,314 @@ NOT_INT = r"must be a non-negative integer; got"
 
 POOL_CASES = [
     # allocating more than is free
-    Case("get_new_blocks more than free", lambda p: p.get_new_blocks(7), PoolExhausted,
-         r"cannot allocate num_blocks=7: 6 free of num_gpu_blocks=7, one is the null block"),
-    Case("get_new_blocks more than left", lambda p: p.get_new_blocks(4), PoolExhausted,
-         r"cannot allocate num_blocks=4: 3 free of num_gpu_blocks=7, one is the null block", a_holds_1_2_3),
+    Case(
+        "get_new_blocks more than free",
+        lambda p: p.get_new_blocks(7),
+        PoolExhausted,
+        r"cannot allocate num_blocks=7: 6 free of num_gpu_blocks=7, one is the null block",
+    ),
+    Case(
+        "get_new_blocks more than left",
+        lambda p: p.get_new_blocks(4),
+        PoolExhausted,
+        r"cannot allocate num_blocks=4: 3 free of num_gpu_blocks=7, one is the null block",
+        a_holds_1_2_3,
+    ),
     # a negative, bool or non-integer count
     *[
-        Case(f"get_new_blocks({v!r})", lambda p, v=v: p.get_new_blocks(v), InvalidRequest,
-             rf"get_new_blocks: num_blocks {NOT_INT} num_blocks={pattern}")
+        Case(
+            f"get_new_blocks({v!r})",
+            lambda p, v=v: p.get_new_blocks(v),
+            InvalidRequest,
+            rf"get_new_blocks: num_blocks {NOT_INT} num_blocks={pattern}",
+        )
         for v, pattern in ((-1, "-1"), (True, "True"), (2.0, r"2\.0"), ("2", "'2'"), (None, "None"))
     ],
     # freeing twice, or a block no request holds
-    Case("free_blocks twice", lambda p: p.free_blocks(ids(3)), DoubleFree,
-         r"free_blocks: block_id=3 has ref_cnt=0, no request holds it \(double free\?\)", a_freed_3),
-    Case("free_blocks a block never taken", lambda p: p.free_blocks(ids(5)), DoubleFree,
-         r"free_blocks: block_id=5 has ref_cnt=0, no request holds it \(double free\?\)", a_holds_1_2_3),
-    Case("free_blocks a held block then a free one", lambda p: p.free_blocks(ids(3, 5)), DoubleFree,
-         r"free_blocks: block_id=5 has ref_cnt=0, no request holds it \(double free\?\)", a_holds_1_2_3),
-    Case("free_blocks a block twice in one call", lambda p: p.free_blocks(ids(3, 3)), InvalidRequest,
-         r"free_blocks: block_ids=\[3, 3\] names a block twice", a_holds_1_2_3),
+    Case(
+        "free_blocks twice",
+        lambda p: p.free_blocks(ids(3)),
+        DoubleFree,
+        r"free_blocks: block_id=3 has ref_cnt=0, no request holds it \(double free\?\)",
+        a_freed_3,
+    ),
+    Case(
+        "free_blocks a block never taken",
+        lambda p: p.free_blocks(ids(5)),
+        DoubleFree,
+        r"free_blocks: block_id=5 has ref_cnt=0, no request holds it \(double free\?\)",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "free_blocks a held block then a free one",
+        lambda p: p.free_blocks(ids(3, 5)),
+        DoubleFree,
+        r"free_blocks: block_id=5 has ref_cnt=0, no request holds it \(double free\?\)",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "free_blocks a block twice in one call",
+        lambda p: p.free_blocks(ids(3, 3)),
+        InvalidRequest,
+        r"free_blocks: block_ids=\[3, 3\] names a block twice",
+        a_holds_1_2_3,
+    ),
     # freeing the null block, or a block that does not exist
-    Case("free_blocks the null block", lambda p: p.free_blocks(ids(0)), InvalidBlock,
-         r"free_blocks: block_id=0 is the null block, whose ref_cnt is never maintained", a_holds_1_2_3),
-    Case("free_blocks a held block then the null block", lambda p: p.free_blocks(ids(1, 0)), InvalidBlock,
-         r"free_blocks: block_id=0 is the null block, whose ref_cnt is never maintained", a_holds_1_2_3),
-    Case("free_blocks block 7 of 7", lambda p: p.free_blocks(ids(3, 7)), InvalidBlock,
-         r"free_blocks: block_id=7 is not a block of this pool \(ids 0\.\.6\)", a_holds_1_2_3),
-    Case("free_blocks block True", lambda p: p.free_blocks([True]), InvalidBlock,
-         r"free_blocks: block_id=True is not a block of this pool \(ids 0\.\.6\)", a_holds_1_2_3),
-    Case("free_blocks with evict_first=1", lambda p: p.free_blocks(ids(3), 1), InvalidRequest,
-         r"free_blocks: evict_first=1 is not a bool", a_holds_1_2_3),
+    Case(
+        "free_blocks the null block",
+        lambda p: p.free_blocks(ids(0)),
+        InvalidBlock,
+        r"free_blocks: block_id=0 is the null block, whose ref_cnt is never maintained",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "free_blocks a held block then the null block",
+        lambda p: p.free_blocks(ids(1, 0)),
+        InvalidBlock,
+        r"free_blocks: block_id=0 is the null block, whose ref_cnt is never maintained",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "free_blocks block 7 of 7",
+        lambda p: p.free_blocks(ids(3, 7)),
+        InvalidBlock,
+        r"free_blocks: block_id=7 is not a block of this pool \(ids 0\.\.6\)",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "free_blocks block True",
+        lambda p: p.free_blocks([True]),
+        InvalidBlock,
+        r"free_blocks: block_id=True is not a block of this pool \(ids 0\.\.6\)",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "free_blocks with evict_first=1",
+        lambda p: p.free_blocks(ids(3), 1),
+        InvalidRequest,
+        r"free_blocks: evict_first=1 is not a bool",
+        a_holds_1_2_3,
+    ),
     # touching the null block, an unknown block, an unhashed block
-    Case("touch the null block", lambda p: p.touch(ids(0)), InvalidBlock,
-         r"touch: block_id=0 is the null block, whose ref_cnt is never maintained", a_holds_1_2_3),
+    Case(
+        "touch the null block",
+        lambda p: p.touch(ids(0)),
+        InvalidBlock,
+        r"touch: block_id=0 is the null block, whose ref_cnt is never maintained",
+        a_holds_1_2_3,
+    ),
     *[
-        Case(f"touch block {v!r}", lambda p, v=v: p.touch([v]), InvalidBlock,
-             rf"touch: block_id={pattern} is not a block of this pool \(ids 0\.\.6\)", a_holds_1_2_3)
+        Case(
+            f"touch block {v!r}",
+            lambda p, v=v: p.touch([v]),
+            InvalidBlock,
+            rf"touch: block_id={pattern} is not a block of this pool \(ids 0\.\.6\)",
+            a_holds_1_2_3,
+        )
         for v, pattern in ((9, "9"), (-1, "-1"), ("1", "'1'"), (1.0, r"1\.0"))
     ],
-    Case("touch a held block without a hash", lambda p: p.touch(ids(3)), InvalidBlock,
-         r"touch: block_id=3 has no hash \(ref_cnt=1\), so no request can have hit it; stale block table\?",
-         a_holds_1_2_3),
-    Case("touch a free block without a hash", lambda p: p.touch(ids(4)), InvalidBlock,
-         r"touch: block_id=4 has no hash \(ref_cnt=0\), so no request can have hit it; stale block table\?",
-         a_holds_1_2_3),
-    Case("touch a hashed block then an unhashed one", lambda p: p.touch(ids(1, 3)), InvalidBlock,
-         r"touch: block_id=3 has no hash \(ref_cnt=1\), so no request can have hit it; stale block table\?",
-         a_holds_1_2_3),
-    Case("touch a block twice in one call", lambda p: p.touch(ids(1, 1)), InvalidRequest,
-         r"touch: block_ids=\[1, 1\] names a block twice", a_holds_1_2_3),
+    Case(
+        "touch a held block without a hash",
+        lambda p: p.touch(ids(3)),
+        InvalidBlock,
+        r"touch: block_id=3 has no hash \(ref_cnt=1\), so no request can have hit it; stale block table\?",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "touch a free block without a hash",
+        lambda p: p.touch(ids(4)),
+        InvalidBlock,
+        r"touch: block_id=4 has no hash \(ref_cnt=0\), so no request can have hit it; stale block table\?",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "touch a hashed block then an unhashed one",
+        lambda p: p.touch(ids(1, 3)),
+        InvalidBlock,
+        r"touch: block_id=3 has no hash \(ref_cnt=1\), so no request can have hit it; stale block table\?",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "touch a block twice in one call",
+        lambda p: p.touch(ids(1, 1)),
+        InvalidRequest,
+        r"touch: block_ids=\[1, 1\] names a block twice",
+        a_holds_1_2_3,
+    ),
     # the mistake after good ids: the references taken for 1 and 2 (free, so queued) are given back
-    Case("touch two cached free blocks, then block 9", lambda p: p.touch(ids(1, 2, 9)), InvalidBlock,
-         r"touch: block_id=9 is not a block of this pool \(ids 0\.\.6\)", a_freed_all),
-    Case("touch two cached free blocks, then the first again", lambda p: p.touch(ids(1, 2, 1)), InvalidRequest,
-         r"touch: block_ids=\[1, 2, 1\] names a block twice", a_freed_all),
+    Case(
+        "touch two cached free blocks, then block 9",
+        lambda p: p.touch(ids(1, 2, 9)),
+        InvalidBlock,
+        r"touch: block_id=9 is not a block of this pool \(ids 0\.\.6\)",
+        a_freed_all,
+    ),
+    Case(
+        "touch two cached free blocks, then the first again",
+        lambda p: p.touch(ids(1, 2, 1)),
+        InvalidRequest,
+        r"touch: block_ids=\[1, 2, 1\] names a block twice",
+        a_freed_all,
+    ),
     # the spec's order: a bad id before a duplicate before a block without a hash, wherever they stand
-    Case("touch an unhashed block, then block 9", lambda p: p.touch(ids(1, 3, 9)), InvalidBlock,
-         r"touch: block_id=9 is not a block of this pool \(ids 0\.\.6\)", a_freed_all),
-    Case("touch an unhashed block, then a cached one twice", lambda p: p.touch(ids(3, 2, 2)), InvalidRequest,
-         r"touch: block_ids=\[3, 2, 2\] names a block twice", a_freed_all),
+    Case(
+        "touch an unhashed block, then block 9",
+        lambda p: p.touch(ids(1, 3, 9)),
+        InvalidBlock,
+        r"touch: block_id=9 is not a block of this pool \(ids 0\.\.6\)",
+        a_freed_all,
+    ),
+    Case(
+        "touch an unhashed block, then a cached one twice",
+        lambda p: p.touch(ids(3, 2, 2)),
+        InvalidRequest,
+        r"touch: block_ids=\[3, 2, 2\] names a block twice",
+        a_freed_all,
+    ),
     # caching a block not held, already hashed, with caching off, or with a length mismatch
-    Case("cache_full_blocks a free block", lambda p: p.cache_full_blocks(ids(4), [H3]), InvalidBlock,
-         r"cache_full_blocks: block_id=4 has ref_cnt=0; only a held, computed block is cached", a_holds_1_2_3),
-    Case("cache_full_blocks a block already hashed", lambda p: p.cache_full_blocks(ids(1), [H3]), AlreadyCached,
-         r"cache_full_blocks: block_id=1 is already registered; a block is cached once", a_holds_1_2_3),
-    Case("cache_full_blocks a new block then a hashed one", lambda p: p.cache_full_blocks(ids(3, 1), [H3, H4]),
-         AlreadyCached, r"cache_full_blocks: block_id=1 is already registered; a block is cached once", a_holds_1_2_3),
-    Case("cache_full_blocks with caching off", lambda p: p.cache_full_blocks(ids(1), [H1]), InvalidRequest,
-         r"cache_full_blocks: prefix caching is off \(enable_caching=False\), nothing is hashed",
-         lambda p: p.get_new_blocks(1), {"enable_caching": False}),
-    Case("cache_full_blocks one block, two hashes", lambda p: p.cache_full_blocks(ids(3), [H3, H4]), InvalidRequest,
-         r"cache_full_blocks: 1 block_ids but 2 block_hashes; one hash per block", a_holds_1_2_3),
-    Case("cache_full_blocks a str hash", lambda p: p.cache_full_blocks(ids(3), ["h3"]), InvalidRequest,
-         r"cache_full_blocks: block_hash='h3' for block_id=3 is not bytes", a_holds_1_2_3),
-    Case("cache_full_blocks the null block", lambda p: p.cache_full_blocks(ids(0), [H3]), InvalidBlock,
-         r"cache_full_blocks: block_id=0 is the null block, whose ref_cnt is never maintained", a_holds_1_2_3),
-    Case("cache_full_blocks a block twice", lambda p: p.cache_full_blocks(ids(3, 3), [H3, H4]), InvalidRequest,
-         r"cache_full_blocks: block_ids=\[3, 3\] names a block twice", a_holds_1_2_3),
+    Case(
+        "cache_full_blocks a free block",
+        lambda p: p.cache_full_blocks(ids(4), [H3]),
+        InvalidBlock,
+        r"cache_full_blocks: block_id=4 has ref_cnt=0; only a held, computed block is cached",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "cache_full_blocks a block already hashed",
+        lambda p: p.cache_full_blocks(ids(1), [H3]),
+        AlreadyCached,
+        r"cache_full_blocks: block_id=1 is already registered; a block is cached once",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "cache_full_blocks a new block then a hashed one",
+        lambda p: p.cache_full_blocks(ids(3, 1), [H3, H4]),
+        AlreadyCached,
+        r"cache_full_blocks: block_id=1 is already registered; a block is cached once",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "cache_full_blocks with caching off",
+        lambda p: p.cache_full_blocks(ids(1), [H1]),
+        InvalidRequest,
+        r"cache_full_blocks: prefix caching is off \(enable_caching=False\), nothing is hashed",
+        lambda p: p.get_new_blocks(1),
+        {"enable_caching": False},
+    ),
+    Case(
+        "cache_full_blocks one block, two hashes",
+        lambda p: p.cache_full_blocks(ids(3), [H3, H4]),
+        InvalidRequest,
+        r"cache_full_blocks: 1 block_ids but 2 block_hashes; one hash per block",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "cache_full_blocks a str hash",
+        lambda p: p.cache_full_blocks(ids(3), ["h3"]),
+        InvalidRequest,
+        r"cache_full_blocks: block_hash='h3' for block_id=3 is not bytes",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "cache_full_blocks the null block",
+        lambda p: p.cache_full_blocks(ids(0), [H3]),
+        InvalidBlock,
+        r"cache_full_blocks: block_id=0 is the null block, whose ref_cnt is never maintained",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "cache_full_blocks a block twice",
+        lambda p: p.cache_full_blocks(ids(3, 3), [H3, H4]),
+        InvalidRequest,
+        r"cache_full_blocks: block_ids=\[3, 3\] names a block twice",
+        a_holds_1_2_3,
+    ),
     # looking up something that is not a hash
-    Case("get_cached_block a str", lambda p: p.get_cached_block("h1"), InvalidRequest,
-         r"get_cached_block: block_hash='h1' is not bytes", a_holds_1_2_3),
-    Case("get_cached_block a list", lambda p: p.get_cached_block([1]), InvalidRequest,
-         r"get_cached_block: block_hash=\[1\] is not bytes", a_holds_1_2_3),
+    Case(
+        "get_cached_block a str",
+        lambda p: p.get_cached_block("h1"),
+        InvalidRequest,
+        r"get_cached_block: block_hash='h1' is not bytes",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "get_cached_block a list",
+        lambda p: p.get_cached_block([1]),
+        InvalidRequest,
+        r"get_cached_block: block_hash=\[1\] is not bytes",
+        a_holds_1_2_3,
+    ),
     # is_block_writable out of range
     *[
-        Case(f"is_block_writable({v!r})", lambda p, v=v: p.is_block_writable(v), InvalidBlock,
-             rf"is_block_writable: block_id={pattern} is not a block of this pool \(ids 0\.\.6\)", a_holds_1_2_3)
+        Case(
+            f"is_block_writable({v!r})",
+            lambda p, v=v: p.is_block_writable(v),
+            InvalidBlock,
+            rf"is_block_writable: block_id={pattern} is not a block of this pool \(ids 0\.\.6\)",
+            a_holds_1_2_3,
+        )
         for v, pattern in ((7, "7"), (-1, "-1"), (True, "True"), (1.0, r"1\.0"))
     ],
     # evicting by id: the null block, an unknown block, a block twice
-    Case("evict_blocks the null block", lambda p: p.evict_blocks(ids(0)), InvalidBlock,
-         r"evict_blocks: block_id=0 is the null block, whose ref_cnt is never maintained", a_holds_1_2_3),
-    Case("evict_blocks block 7 of 7", lambda p: p.evict_blocks(ids(1, 7)), InvalidBlock,
-         r"evict_blocks: block_id=7 is not a block of this pool \(ids 0\.\.6\)", a_holds_1_2_3),
-    Case("evict_blocks a block twice", lambda p: p.evict_blocks(ids(1, 1)), InvalidRequest,
-         r"evict_blocks: block_ids=\[1, 1\] names a block twice", a_holds_1_2_3),
+    Case(
+        "evict_blocks the null block",
+        lambda p: p.evict_blocks(ids(0)),
+        InvalidBlock,
+        r"evict_blocks: block_id=0 is the null block, whose ref_cnt is never maintained",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "evict_blocks block 7 of 7",
+        lambda p: p.evict_blocks(ids(1, 7)),
+        InvalidBlock,
+        r"evict_blocks: block_id=7 is not a block of this pool \(ids 0\.\.6\)",
+        a_holds_1_2_3,
+    ),
+    Case(
+        "evict_blocks a block twice",
+        lambda p: p.evict_blocks(ids(1, 1)),
+        InvalidRequest,
+        r"evict_blocks: block_ids=\[1, 1\] names a block twice",
+        a_holds_1_2_3,
+    ),
 ]
 
 C5 = Request("C", (1, 2, 3, 4, 5))  # shares A's first full block only
 
 MANAGER_CASES = [
     # a request with no tokens, or no id
-    Case("get_computed_blocks of an empty request", lambda m: m.get_computed_blocks(Request("E", ())), InvalidRequest,
-         r"get_computed_blocks: request_id='E' has no tokens; a request needs a prompt", a_runs),
-    Case("allocate_slots for an empty request", lambda m: m.allocate_slots(Request("E", ()), 1), InvalidRequest,
-         r"allocate_slots: request_id='E' has no tokens; a request needs a prompt", a_runs),
-    Case("get_computed_blocks of a request without an id", lambda m: m.get_computed_blocks(Request("", (1,))),
-         InvalidRequest, r"get_computed_blocks: request_id='' must be a non-empty string", a_runs),
+    Case(
+        "get_computed_blocks of an empty request",
+        lambda m: m.get_computed_blocks(Request("E", ())),
+        InvalidRequest,
+        r"get_computed_blocks: request_id='E' has no tokens; a request needs a prompt",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots for an empty request",
+        lambda m: m.allocate_slots(Request("E", ()), 1),
+        InvalidRequest,
+        r"allocate_slots: request_id='E' has no tokens; a request needs a prompt",
+        a_runs,
+    ),
+    Case(
+        "get_computed_blocks of a request without an id",
+        lambda m: m.get_computed_blocks(Request("", (1,))),
+        InvalidRequest,
+        r"get_computed_blocks: request_id='' must be a non-empty string",
+        a_runs,
+    ),
     # images no input processor would place: past the tokens, empty, overlapping, out of order
     *[
-        Case(f"{op} with images {name}", lambda m, op=op, mm=mm: call(m, op, replace(B, mm_inputs=mm)),
-             InvalidRequest, rf"{op}: request_id='B' has mm_inputs=\[.*\]; each must cover one or more of its "
-             r"10 token positions, in offset order, without overlapping another \(as vLLM's input processor "
-             r"places them\)", a_runs)
+        Case(
+            f"{op} with images {name}",
+            lambda m, op=op, mm=mm: call(m, op, replace(B, mm_inputs=mm)),
+            InvalidRequest,
+            rf"{op}: request_id='B' has mm_inputs=\[.*\]; each must cover one or more of its "
+            r"10 token positions, in offset order, without overlapping another \(as vLLM's input processor "
+            r"places them\)",
+            a_runs,
+        )
         for op in ("get_computed_blocks", "allocate_slots")
         for name, mm in (
             ("past the last token", (MultiModalInput("i", 9, 2),)),
@@ -217,47 +412,127 @@ MANAGER_CASES = [
     ],
     # bad counts
     *[
-        Case(f"allocate_slots num_new_tokens={v!r}", lambda m, v=v: m.allocate_slots(B, v), InvalidRequest,
-             rf"allocate_slots: num_new_tokens {NOT_INT} num_new_tokens={pattern}", a_runs)
+        Case(
+            f"allocate_slots num_new_tokens={v!r}",
+            lambda m, v=v: m.allocate_slots(B, v),
+            InvalidRequest,
+            rf"allocate_slots: num_new_tokens {NOT_INT} num_new_tokens={pattern}",
+            a_runs,
+        )
         for v, pattern in ((-1, "-1"), (True, "True"), (1.5, r"1\.5"), ("1", "'1'"))
     ],
-    Case("allocate_slots num_new_tokens=0", lambda m: m.allocate_slots(B, 0), InvalidRequest,
-         r"allocate_slots: num_new_tokens=0; a step must schedule at least one token", a_runs),
-    Case("allocate_slots num_new_computed_tokens=-4", lambda m: m.allocate_slots(B, 2, -4), InvalidRequest,
-         rf"allocate_slots: num_new_computed_tokens {NOT_INT} num_new_computed_tokens=-4", a_runs),
-    Case("allocate_slots num_external_computed_tokens=-1", lambda m: m.allocate_slots(B, 2, 0, (), -1),
-         InvalidRequest, rf"allocate_slots: num_external_computed_tokens {NOT_INT} num_external_computed_tokens=-1",
-         a_runs),
-    Case("allocate_slots hit tokens that are not the hit blocks", lambda m: m.allocate_slots(B, 2, 4, ids(1, 2)),
-         InvalidRequest, r"allocate_slots: num_new_computed_tokens=4 but 2 hit blocks of block_size=4", a_runs),
-    Case("allocate_slots more tokens than the request has", lambda m: m.allocate_slots(B, 11), InvalidRequest,
-         r"allocate_slots: 11 tokens would be computed but request_id='B' has 10", a_runs),
-    Case("allocate_slots decode past the request's tokens", lambda m: m.allocate_slots(A, 1), InvalidRequest,
-         r"allocate_slots: 11 tokens would be computed but request_id='A' has 10", a_runs),
-    Case("allocate_slots a hit on a running request", lambda m: m.allocate_slots(A, 1, 4, ids(1)), InvalidRequest,
-         r"allocate_slots: request_id='A' is running; prefix hits are only for its first step", a_runs),
+    Case(
+        "allocate_slots num_new_tokens=0",
+        lambda m: m.allocate_slots(B, 0),
+        InvalidRequest,
+        r"allocate_slots: num_new_tokens=0; a step must schedule at least one token",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots num_new_computed_tokens=-4",
+        lambda m: m.allocate_slots(B, 2, -4),
+        InvalidRequest,
+        rf"allocate_slots: num_new_computed_tokens {NOT_INT} num_new_computed_tokens=-4",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots num_external_computed_tokens=-1",
+        lambda m: m.allocate_slots(B, 2, 0, (), -1),
+        InvalidRequest,
+        rf"allocate_slots: num_external_computed_tokens {NOT_INT} num_external_computed_tokens=-1",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots hit tokens that are not the hit blocks",
+        lambda m: m.allocate_slots(B, 2, 4, ids(1, 2)),
+        InvalidRequest,
+        r"allocate_slots: num_new_computed_tokens=4 but 2 hit blocks of block_size=4",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots more tokens than the request has",
+        lambda m: m.allocate_slots(B, 11),
+        InvalidRequest,
+        r"allocate_slots: 11 tokens would be computed but request_id='B' has 10",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots decode past the request's tokens",
+        lambda m: m.allocate_slots(A, 1),
+        InvalidRequest,
+        r"allocate_slots: 11 tokens would be computed but request_id='A' has 10",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots a hit on a running request",
+        lambda m: m.allocate_slots(A, 1, 4, ids(1)),
+        InvalidRequest,
+        r"allocate_slots: request_id='A' is running; prefix hits are only for its first step",
+        a_runs,
+    ),
     # hit blocks that are not the request's
-    Case("allocate_slots a hit on an unhashed block", lambda m: m.allocate_slots(B, 6, 4, ids(3)), InvalidBlock,
-         r"allocate_slots: hit block_id=3 is not registered under the request's hash 0", a_runs),
-    Case("allocate_slots hits out of chain order", lambda m: m.allocate_slots(B, 2, 8, ids(2, 1)), InvalidBlock,
-         r"allocate_slots: hit block_id=2 is not registered under the request's hash 0", a_runs),
-    Case("allocate_slots a hit on block 9 of 7", lambda m: m.allocate_slots(B, 6, 4, ids(9)), InvalidBlock,
-         r"allocate_slots: hit block_id=9 is not registered under the request's hash 0", a_runs),
+    Case(
+        "allocate_slots a hit on an unhashed block",
+        lambda m: m.allocate_slots(B, 6, 4, ids(3)),
+        InvalidBlock,
+        r"allocate_slots: hit block_id=3 is not registered under the request's hash 0",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots hits out of chain order",
+        lambda m: m.allocate_slots(B, 2, 8, ids(2, 1)),
+        InvalidBlock,
+        r"allocate_slots: hit block_id=2 is not registered under the request's hash 0",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots a hit on block 9 of 7",
+        lambda m: m.allocate_slots(B, 6, 4, ids(9)),
+        InvalidBlock,
+        r"allocate_slots: hit block_id=9 is not registered under the request's hash 0",
+        a_runs,
+    ),
     # Regression: more hit blocks than the request has full blocks used to index
     # past its hash chain (IndexError) instead of raising a typed error.
     # Steps: A's prefill takes [1, 2, 3] (h1 -> 1, h2 -> 2); C (5 tokens, one full
     # block) claims hits [1, 2] for 8 tokens.
-    Case("allocate_slots more hits than full blocks", lambda m: m.allocate_slots(C5, 1, 8, ids(1, 2)), InvalidRequest,
-         r"allocate_slots: 2 hit blocks but request_id='C' has only 1 full blocks", a_runs),
-    Case("allocate_slots a hit with caching off", lambda m: m.allocate_slots(B, 6, 4, ids(1)), InvalidRequest,
-         r"allocate_slots: prefix caching is off, so there can be no hit blocks", a_runs, {"enable_caching": False}),
+    Case(
+        "allocate_slots more hits than full blocks",
+        lambda m: m.allocate_slots(C5, 1, 8, ids(1, 2)),
+        InvalidRequest,
+        r"allocate_slots: 2 hit blocks but request_id='C' has only 1 full blocks",
+        a_runs,
+    ),
+    Case(
+        "allocate_slots a hit with caching off",
+        lambda m: m.allocate_slots(B, 6, 4, ids(1)),
+        InvalidRequest,
+        r"allocate_slots: prefix caching is off, so there can be no hit blocks",
+        a_runs,
+        {"enable_caching": False},
+    ),
     # a request that is not running, or already is
-    Case("free an unknown request", lambda m: m.free("Z"), InvalidRequest,
-         r"free: request_id='Z' is not running \(freed twice\?\)", a_runs),
-    Case("free a request twice", lambda m: m.free("A"), InvalidRequest,
-         r"free: request_id='A' is not running \(freed twice\?\)", a_finished),
-    Case("get_computed_blocks of a running request", lambda m: m.get_computed_blocks(A), InvalidRequest,
-         r"get_computed_blocks: request_id='A' is already running", a_runs),
+    Case(
+        "free an unknown request",
+        lambda m: m.free("Z"),
+        InvalidRequest,
+        r"free: request_id='Z' is not running \(freed twice\?\)",
+        a_runs,
+    ),
+    Case(
+        "free a request twice",
+        lambda m: m.free("A"),
+        InvalidRequest,
+        r"free: request_id='A' is not running \(freed twice\?\)",
+        a_finished,
+    ),
+    Case(
+        "get_computed_blocks of a running request",
+        lambda m: m.get_computed_blocks(A),
+        InvalidRequest,
+        r"get_computed_blocks: request_id='A' is already running",
+        a_runs,
+    ),
 ]
 
 MANAGER_CASES = [replace(c, level="manager") for c in MANAGER_CASES]

@@ -141,8 +141,9 @@ def test_cache_salt_is_on_the_first_block_only() -> None:
 
 
 @given(tokens, block_sizes, salts, st.none() | salts)
-def test_different_salts_share_no_block_hash(token_ids: list[int], block_size: int, salt: str,
-                                             other: str | None) -> None:
+def test_different_salts_share_no_block_hash(
+    token_ids: list[int], block_size: int, salt: str, other: str | None
+) -> None:
     if other == salt:
         other = None
     a = hash_request_blocks(token_ids, block_size, cache_salt=salt)
@@ -186,8 +187,9 @@ print(json.dumps({fn: [h.hex() for h in hash_request_blocks(list(range(12)), 4, 
 
 def _chains_in_a_child(pythonhashseed: str) -> dict[str, list[str]]:
     env = {**os.environ, "PYTHONHASHSEED": pythonhashseed}
-    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, check=True, timeout=60
+    )
     chains: dict[str, list[str]] = json.loads(out.stdout)
     return chains
 
@@ -198,8 +200,10 @@ def chains_by_seed() -> dict[str, list[dict[str, list[str]]]]:
 
 
 def test_sha256_chains_agree_across_processes_whatever_the_hash_seed(chains_by_seed) -> None:
-    here = {fn: [h.hex() for h in hash_request_blocks(list(range(12)), 4, lora_name="l", cache_salt="s", hash_fn=fn)]
-            for fn in ("sha256", "sha256_cbor")}
+    here = {
+        fn: [h.hex() for h in hash_request_blocks(list(range(12)), 4, lora_name="l", cache_salt="s", hash_fn=fn)]
+        for fn in ("sha256", "sha256_cbor")
+    }
     for runs in chains_by_seed.values():
         for chains in runs:
             assert {fn: chains[fn] for fn in here} == here

@@ -42,9 +42,22 @@ H1, H2, H3, H4 = (BlockHash(b"h1"), BlockHash(b"h2"), BlockHash(b"h3"), BlockHas
 
 # The ids docs/design.md's invariant table uses; an Invariant's design_id is one of them or "".
 DESIGN_IDS = {
-    "free-has-zero-ref", "writable", "hash-table-consistent", "only-eviction-removes", "hit-cap",
-    "prefix-closed", "conservation", "null-block", "no-shared-write", "salt-isolation", "content-integrity",
-    "tables-hold-refs", "null-where-skipped", "groups-disjoint", "hit-per-attention-type", "hit-agreed",
+    "free-has-zero-ref",
+    "writable",
+    "hash-table-consistent",
+    "only-eviction-removes",
+    "hit-cap",
+    "prefix-closed",
+    "conservation",
+    "null-block",
+    "no-shared-write",
+    "salt-isolation",
+    "content-integrity",
+    "tables-hold-refs",
+    "null-where-skipped",
+    "groups-disjoint",
+    "hit-per-attention-type",
+    "hit-agreed",
 }
 
 
@@ -182,47 +195,80 @@ def test_a_quarantined_block_out_of_the_free_queue_is_not_a_violation() -> None:
 BROKEN: dict[str, list[tuple[str, Callable[[], Snapshot], list[str]]]] = {
     "inv_pool_shape": [
         ("ref_cnt has one entry too few", lambda: replace(base(), ref_cnt=base().ref_cnt[:-1]), ["inv_pool_shape"]),
-        ("block_hash has one entry too many", lambda: replace(base(), block_hash=base().block_hash + (None,)),
-         ["inv_pool_shape"]),
-        ("a block table names block 7 of a 7-block pool",
-         lambda: replace(base(), block_tables=(("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(7))),
-                                               ("B", (BlockId(1), BlockId(2), BlockId(4))))),
-         ["inv_pool_shape"]),
-        ("the free queue names block -1", lambda: replace(base(), free_queue=(BlockId(5), BlockId(6), BlockId(-1))),
-         ["inv_pool_shape"]),
-        ("a pool with no block at all",
-         lambda: Snapshot(0, True, (), (), (), ()), ["inv_pool_shape"]),
+        (
+            "block_hash has one entry too many",
+            lambda: replace(base(), block_hash=base().block_hash + (None,)),
+            ["inv_pool_shape"],
+        ),
+        (
+            "a block table names block 7 of a 7-block pool",
+            lambda: replace(
+                base(),
+                block_tables=(
+                    ("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(7))),
+                    ("B", (BlockId(1), BlockId(2), BlockId(4))),
+                ),
+            ),
+            ["inv_pool_shape"],
+        ),
+        (
+            "the free queue names block -1",
+            lambda: replace(base(), free_queue=(BlockId(5), BlockId(6), BlockId(-1))),
+            ["inv_pool_shape"],
+        ),
+        ("a pool with no block at all", lambda: Snapshot(0, True, (), (), (), ()), ["inv_pool_shape"]),
     ],
     "inv_ref_cnt_nonnegative": [
         # A block with a negative count is neither free nor held, so the count
         # of free plus held blocks comes out one short: conservation breaks too.
-        ("block 3 held by -1 requests", lambda: with_ref_cnt(pool_base(), 3, -1),
-         ["inv_ref_cnt_nonnegative", "inv_conservation"]),
+        (
+            "block 3 held by -1 requests",
+            lambda: with_ref_cnt(pool_base(), 3, -1),
+            ["inv_ref_cnt_nonnegative", "inv_conservation"],
+        ),
     ],
     "inv_null_block_isolated": [
-        ("the null block is hashed and registered",
-         lambda: with_table(with_block_hash(base(), 0, H4), (H1, (1, 5)), (H2, (2,)), (H3, (6,)), (H4, (0,))),
-         ["inv_null_block_isolated"]),
+        (
+            "the null block is hashed and registered",
+            lambda: with_table(with_block_hash(base(), 0, H4), (H1, (1, 5)), (H2, (2,)), (H3, (6,)), (H4, (0,))),
+            ["inv_null_block_isolated"],
+        ),
         ("the null block has a reference count", lambda: with_ref_cnt(pool_base(), 0, 1), ["inv_null_block_isolated"]),
         # Queued, the null block is also one free block too many.
-        ("the null block is in the free queue",
-         lambda: replace(base(), free_queue=(BlockId(0), BlockId(5), BlockId(6))),
-         ["inv_null_block_isolated", "inv_free_queue_has_zero_ref", "inv_conservation"]),
+        (
+            "the null block is in the free queue",
+            lambda: replace(base(), free_queue=(BlockId(0), BlockId(5), BlockId(6))),
+            ["inv_null_block_isolated", "inv_free_queue_has_zero_ref", "inv_conservation"],
+        ),
     ],
     "inv_free_queue_has_zero_ref": [
-        ("held block 3 queued in place of free block 6", lambda: replace(base(), free_queue=(BlockId(5), BlockId(3))),
-         ["inv_free_queue_has_zero_ref"]),
-        ("block 5 queued twice, free block 6 missing", lambda: replace(base(), free_queue=(BlockId(5), BlockId(5))),
-         ["inv_free_queue_has_zero_ref"]),
+        (
+            "held block 3 queued in place of free block 6",
+            lambda: replace(base(), free_queue=(BlockId(5), BlockId(3))),
+            ["inv_free_queue_has_zero_ref"],
+        ),
+        (
+            "block 5 queued twice, free block 6 missing",
+            lambda: replace(base(), free_queue=(BlockId(5), BlockId(5))),
+            ["inv_free_queue_has_zero_ref"],
+        ),
     ],
     "inv_quarantine_isolated": [
-        ("quarantined block 6 keeps its hash",
-         lambda: replace(with_table(base(), (H1, (1, 5)), (H2, (2,)), (H3, (6,))), free_queue=(BlockId(5),),
-                         quarantined=(BlockId(6),)),
-         ["inv_quarantine_isolated"]),
+        (
+            "quarantined block 6 keeps its hash",
+            lambda: replace(
+                with_table(base(), (H1, (1, 5)), (H2, (2,)), (H3, (6,))),
+                free_queue=(BlockId(5),),
+                quarantined=(BlockId(6),),
+            ),
+            ["inv_quarantine_isolated"],
+        ),
         # Held and quarantined, block 3 is counted twice.
-        ("quarantined block 3 is held", lambda: replace(base(), quarantined=(BlockId(3),)),
-         ["inv_quarantine_isolated", "inv_conservation"]),
+        (
+            "quarantined block 3 is held",
+            lambda: replace(base(), quarantined=(BlockId(3),)),
+            ["inv_quarantine_isolated", "inv_conservation"],
+        ),
     ],
     # NOTE: conservation follows from the invariants before it (every block but
     # the null block is queued once iff its count is 0 and it is not
@@ -230,63 +276,135 @@ BROKEN: dict[str, list[tuple[str, Callable[[], Snapshot], list[str]]]] = {
     # unheld and unqueued), so no state breaks it alone and check_all can never
     # name it first. Its examples assert that it is among the rules broken.
     "inv_conservation": [
-        ("block 3 held by -1 requests", lambda: with_ref_cnt(pool_base(), 3, -1),
-         ["inv_ref_cnt_nonnegative", "inv_conservation"]),
-        ("free block 6 lost from the queue", lambda: replace(base(), free_queue=(BlockId(5),)),
-         ["inv_free_queue_has_zero_ref", "inv_conservation"]),
+        (
+            "block 3 held by -1 requests",
+            lambda: with_ref_cnt(pool_base(), 3, -1),
+            ["inv_ref_cnt_nonnegative", "inv_conservation"],
+        ),
+        (
+            "free block 6 lost from the queue",
+            lambda: replace(base(), free_queue=(BlockId(5),)),
+            ["inv_free_queue_has_zero_ref", "inv_conservation"],
+        ),
     ],
     "inv_hash_table_consistent": [
-        ("block 6 hashed h3 but listed under h4", lambda: with_table(base(), (H1, (1, 5)), (H2, (2,)), (H4, (6,))),
-         ["inv_hash_table_consistent"]),
-        ("held block 3 has a hash the table does not list", lambda: with_block_hash(base(), 3, H4),
-         ["inv_hash_table_consistent"]),
-        ("block 5 listed under h1 twice", lambda: with_table(base(), (H1, (1, 5, 5)), (H2, (2,)), (H3, (6,))),
-         ["inv_hash_table_consistent"]),
-        ("an entry with no block", lambda: with_table(base(), (H1, (1, 5)), (H2, (2,)), (H3, (6,)), (H4, ())),
-         ["inv_hash_table_consistent"]),
-        ("hash h1 has two entries",
-         lambda: replace(base(), hash_to_blocks=((H1, (BlockId(1),)), (H2, (BlockId(2),)), (H1, (BlockId(5),)),
-                                                 (H3, (BlockId(6),)))),
-         ["inv_hash_table_consistent"]),
+        (
+            "block 6 hashed h3 but listed under h4",
+            lambda: with_table(base(), (H1, (1, 5)), (H2, (2,)), (H4, (6,))),
+            ["inv_hash_table_consistent"],
+        ),
+        (
+            "held block 3 has a hash the table does not list",
+            lambda: with_block_hash(base(), 3, H4),
+            ["inv_hash_table_consistent"],
+        ),
+        (
+            "block 5 listed under h1 twice",
+            lambda: with_table(base(), (H1, (1, 5, 5)), (H2, (2,)), (H3, (6,))),
+            ["inv_hash_table_consistent"],
+        ),
+        (
+            "an entry with no block",
+            lambda: with_table(base(), (H1, (1, 5)), (H2, (2,)), (H3, (6,)), (H4, ())),
+            ["inv_hash_table_consistent"],
+        ),
+        (
+            "hash h1 has two entries",
+            lambda: replace(
+                base(),
+                hash_to_blocks=((H1, (BlockId(1),)), (H2, (BlockId(2),)), (H1, (BlockId(5),)), (H3, (BlockId(6),))),
+            ),
+            ["inv_hash_table_consistent"],
+        ),
     ],
     "inv_caching_off_no_hash": [
-        ("caching off, yet blocks are cached", lambda: replace(base(), enable_caching=False),
-         ["inv_caching_off_no_hash"]),
+        (
+            "caching off, yet blocks are cached",
+            lambda: replace(base(), enable_caching=False),
+            ["inv_caching_off_no_hash"],
+        ),
     ],
     "inv_block_tables_hold_refs": [
-        ("block 3 has ref_cnt 1 but no table holds it",
-         lambda: replace(base(), block_tables=(("A", (BlockId(1), BlockId(2))),
-                                               ("B", (BlockId(1), BlockId(2), BlockId(4))))),
-         ["inv_block_tables_hold_refs"]),
-        ("B's table holds free block 5",
-         lambda: replace(base(), block_tables=(("A", (BlockId(1), BlockId(2), BlockId(3))),
-                                               ("B", (BlockId(1), BlockId(2), BlockId(4), BlockId(5))))),
-         ["inv_block_tables_hold_refs"]),
-        ("A's table holds block 3 twice",
-         lambda: with_ref_cnt(replace(base(), block_tables=(("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(3))),
-                                                            ("B", (BlockId(1), BlockId(2), BlockId(4))))), 3, 2),
-         ["inv_block_tables_hold_refs"]),
+        (
+            "block 3 has ref_cnt 1 but no table holds it",
+            lambda: replace(
+                base(), block_tables=(("A", (BlockId(1), BlockId(2))), ("B", (BlockId(1), BlockId(2), BlockId(4))))
+            ),
+            ["inv_block_tables_hold_refs"],
+        ),
+        (
+            "B's table holds free block 5",
+            lambda: replace(
+                base(),
+                block_tables=(
+                    ("A", (BlockId(1), BlockId(2), BlockId(3))),
+                    ("B", (BlockId(1), BlockId(2), BlockId(4), BlockId(5))),
+                ),
+            ),
+            ["inv_block_tables_hold_refs"],
+        ),
+        (
+            "A's table holds block 3 twice",
+            lambda: with_ref_cnt(
+                replace(
+                    base(),
+                    block_tables=(
+                        ("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(3))),
+                        ("B", (BlockId(1), BlockId(2), BlockId(4))),
+                    ),
+                ),
+                3,
+                2,
+            ),
+            ["inv_block_tables_hold_refs"],
+        ),
     ],
     "inv_null_only_where_skipped": [
-        ("a full-attention table holds the null block",
-         lambda: replace(base(), block_tables=(("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(0))),
-                                               ("B", (BlockId(1), BlockId(2), BlockId(4))))),
-         ["inv_null_only_where_skipped"]),
-        ("the window's null block after a block it still holds",
-         lambda: replace(two_groups(), block_tables=(("a", (BlockId(1), BlockId(2), BlockId(3), BlockId(4))),
-                                                     ("a#1", (BlockId(6), BlockId(0), BlockId(7), BlockId(8))))),
-         ["inv_null_only_where_skipped"]),
-        ("a table named for a group the manager does not have",
-         lambda: replace(two_groups(), block_tables=(*(two_groups().block_tables or ()), ("a#2", ()))),
-         ["inv_null_only_where_skipped"]),
+        (
+            "a full-attention table holds the null block",
+            lambda: replace(
+                base(),
+                block_tables=(
+                    ("A", (BlockId(1), BlockId(2), BlockId(3), BlockId(0))),
+                    ("B", (BlockId(1), BlockId(2), BlockId(4))),
+                ),
+            ),
+            ["inv_null_only_where_skipped"],
+        ),
+        (
+            "the window's null block after a block it still holds",
+            lambda: replace(
+                two_groups(),
+                block_tables=(
+                    ("a", (BlockId(1), BlockId(2), BlockId(3), BlockId(4))),
+                    ("a#1", (BlockId(6), BlockId(0), BlockId(7), BlockId(8))),
+                ),
+            ),
+            ["inv_null_only_where_skipped"],
+        ),
+        (
+            "a table named for a group the manager does not have",
+            lambda: replace(two_groups(), block_tables=(*(two_groups().block_tables or ()), ("a#2", ()))),
+            ["inv_null_only_where_skipped"],
+        ),
     ],
     "inv_groups_disjoint": [
         # Held by both groups' tables, block 6's count is 2 where 1 is recorded.
-        ("block 6 in full attention's table and the window's",
-         lambda: with_ref_cnt(replace(two_groups(), block_tables=(
-             ("a", (BlockId(1), BlockId(2), BlockId(3), BlockId(4), BlockId(6))),
-             ("a#1", (BlockId(0), BlockId(6), BlockId(7), BlockId(8))))), 6, 2),
-         ["inv_groups_disjoint"]),
+        (
+            "block 6 in full attention's table and the window's",
+            lambda: with_ref_cnt(
+                replace(
+                    two_groups(),
+                    block_tables=(
+                        ("a", (BlockId(1), BlockId(2), BlockId(3), BlockId(4), BlockId(6))),
+                        ("a#1", (BlockId(0), BlockId(6), BlockId(7), BlockId(8))),
+                    ),
+                ),
+                6,
+                2,
+            ),
+            ["inv_groups_disjoint"],
+        ),
     ],
 }
 
@@ -386,8 +504,9 @@ def test_check_hit_accepts_a_capped_prefix_hit() -> None:
         (13, (1, 2), 4, "two hit blocks but 4 tokens"),
     ],
 )
-def test_check_hit_names_hit_within_cap(num_tokens: int, hit_blocks: tuple[int, ...], num_hit_tokens: int,
-                                        why: str) -> None:
+def test_check_hit_names_hit_within_cap(
+    num_tokens: int, hit_blocks: tuple[int, ...], num_hit_tokens: int, why: str
+) -> None:
     with pytest.raises(InvariantViolation, match=r"^invariant hit_within_cap violated: ") as info:
         check_hit(base(), num_tokens, 4, REQUEST_HASHES, tuple(map(BlockId, hit_blocks)), num_hit_tokens)
     assert info.value.name == "hit_within_cap", why
@@ -432,8 +551,14 @@ def test_a_hit_across_tenants_is_not_prefix_closed() -> None:
 
 
 def test_hit_rules_registry() -> None:
-    assert [r.name for r in HIT_RULES] == ["hit_within_cap", "hit_prefix_closed", "hit_window_shape",
-                                           "hit_same_length", "hit_content_intact", "hit_salt_isolated"]
+    assert [r.name for r in HIT_RULES] == [
+        "hit_within_cap",
+        "hit_prefix_closed",
+        "hit_window_shape",
+        "hit_same_length",
+        "hit_content_intact",
+        "hit_salt_isolated",
+    ]
     for rule in HIT_RULES:
         assert rule.design_id in DESIGN_IDS and rule.rule.endswith(".")
     assert HIT_RULES[0].rule == (hit_within_cap.__doc__ or "").strip()
@@ -467,12 +592,21 @@ def test_step_only_eviction_removes_allows_reset_and_evict(op: str) -> None:
 @pytest.mark.parametrize(
     ("after", "op", "why"),
     [
-        (lambda: with_table(with_block_hash(pool_base(), 1, None), (H1, (5,)), (H2, (2,)), (H3, (6,))), "free_blocks",
-         "held block 1 lost its h1 entry while still held"),
-        (lambda: with_table(with_block_hash(pool_base(), 6, None), (H1, (1, 5)), (H2, (2,))), "touch",
-         "free block 6 lost its entry but is still queued"),
-        (lambda: with_table(with_block_hash(pool_base(), 6, H4), (H1, (1, 5)), (H2, (2,)), (H4, (6,))),
-         "cache_full_blocks", "block 6 was re-registered under another hash without being reallocated"),
+        (
+            lambda: with_table(with_block_hash(pool_base(), 1, None), (H1, (5,)), (H2, (2,)), (H3, (6,))),
+            "free_blocks",
+            "held block 1 lost its h1 entry while still held",
+        ),
+        (
+            lambda: with_table(with_block_hash(pool_base(), 6, None), (H1, (1, 5)), (H2, (2,))),
+            "touch",
+            "free block 6 lost its entry but is still queued",
+        ),
+        (
+            lambda: with_table(with_block_hash(pool_base(), 6, H4), (H1, (1, 5)), (H2, (2,)), (H4, (6,))),
+            "cache_full_blocks",
+            "block 6 was re-registered under another hash without being reallocated",
+        ),
     ],
 )
 def test_check_step_names_step_only_eviction_removes(after: Callable[[], Snapshot], op: str, why: str) -> None:

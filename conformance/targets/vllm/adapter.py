@@ -181,7 +181,12 @@ def tree_release(tree: Path) -> VllmRelease:
     """
     light = lightmode.load_tree(tree)
     return VllmRelease(
-        light.version, "tree", light.block_pool, light.kv_cache_utils, light.hash_functions(), light.module,
+        light.version,
+        "tree",
+        light.block_pool,
+        light.kv_cache_utils,
+        light.hash_functions(),
+        light.module,
         where=str(light.root),
     )
 

@@ -662,5 +662,7 @@ if __name__ == "__main__":
     elif len(sys.argv) >= 3 and sys.argv[1] == "--chain-worker":
         _chain_worker(sys.argv[2:])
     else:
-        sys.exit("usage: python -m kvspec.conformance.targets.vllm.hashes --builtin-worker VERSION SEED CASE... "
-                 "| --chain-worker VERSION...")
+        sys.exit(
+            "usage: python -m kvspec.conformance.targets.vllm.hashes --builtin-worker VERSION SEED CASE... "
+            "| --chain-worker VERSION..."
+        )

@@ -523,9 +523,7 @@ def tree_version(root: Path, package: str = "vllm") -> str:
     return found[1] if found else f"{RELEASES[-1]}.dev0+tree"
 
 
-def _load(
-    version: str, root: Path, base: str, fresh: bool, layout: Layout, package: str = "vllm"
-) -> LightRelease:
+def _load(version: str, root: Path, base: str, fresh: bool, layout: Layout, package: str = "vllm") -> LightRelease:
     """Load the layout's modules of the vLLM under ``root`` as the private package ``base`` (once, unless fresh)."""
     global _num_fresh
     with _lock:

@@ -198,5 +198,3 @@ def run_probes(
                     result.message += f" (trace not saved in {trace_dir}: {e.strerror or e})"
         results.append(result)
     return results
-
-

@@ -77,7 +77,6 @@ def _one_line(message: str) -> str:
     return " ".join(message.removeprefix("argument ").split())
 
 
-
 _MAX_INT = 2**63 - 1  # no count, size or seed here is wider than 64 bits
 
 

@@ -75,7 +75,11 @@ def row(r: CheckResult, impls: Sequence[str]) -> str:
 
 # Workload events worth a number on the summary line: (label, level, coverage keys summed; () = bad inputs).
 _HEADLINE = (
-    ("cached blocks evicted", None, ("get_new_blocks: evicted a cached block", "allocate_slots: evicted a cached block")),  # noqa: E501
+    (
+        "cached blocks evicted",
+        None,
+        ("get_new_blocks: evicted a cached block", "allocate_slots: evicted a cached block"),
+    ),  # noqa: E501
     ("prefix hits", None, ("get_cached_block: hit", "get_computed_blocks: hit")),
     ("hits capped at len-1", "manager", ("get_computed_blocks: hit capped at len - 1",)),
     ("failed allocations", None, ("get_new_blocks: PoolExhausted", "allocate_slots: too few free blocks")),

@@ -205,9 +205,7 @@ def _add_campaign_arguments(p: argparse.ArgumentParser) -> None:
         help="while a branch is unreached after the examples, up to N more rounds of as many examples on the "
         f"next seeds (default {DEFAULT_COVER_ROUNDS}; 0: none; at most {LIMITS['cover_rounds'].most})",
     )
-    p.add_argument(
-        "--seed", type=integer, default=0, help="random seed (default 0); same seed and jobs, same campaign"
-    )
+    p.add_argument("--seed", type=integer, default=0, help="random seed (default 0); same seed and jobs, same campaign")
     p.add_argument(
         "--jobs",
         type=integer,

@@ -45,18 +45,32 @@ def register(subparsers: Any) -> None:
         "simulate",
         help="measure hit rate, evictions and fragmentation of a workload per profile, block size and pool size",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="built-in workloads: " + " ".join(f"{f.name}: {f.description}" for f in WORKLOADS.values())
+        epilog="built-in workloads: "
+        + " ".join(f"{f.name}: {f.description}" for f in WORKLOADS.values())
         + ". Exit codes: 0 the table printed; 2 a workload, pool or output that cannot be used, or a workload no "
         "pool measured (every request larger than every pool).",
     )
     p.add_argument("--workload", default="chat", help=f"{', '.join(WORKLOADS)}, or a .jsonl file (default chat)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="a built-in workload's seed (default 0)")
-    p.add_argument("--block-size", type=positive_int, nargs="+", default=[16], metavar="N",
-                   help="tokens per block (default 16)")
-    p.add_argument("--pool", type=_pool_size, nargs="+", default=[2000], metavar="N",
-                   help="blocks in the pool, the null block included (default 2000, at least 2)")
-    p.add_argument("--profile", type=profile_name, nargs="+", default=["vllm-v1"], metavar="P",
-                   help="ordering profiles (default vllm-v1)")
+    p.add_argument(
+        "--block-size", type=positive_int, nargs="+", default=[16], metavar="N", help="tokens per block (default 16)"
+    )
+    p.add_argument(
+        "--pool",
+        type=_pool_size,
+        nargs="+",
+        default=[2000],
+        metavar="N",
+        help="blocks in the pool, the null block included (default 2000, at least 2)",
+    )
+    p.add_argument(
+        "--profile",
+        type=profile_name,
+        nargs="+",
+        default=["vllm-v1"],
+        metavar="P",
+        help="ordering profiles (default vllm-v1)",
+    )
     p.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1, help="processes (default: one per core)")
     p.add_argument("--plot", type=output_file, metavar="PNG", help="write hit rate against pool capacity (matplotlib)")
     p.add_argument("--json", type=json_output, metavar="PATH", help="also write the results as JSON (- for stdout)")

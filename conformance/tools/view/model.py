@@ -381,7 +381,9 @@ def _failed_rule(failure: Mapping[str, Any], step: Mapping[str, Any] | None) -> 
     if inv and inv in _NAMED_RULES:
         return str(inv), str(inv), _NAMED_RULES[str(inv)]
     by_kind = {
-        FailureKind.CRASHED: "no_crash", FailureKind.HUNG: "no_hang", FailureKind.SPEC: "spec_holds",
+        FailureKind.CRASHED: "no_crash",
+        FailureKind.HUNG: "no_hang",
+        FailureKind.SPEC: "spec_holds",
         FailureKind.LIMIT: "kvspec_can_run",
     }
     if kind in by_kind:
@@ -482,9 +484,13 @@ def _view_step(
     both = has_impl and spec_state is not None and impl_state is not None
     differences = _differences(spec_state if both else None, impl_state)
     impl_outcome = s["impl_outcome"]
-    if op is not None and impl_outcome is not None and (
-        not _same_outcome(op, s["spec_outcome"], impl_outcome)
-        or not _same_events(s["spec_outcome"], impl_outcome, names)
+    if (
+        op is not None
+        and impl_outcome is not None
+        and (
+            not _same_outcome(op, s["spec_outcome"], impl_outcome)
+            or not _same_events(s["spec_outcome"], impl_outcome, names)
+        )
     ):
         differences["fields"].insert(0, "result")
     call, words, caption = _step_text(i, s, names, bs)
@@ -497,9 +503,9 @@ def _view_step(
         "base": base,
         "spec": spec_state,
         "impl": impl_state,
-        "spec_result": None if op is None else _result_words(op, s["spec_outcome"]) + _events_words(
-            s["spec_outcome"], names.of_spec
-        ),
+        "spec_result": None
+        if op is None
+        else _result_words(op, s["spec_outcome"]) + _events_words(s["spec_outcome"], names.of_spec),
         "impl_result": None
         if op is None or impl_outcome is None
         else _result_words(op, impl_outcome) + _events_words(impl_outcome, names.of_impl),

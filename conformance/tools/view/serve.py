@@ -46,9 +46,7 @@ def _has_display() -> bool:
     return sys.platform in ("darwin", "win32") or bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
 
 
-def serve_page(
-    page: str, port: int = 0, open_browser: bool = True, announce: Callable[[str], None] = print
-) -> int:
+def serve_page(page: str, port: int = 0, open_browser: bool = True, announce: Callable[[str], None] = print) -> int:
     """Serve `page` on 127.0.0.1 until Ctrl-C; returns 0.
 
     Args:

@@ -66,8 +66,18 @@ def trace_to_page_data(trace: Trace) -> dict[str, Any]:
     # the first step, so past step 0 both started from the same state.
     impl_initial = initial if has_impl and (failure is None or failure.get("step") != 0) else None
     steps: list[dict[str, Any]] = [
-        {"index": 0, "op": None, "args": [], "spec_outcome": None, "impl_outcome": None, "spec": initial,
-         "impl": impl_initial, "spec_recomputed": False, "caption": None, "base": None}
+        {
+            "index": 0,
+            "op": None,
+            "args": [],
+            "spec_outcome": None,
+            "impl_outcome": None,
+            "spec": initial,
+            "impl": impl_initial,
+            "spec_recomputed": False,
+            "caption": None,
+            "base": None,
+        }
     ]
     steps += [_trace_step(s, computed[i]) for i, s in enumerate(trace.steps)]
     return {
