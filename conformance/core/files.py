@@ -6,8 +6,11 @@ full disk) leaves the file that was there as it was, never half of one, and a re
 being written. A path that is no regular file (a device such as /dev/full, a FIFO) cannot be replaced so,
 and is written directly. A link stays a link: the file it names is replaced.
 
-A file read is refused unless it is a regular file, before it is opened: a FIFO with no writer would block
-the read for ever, and a device such as /dev/zero would never end; what is read is read whole.
+A file read is a regular file or a pipe, read whole. A pipe is what a shell's `<(command)` names, so it is
+read as `cat` reads it, but only once something writes to it: a FIFO nobody writes to within
+`PIPE_WAIT_S` is refused, where the read would wait for ever, and so is one that carries more than the
+reader takes. A device such as /dev/zero, which need never end, and a folder are refused before they
+are opened.
 """
 
 from __future__ import annotations
@@ -15,10 +18,15 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import select
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
-__all__ = ["NotAFile", "read_text_file", "write_whole"]
+__all__ = ["PIPE_WAIT_S", "NotAFile", "read_text_file", "write_whole"]
+
+# How long a pipe may stay silent before its first byte (or its end): a FIFO no program writes to.
+PIPE_WAIT_S = 10.0
 
 
 def write_whole(path: str | Path, content: str | bytes) -> Path:
@@ -66,30 +74,51 @@ class NotAFile(OSError):
     """A path a user named for kvspec to read is there, but it is no regular file (a FIFO, a device, a folder)."""
 
 
-def read_text_file(path: str | Path) -> str:
-    """The text (UTF-8) of the regular file at `path` (a link to one is followed), read whole.
+def read_text_file(path: str | Path, max_bytes: int | None = None, pipe_wait_s: float = PIPE_WAIT_S) -> str:
+    """The text (UTF-8) of the regular file or pipe at `path` (a link to one is followed), read whole.
+
+    Args:
+        path: what to read.
+        max_bytes: the most a pipe may carry (a regular file's size is the caller's to check); None: no limit.
+        pipe_wait_s: how long a pipe may stay silent before its first byte or its end.
 
     Raises:
         FileNotFoundError: nothing is at `path`.
-        NotAFile: what is at `path` is no regular file; it was not opened, or opened without waiting and closed.
+        NotAFile: what is at `path` is a folder or a device (not opened), a pipe nobody wrote to within
+            `pipe_wait_s`, or one that carried more than `max_bytes`.
         OSError: it cannot be read.
         UnicodeDecodeError: it is not UTF-8.
     """
-    _refuse_unless_regular(os.stat(path).st_mode)
-    # Opened without waiting, then checked again: what was swapped in after the check must not block either.
+    _refuse_unless_readable(os.stat(path).st_mode)
+    # Opened without waiting (a FIFO's open waits for a writer), then checked again: what was swapped in
+    # after the check must not block either.
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as stream:
-        _refuse_unless_regular(os.fstat(fd).st_mode)
+        mode = os.fstat(fd).st_mode
+        _refuse_unless_readable(mode)
+        if stat.S_ISFIFO(mode):
+            return _read_pipe(fd, stream, max_bytes, pipe_wait_s).decode("utf-8")
         os.set_blocking(fd, True)
         return stream.read().decode("utf-8")
 
 
-def _refuse_unless_regular(mode: int) -> None:
-    """Raise NotAFile, naming what it is, unless `mode` is a regular file's."""
-    if stat.S_ISREG(mode):
+def _read_pipe(fd: int, stream: BinaryIO, max_bytes: int | None, wait_s: float) -> bytes:
+    """A pipe's bytes to its end, once it has said something within `wait_s`; at most `max_bytes`."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(int(wait_s * 1000)):  # no byte and no end: no program has opened it to write
+        raise NotAFile(f"a FIFO nobody wrote to within {wait_s:g} s")
+    os.set_blocking(fd, True)
+    data = stream.read() if max_bytes is None else stream.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise NotAFile(f"a pipe that carries more than {max_bytes:,} bytes, the most kvspec reads")
+    return data
+
+
+def _refuse_unless_readable(mode: int) -> None:
+    """Raise NotAFile, naming what it is, unless `mode` is a regular file's or a pipe's."""
+    if stat.S_ISREG(mode) or stat.S_ISFIFO(mode):
         return
-    if stat.S_ISFIFO(mode):
-        raise NotAFile("a FIFO, not a regular file: reading it would wait for a writer")
     if stat.S_ISDIR(mode):
         raise NotAFile("a folder, not a regular file")
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):

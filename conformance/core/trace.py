@@ -568,7 +568,7 @@ def read_trace(path: str | Path) -> Trace:
                 f"{p}: {size / 2**20:.0f} MiB is more than kvspec reads ({MAX_TRACE_BYTES // 2**20} MiB at most); "
                 "a failure's shrunk trace is a few KiB"
             )
-        text = read_text_file(p)
+        text = read_text_file(p, MAX_TRACE_BYTES)
     except FileNotFoundError:
         raise MalformedTrace(f"{p}: no such file") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -1,5 +1,6 @@
 """What kvspec reads from outside, through the command line: an implementation's exception message, copied
-only so far, and a path to read that is no regular file, refused in one line before it is opened.
+only so far; a path to read that is a device or a folder, refused in one line before it is opened, and a
+pipe, read as `cat` reads it once something writes to it.
 
 Each is the command a user types, in a subprocess, as in test_hostile_cli.py.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvspec.conformance.core.files import PIPE_WAIT_S, NotAFile, read_text_file
 from kvspec.conformance.core.watch import SAID_AT_MOST
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,10 +99,47 @@ def fifo(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("command", [["replay", "{}", "--impl", "reference"], ["view", "{}"], ["mirror", "{}"]])
-def test_a_trace_that_is_a_fifo_is_refused_not_waited_on(tmp_path, fifo, command):
-    r = kvspec(*[part.format(fifo) for part in command], cwd=tmp_path, timeout=60)
-    refused(r, f"{fifo}: cannot read it (a FIFO, not a regular file: reading it would wait for a writer)")
+TRACE = ROOT / "docs" / "traces" / "event_mirror_exact.trace.jsonl"  # with events: mirror reads it too
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (["replay", "{}", "--impl", "reference"], "replaying /dev/fd/"),
+        (["view", "{}", "-o", "page.html"], "page: page.html"),
+        (["mirror", "{}"], "mirror"),
+    ],
+)
+def test_a_trace_through_a_pipe_is_read_as_cat_reads_it(tmp_path, command, says):
+    # A shell's <(command) names a pipe: it was refused as "a FIFO, not a regular file".
+    line = " ".join(part.format(f"<(cat {TRACE})") for part in command)
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -m kvspec {line}"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode in (0, 1) and says in r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
+
+
+def test_a_page_of_a_trace_through_a_pipe_is_written_where_it_is_told(tmp_path):
+    # Beside the trace, the default, is no folder: it was "cannot write /dev/fd/63.html", after the read.
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -m kvspec view <(cat {TRACE})"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    refused(r, "is a pipe, with no folder to write the page beside; give -o PAGE.html or --serve")
+
+
+def test_a_fifo_nobody_writes_to_is_refused_after_the_wait_not_waited_on_for_ever(tmp_path, fifo):
+    r = kvspec("replay", str(fifo), "--impl", "reference", cwd=tmp_path, timeout=60)
+    refused(r, f"{fifo}: cannot read it (a FIFO nobody wrote to within {PIPE_WAIT_S:g} s)")
+
+
+def test_a_pipe_is_read_once_written_to_and_only_so_far(tmp_path, fifo):
+    with pytest.raises(NotAFile, match=r"^a FIFO nobody wrote to within 0.2 s$"):
+        read_text_file(fifo, pipe_wait_s=0.2)
+    writer = subprocess.Popen(["bash", "-c", f"sleep 0.3; printf 0123456789 > {fifo}"])
+    assert read_text_file(fifo) == "0123456789"  # a writer slower than the reader opened it
+    writer.wait(timeout=30)
+    writer = subprocess.Popen(["bash", "-c", f"printf 0123456789 > {fifo}"])
+    with pytest.raises(NotAFile, match=r"^a pipe that carries more than 9 bytes, the most kvspec reads$"):
+        read_text_file(fifo, max_bytes=9)
+    writer.wait(timeout=30)
 
 
 def test_a_device_or_a_folder_as_a_trace_is_refused_in_one_line(tmp_path):
@@ -109,11 +148,12 @@ def test_a_device_or_a_folder_as_a_trace_is_refused_in_one_line(tmp_path):
     refused(kvspec("mirror", str(tmp_path), cwd=tmp_path, timeout=60), "(a folder, not a regular file)")
 
 
-def test_every_other_file_a_command_reads_refuses_a_fifo(tmp_path, fifo):
-    r = kvspec("simulate", "--workload", str(fifo), cwd=tmp_path, timeout=60)
-    refused(r, f"{fifo}: cannot read the workload: a FIFO, not a regular file")
-    r = kvspec("diff", "vllm@0.8.0", "vllm@0.9.0", "--accept", str(fifo), cwd=tmp_path, timeout=60)
-    refused(r, f"--accept: cannot read {fifo} as a list of changes (NotAFile: a FIFO, not a regular file")
+def test_every_other_file_a_command_reads_refuses_a_device(tmp_path, fifo):
+    # Through the same reader as a trace (a pipe nobody writes to is refused there after its wait, above).
+    r = kvspec("simulate", "--workload", "/dev/zero", cwd=tmp_path, timeout=60)
+    refused(r, "/dev/zero: cannot read the workload: a device, not a regular file")
+    r = kvspec("diff", "vllm@0.8.0", "vllm@0.9.0", "--accept", "/dev/zero", cwd=tmp_path, timeout=60)
+    refused(r, "--accept: cannot read /dev/zero as a list of changes (NotAFile: a device, not a regular file")
     refused(kvspec("gate", "--accept", str(fifo), cwd=tmp_path, timeout=60), f"no readable file {fifo}")
     r = kvspec("check", "--impl", f"{fifo}:factory", "--level", "pool", cwd=tmp_path, timeout=60)
     refused(r, f"{fifo} is not a regular file")

@@ -20,6 +20,8 @@ recorded as a caller mistake) is refused in one line, naming the step.
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,9 +60,19 @@ def _refusal(args: argparse.Namespace) -> str | None:
         return "--no-open goes with --serve (a written page is never opened)"
     if args.serve and args.output:
         return "-o and --serve are two ways to show the page; give one"
+    if not args.output and not args.serve and _is_pipe(args.trace):
+        return f"{args.trace} is a pipe, with no folder to write the page beside; give -o PAGE.html or --serve"
     if args.output and Path(args.output).resolve() == Path(args.trace).resolve():
         return f"-o {args.output} is the trace itself; the page would replace it (give another path)"
     return None
+
+
+def _is_pipe(path: str) -> bool:
+    """Whether `path` is a pipe (a shell's `<(command)`): looked at, not read."""
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:  # the reader says why it cannot read it
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
