@@ -15,12 +15,16 @@ run and still leave the campaign's own process unguarded.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from types import FrameType
+from typing import NoReturn
+
+from kvspec._process import end_with_parent
 
 # kvspec.conformance.core.results.EXIT_INTERRUPTED and EXIT_COULD_NOT_RUN, which cannot be imported before
 # the modules load (tests/conformance/test_ctrl_c.py and tests/test_entry.py hold them equal).
@@ -53,8 +57,8 @@ def console_main() -> int:
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
-        _end_with_parent(parent)
-        return _run_and_report(write_end)
+        end_with_parent(parent, EXIT_COULD_NOT_RUN)  # a runner that kills kvspec takes the command along
+        _run_and_report(write_end)
     os.close(write_end)
     passed_on = _pass_signals_on(pid)
     _, status = os.waitpid(pid, 0)  # a signal passed on meanwhile does not end the wait (PEP 475)
@@ -69,33 +73,27 @@ def console_main() -> int:
     return _no_verdict(status, passed_on)
 
 
-def _run_and_report(write_end: int) -> int:
-    """In the child: run the command, flush what it printed, then write its exit code to `write_end`."""
+def _run_and_report(write_end: int) -> NoReturn:
+    """In the child: run the command, flush what it printed, write its exit code to `write_end`, and end."""
     # Not caught: a SystemExit that leaves `main` is raised by code it loaded (argparse's is caught there),
     # and ends this process without a report, as any other way such code ends it.
     code = main()
+    _flush()
+    os.write(write_end, str(code).encode())
+    os.close(write_end)
+    # The command is done, and its exit code said: the process ends here, its exit handlers run, without
+    # Python's wait for every thread that is not a daemon. A thread that an implementation's module started
+    # and never ends (a worker pool's) would otherwise hold the `kvspec` process, and whatever waits on it
+    # (a CI gate), for ever after the verdict.
+    atexit._run_exitfuncs()
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed or full stdout: the command said so already
             stream.flush()
-    os.write(write_end, str(code).encode())
-    os.close(write_end)
-    return code
-
-
-def _end_with_parent(parent: int) -> None:
-    """In the child (Linux): be killed when the `kvspec` process is, so a runner's timeout that kills it
-    leaves no command running on without anyone to report to."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):  # no prctl to call: the child outlives a killed parent, as before
-        return
-    if os.getppid() != parent:  # the parent was killed before prctl took effect
-        os._exit(EXIT_COULD_NOT_RUN)
 
 
 def _pass_signals_on(pid: int) -> set[int]:

@@ -23,7 +23,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["PIPE_WAIT_S", "NotAFile", "read_text_file", "write_whole"]
+__all__ = ["PIPE_WAIT_S", "NotAFile", "read_text_file", "shown", "write_whole"]
 
 # How long a pipe may stay silent before its first byte (or its end): a FIFO no program writes to.
 PIPE_WAIT_S = 10.0
@@ -68,6 +68,18 @@ def _replace_whole(target: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
+
+
+def shown(path: str | Path, folder: Path) -> str:
+    """`path` as a person who started the command in `folder` names it: relative to it where it lies inside.
+
+    >>> shown("/work/run/kvspec-traces/a.trace.jsonl", Path("/work/run")), shown("/tmp/a", Path("/work/run"))
+    ('kvspec-traces/a.trace.jsonl', '/tmp/a')
+    """
+    try:
+        return str(Path(path).relative_to(folder))
+    except ValueError:  # outside it (or relative already): as it is
+        return str(path)
 
 
 class NotAFile(OSError):

@@ -32,6 +32,7 @@ the table reads as one page and no behaviour hides in a subclass.
 from __future__ import annotations
 
 import operator
+import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -90,6 +91,26 @@ HitReached = Callable[[Request, int, Snapshot, Any, Sequence[BlockHash], bool], 
 
 # Past any id or count a pool can hold (an int64's): an integer the checks refuse instead of printing.
 ID_BOUND = 2**63
+# The most blocks of any pool kvspec builds (a campaign draws far fewer; a trace may ask for this many,
+# trace.MAX_TRACE_NUM_GPU_BLOCKS). A result of more block ids is no pool's answer, and is refused as malformed
+# before it is kept: ten million ids returned were a 177 MB story and a trace too large to replay.
+MAX_NUM_GPU_BLOCKS = 100_000
+# What a message about a returned value shows of it: a value of megabytes would otherwise be copied whole
+# into the story and the trace.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 200
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 20
+
+
+def _shown(v: Any) -> str:
+    """`repr(v)`, cut short where it is long.
+
+    >>> _shown([1, 2])
+    '[1, 2]'
+    >>> _shown("x" * 1000)[-8:]
+    "...xxxx'"
+    """
+    return _SHOWN.repr(v)
 
 
 class BadResult(Exception):
@@ -106,11 +127,11 @@ def as_id(v: Any) -> int:
     3
     """
     if isinstance(v, bool):
-        raise BadResult(f"{v!r} is a bool, not a block id")
+        raise BadResult(f"{_shown(v)} is a bool, not a block id")
     try:
         i = operator.index(v)
     except TypeError:
-        raise BadResult(f"{v!r} is not an integer block id") from None
+        raise BadResult(f"{_shown(v)} is not an integer block id") from None
     if not -ID_BOUND < i < ID_BOUND:  # no pool's, and past 4,300 digits Python cannot even print it to say so
         raise BadResult(f"an integer of {i.bit_length()} bits is not a block id")
     return i
@@ -126,14 +147,18 @@ def as_ids(v: Any) -> list[int]:
         try:
             v = list(v)
         except TypeError:
-            raise BadResult(f"{v!r} is not a list of block ids") from None
+            raise BadResult(f"{_shown(v)} is not a list of block ids") from None
+    if len(v) > MAX_NUM_GPU_BLOCKS:
+        raise BadResult(
+            f"a list of {len(v):,} block ids: more than any pool kvspec checks holds ({MAX_NUM_GPU_BLOCKS:,})"
+        )
     return [as_id(b) for b in v]
 
 
 def _as_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
-    raise BadResult(f"{v!r} is not a bool")
+    raise BadResult(f"{_shown(v)} is not a bool")
 
 
 def _as_id_or_none(v: Any) -> int | None:
@@ -146,13 +171,13 @@ def _as_ids_or_none(v: Any) -> list[int] | None:
 
 def _as_hit(v: Any) -> list[Any]:
     if not isinstance(v, (tuple, list)) or len(v) != 2:
-        raise BadResult(f"{v!r} is not (hit blocks, num_hit_tokens)")
+        raise BadResult(f"{_shown(v)} is not (hit blocks, num_hit_tokens)")
     return [as_ids(v[0]), as_id(v[1])]
 
 
 def _as_float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise BadResult(f"{v!r} is not a number")
+        raise BadResult(f"{_shown(v)} is not a number")
     return float(v)
 
 

@@ -148,10 +148,20 @@ class RunConfig:
     json: Path | Literal["-"] | None = None  # also write the summary as JSON here ("-": stdout)
     keep_deepest: bool = False  # also save each configuration's deepest example
     database: ExampleDatabase | None = field(default=None, compare=False)  # Hypothesis's example database
+    # The folder the run started in (the current one when the record is made): what the run names relative
+    # to it (its outputs, a file an implementation's name names) means a path in it for the whole run.
+    folder: Path = field(default_factory=Path.cwd, compare=False)
 
     def __post_init__(self) -> None:
         for problem in _problems(self):
             raise problem
+        # Resolved once, here: an implementation's import runs in this process, and one that changes the
+        # current folder (os.chdir) would otherwise move the run's traces and reports into its own.
+        object.__setattr__(self, "folder", self.folder.absolute())
+        for name in ("trace_dir", "html_dir", "junit", "json"):
+            path = getattr(self, name)
+            if isinstance(path, Path) and not path.is_absolute():  # None and "-" (stdout) are no paths
+                object.__setattr__(self, name, self.folder / path)
         if self.groups not in (DRAWN, AUTO):  # normal form: "full, sliding:8" -> "full,sliding:8"
             object.__setattr__(self, "groups", format_groups(parse_groups(self.groups)))
 
@@ -352,6 +362,8 @@ def _flag_problems(config: RunConfig) -> Iterator[ConfigError]:
 
 def _output_problems(config: RunConfig) -> Iterator[ConfigError]:
     """The outputs: paths (checked for writing by whoever parses them) and the example database."""
+    if not isinstance(config.folder, Path):
+        yield _typed("folder", config.folder, "a Path")
     for name in ("trace_dir", "html_dir", "junit"):
         if getattr(config, name) is not None and not isinstance(getattr(config, name), Path):
             yield _typed(name, getattr(config, name), "a Path or None")

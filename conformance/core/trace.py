@@ -33,7 +33,7 @@ from typing import Any
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.files import read_text_file, write_whole
 from kvspec.conformance.core.kv_events import event_from_json
-from kvspec.conformance.core.operations import OPERATIONS
+from kvspec.conformance.core.operations import MAX_NUM_GPU_BLOCKS, OPERATIONS
 from kvspec.conformance.core.results import Failure, Outcome, Verdict
 from kvspec.spec import errors as spec_errors
 from kvspec.spec.attention import format_groups
@@ -67,7 +67,7 @@ TRACE_FORMAT = 1
 MAX_TRACE_BYTES = 256 * 1024 * 1024
 # The spec rebuilds its pool state (tuples of num_gpu_blocks entries) at every step: 100,000 blocks take about
 # 2 s to build and milliseconds a step; a pool ten thousand times larger would take hours before the first step.
-MAX_TRACE_NUM_GPU_BLOCKS = 100_000
+MAX_TRACE_NUM_GPU_BLOCKS = MAX_NUM_GPU_BLOCKS
 
 
 class MalformedTrace(ValueError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "IMPLEMENTATION_FAULTS",
     "StepTimeout",
     "StepWatch",
+    "command_kept",
     "ctrl_c_held_back",
     "ctrl_c_pressed",
     "ignore_ctrl_c",
@@ -124,6 +126,71 @@ def raise_if_ctrl_c(e: BaseException) -> None:
             raise e
     elif handler not in (signal.SIG_IGN, signal.SIG_DFL):  # SIG_DFL: a Ctrl-C would end the process, not raise
         raise e
+
+
+# The signals that stop a command: an implementation's module that ignores them as it loads would leave a
+# command no Ctrl-C or kill stops (kvspec's entry point passes them on to the command's process).
+_STOPPING_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
+
+
+class _Unclosable:
+    """A stream lent to an implementation's top level: everything passed on but `close`, so a module that
+    closes sys.stdout as it loads does not close the command's output."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> _Unclosable:  # `with sys.stdout:` closes it when the block ends: not this one
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def command_kept() -> Iterator[None]:
+    """For the block that runs an implementation module's top level in the command's own process (it is loaded
+    there): what the command's own work needs of the process is kept through it. Its output (sys.stdout and
+    sys.stderr, descriptors 1 and 2), the recursion limit it runs under, and the handlers of the signals that
+    stop it (Ctrl-C, a kill).
+
+    What the module changes for itself (the current folder, the environment, a recursion limit raised) is
+    left as it set it: its calls may need it, and the run's names were resolved before (`RunConfig.folder`).
+    """
+    streams, limit = (sys.stdout, sys.stderr), sys.getrecursionlimit()
+    kept_fds = {fd: (os.dup(fd), _identity(fd)) for fd in (1, 2) if _identity(fd) is not None}
+    is_main = threading.current_thread() is threading.main_thread()
+    handlers = {signum: signal.getsignal(signum) for signum in _STOPPING_SIGNALS} if is_main else {}
+    sys.stdout, sys.stderr = _Unclosable(sys.stdout), _Unclosable(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = streams
+        for fd, (copy, identity) in kept_fds.items():
+            if _identity(fd) != identity:  # closed, or pointed elsewhere (os.dup2 onto it)
+                os.dup2(copy, fd)
+            os.close(copy)
+        sys.setrecursionlimit(max(limit, sys.getrecursionlimit()))
+        for signum, handler in handlers.items():
+            if handler is not None:  # None: set outside Python; nothing to set back
+                signal.signal(signum, handler)
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    """What descriptor ``fd`` is open on (device and inode), or None where it is closed."""
+    try:
+        status = os.fstat(fd)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
 
 
 # The most of an implementation's exception message kvspec copies into a story, a trace or a note: enough

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvspec._process import end_with_parent
 from kvspec.conformance.core.results import CampaignReport, Verdict
 from kvspec.conformance.core.watch import ctrl_c_held_back, ignore_ctrl_c, said
 
@@ -113,7 +114,8 @@ class _Child:
         self.heartbeat = ctx.RawArray("d", 4)
         fd, self.stream_path = tempfile.mkstemp(prefix="kvspec-steps-", suffix=".jsonl")
         os.close(fd)
-        self.proc = ctx.Process(target=_child_main, args=(work, send, self.heartbeat, self.stream_path), daemon=True)
+        args = (work, send, self.heartbeat, self.stream_path, os.getpid())
+        self.proc = ctx.Process(target=_child_main, args=args, daemon=True)
         with ctrl_c_held_back():  # a Ctrl-C is the parent's: none may reach the child before it ignores them
             self.proc.start()
         send.close()
@@ -197,8 +199,9 @@ def _receive(recv: Any) -> CampaignReport | None:
         return None
 
 
-def _child_main(work: Work, conn: Any, heartbeat: Any, stream_path: str) -> None:
+def _child_main(work: Work, conn: Any, heartbeat: Any, stream_path: str, parent: int) -> None:
     ignore_ctrl_c()  # the parent's to act on: it stops every child
+    end_with_parent(parent, 1)  # a killed command leaves no campaign running on, with no budget
     faulthandler.disable()
     fd = os.open(stream_path, os.O_WRONLY | os.O_TRUNC)
     try:

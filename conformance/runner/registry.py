@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Any
 
 from kvspec.conformance.core.adapter import AdapterConfig
-from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepTimeout, raise_if_ctrl_c, said
+from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepTimeout, command_kept, raise_if_ctrl_c, said
 
 __all__ = [
     "TARGET_GROUP",
@@ -211,21 +211,26 @@ MOVED_MODULES: dict[str, str] = {
 }
 
 
-def load_factory(name: str, timeout_s: float | None = None) -> Factory:
+def load_factory(name: str, timeout_s: float | None = None, folder: Path | None = None) -> Factory:
     """The factory a name stands for: a registered target's name ("reference", "vllm@0.24.0",
     "overlay:..."), "module:function" or "path/to/file.py:function".
+
+    The module's top level runs in this process; what the command needs of the process is kept through it
+    (`watch.command_kept`), so an import that closes stdout or lowers the recursion limit takes no verdict away.
 
     Args:
         name: what the user named.
         timeout_s: the most loading may take (a module's top level runs as it is imported: one that never
             ends would hang the command before any campaign's time limit is in force); None: no limit.
+        folder: what a relative file in ``name`` is relative to, and the folder searched last for a module (a
+            run's `RunConfig.folder`: an import's os.chdir moves no name loaded after it); None: the current one.
 
     Raises:
         FactoryError: the name is malformed, the target or module does not load (or not within
             ``timeout_s``), the attribute is missing, or it is not callable; the message says which.
     """
-    with _loading_within(name, timeout_s):
-        return _factory(name)
+    with _loading_within(name, timeout_s), command_kept():
+        return _factory(name, Path.cwd() if folder is None else folder)
 
 
 @contextlib.contextmanager
@@ -251,11 +256,11 @@ def _loading_within(name: str, timeout_s: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def _factory(name: str) -> Factory:
+def _factory(name: str, folder: Path) -> Factory:
     """`load_factory`'s work, without its time limit."""
     target = find_target(name)
     if target is not None:
-        return _target_factory(target, name)
+        return _target_factory(target, name, folder)
     where = name
     for old in sorted(MOVED_MODULES, key=len, reverse=True):  # a function's own move before its module's
         if name.startswith(old):
@@ -266,16 +271,16 @@ def _factory(name: str) -> Factory:
             f"implementation {name!r} is neither a registered target ({target_names()}) "
             "nor module:function or file.py:function"
         )
-    return _load_callable(name, where)
+    return _load_callable(name, where, folder)
 
 
-def _target_factory(target: Target, name: str) -> Factory:
+def _target_factory(target: Target, name: str, folder: Path) -> Factory:
     """A registered target's factory for ``name``, which it accepts."""
     if target.unavailable:
         raise FactoryError(f"implementation {name!r}: {target.unavailable}")
     if name == target.name and target.factory:
-        return _load_callable(name, target.factory)
-    resolve = _load_callable(name, target.resolve)
+        return _load_callable(name, target.factory, folder)
+    resolve = _load_callable(name, target.resolve, folder)
     try:
         factory: Factory = resolve(name)
     except ValueError as e:  # the target's own refusal of the name, in its words
@@ -286,13 +291,14 @@ def _target_factory(target: Target, name: str) -> Factory:
     return factory
 
 
-def _load_callable(name: str, where: str) -> Callable[..., Any]:
+def _load_callable(name: str, where: str, folder: Path) -> Callable[..., Any]:
     """The callable "module:function" or "path/file.py:function" names (``name`` is what the user gave)."""
     # The last colon: a path may hold one (C:\\pool.py:factory), a function name never does.
     module_name, _, attr = where.rpartition(":")
     if not module_name or not attr:
         raise FactoryError(f"implementation {name!r}: expected module:function, got {where!r}")
-    obj: Any = _load_file(name, module_name) if _is_path(module_name) else _import_module(name, module_name)
+    is_path = _is_path(module_name)
+    obj: Any = _load_file(name, module_name, folder) if is_path else _import_module(name, module_name, folder)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise FactoryError(f"implementation {name!r}: {module_name} has no attribute {attr!r}")
@@ -308,10 +314,10 @@ def _is_path(module_name: str) -> bool:
     return module_name.endswith(".py") or "/" in module_name or os.sep in module_name
 
 
-def _import_module(name: str, module_name: str) -> ModuleType:
-    """A module by name; the current folder is searched last, so `kvspec check --impl pool:factory`
+def _import_module(name: str, module_name: str, folder: Path) -> ModuleType:
+    """A module by name; `folder` (the current one) is searched last, so `kvspec check --impl pool:factory`
     finds ./pool.py without shadowing an installed module of the same name."""
-    cwd = os.getcwd()
+    cwd = str(folder)
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
     try:
@@ -323,9 +329,10 @@ def _import_module(name: str, module_name: str) -> ModuleType:
         ) from None
 
 
-def _load_file(name: str, path_text: str) -> ModuleType:
-    """A Python file, loaded as `python path` would run it: named after its stem, its folder first on the path."""
-    path = Path(path_text).resolve()
+def _load_file(name: str, path_text: str, folder: Path) -> ModuleType:
+    """A Python file, loaded as `python path` would run it: named after its stem, its folder first on the path;
+    a relative path is relative to `folder`."""
+    path = (folder / path_text).resolve()
     if not path.is_file():  # a FIFO or a device is refused here too: importing one could wait for ever
         what = f"{path_text} is not a regular file" if path.exists() else f"no such file {path_text}"
         raise FactoryError(f"implementation {name!r}: {what}")
@@ -335,9 +342,9 @@ def _load_file(name: str, path_text: str) -> ModuleType:
         return loaded  # already loaded (a module beside it imported it by name)
     if loaded is not None:
         module_name = f"_kvspec_impl_{module_name}"  # another module holds the name: load this one privately
-    folder = str(path.parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+    beside = str(path.parent)
+    if beside not in sys.path:
+        sys.path.insert(0, beside)
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise FactoryError(f"implementation {name!r}: {path_text} cannot be loaded as a Python module")

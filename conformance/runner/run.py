@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvspec.conformance.core.coverage import expected_branches, reachable_branches
-from kvspec.conformance.core.files import write_whole
+from kvspec.conformance.core.files import shown, write_whole
 from kvspec.conformance.core.report import render_story
 from kvspec.conformance.core.results import (
     CampaignReport,
@@ -102,7 +102,9 @@ def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
             path = _save(dumps_trace(trace), trace_dir, stem)
         except OSError as e:  # the verdict stands; the story says what is missing
             unsaved = f"\n\ntrace: {_not_saved(trace_dir, e)}"
-    story = render_story(trace, path, c.impl) + unsaved
+    # The story names the trace as the user would (relative to the folder the run started in); the failure
+    # keeps the whole path, which holds wherever the implementation moves the current folder.
+    story = render_story(trace, None if path is None else shown(path, c.run.folder), c.impl) + unsaved
     if not is_shrunk:
         story += "\n(not shrunk: the process died or hung, and no shorter trace reproduced it in time)"
     return dataclasses.replace(
@@ -317,7 +319,7 @@ def check_configuration(
     run = configuration.run
     if isinstance(factory, str):
         try:
-            factory = load_factory(factory)
+            factory = load_factory(factory, folder=run.folder)
         except FactoryError as e:
             return _could_not_run(str(e), configuration)
     chosen: Factory = factory
@@ -385,7 +387,7 @@ def replay_configured(trace: Trace | str | Path, factory: Factory | str, run: Ru
     configuration = dataclasses.replace(next(run.configurations()), is_replay=True)
     if isinstance(factory, str):
         try:
-            factory = load_factory(factory)
+            factory = load_factory(factory, folder=run.folder)
         except FactoryError as e:
             return _could_not_run(str(e), configuration)
     chosen: Factory = factory

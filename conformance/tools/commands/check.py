@@ -35,10 +35,12 @@ import logging
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from kvspec.conformance.core.files import shown
 from kvspec.conformance.core.results import EXIT_COULD_NOT_RUN, CheckResult, Verdict
 from kvspec.conformance.core.run_config import (
     AUTO,
@@ -216,11 +218,11 @@ def _add_campaign_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _default_impls(timeout_s: float | None) -> tuple[list[str], list[str]]:
+def _default_impls(timeout_s: float | None, folder: Path | None = None) -> tuple[list[str], list[str]]:
     chosen, skipped = [], []
     for name in (target.name for target in default_targets()):
         try:
-            load_factory(name, timeout_s)
+            load_factory(name, timeout_s, folder)
         except FactoryError as e:
             skipped.append(f"{name}: not checked ({e})")
             continue
@@ -228,12 +230,12 @@ def _default_impls(timeout_s: float | None) -> tuple[list[str], list[str]]:
     return chosen, skipped
 
 
-def _named_impls(names: Sequence[str], timeout_s: float | None) -> tuple[list[str], list[str]]:
+def _named_impls(names: Sequence[str], timeout_s: float | None, folder: Path) -> tuple[list[str], list[str]]:
     """The implementations that load, and one line for each that does not (said once, not per configuration)."""
     chosen, problems = [], []
     for name in names:
         try:
-            load_factory(name, timeout_s)
+            load_factory(name, timeout_s, folder)
         except FactoryError as e:
             problems.append(str(e))
             continue
@@ -248,9 +250,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return refuse("kvspec check", e)
     # Loaded here, each under the build time limit, so one that does not load is one line before any work.
-    impls, notes = _default_impls(config.build_timeout_s) if not args.impl else (args.impl, [])
+    impls, notes = _default_impls(config.build_timeout_s, config.folder) if not args.impl else (args.impl, [])
     if args.impl:
-        impls, problems = _named_impls(args.impl, config.build_timeout_s)
+        impls, problems = _named_impls(args.impl, config.build_timeout_s, config.folder)
         for problem in problems:
             print(f"kvspec check: {problem}", file=sys.stderr)
         if problems:
@@ -282,12 +284,12 @@ def run(args: argparse.Namespace) -> int:
                 failed = write_junit(results, config.junit, prog="kvspec check")
             if failed:
                 return EXIT_COULD_NOT_RUN
-            print(f"JUnit report: {config.junit}")
+            print(f"JUnit report: {shown(config.junit, config.folder)}")
     if config.json is not None:
         if write_json(document, config.json, prog="kvspec check"):
             return EXIT_COULD_NOT_RUN
         if str(config.json) != "-":
-            print(f"JSON report: {config.json}")
+            print(f"JSON report: {shown(config.json, config.folder)}")
     return code
 
 
@@ -323,7 +325,8 @@ def _record(args: argparse.Namespace, impls: Sequence[str]) -> RunConfig:
         junit=args.junit,
         json=args.json,
         keep_deepest=args.keep_deepest,
-        database=DirectoryBasedExampleDatabase(args.database) if args.database else None,
+        # absolute, as the record makes its paths: an implementation that changes folder moves nothing of the run
+        database=DirectoryBasedExampleDatabase(str(Path(args.database).absolute())) if args.database else None,
     )
     check_device(config.device)
     return config

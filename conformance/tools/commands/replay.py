@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        factory = load_factory(impl, record.build_timeout_s)  # refused as check refuses it: before any work
+        # refused as check refuses it: before any work
+        factory = load_factory(impl, record.build_timeout_s, record.folder)
     except FactoryError as e:
         print(f"kvspec replay: {e}", file=sys.stderr)
         return 2
