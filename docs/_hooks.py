@@ -9,9 +9,10 @@ old answer. `on_files` adds the step-through pages that `kvspec demo --html`
 and `kvspec view` write: seed 000's walkthrough, and one page per trace kept
 in docs/traces/ (scripts/docs-traces.sh writes those traces from the mutants).
 
-The commands run in this process through the `kvspec` console script's entry
-point (the function `.venv/bin/kvspec` calls), not through a module path: the
-harness's modules move between layers, the console script stays. One build
+The commands run in this process through the `kvspec` console script's module
+(its `main`; the function `.venv/bin/kvspec` calls runs the same in a child
+process), not through a harness module's path: the harness's modules move
+between layers, the console script stays. One build
 runs each command once (`_run` caches per build; `on_config` clears it, so
 `mkdocs serve` regenerates on every rebuild).
 """
@@ -49,11 +50,12 @@ _cache: dict[tuple[str, ...], str] = {}
 
 
 def _cli() -> Callable[[Sequence[str]], int]:
-    """The function behind the `kvspec` console script."""
+    """The `main` of the `kvspec` console script's module: the command in this process (the script's own
+    function runs it in a child process, whose output this build could not capture)."""
     found = list(entry_points(group="console_scripts", name="kvspec"))
     if len(found) != 1:
         raise PluginError(f"the kvspec console script is not installed here (found {len(found)} entry points)")
-    main: Callable[[Sequence[str]], int] = found[0].load()
+    main: Callable[[Sequence[str]], int] = importlib.import_module(found[0].module).main
     return main
 
 

@@ -86,8 +86,9 @@ def _save(text: str, trace_dir: Path, stem: str) -> str:
     return str(write_whole(trace_dir / f"{stem}-{digest}.trace.jsonl", text))
 
 
-def _not_saved(trace_dir: Path, e: OSError) -> str:
-    return f"not saved in {trace_dir} ({e.strerror or e})"
+def _not_saved(run: RunConfig, e: OSError) -> str:
+    assert run.trace_dir is not None, "a trace is saved only where the run saves traces"
+    return f"not saved in {shown(run.trace_dir, run.folder)} ({e.strerror or e})"
 
 
 def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
@@ -101,7 +102,7 @@ def _reported(trace: Trace, c: Configuration, is_shrunk: bool) -> Failure:
         try:
             path = _save(dumps_trace(trace), trace_dir, stem)
         except OSError as e:  # the verdict stands; the story says what is missing
-            unsaved = f"\n\ntrace: {_not_saved(trace_dir, e)}"
+            unsaved = f"\n\ntrace: {_not_saved(c.run, e)}"
     # The story names the trace as the user would (relative to the folder the run started in); the failure
     # keeps the whole path, which holds wherever the implementation moves the current folder.
     story = render_story(trace, None if path is None else shown(path, c.run.folder), c.impl) + unsaved
@@ -207,7 +208,7 @@ def _result(raw: CampaignReport | Death, factory: Factory, c: Configuration, sta
         try:
             result.deepest_trace_path = _save(text, run.trace_dir, f"deepest-{c.level}-caching-{caching}")
         except OSError as e:
-            unsaved = f"the deepest example's trace was {_not_saved(run.trace_dir, e)}"
+            unsaved = f"the deepest example's trace was {_not_saved(run, e)}"
             result.message = f"{result.message}; {unsaved}" if result.message else unsaved
     return result
 

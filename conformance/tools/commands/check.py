@@ -368,7 +368,7 @@ def _run_configs(config: RunConfig, start: float) -> list[CheckResult]:
         where = f"{c.impl} {c.level} caching {'on' if c.enable_caching else 'off'}"
         result = check_configuration(c.impl or "", c, _progress_line(where, c.time_budget_s))
         _clear_progress_line()
-        attach_page(result, config.html_dir)  # the story, printed below and in JUnit, names the page
+        attach_page(result, config.html_dir, config.folder)  # the story, printed below and in JUnit, names the page
         results.append(result)
         print(row(result, list(config.impls)), flush=True)
     return results
@@ -416,7 +416,7 @@ def _run_auto(config: RunConfig, start: float) -> list[ProfilesFound]:
         each = ProfilesFound(check_each_profile(c.impl or "", c, _progress_line(where, c.time_budget_s)))
         _clear_progress_line()
         for r in each.results.values():
-            attach_page(r, config.html_dir)
+            attach_page(r, config.html_dir, config.folder)
         _print_profiles(where, each)
         found.append(each)
     return found

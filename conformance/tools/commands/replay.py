@@ -121,7 +121,7 @@ def _replay(args: argparse.Namespace, trace: Trace, impl: str, factory: Factory,
     recorded = trace.verdict or "not recorded"
     print(f"replaying {args.trace} ({len(trace.steps)} steps, recorded verdict: {recorded}) on {impl}\n")
     result = replay_configured(trace, factory, replace(record, impls=(impl,)))
-    attach_page(result, record.html_dir)  # the story printed below names the page
+    attach_page(result, record.html_dir, record.folder)  # the story printed below names the page
     if result.verdict is Verdict.COULD_NOT_RUN:
         # No verdict: a bad argument or a factory that would not build says why in its message; a step kvspec
         # itself could not run (its limit, or a bug in the spec) has a story up to that step too.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from kvspec.conformance.core.files import shown
 from kvspec.conformance.core.results import CheckResult
 from kvspec.conformance.core.trace import MalformedTrace, read_trace
 from kvspec.conformance.tools.view.page import write_page
@@ -41,8 +42,9 @@ def write_trace_page(trace_path: str | Path, html_dir: str | Path) -> Path:
     return write_page(page_path_for(trace_path, html_dir), trace_to_page_data(read_trace(trace_path)))
 
 
-def attach_page(result: CheckResult, html_dir: str | Path | None) -> Path | None:
-    """Write the page of `result`'s failure trace into `html_dir` and name it in the failure's story.
+def attach_page(result: CheckResult, html_dir: str | Path | None, folder: Path | None = None) -> Path | None:
+    """Write the page of `result`'s failure trace into `html_dir` and name it in the failure's story (relative
+    to `folder`, the one the run started in, where it lies inside).
 
     Does nothing (returns None) without a directory, a failure or a trace. A
     page that cannot be written is reported in the story instead: the verdict
@@ -56,5 +58,6 @@ def attach_page(result: CheckResult, html_dir: str | Path | None) -> Path | None
     except (MalformedTrace, OSError, ValueError) as e:
         result.failure = replace(failure, story=failure.story + f"\npage: not written ({type(e).__name__}: {e})")
         return None
-    result.failure = replace(failure, story=failure.story + f"\npage: {page}")
+    named = page if folder is None else shown(page, folder)
+    result.failure = replace(failure, story=failure.story + f"\npage: {named}")
     return page
