@@ -85,7 +85,7 @@ from kvspec.conformance.core.watch import IMPLEMENTATION_FAULTS, StepTimeout, St
 from kvspec.spec import errors as spec_errors
 from kvspec.spec import manager as spec_manager
 from kvspec.spec import ops as spec_ops
-from kvspec.spec.events import EventMirror, KVCacheEvent, naive_misreads, orphaned_stores
+from kvspec.spec.events import BlockStored, EventMirror, KVCacheEvent, naive_misreads, orphaned_stores
 from kvspec.spec.invariants import (
     EVENT_RULES,
     INVARIANTS,
@@ -1002,7 +1002,15 @@ class LockStep:
         renamed = self.hash_names.events_as_spec(p.expected.events, impl_events)
         level, dropped = self.level, self.fields_not_reported
         spec_side = tuple(comparable(e, level, dropped) for e in p.expected.events)
-        if not same_events(spec_side, tuple(comparable(e, level, dropped) for e in renamed)):
+        if p.sent.reaction is not None and p.sent.reaction.kind == "ignores":
+            # An ignored mistake may still publish a BlockStored of no keys over the positions it named (vLLM
+            # 0.14 on, for a call naming only the null block, which it skips): it changes no router's mirror.
+            # One over no position (a call of no blocks: an event every decode step) is still compared.
+            renamed = tuple(
+                e for e in renamed if not (isinstance(e, BlockStored) and not e.block_hashes and e.token_ids)
+            )
+        impl_side = tuple(comparable(e, level, dropped) for e in renamed)
+        if not same_events(spec_side, impl_side):
             return (
                 FailureKind.DIVERGES,
                 (

@@ -116,6 +116,25 @@ def test_a_64_bit_key_that_names_two_digests_or_none_is_refused_not_guessed() ->
         translator.translate([BlockRemoved_([7])])
 
 
+@pytest.mark.parametrize("int_keys", [True, False])
+def test_a_key_in_the_other_form_than_the_setting_asks_for_is_refused(int_keys: bool) -> None:
+    # VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES picks the one key form a router parses: a pool that publishes the
+    # digest while it is on (or the 64-bit int while it is off) diverges; a translator told nothing takes both.
+    digest = b"\x11" * 32
+    low64 = int.from_bytes(digest[-8:], "big")
+    right, wrong = (low64, digest) if int_keys else (digest, low64)
+    translator = EventTranslator(event_facts("0.33.0"), _fold, int_keys)
+    translator.remember([digest])
+    assert translator.translate([BlockRemoved_([right])]) == [BlockRemoved((_fold(digest, 0),))]
+    with pytest.raises(
+        ValueError, match=rf"^vllm==0\.33\.0 published the key .* VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES={int(int_keys)}"
+    ):
+        translator.translate([BlockRemoved_([wrong])])
+    either = EventTranslator(event_facts("0.33.0"), _fold)
+    either.remember([digest])
+    assert either.translate([BlockRemoved_([wrong])]) == [BlockRemoved((_fold(digest, 0),))]
+
+
 def test_an_event_the_spec_has_no_type_for_is_refused() -> None:
     class KVConnectorEvent:
         pass

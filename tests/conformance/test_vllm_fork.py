@@ -169,3 +169,164 @@ def test_a_trees_request_hit_limit_is_read_from_its_files(tmp_path, has_limit) -
         assert "has no minifork/v1/request.py" in measured.not_measured["request_hit_limit"]
     else:
         assert measured.values["request_hit_limit"] is has_limit
+
+
+# vLLM 0.14 on: cache_full_blocks skips null blocks (a sliding-window table holds them) and with events on
+# still publishes the call's BlockStored, of no keys when it named only the null block.
+NULL_SKIP = """
+    def cache_full_blocks(self, request: Any, blocks: list[KVCacheBlock], num_cached_blocks: int,
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int) -> None:
+        if num_cached_blocks >= num_full_blocks:
+            return
+        keys = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            if blocks[i].is_null:
+                continue
+            key = make_block_hash_with_group_id(request.block_hashes[i], kv_cache_group_id)
+            blocks[i].block_hash = key
+            self.cached_block_hash_to_block.setdefault(key, {})[blocks[i].block_id] = blocks[i]
+            keys.append(request.block_hashes[i])
+        if self.enable_kv_cache_events:
+            toks = request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
+            self.kv_event_queue.append(BlockStored(keys, None, toks, block_size, None, None, kv_cache_group_id, "GPU"))
+
+    def take_events(self) -> list[Any]:
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+"""
+WITH_EVENTS = """
+BlockStored = collections.namedtuple(
+    "BlockStored", "block_hashes parent_block_hash token_ids block_size lora_name extra_keys group_idx medium")
+
+
+class BlockPool:
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 enable_kv_cache_events: bool = False) -> None:
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[Any] = []
+"""
+
+
+def _null_block_tree(folder: Path, *, skips_null: bool, touch_null: str = "continue") -> Path:
+    """The miniature as a tree of the newest release: it gives the null block a hash and a reference, or,
+    with ``skips_null``, skips it as vLLM does (touch and free_blocks from 0.33, cache_full_blocks from 0.14,
+    which also publishes its BlockStored); ``touch_null``: what touch does on meeting it."""
+    tree = _tree(folder)
+    if not skips_null:
+        return tree
+    path = tree / "vllm" / "v1" / "core" / "block_pool.py"
+    text = path.read_text().replace("from collections.abc", "import collections\nfrom collections.abc", 1)
+    start, end = text.index("    def cache_full_blocks("), text.index("    def get_new_blocks(")
+    text = text[:start] + NULL_SKIP.lstrip("\n") + "\n" + text[end:]
+    init = (
+        "\n\nclass BlockPool:\n    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int)"
+    )
+    init += " -> None:\n"
+    remove = "                self.free_block_queue.remove(block)\n"
+    touch = "            if block.ref_cnt == 0 and not block.is_null:\n" + remove
+    free = "        for block in ordered_blocks:\n"
+    null = "            if block.is_null:\n                {}\n"
+    for old, new in (
+        (init, WITH_EVENTS),
+        (touch, null.format(touch_null) + "            if block.ref_cnt == 0:\n" + remove),
+        (free, free + null.format("continue")),
+    ):
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path.write_text(text)
+    return tree
+
+
+@pytest.mark.parametrize("skips_null", [True, False], ids=["skips-null", "hashes-null"])
+def test_a_tree_that_gives_the_null_block_a_hash_diverges_where_the_release_skips_it(tmp_path, skips_null) -> None:
+    # From 0.14 vLLM ignores the null block in cache_full_blocks, declared as such: a change that registers it
+    # (a prefix hit could then hand out the null block) diverges instead of being taken for "accepts".
+    from kvspec.conformance.core.adapter import AdapterConfig
+    from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+    from kvspec.conformance.targets.vllm.factories import factory_for
+    from kvspec.spec.state import BlockHash, BlockId
+
+    h1, h2 = BlockHash(b"hash-1"), BlockHash(b"hash-2")
+    null, one = BlockId(0), BlockId(1)
+    tree = _null_block_tree(tmp_path, skips_null=skips_null)
+    lock = LockStep(factory_for(f"vllm@{tree}"), AdapterConfig("pool", 4, events=True))
+    assert lock.checks_events is skips_null
+    steps = [
+        ("get_new_blocks", (1,), None),
+        ("cache_full_blocks", ([null, one], [h2, h1]), ([one], [h1])),
+        # named alone: with events on, a BlockStored of no keys, which tells a router nothing
+        ("cache_full_blocks", ([null], [h2]), ([], [])),
+    ]
+    try:
+        lock.check()
+        for op, args, without in steps:
+            lock.call(op, *args, mistake=None if without is None else "bad id", without=without)
+            lock.check()
+    except ConformanceFailure as f:
+        assert not skips_null
+        assert (f.failure.step, f.failure.invariant) == (2, "inv_null_block_isolated"), f.failure.message
+    else:
+        assert skips_null
+
+
+@pytest.mark.parametrize("touch_null", ["continue", "return"])
+def test_a_tree_whose_touch_stops_at_the_null_block_diverges_in_a_short_campaign(tmp_path, touch_null) -> None:
+    # The null block is the one bad id a vLLM pool can be sent (the others name no block object), so the
+    # harness draws it often enough that a touch which stops at it, leaving the hits after it untaken, shows.
+    tree = _null_block_tree(tmp_path, skips_null=True, touch_null=touch_null)
+    result = run_check(f"vllm@{tree}", level="pool", enable_caching=True, max_examples=100, seed=3,
+                       trace_dir=tmp_path / "traces", minimize_s=0)  # fmt: skip
+    if touch_null == "continue":
+        assert result.verdict == "conforms", result.failure
+    else:
+        assert result.verdict == "diverges" and result.failure is not None and result.failure.op == "touch"
+
+
+@pytest.mark.parametrize("event_group", ["kv_cache_group_id", "0"])
+def test_a_tree_whose_events_name_the_wrong_kv_cache_group_diverges(tmp_path, event_group) -> None:
+    # The pool level drives a group other than 0 (POOL_GROUP), so an event that drops or zeroes the group id
+    # names another key; with group 0 every encoding of the id is four zero bytes and the fault hid.
+    from kvspec.conformance.core.adapter import AdapterConfig
+    from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+    from kvspec.conformance.targets.vllm.adapter import POOL_GROUP
+    from kvspec.conformance.targets.vllm.factories import factory_for
+    from kvspec.spec.state import BlockHash, BlockId
+
+    assert POOL_GROUP != 0
+    tree = _null_block_tree(tmp_path, skips_null=True)
+    path = tree / "vllm" / "v1" / "core" / "block_pool.py"
+    path.write_text(path.read_text().replace('kv_cache_group_id, "GPU"', f'{event_group}, "GPU"'))
+    lock = LockStep(factory_for(f"vllm@{tree}"), AdapterConfig("pool", 4, events=True))
+    h1 = BlockHash(b"hash-1")
+    try:
+        lock.check()
+        for op, args in (
+            ("get_new_blocks", (1,)),
+            ("cache_full_blocks", ([BlockId(1)], [h1])),
+            ("get_cached_block", (h1,)),
+        ):
+            lock.call(op, *args)
+            lock.check()
+    except ConformanceFailure as f:
+        assert event_group == "0"
+        assert (f.failure.step, f.failure.op) == (2, "cache_full_blocks"), f.failure.message
+    else:
+        assert event_group == "kv_cache_group_id"
+
+
+def test_a_tree_that_publishes_a_stored_event_for_a_call_of_no_blocks_diverges(tmp_path) -> None:
+    # A keyless BlockStored is forgiven only over positions a mistaken call named (the null block, skipped):
+    # one for a call of no blocks is what a pool without its early return publishes at every decode step.
+    from kvspec.conformance.core.adapter import AdapterConfig
+    from kvspec.conformance.core.lockstep import ConformanceFailure, LockStep
+    from kvspec.conformance.targets.vllm.factories import factory_for
+    from kvspec.spec.state import BlockHash
+
+    tree = _null_block_tree(tmp_path, skips_null=True)
+    path = tree / "vllm" / "v1" / "core" / "block_pool.py"
+    path.write_text(path.read_text().replace("if num_cached_blocks >= num_full_blocks:", "if False:", 1))
+    lock = LockStep(factory_for(f"vllm@{tree}"), AdapterConfig("pool", 4, events=True))
+    lock.check()
+    lock.call("cache_full_blocks", [], [BlockHash(b"hash-2")], mistake="length mismatch", without=([], []))
+    with pytest.raises(ConformanceFailure, match="published stored"):
+        lock.check()

@@ -74,12 +74,18 @@ from typing import Any, Literal
 from kvspec.conformance.core.adapter import AdapterConfig
 from kvspec.conformance.core.reactions import NotExpressible, Reaction
 from kvspec.conformance.targets.vllm import lightmode
-from kvspec.conformance.targets.vllm.events import EventTranslator, PoolEventRequest, event_facts, fields_not_published
+from kvspec.conformance.targets.vllm.events import (
+    EventFacts,
+    EventTranslator,
+    PoolEventRequest,
+    event_facts,
+    fields_not_published,
+)
 from kvspec.conformance.targets.vllm.reactions import pool_reactions
 from kvspec.conformance.targets.vllm.releases import ReleaseFacts, facts_for
 from kvspec.spec.events import KVCacheEvent
 from kvspec.spec.hashing import DEFAULT_HASH_FN, DEFAULT_SEED, VLLM_NONE_HASH_SEED
-from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks, group_key
+from kvspec.spec.state import BlockHash, BlockId, Snapshot, canonical_hash_to_blocks
 
 __all__ = [
     "VERSION_ENV",
@@ -95,6 +101,11 @@ __all__ = [
 
 # Set to a release ("0.24.0") to make `make_adapter` load it in light mode.
 VERSION_ENV = "KVSPEC_VLLM_VERSION"
+
+# The KV cache group the pool level registers and looks up in, where the release takes one: not 0, so a
+# pool that drops, zeroes or misencodes the group id (in its keys or its events) is seen, which group 0,
+# whose 4 bytes are all zero in every byte order, would hide.
+POOL_GROUP = 1
 
 HashKeyKind = Literal["block_hash_type", "named_tuple_with_group", "bytes_with_group"]
 TouchShape = Literal["list", "tuple_of_lists", "flat"]
@@ -364,6 +375,7 @@ class VllmPoolAdapter:
         self.touch_shape = _touch_shape(self.pool)
         self._cfb_params = tuple(inspect.signature(self.pool.cache_full_blocks).parameters)
         self._lookup_by_group = "kv_cache_group_ids" in inspect.signature(self.pool.get_cached_block).parameters
+        self._group = POOL_GROUP if self._lookup_by_group and "kv_cache_group_id" in self._cfb_params else 0
         self._make_key_with_group = getattr(ku, "make_block_hash_with_group_id", None)
         self._any_hash_fn = next(iter(release.hash_functions.values()), hash)
         # A declared fact of the release (releases.py: before 0.10.2 get_usage counts
@@ -438,10 +450,10 @@ class VllmPoolAdapter:
         self.pool.touch((blocks,) if self.touch_shape == "tuple_of_lists" else blocks)
 
     def get_cached_block(self, block_hash: BlockHash) -> BlockId | None:
-        """vLLM's ``get_cached_block`` (for KV-cache group 0 where the release has groups)."""
+        """vLLM's ``get_cached_block`` (in the adapter's KV cache group, ``POOL_GROUP``, where it takes one)."""
         key = self._lookup_key(block_hash)
         if self._lookup_by_group:
-            found = self.pool.get_cached_block(key, [0])
+            found = self.pool.get_cached_block(key, [self._group])
             return None if found is None else self._id(found[0])
         block = self.pool.get_cached_block(key)
         return None if block is None else self._id(block)
@@ -462,7 +474,7 @@ class VllmPoolAdapter:
         if "hash_fn" in self._cfb_params:  # used only for hashes not given
             kwargs["hash_fn"] = self._any_hash_fn
         if "kv_cache_group_id" in self._cfb_params:
-            kwargs["kv_cache_group_id"] = 0
+            kwargs["kv_cache_group_id"] = self._group
         self.pool.cache_full_blocks(**kwargs)
 
     def _cfb_request(self, keys: list[Any], num_blocks: int) -> Any:
@@ -607,9 +619,12 @@ def make_pool_adapter(release: VllmRelease, config: AdapterConfig) -> VllmPoolAd
 class _PoolEvents(VllmPoolAdapter):
     """``take_events`` (vLLM 0.9.0 on, with ``config.events``): the pool built with events on, drained per call.
 
-    The pool level's keys are the harness's ``bytes`` hashes (group 0): an
-    event's int ``hash_value`` (before 0.10.2) is decoded as ``_raw`` decodes
-    a key, a digest (or its 64-bit int) is the hash the adapter gave vLLM.
+    The pool level's keys are the harness's ``bytes`` hashes, registered in
+    group ``POOL_GROUP``, which folds to the spec's bare key (an event naming
+    any other group names another key): an event's int ``hash_value`` (before
+    0.10.2) is decoded as ``_raw`` decodes a key, a digest (or its 64-bit int,
+    the one form taken where the release's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
+    asks for it) is the hash the adapter gave vLLM.
     ``cache_full_blocks`` passes the request its ``BlockStored`` reads
     (``PoolEventRequest``: placeholder tokens, nothing else, as the pool
     level knows nothing else). The fields the release does not publish are
@@ -619,7 +634,8 @@ class _PoolEvents(VllmPoolAdapter):
     def __init__(self, release: VllmRelease, config: AdapterConfig) -> None:
         super().__init__(release, config)
         facts = event_facts(release.version)
-        self._events = EventTranslator(facts, self._event_key)
+        self._events = EventTranslator(facts, self._event_key, _int_event_keys(release, facts))
+        self._groups_in_events = facts.groups_in_events
         self.not_applicable: dict[str, str] = fields_not_published(facts, release.label)
 
     def _event_key(self, value: Any, group: int) -> BlockHash:
@@ -628,7 +644,10 @@ class _PoolEvents(VllmPoolAdapter):
             if encoded[:1] != b"\x01":
                 raise ValueError(f"{self.release.label} published the key {value}, which this adapter never made")
             value = encoded[1:]
-        return group_key(BlockHash(bytes(value)), group)
+        if group == self._group or not self._groups_in_events:  # the pool level's one group: the spec has none
+            return BlockHash(bytes(value))
+        # any other group, 0 included, keeps its 4 bytes, so the key matches none the spec published
+        return BlockHash(bytes(value) + group.to_bytes(4, "big"))
 
     def _key(self, block_hash: BlockHash) -> Any:
         key = super()._key(block_hash)
@@ -641,6 +660,18 @@ class _PoolEvents(VllmPoolAdapter):
     def take_events(self) -> list[KVCacheEvent]:
         """The events vLLM's pool queued since the last call, as the spec's (drained: vLLM's queue is emptied)."""
         return self._events.translate(self.pool.take_events())
+
+
+def _int_event_keys(release: VllmRelease, facts: EventFacts) -> bool | None:
+    """Whether the release's events key blocks by 64-bit ints, as its ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
+    reads in this environment (from 0.10.2); None where it reads no such setting (light mode's placeholder)."""
+    if facts.hash_form != "digest":
+        return None
+    try:
+        value = getattr(release.module("vllm.envs"), "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", None)
+    except ImportError:
+        return None
+    return value if isinstance(value, bool) else None
 
 
 _WITH_POOL_EVENTS: dict[type[VllmPoolAdapter], type[VllmPoolAdapter]] = {}

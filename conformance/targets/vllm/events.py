@@ -179,6 +179,9 @@ class EventTranslator:
 
     facts: EventFacts
     fold: Callable[[Any, int], BlockHash]
+    # From 0.10.2: whether keys must be 64-bit ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES on, vLLM's default)
+    # or digests (off), as the release reads the setting; None: either form is taken.
+    int_keys: bool | None = None
     _by_int64: dict[int, set[bytes]] = field(default_factory=dict)  # last 8 bytes as an int -> digests with them
 
     def remember(self, digests: Iterable[Any]) -> None:
@@ -190,7 +193,16 @@ class EventTranslator:
 
     def _bare(self, value: Any) -> Any:
         """vLLM's bare hash for a published key: the digest for a 64-bit int (from 0.10.2), else the value."""
-        if self.facts.hash_form != "digest" or not isinstance(value, int):
+        if self.facts.hash_form != "digest":
+            return value
+        if self.int_keys is not None and isinstance(value, int) != self.int_keys:
+            # a router parses one form: a key in the other is one it cannot match
+            raise ValueError(
+                f"vllm=={self.facts.version} published the key {value!r} as {type(value).__name__}, but with "
+                f"VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES={int(self.int_keys)} it publishes "
+                f"{'64-bit ints' if self.int_keys else 'digests'}"
+            )
+        if not isinstance(value, int):
             return value
         found = self._by_int64.get(value)
         if not found:
